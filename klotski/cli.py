@@ -1,0 +1,136 @@
+"""`klotski` command line. Parses flags into one RunConfig; every user mistake is one line on
+stderr (what, where, how to fix) and an exit status, never a traceback."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from klotski.config import PREFETCH, SCHEDULES, RunConfig, parse_size
+
+EXIT_OK, EXIT_FAILED_LINES, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _num_batches(text: str):
+    if text == "auto":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number or 'auto'") from None
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny-mixtral",
+                   help="checkpoint directory, Hugging Face id or alias in the local HF cache "
+                        "(mixtral-8x7b, mixtral-8x22b), or a built-in model (tiny-mixtral, small-mixtral, "
+                        "medium-mixtral; built on first use). Default: tiny-mixtral")
+    p.add_argument("--batch-size", type=int, help="sequences per batch (default: the planner's choice, else 8)")
+    p.add_argument("--num-batches", type=_num_batches, default=None, metavar="N|auto",
+                   help="batches per group sharing each loaded weight (default: auto)")
+    p.add_argument("--device-memory", "--gpu-memory", type=_size, metavar="SIZE",
+                   help="budget of the compute device, e.g. 20GiB (default: detected)")
+    p.add_argument("--host-memory", "--cpu-memory", type=_size, metavar="SIZE",
+                   help="budget of host RAM for weights and KV cache (default: detected)")
+    p.add_argument("--offload-dir", metavar="DIR", help="directory for re-laid-out or quantized weights")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
+                   help="compute dtype (default: the checkpoint's)")
+    p.add_argument("--schedule", default="klotski", choices=SCHEDULES,
+                   help="pipeline schedule; all give identical greedy output (default: klotski)")
+    p.add_argument("--prefetch", default="correlation", choices=PREFETCH,
+                   help="how hot experts are predicted (default: correlation)")
+    p.add_argument("--quantize", default="none", choices=("none", "hqq4"))
+    p.add_argument("--emulate-link", type=float, metavar="GBPS", dest="emulate_link_gbps",
+                   help="throttle host->device transfers to GBPS GB/s to mimic a PCIe card on a CPU run")
+    p.add_argument("--no-direct-io", action="store_true", help="read weights through the page cache")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="klotski",
+        description="Offline, throughput-first generation for Mixture-of-Experts models bigger than your GPU.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    g = sub.add_parser("generate", help="generate a completion for every line of a JSONL job file",
+                       description="Generate a completion for every line of JOBS.jsonl and append one JSON "
+                                   "line per prompt to the output. Rerunning the same command resumes.")
+    g.add_argument("jobs", metavar="JOBS.jsonl")
+    g.add_argument("-o", "--output", metavar="OUT.jsonl", help="output file (default: JOBS.out.jsonl)")
+    g.add_argument("--max-new-tokens", type=int, default=32, help="default per-request limit (default: 32)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0, help="sampling seed; each request's stream is derived from "
+                                                         "it and the request id, so results do not depend on batching")
+    _add_model_flags(g)
+    g.add_argument("--report", metavar="PATH", help="write the run report as JSON")
+    g.add_argument("--trace", metavar="PATH", help="write a Chrome-trace JSON (open in Perfetto)")
+    g.add_argument("--no-resume", action="store_true", help="start the output file afresh")
+    g.add_argument("--include-token-ids", action="store_true", help="add token_ids to each output line")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    t = sub.add_parser("make-tiny", help="write a deterministic small Mixtral checkpoint (HF format)")
+    t.add_argument("output", metavar="DIR")
+    t.add_argument("--preset", default="tiny", help="tiny, small or medium (default: tiny)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--shards", type=int, default=1, help="number of safetensors files")
+    t.add_argument("--fused-experts", action="store_true", help="write transformers-v5 fused expert tensors")
+
+    j = sub.add_parser("jobs", help="export example job files")
+    j.add_argument("dataset", choices=("wikitext",))
+    j.add_argument("-o", "--output", default="wikitext103.jsonl")
+    j.add_argument("-n", "--count", type=int, default=256)
+    j.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def config_from_args(a: argparse.Namespace) -> RunConfig:
+    return RunConfig(
+        model=a.model, max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
+        seed=a.seed, batch_size=a.batch_size, num_batches=a.num_batches, device_memory=a.device_memory,
+        host_memory=a.host_memory, offload_dir=a.offload_dir, device=a.device, dtype=a.dtype,
+        schedule=a.schedule, prefetch=a.prefetch, quantize=a.quantize, emulate_link_gbps=a.emulate_link_gbps,
+        direct_io=not a.no_direct_io, resume=not a.no_resume, include_token_ids=a.include_token_ids,
+        report=a.report, trace=a.trace, progress=not a.no_progress)
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return EXIT_USAGE
+    from klotski import errors
+    try:
+        if args.command == "generate":
+            from klotski.run import generate
+            return generate(config_from_args(args), Path(args.jobs), args.output)
+        if args.command == "make-tiny":
+            from klotski import tiny
+            path = tiny.build_checkpoint(args.output, args.preset, seed=args.seed, num_shards=args.shards,
+                                         fused_experts=args.fused_experts)
+            print(f"wrote {args.preset} checkpoint to {path}")
+            return EXIT_OK
+        if args.command == "jobs":
+            from klotski.jobs_export import export_wikitext
+            n = export_wikitext(args.output, args.count, args.seed)
+            print(f"wrote {n} prompts to {args.output}")
+            return EXIT_OK
+    except KeyboardInterrupt:
+        print("klotski: interrupted; rerun the same command to resume", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except errors.USER_ERRORS as e:
+        print(f"klotski: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""RunConfig: every knob of a run in one frozen dataclass.
+
+The CLI fills it, the engine and pipeline read it, the run report echoes it. No other
+module reads flags or environment variables for behaviour.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+SCHEDULES = ("klotski", "hot-prefetch", "multibatch", "simple")
+PREFETCH = ("correlation", "next-gate", "none")
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20,
+          "gi": 2**30, "gib": 2**30, "ti": 2**40, "tib": 2**40}
+
+
+class ConfigError(ValueError):
+    """A flag or setting that cannot work; the message says which and what to use."""
+
+
+def parse_size(text: str) -> int:
+    """'20GiB' -> 21474836480, '512MB' -> 512000000, '1024' -> 1024 bytes."""
+    m = _SIZE.match(str(text))
+    if not m:
+        raise ConfigError(f"size {text!r} is not like 20GiB, 512MB or 1024")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+
+
+def format_size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: str = "tiny-mixtral"
+    max_new_tokens: int = 32
+    temperature: float = 0.0          # 0 = greedy
+    top_p: float = 1.0
+    seed: int = 0
+    batch_size: int | None = None     # None = planner's choice (or 8 without a planner)
+    num_batches: int | None = None    # None = "auto"
+    device_memory: int | None = None  # bytes; None = detected
+    host_memory: int | None = None
+    offload_dir: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    schedule: str = "klotski"
+    prefetch: str = "correlation"
+    hot_experts: int | None = None    # K; None = the model's top-k
+    quantize: str = "none"
+    emulate_link_gbps: float | None = None
+    direct_io: bool = True
+    resume: bool = True
+    include_token_ids: bool = False
+    report: str | None = None
+    trace: str | None = None
+    progress: bool = True
+
+    def __post_init__(self):
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"--schedule {self.schedule!r}: choose one of {', '.join(SCHEDULES)}")
+        if self.prefetch not in PREFETCH:
+            raise ConfigError(f"--prefetch {self.prefetch!r}: choose one of {', '.join(PREFETCH)}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"--dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
+        if self.max_new_tokens < 1:
+            raise ConfigError("--max-new-tokens must be at least 1")
+        if self.temperature < 0:
+            raise ConfigError("--temperature must be >= 0 (0 means greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError("--top-p must be in (0, 1]")
+        for name in ("batch_size", "num_batches"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.emulate_link_gbps is not None and self.emulate_link_gbps <= 0:
+            raise ConfigError("--emulate-link must be a positive bandwidth in GB/s")
+
+    def replace(self, **changes) -> "RunConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)

@@ -1,0 +1,210 @@
+"""Engine: the Python API. Opens a checkpoint, turns requests into sequences, runs batch
+groups through the pipeline step by step, samples, stops, and hands finished sequences back.
+
+    engine = Engine(RunConfig(model="tiny-mixtral"))
+    for seq in engine.run(engine.prepare(requests)[0]):
+        print(seq.request.id, seq.text)
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from klotski.config import RunConfig
+from klotski.kvcache import BatchKV
+from klotski.models import registry
+from klotski.models.spec import DTYPES, ModelSpec
+from klotski.pipeline import Pipeline, StepInput
+from placement.store import ResidentWeights, TensorStore
+
+
+@dataclass
+class Sequence:
+    request: object            # klotski.jobs.Request
+    prompt_ids: list[int]
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    stop: tuple[str, ...]
+    generator: torch.Generator | None
+    out: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    text: str = ""
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class Stats:
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+
+
+class Engine:
+    def __init__(self, config: RunConfig):
+        self.config = config
+        self.model_dir = registry.resolve(config.model)
+        self.store = TensorStore(self.model_dir, direct=config.direct_io)
+        self.spec = ModelSpec.from_dir(self.model_dir, self.store.names())
+        self.store.validate(self.spec.expected_shapes())
+        self.dtype = self.spec.dtype if config.dtype == "auto" else DTYPES[config.dtype]
+        from transformers import AutoTokenizer
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.eos = set(self.spec.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos.add(self.tokenizer.eos_token_id)
+        self.weights = ResidentWeights(self.store, self.spec.group_keys(), self.spec.group_refs, self.dtype)
+        self.pipeline = Pipeline(self.spec, self.weights, config)
+        self.stats = Stats()
+
+    # ---- requests -> sequences ----------------------------------------------------------
+    def prepare(self, requests):
+        """Tokenize; return (sequences, line errors) — a prompt too long is a line error."""
+        from klotski.jobs import LineError
+        seqs, errors = [], []
+        ctx = self.spec.max_position_embeddings
+        for req in requests:
+            try:
+                ids = self._tokenize(req)
+            except Exception as e:  # a chat template can reject a conversation
+                errors.append(LineError(req.id, req.line, f"cannot tokenize: {e}"))
+                continue
+            if len(ids) >= ctx:
+                errors.append(LineError(req.id, req.line, f"prompt has {len(ids)} tokens but the model's "
+                                        f"context is {ctx}; shorten the prompt"))
+                continue
+            if not ids:
+                errors.append(LineError(req.id, req.line, "prompt is empty after tokenization"))
+                continue
+            seqs.append(self._sequence(req, ids, ctx))
+        return seqs, errors
+
+    def _tokenize(self, req) -> list[int]:
+        if req.messages is not None:
+            messages = [m if isinstance(m, dict) else {"role": m[0], "content": m[1]} for m in req.messages]
+            out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+        return list(self.tokenizer(req.prompt)["input_ids"])
+
+    def _sequence(self, req, ids, ctx) -> Sequence:
+        c = self.config
+        temperature = c.temperature if req.temperature is None else req.temperature
+        gen = None
+        if temperature > 0:
+            seed = req.seed if req.seed is not None else _stable_seed(c.seed, req.id)
+            gen = torch.Generator().manual_seed(seed)
+        max_new = min(req.max_new_tokens or c.max_new_tokens, ctx - len(ids))
+        return Sequence(req, ids, max_new, temperature, c.top_p if req.top_p is None else req.top_p,
+                        tuple(req.stop), gen)
+
+    # ---- generation ---------------------------------------------------------------------
+    def groups(self, seqs: list[Sequence]) -> list[list[list[Sequence]]]:
+        """Longest prompts first, so each batch pads little; then n batches of bs per group."""
+        bs = self.config.batch_size or 8
+        n = self.config.num_batches or 1
+        order = sorted(seqs, key=lambda s: -len(s.prompt_ids))
+        batches = [order[i:i + bs] for i in range(0, len(order), bs)]
+        return [batches[i:i + n] for i in range(0, len(batches), n)]
+
+    def run(self, seqs: list[Sequence]):
+        """Generate for every sequence; yield each one as soon as it finishes."""
+        for group in self.groups(seqs):
+            yield from self._run_group(group)
+
+    def _run_group(self, group: list[list[Sequence]]):
+        spec = self.spec
+        prompt_len = [max(len(s.prompt_ids) for s in b) for b in group]
+        kvs = [BatchKV(spec.num_layers, len(b), spec.num_kv_heads, spec.head_dim,
+                       p + max(s.max_new_tokens for s in b), self.dtype) for b, p in zip(group, prompt_len)]
+        inputs = [_prefill_input(b, p, self._pad_id()) for b, p in zip(group, prompt_len)]
+        next_pos = [inp.positions[:, -1] + 1 for inp in inputs]
+        self.stats.prompt_tokens += sum(len(s.prompt_ids) for b in group for s in b)
+        prefill = True
+        while True:
+            t0 = time.perf_counter()
+            logits = self.pipeline.forward(kvs, inputs)
+            elapsed = time.perf_counter() - t0
+            if prefill:
+                self.stats.prefill_s += elapsed
+            else:
+                self.stats.decode_s += elapsed
+            prefill = False
+            inputs = []
+            for b, lg, pos in zip(group, logits, next_pos):
+                tokens = self._pick(b, lg)
+                for s, t in zip(b, tokens):
+                    if not s.done:
+                        self._append(s, t)
+                        if s.done:
+                            yield s
+                ids = torch.tensor(tokens, dtype=torch.long)[:, None]
+                inputs.append(StepInput(ids, torch.ones_like(ids, dtype=torch.bool), pos[:, None].clone()))
+                pos += 1
+            if all(s.done for b in group for s in b):
+                return
+
+    def _pad_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        return pad if pad is not None else next(iter(self.eos), 0)
+
+    def _pick(self, batch: list[Sequence], logits: torch.Tensor) -> list[int]:
+        greedy = logits.argmax(dim=-1).tolist()
+        return [g if s.done or s.generator is None else _sample(lg, s.temperature, s.top_p, s.generator)
+                for s, g, lg in zip(batch, greedy, logits)]
+
+    def _append(self, s: Sequence, token: int) -> None:
+        self.stats.generated_tokens += 1
+        if token in self.eos:
+            s.finish_reason = "stop"
+        else:
+            s.out.append(token)
+            if s.stop:
+                text = self.tokenizer.decode(s.out, skip_special_tokens=True)
+                cut = min((i for i in (text.find(x) for x in s.stop) if i >= 0), default=-1)
+                if cut >= 0:
+                    s.text, s.finish_reason = text[:cut], "stop"
+                    return
+            if len(s.out) >= s.max_new_tokens:
+                s.finish_reason = "length"
+        if s.done:
+            s.text = self.tokenizer.decode(s.out, skip_special_tokens=True)
+
+    def record(self, s: Sequence) -> dict:
+        rec = {"id": s.request.id, "completion": s.text, "finish_reason": s.finish_reason,
+               "prompt_tokens": len(s.prompt_ids), "completion_tokens": len(s.out)}
+        if self.config.include_token_ids:
+            rec["token_ids"] = list(s.out)
+        return rec
+
+
+def _prefill_input(batch: list[Sequence], length: int, pad: int) -> StepInput:
+    """Left-pad prompts to `length`; positions count real tokens only (cumsum(mask) - 1)."""
+    ids = torch.full((len(batch), length), pad, dtype=torch.long)
+    valid = torch.zeros((len(batch), length), dtype=torch.bool)
+    for i, s in enumerate(batch):
+        ids[i, length - len(s.prompt_ids):] = torch.tensor(s.prompt_ids)
+        valid[i, length - len(s.prompt_ids):] = True
+    positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
+    return StepInput(ids, valid, positions)
+
+
+def _sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> int:
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the top token always stays)
+        keep = sorted_p.cumsum(-1) - sorted_p < top_p
+        probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def _stable_seed(seed: int, request_id: str) -> int:
+    digest = hashlib.sha256(f"{seed}:{request_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)

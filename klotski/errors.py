@@ -1,0 +1,23 @@
+"""The exceptions that mean "the user has something to fix": the CLI prints them as one
+line (what, where, how to fix) instead of a traceback. Anything else is our bug."""
+from klotski.config import ConfigError
+from klotski.models.registry import ModelNotFound
+from placement.store import CheckpointError
+
+
+class UserError(Exception):
+    """Raised by the engine for conditions the user can fix (e.g. an unwritable output)."""
+
+
+def _user_errors():
+    from klotski.jobs import JobFileError
+    errors = [ConfigError, ModelNotFound, CheckpointError, JobFileError, UserError]
+    try:
+        from planner.solve import Infeasible
+        errors.append(Infeasible)
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
+USER_ERRORS = _user_errors()

@@ -1,0 +1,38 @@
+"""Resolve `--model` to a checkpoint directory: a local path, a built-in tiny model, or a
+Hugging Face id / alias already in the local HF cache (never downloaded at run time)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+ALIASES = {
+    "mixtral-8x7b": "mistralai/Mixtral-8x7B-v0.1",
+    "mixtral-8x7b-instruct": "mistralai/Mixtral-8x7B-Instruct-v0.1",
+    "mixtral-8x22b": "mistralai/Mixtral-8x22B-v0.1",
+    "mixtral-8x22b-instruct": "mistralai/Mixtral-8x22B-Instruct-v0.1",
+}
+
+
+class ModelNotFound(Exception):
+    pass
+
+
+def resolve(model: str) -> Path:
+    from klotski import tiny
+
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if model in tiny.BUILTIN_MODELS:
+        return tiny.ensure_builtin(model)
+    repo = ALIASES.get(model.lower(), model)
+    if "/" not in repo or path.exists():
+        raise ModelNotFound(
+            f"--model {model!r}: not a directory, a built-in model ({', '.join(tiny.BUILTIN_MODELS)}) "
+            f"or a known alias ({', '.join(ALIASES)})")
+    try:
+        from huggingface_hub import snapshot_download
+        return Path(snapshot_download(repo, local_files_only=True))
+    except Exception:
+        raise ModelNotFound(
+            f"--model {model!r}: {repo} is not in the local Hugging Face cache; download it first with "
+            f"`huggingface-cli download {repo}` (or pass the checkpoint directory)") from None

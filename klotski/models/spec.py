@@ -1,0 +1,206 @@
+"""ModelSpec: everything the engine, placement and planner need to know about a checkpoint's
+shapes and tensor names, read from its `config.json` (no weights touched).
+
+Experts come in two on-disk layouts. Hub checkpoints store one tensor per expert matrix
+(`block_sparse_moe.experts.{e}.w1.weight`); transformers v5 may save fused 3-D tensors
+(`mlp.experts.gate_up_proj` = cat(w1, w3), `mlp.experts.down_proj` = w2). `TensorRef`
+hides the difference: a name plus, for fused tensors, the index along dim 0 and the row
+range within it.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from placement.store import CheckpointError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """Where one logical weight lives: tensor `name`, optionally `index` along dim 0
+    (fused experts) and a row range `rows` = (start, stop) along the next dim."""
+    name: str
+    index: int | None = None
+    rows: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_experts: int
+    top_k: int
+    vocab_size: int
+    rope_theta: float
+    rms_norm_eps: float
+    sliding_window: int | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    dtype: torch.dtype
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    fused_experts: bool = False
+    model_type: str = "mixtral"
+    config: dict = field(default_factory=dict, compare=False, repr=False)
+
+    # ---- construction -------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, cfg: dict, *, fused_experts: bool = False) -> "ModelSpec":
+        mt = cfg.get("model_type", "mixtral")
+        if mt != "mixtral":
+            raise ValueError(f"model_type {mt!r} is not supported (Klotski runs the Mixtral family)")
+        heads = cfg["num_attention_heads"]
+        rope = cfg.get("rope_parameters") or {}
+        eos = cfg.get("eos_token_id")
+        eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+        dtype_name = cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"
+        if dtype_name not in DTYPES:
+            raise ValueError(f"config.json dtype {dtype_name!r} is not one of {sorted(DTYPES)}")
+        return cls(
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            num_experts=cfg["num_local_experts"],
+            top_k=cfg["num_experts_per_tok"],
+            vocab_size=cfg["vocab_size"],
+            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 1e6))),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+            sliding_window=cfg.get("sliding_window"),
+            max_position_embeddings=cfg.get("max_position_embeddings", 32768),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            dtype=DTYPES[dtype_name],
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos,
+            fused_experts=fused_experts,
+            model_type=mt,
+            config=cfg,
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | Path, tensor_names=None) -> "ModelSpec":
+        """Read `config.json`; `tensor_names` (from the store) decides the expert layout."""
+        path = Path(path)
+        cfg_file = path / "config.json"
+        try:
+            cfg = json.loads(cfg_file.read_text())
+        except FileNotFoundError:
+            raise CheckpointError(f"{cfg_file}: no config.json; is {path} a Hugging Face checkpoint?") from None
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{cfg_file}:{e.lineno}: config.json is not valid JSON ({e.msg})") from None
+        fused = tensor_names is not None and "model.layers.0.mlp.experts.gate_up_proj" in tensor_names
+        try:
+            return cls.from_config(cfg, fused_experts=fused)
+        except ValueError as e:
+            raise CheckpointError(f"{cfg_file}: {e}") from None
+        except KeyError as e:
+            raise CheckpointError(f"{cfg_file}: missing field {e.args[0]!r}") from None
+
+    # ---- sizes --------------------------------------------------------------------------
+    @property
+    def dtype_bytes(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def expert_params(self) -> int:
+        return 3 * self.hidden_size * self.intermediate_size
+
+    @property
+    def attention_params(self) -> int:
+        q = self.num_heads * self.head_dim
+        kv = self.num_kv_heads * self.head_dim
+        return self.hidden_size * (2 * q + 2 * kv) + 2 * self.hidden_size  # + two norms
+
+    @property
+    def gate_params(self) -> int:
+        return self.num_experts * self.hidden_size
+
+    def kv_bytes_per_token(self, dtype_bytes: int | None = None) -> int:
+        """K and V of one token over all layers."""
+        b = dtype_bytes or self.dtype_bytes
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * b
+
+    # ---- tensor names -------------------------------------------------------------------
+    def attention_refs(self, layer: int) -> dict[str, TensorRef]:
+        p = f"model.layers.{layer}."
+        return {
+            "input_norm": TensorRef(p + "input_layernorm.weight"),
+            "q": TensorRef(p + "self_attn.q_proj.weight"),
+            "k": TensorRef(p + "self_attn.k_proj.weight"),
+            "v": TensorRef(p + "self_attn.v_proj.weight"),
+            "o": TensorRef(p + "self_attn.o_proj.weight"),
+            "post_norm": TensorRef(p + "post_attention_layernorm.weight"),
+        }
+
+    def gate_refs(self, layer: int) -> dict[str, TensorRef]:
+        part = "mlp" if self.fused_experts else "block_sparse_moe"
+        return {"router": TensorRef(f"model.layers.{layer}.{part}.gate.weight")}
+
+    def expert_refs(self, layer: int, expert: int) -> dict[str, TensorRef]:
+        if self.fused_experts:
+            p, inter = f"model.layers.{layer}.mlp.experts.", self.intermediate_size
+            return {
+                "w1": TensorRef(p + "gate_up_proj", expert, (0, inter)),
+                "w3": TensorRef(p + "gate_up_proj", expert, (inter, 2 * inter)),
+                "w2": TensorRef(p + "down_proj", expert),
+            }
+        p = f"model.layers.{layer}.block_sparse_moe.experts.{expert}."
+        return {w: TensorRef(p + f"{w}.weight") for w in ("w1", "w2", "w3")}
+
+    def outer_refs(self) -> dict[str, TensorRef]:
+        head = "model.embed_tokens.weight" if self.tie_word_embeddings else "lm_head.weight"
+        return {
+            "embed": TensorRef("model.embed_tokens.weight"),
+            "norm": TensorRef("model.norm.weight"),
+            "lm_head": TensorRef(head),
+        }
+
+    # ---- tensor groups: the unit that placement assigns to a tier and channels move -----
+    def group_keys(self) -> list[tuple]:
+        """('outer',), then per layer ('attn', j), ('gate', j), ('expert', j, e)."""
+        keys: list[tuple] = [("outer",)]
+        for j in range(self.num_layers):
+            keys += [("attn", j), ("gate", j)] + [("expert", j, e) for e in range(self.num_experts)]
+        return keys
+
+    def group_refs(self, key: tuple) -> dict[str, TensorRef]:
+        kind = key[0]
+        if kind == "attn":
+            return self.attention_refs(key[1])
+        if kind == "gate":
+            return self.gate_refs(key[1])
+        if kind == "expert":
+            return self.expert_refs(key[1], key[2])
+        if kind == "outer":
+            return self.outer_refs()
+        raise KeyError(key)
+
+    def expected_shapes(self) -> dict[TensorRef, tuple[int, ...]]:
+        """Shape of every logical weight, for validating a checkpoint before generation."""
+        H, I, E = self.hidden_size, self.intermediate_size, self.num_experts
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        shapes: dict[TensorRef, tuple[int, ...]] = {}
+        o = self.outer_refs()
+        shapes[o["embed"]] = (self.vocab_size, H)
+        shapes[o["norm"]] = (H,)
+        shapes[o["lm_head"]] = (self.vocab_size, H)
+        for i in range(self.num_layers):
+            a = self.attention_refs(i)
+            shapes.update({a["input_norm"]: (H,), a["post_norm"]: (H,), a["q"]: (q, H), a["k"]: (kv, H),
+                           a["v"]: (kv, H), a["o"]: (H, q)})
+            shapes[self.gate_refs(i)["router"]] = (E, H)
+            for e in range(E):
+                x = self.expert_refs(i, e)
+                shapes.update({x["w1"]: (I, H), x["w3"]: (I, H), x["w2"]: (H, I)})
+        return shapes

@@ -1,0 +1,213 @@
+"""TensorStore: lazy, tensor-by-tensor reads from a safetensors checkpoint.
+
+We parse the safetensors headers ourselves (an 8-byte length, a JSON header, then raw
+bytes) instead of going through `safe_open`, because the pipeline needs byte offsets: to
+read one expert out of a fused `[E, 2I, H]` tensor, to read with O_DIRECT into aligned
+buffers so that a model bigger than RAM does not thrash the page cache, and to validate a
+truncated shard before generation starts rather than halfway through a night's run.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}
+_ALIGN = 4096  # O_DIRECT needs offset, length and buffer aligned to the logical block size
+
+
+class CheckpointError(Exception):
+    """A checkpoint problem, stated in one line with the file and tensor concerned."""
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset of the tensor in `file`
+    nbytes: int
+
+    def span(self, index: int | None = None, rows: tuple[int, int] | None = None):
+        """(offset, nbytes, shape) of `self[index][rows[0]:rows[1]]`; both along leading dims."""
+        shape, offset = self.shape, self.offset
+        item = torch.empty((), dtype=self.dtype).element_size()
+        if index is not None:
+            shape = shape[1:]
+            offset += index * _numel(shape) * item
+        if rows is not None:
+            row = _numel(shape[1:]) * item
+            offset += rows[0] * row
+            shape = (rows[1] - rows[0],) + shape[1:]
+        return offset, _numel(shape) * item, shape
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _read_header(path: Path) -> tuple[dict, int]:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise CheckpointError(f"{path}: file is truncated (no safetensors header); re-download it")
+            (n,) = struct.unpack("<Q", raw)
+            if n > 100_000_000:
+                raise CheckpointError(f"{path}: corrupt safetensors header (claims {n} bytes); re-download it")
+            header = f.read(n)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e.strerror})") from None
+    try:
+        return json.loads(header), 8 + n
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise CheckpointError(f"{path}: corrupt safetensors header (not JSON); re-download it") from None
+
+
+class TensorStore:
+    """All tensors of a checkpoint directory, read on demand.
+
+    `direct=True` reads with O_DIRECT where the filesystem allows it (falls back to buffered
+    reads otherwise, e.g. on tmpfs)."""
+
+    def __init__(self, directory: str | Path, *, direct: bool = False):
+        self.directory = Path(directory)
+        self.direct = direct
+        self.entries: dict[str, TensorEntry] = {}
+        for file in self._shard_files():
+            self._index_file(file)
+        self._fds: dict[tuple[Path, bool], int] = {}
+
+    def _shard_files(self) -> list[Path]:
+        index = self.directory / "model.safetensors.index.json"
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError):
+                raise CheckpointError(f"{index}: not a valid safetensors index (needs a weight_map)") from None
+            files = sorted({self.directory / f for f in weight_map.values()})
+            for f in files:
+                if not f.exists():
+                    raise CheckpointError(f"{f}: shard listed in {index.name} is missing; download it again")
+            return files
+        files = sorted(self.directory.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{self.directory}: no *.safetensors files; is this a Hugging Face checkpoint?")
+        return files
+
+    def _index_file(self, file: Path) -> None:
+        header, data_start = _read_header(file)
+        size = file.stat().st_size
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            dtype = _DTYPES.get(meta.get("dtype"))
+            if dtype is None:
+                raise CheckpointError(f"{file}: tensor {name} has unsupported dtype {meta.get('dtype')!r}")
+            begin, end = meta["data_offsets"]
+            if data_start + end > size:
+                raise CheckpointError(
+                    f"{file}: truncated — tensor {name} ends at byte {data_start + end} but the file has {size}; "
+                    "re-download this shard")
+            entry = TensorEntry(file, dtype, tuple(meta["shape"]), data_start + begin, end - begin)
+            if entry.nbytes != _numel(entry.shape) * torch.empty((), dtype=dtype).element_size():
+                raise CheckpointError(f"{file}: tensor {name} size does not match its shape; corrupt file")
+            self.entries[name] = entry
+
+    # ---- reads --------------------------------------------------------------------------
+    def names(self) -> set[str]:
+        return set(self.entries)
+
+    def nbytes(self, name: str, index: int | None = None, rows=None) -> int:
+        return self.entries[name].span(index, rows)[1]
+
+    def read(self, name: str, index: int | None = None, rows=None) -> torch.Tensor:
+        """A fresh CPU tensor with the bytes of `name[index][rows]`."""
+        entry = self._entry(name)
+        offset, nbytes, shape = entry.span(index, rows)
+        buf = self._pread(entry.file, offset, nbytes)
+        return torch.frombuffer(buf, dtype=entry.dtype, count=_numel(shape)).view(shape)
+
+    def _entry(self, name: str) -> TensorEntry:
+        try:
+            return self.entries[name]
+        except KeyError:
+            raise CheckpointError(f"{self.directory}: tensor {name} not found in the checkpoint") from None
+
+    def _fd(self, file: Path, direct: bool) -> int:
+        key = (file, direct)
+        if key not in self._fds:
+            flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if direct else 0)
+            self._fds[key] = os.open(file, flags)
+        return self._fds[key]
+
+    def _pread(self, file: Path, offset: int, nbytes: int):
+        if self.direct and hasattr(os, "O_DIRECT"):
+            try:
+                return self._pread_direct(file, offset, nbytes)
+            except OSError:
+                self.direct = False  # filesystem refuses O_DIRECT (tmpfs, some overlays)
+        buf = bytearray(nbytes)
+        got = os.preadv(self._fd(file, False), [buf], offset)
+        if got != nbytes:
+            raise CheckpointError(f"{file}: short read at byte {offset}; the file changed or is truncated")
+        return buf
+
+    def _pread_direct(self, file: Path, offset: int, nbytes: int):
+        start = offset - offset % _ALIGN
+        end = -(-(offset + nbytes) // _ALIGN) * _ALIGN
+        buf = mmap.mmap(-1, end - start)  # anonymous mmap: page-aligned, as O_DIRECT needs
+        got = os.preadv(self._fd(file, True), [buf], start)
+        if got < offset + nbytes - start:
+            raise CheckpointError(f"{file}: short read at byte {offset}; the file changed or is truncated")
+        return memoryview(buf)[offset - start: offset - start + nbytes]
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    # ---- validation ---------------------------------------------------------------------
+    def validate(self, expected: dict) -> None:
+        """`expected` maps refs (with .name/.index/.rows) to shapes; raise on the first problem."""
+        for ref, shape in expected.items():
+            entry = self._entry(ref.name)
+            try:
+                got = entry.span(ref.index, ref.rows)[2]
+            except IndexError:
+                got = None
+            where = ref.name + (f"[{ref.index}]" if ref.index is not None else "")
+            if ref.index is not None and (len(entry.shape) < 1 or ref.index >= entry.shape[0]):
+                raise CheckpointError(f"{entry.file}: tensor {ref.name} has shape {list(entry.shape)}, "
+                                      f"too small for index {ref.index}; config.json and weights disagree")
+            if got != tuple(shape):
+                raise CheckpointError(f"{entry.file}: tensor {where} has shape {list(got or entry.shape)}, "
+                                      f"expected {list(shape)} from config.json; config and weights disagree")
+
+
+class ResidentWeights:
+    """Every tensor group read once and kept in compute memory: the no-offload case.
+
+    `refs_for(key)` maps a group key to {name: ref}; refs have .name/.index/.rows."""
+
+    def __init__(self, store: TensorStore, keys, refs_for, dtype: torch.dtype):
+        self.groups = {key: {n: store.read(r.name, r.index, r.rows).to(dtype)
+                             for n, r in refs_for(key).items()} for key in keys}
+
+    def get(self, key):
+        return self.groups[key]
+
+    def release(self, key) -> None:
+        pass

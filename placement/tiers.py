@@ -1,0 +1,80 @@
+"""The three tiers and their byte budgets.
+
+`device` is where compute reads from (VRAM on a GPU; on a CPU-only machine a budgeted
+working set in RAM), `host` is RAM (pinned on CUDA), `disk` is the checkpoint files and
+the offload directory. Budgets are enforced by `DeviceMemory`'s own accounting, not by
+hoping the allocator agrees.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+
+DEVICE, HOST, DISK = "device", "host", "disk"
+TIERS = (DEVICE, HOST, DISK)
+
+
+@dataclass(frozen=True)
+class Budgets:
+    device: int
+    host: int
+
+
+def available_ram() -> int:
+    """MemAvailable from /proc/meminfo (falls back to total physical pages)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def detect_budgets(device: str, device_memory: int | None, host_memory: int | None) -> Budgets:
+    """Budgets from flags, else from the machine: free VRAM on CUDA; on CPU the device
+    working set and host share available RAM (device first, since compute reads from it)."""
+    ram = available_ram()
+    if device == "cuda":
+        import torch
+        free, _ = torch.cuda.mem_get_info()
+        dev = device_memory if device_memory is not None else int(free * 0.9)
+        host = host_memory if host_memory is not None else int(ram * 0.8)
+    else:
+        usable = int(ram * 0.8)
+        dev = device_memory if device_memory is not None else usable // 2
+        host = host_memory if host_memory is not None else max(usable - dev, 0)
+    return Budgets(dev, host)
+
+
+class OverBudget(RuntimeError):
+    pass
+
+
+class DeviceMemory:
+    """Byte-exact accounting of the device tier. Every device allocation is reserved here
+    first, from the scheduling thread; `peak` is the most ever reserved at once."""
+
+    def __init__(self, budget: int):
+        self.budget = budget
+        self.used = 0
+        self.peak = 0
+        self._lock = threading.Lock()
+
+    def fits(self, nbytes: int) -> bool:
+        return self.used + nbytes <= self.budget
+
+    def reserve(self, nbytes: int, what: str = "") -> None:
+        with self._lock:
+            if self.used + nbytes > self.budget:
+                raise OverBudget(f"device budget exceeded by {self.used + nbytes - self.budget} bytes "
+                                 f"reserving {nbytes} for {what}")
+            self.used += nbytes
+            self.peak = max(self.peak, self.used)
+
+    def free(self, nbytes: int) -> None:
+        with self._lock:
+            self.used -= nbytes
+            assert self.used >= 0, "device memory freed twice"
