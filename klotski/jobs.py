@@ -134,8 +134,6 @@ class _Invalid(Exception):
 
 def read_jobs(path) -> tuple[list[Request], list[LineError]]:
     """Validate every line of a job file; returns requests and errors, each in file order."""
-    # Pass 1 validates lines on their own; ids need the whole file (pass 2),
-    # so that an unreadable line never takes an id another line states.
     parsed = []  # [line, explicit id or None, request fields or None, error or None]
     for line, raw in _numbered_lines(path):
         explicit, fields, error = None, None, None
@@ -149,8 +147,31 @@ def read_jobs(path) -> tuple[list[Request], list[LineError]]:
             error = str(e)
         parsed.append([line, explicit, fields, error])
 
-    owner: dict[str, int] = {}
+    names, owner = _assign_ids(parsed)
+    requests, errors = [], []
+    for line, explicit, fields, error in parsed:
+        if error is None:
+            requests.append(Request(id=names[line], line=line, **fields))
+            continue
+        name = names.get(line)
+        if name is None:  # its id belongs to another line: name the error record apart
+            name = f"{explicit if explicit is not None else line}#line{line}"
+            while name in owner:
+                name += "#"
+            owner[name] = line
+        errors.append(LineError(name, line, error))
+    return requests, errors
+
+
+def _assign_ids(parsed: list[list]) -> tuple[dict[int, str], dict[str, int]]:
+    """Give each line its id (line -> id) unless another line owns it (id -> line).
+
+    Lines that state an id claim first, in file order, so a line without one
+    (or one too broken to read) never takes a user's id. Valid lines that lose
+    their id get a duplicate-id error here.
+    """
     names: dict[int, str] = {}
+    owner: dict[str, int] = {}
     for entry in parsed:
         line, explicit, _, error = entry
         if explicit is None:
@@ -170,20 +191,7 @@ def read_jobs(path) -> tuple[list[Request], list[LineError]]:
         elif error is None:
             entry[3] = (f"this line has no id and its default id {default!r} (the line number) "
                         f"is already used by line {owner[default]}; give this line an id")
-
-    requests, errors = [], []
-    for line, explicit, fields, error in parsed:
-        if error is None:
-            requests.append(Request(id=names[line], line=line, **fields))
-            continue
-        name = names.get(line)
-        if name is None:
-            name = f"{explicit if explicit is not None else line}#line{line}"
-            while name in owner:
-                name += "#"
-            owner[name] = line
-        errors.append(LineError(name, line, error))
-    return requests, errors
+    return names, owner
 
 
 def _numbered_lines(path) -> Iterator[tuple[int, bytes]]:
@@ -198,8 +206,10 @@ def _numbered_lines(path) -> Iterator[tuple[int, bytes]]:
     except OSError as e:
         raise JobFileError(f"cannot read job file {path}: {e.strerror}") from None
     with f:
-        for number, raw in enumerate(f, start=1):
-            yield number, raw
+        try:
+            yield from enumerate(f, start=1)
+        except OSError as e:
+            raise JobFileError(f"cannot read job file {path}: {e.strerror}") from None
 
 
 def _decode(raw: bytes, first: bool) -> dict | None:
@@ -441,10 +451,12 @@ class OutputWriter:
 
     def write(self, record: dict) -> bool:
         """Append ``record``; False (and ``duplicates`` += 1) if its id is already in the file."""
+        if self._fd is None:
+            raise ValueError("OutputWriter is closed")
         rid = record.get("id")
         if not isinstance(rid, str):
             raise ValueError(f"record needs a string id, got {rid!r}")
-        if False:
+        if rid in self._present:
             self.duplicates += 1
             return False
         # allow_nan=False: NaN is not JSON, and the file must stay readable by any parser.

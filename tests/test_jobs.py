@@ -1,0 +1,489 @@
+import ast
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from klotski import jobs
+from klotski.jobs import (JobFileError, LineError, OutputWriter, Request, batches,
+                          prompt_too_long, read_jobs, sort_for_batching)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write_lines(path, lines):
+    """Job file from a list of dicts (dumped) and str/bytes (written as they are)."""
+    out = b""
+    for line in lines:
+        if isinstance(line, dict):
+            line = json.dumps(line)
+        out += (line.encode() if isinstance(line, str) else line) + b"\n"
+    path.write_bytes(out)
+    return path
+
+
+def read_records(path):
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+# ---------------------------------------------------------------- formats
+
+
+def test_plain_line_with_every_option(tmp_path):
+    path = write_lines(tmp_path / "j.jsonl", [
+        {"id": "q1", "prompt": "Hello", "max_new_tokens": 5, "temperature": 0.7,
+         "top_p": 0.9, "stop": ["\n\n", "END"], "seed": 3, "meta": {"kept": "ignored"}},
+        {"id": "q2", "prompt": "Bye", "stop": "."},
+    ])
+    requests, errors = read_jobs(path)
+    assert errors == []
+    assert requests == [
+        Request("q1", 1, "Hello", None, 5, 0.7, 0.9, ("\n\n", "END"), 3),
+        Request("q2", 2, "Bye", None, None, None, None, (".",), None),
+    ]
+
+
+def test_plain_defaults_and_nulls_mean_run_default(tmp_path):
+    path = write_lines(tmp_path / "j.jsonl", [
+        {"id": "a", "prompt": "x", "temperature": None, "max_new_tokens": None, "stop": None},
+        {"id": "b", "prompt": "x", "max_tokens": 7, "temperature": 0},
+    ])
+    (a, b), errors = read_jobs(path)
+    assert errors == []
+    assert (a.max_new_tokens, a.temperature, a.top_p, a.stop, a.seed) == (None, None, None, (), None)
+    assert b.max_new_tokens == 7 and b.temperature == 0.0 and isinstance(b.temperature, float)
+
+
+def test_chat_line(tmp_path):
+    msgs = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello"},
+            {"role": "user", "content": "Again", "name": "extra keys are dropped"}]
+    path = write_lines(tmp_path / "j.jsonl", [{"id": "c1", "messages": msgs, "max_new_tokens": 9}])
+    (req,), errors = read_jobs(path)
+    assert errors == []
+    assert req.prompt is None
+    assert req.messages == (("system", "Be brief."), ("user", "Hi"),
+                            ("assistant", "Hello"), ("user", "Again"))
+    assert req.chat_messages()[1] == {"role": "user", "content": "Hi"}
+    assert req.max_new_tokens == 9
+    hash(req)  # frozen and hashable, messages included
+
+
+def test_openai_batch_lines(tmp_path):
+    path = write_lines(tmp_path / "j.jsonl", [
+        {"custom_id": "r1", "method": "POST", "url": "/v1/completions",
+         "body": {"model": "m", "prompt": "Once", "max_tokens": 12, "temperature": 0.5,
+                  "top_p": 1, "stop": "\n", "seed": 42}},
+        {"custom_id": "r2", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "m", "messages": [{"role": "user", "content": "Hi"}],
+                  "max_completion_tokens": 4}},
+        {"custom_id": 17, "body": {"prompt": "no url: inferred"}},
+    ])
+    requests, errors = read_jobs(path)
+    assert errors == []
+    r1, r2, r3 = requests
+    assert (r1.id, r1.prompt, r1.max_new_tokens, r1.temperature, r1.top_p, r1.stop, r1.seed) == \
+        ("r1", "Once", 12, 0.5, 1.0, ("\n",), 42)
+    assert (r2.id, r2.messages, r2.max_new_tokens) == ("r2", (("user", "Hi"),), 4)
+    assert r3.id == "17"
+
+
+def test_missing_and_numeric_ids_blank_lines_and_line_numbers(tmp_path):
+    path = write_lines(tmp_path / "j.jsonl", [
+        {"prompt": "first"},
+        "",
+        "   \t",
+        {"id": 7, "prompt": "numeric"},
+        {"id": 2.5, "prompt": "float id"},
+        {"prompt": "sixth line"},
+    ])
+    requests, errors = read_jobs(path)
+    assert errors == []
+    assert [(r.id, r.line) for r in requests] == [("1", 1), ("7", 4), ("2.5", 5), ("6", 6)]
+
+
+def test_bom_crlf_and_unicode_line_separator_inside_strings(tmp_path):
+    # U+2028 is a line break for str.splitlines but legal inside a JSON string.
+    text = '{"id": "a", "prompt": "x\u2028y é"}\r\n{"id": "b", "prompt": "z"}\r\n'
+    path = tmp_path / "j.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode("utf-8"))
+    requests, errors = read_jobs(path)
+    assert errors == []
+    assert [(r.id, r.prompt, r.line) for r in requests] == [("a", "x\u2028y é", 1), ("b", "z", 2)]
+
+
+# ---------------------------------------------------------------- bad input
+
+BAD_LINES = [
+    ('{"id": "x", "prompt": "a"', "invalid JSON at column"),
+    ('{"id": "x", "prompt": "a"} trailing', "invalid JSON at column 28"),
+    ('["id", "prompt"]', "JSON array, not an object"),
+    ('"just a string"', "JSON string, not an object"),
+    ({"id": "x"}, 'missing "prompt"'),
+    ({"id": "x", "prompt": ""}, "prompt is empty"),
+    ({"id": "x", "prompt": ["a", "b"]}, "prompt must be a string"),
+    ({"id": "x", "prompt": "a", "messages": [{"role": "user", "content": "b"}]},
+     "either prompt or messages"),
+    ({"id": "x", "prompt": "a", "max_new_tokens": "ten"}, 'max_new_tokens must be an integer >= 1, got "ten"'),
+    ({"id": "x", "prompt": "a", "max_new_tokens": 0}, "max_new_tokens must be an integer >= 1"),
+    ({"id": "x", "prompt": "a", "max_new_tokens": 2.5}, "max_new_tokens must be an integer"),
+    ({"id": "x", "prompt": "a", "max_new_tokens": True}, "max_new_tokens must be an integer"),
+    ({"id": "x", "prompt": "a", "max_new_tokens": 3, "max_tokens": 4}, "give only one of"),
+    ({"id": "x", "prompt": "a", "temperature": -1}, "temperature must be a number >= 0, got -1"),
+    ('{"id": "x", "prompt": "a", "temperature": NaN}', "temperature must be a number"),
+    ({"id": "x", "prompt": "a", "temperature": "hot"}, "temperature must be a number"),
+    ({"id": "x", "prompt": "a", "top_p": 2}, "top_p must be a number in (0, 1], got 2"),
+    ({"id": "x", "prompt": "a", "top_p": 0}, "top_p must be a number in (0, 1]"),
+    ({"id": "x", "prompt": "a", "stop": 5}, "stop must be a non-empty string or a list"),
+    ({"id": "x", "prompt": "a", "stop": ["ok", 3]}, "stop must be"),
+    ({"id": "x", "prompt": "a", "stop": ""}, "stop must be"),
+    ({"id": "x", "prompt": "a", "seed": -1}, "seed must be an integer"),
+    ({"id": "x", "prompt": "a", "seed": "1"}, "seed must be an integer"),
+    ({"id": "x", "messages": []}, "messages must be a non-empty list"),
+    ({"id": "x", "messages": "hi"}, "messages must be a non-empty list"),
+    ({"id": "x", "messages": ["hi"]}, "messages[0] must be an object"),
+    ({"id": "x", "messages": [{"role": "bot", "content": "hi"}]}, 'messages[0].role must be one of'),
+    ({"id": "x", "messages": [{"role": "user", "content": "a"}, {"role": "user"}]},
+     "messages[1].content must be a string, got null"),
+    ({"id": ["x"], "prompt": "a"}, "id must be a string or a number"),
+    ({"id": "", "prompt": "a"}, "id is empty"),
+    ({"custom_id": "x", "url": "/v1/completions"}, 'needs a "body" object'),
+    ({"custom_id": "x", "url": "/v1/embeddings", "body": {"prompt": "a"}}, "url must be"),
+    ({"custom_id": "x", "method": "GET", "body": {"prompt": "a"}}, 'method must be "POST"'),
+    ({"custom_id": "x", "url": "/v1/completions", "body": {"messages": [{"role": "user", "content": "a"}]}},
+     "use /v1/chat/completions"),
+    ({"custom_id": "x", "body": {"prompt": "a", "max_tokens": "ten"}}, "body.max_tokens must be an integer"),
+    ({"custom_id": "x", "body": {"prompt": "a", "n": 3}}, "body.n is 3"),
+]
+
+
+@pytest.mark.parametrize("bad, expected", BAD_LINES, ids=[m for _, m in BAD_LINES])
+def test_bad_line_is_reported_and_others_survive(tmp_path, bad, expected):
+    path = write_lines(tmp_path / "j.jsonl", [
+        {"id": "before", "prompt": "ok"}, bad, {"id": "after", "prompt": "ok"}])
+    requests, errors = read_jobs(path)
+    assert [(r.id, r.line) for r in requests] == [("before", 1), ("after", 3)]
+    assert len(errors) == 1
+    err = errors[0]
+    assert err.line == 2
+    assert expected in err.message
+    assert "\n" not in err.message
+    assert err.id not in {"before", "after"}
+    assert err.record() == {"id": err.id, "error": {"line": 2, "message": err.message}}
+
+
+def test_error_keeps_the_id_it_could_read(tmp_path):
+    path = write_lines(tmp_path / "j.jsonl", [
+        {"id": "t", "prompt": "a", "top_p": 5}, "{broken", {"prompt": "fine"}])
+    requests, errors = read_jobs(path)
+    assert [r.id for r in requests] == ["3"]
+    assert [(e.id, e.line) for e in errors] == [("t", 1), ("2", 2)]
+
+
+def test_non_utf8_line_spoils_only_itself(tmp_path):
+    path = write_lines(tmp_path / "j.jsonl", [
+        {"id": "a", "prompt": "é"},
+        b'{"id": "b", "prompt": "caf\xe9"}',
+        {"id": "c", "prompt": "ok"},
+    ])
+    requests, errors = read_jobs(path)
+    assert [r.id for r in requests] == ["a", "c"]
+    assert requests[0].prompt == "é"
+    (err,) = errors
+    assert err.line == 2 and err.id == "2"
+    assert "not valid UTF-8" in err.message and "0xe9" in err.message and "column 27" in err.message
+
+
+def test_duplicate_ids_first_wins_and_error_ids_stay_unique(tmp_path):
+    path = write_lines(tmp_path / "j.jsonl", [
+        {"id": "a", "prompt": "first"},
+        {"id": "b", "prompt": "x"},
+        {"id": "a", "prompt": "second"},
+        {"id": "a", "prompt": "third"},
+        {"prompt": "no id, line 5"},
+        {"id": 5, "prompt": "explicit 5 claimed first by id"},
+        "{not json",  # line 7: its default id "7" is claimed by line 8
+        {"id": "7", "prompt": "explicit"},
+    ])
+    requests, errors = read_jobs(path)
+    assert [(r.id, r.prompt) for r in requests] == [
+        ("a", "first"), ("b", "x"), ("5", "explicit 5 claimed first by id"), ("7", "explicit")]
+    by_line = {e.line: e for e in errors}
+    assert sorted(by_line) == [3, 4, 5, 7]
+    assert "duplicate id 'a'" in by_line[3].message and "line 1" in by_line[3].message
+    assert "duplicate id 'a'" in by_line[4].message
+    assert "no id" in by_line[5].message and "line 6" in by_line[5].message
+    assert "invalid JSON" in by_line[7].message
+    all_ids = [r.id for r in requests] + [e.id for e in errors]
+    assert len(all_ids) == len(set(all_ids))
+
+
+def test_missing_job_file_or_directory(tmp_path):
+    with pytest.raises(JobFileError, match="does not exist"):
+        read_jobs(tmp_path / "nope.jsonl")
+    with pytest.raises(JobFileError, match="is a directory"):
+        read_jobs(tmp_path)
+
+
+def test_prompt_too_long_helper():
+    req = Request("q", 4, "long", None)
+    err = prompt_too_long(req, 5000, 4096)
+    assert isinstance(err, LineError) and (err.id, err.line) == ("q", 4)
+    assert "5000 tokens" in err.message and "4096" in err.message
+    err = prompt_too_long(req, 4000, 4096, max_new_tokens=200)
+    assert "max_new_tokens is 200" in err.message
+    assert err.record()["error"] == {"line": 4, "message": err.message}
+
+
+def test_jobs_module_uses_only_the_standard_library():
+    tree = ast.parse(Path(jobs.__file__).read_text())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            imported.add(node.module.split(".")[0])
+    assert imported and imported <= set(sys.stdlib_module_names), imported
+
+
+# ---------------------------------------------------------------- batching
+
+
+def test_sort_for_batching_is_longest_first_and_stable():
+    reqs = [Request(i, n, "p", None) for n, i in enumerate("abcde", 1)]
+    lengths = {"a": 3, "b": 9, "c": 3, "d": 9, "e": 1}
+    assert [r.id for r in sort_for_batching(reqs, lengths)] == ["b", "d", "a", "c", "e"]
+
+
+def test_batches():
+    assert list(batches(range(7), 3)) == [[0, 1, 2], [3, 4, 5], [6]]
+    assert list(batches([], 3)) == []
+    with pytest.raises(ValueError):
+        list(batches([1], 0))
+
+
+# ---------------------------------------------------------------- writing
+
+
+def ok(rid, text="done"):
+    return {"id": rid, "completion": text, "finish_reason": "stop",
+            "prompt_tokens": 3, "completion_tokens": 1}
+
+
+def test_writer_writes_one_utf8_line_per_record(tmp_path):
+    out = tmp_path / "sub" / "out.jsonl"  # parent is created
+    with OutputWriter(out) as w:
+        assert w.done_ids == set()
+        assert w.write(ok("a", "héllo ✓\nline"))
+        assert w.write(LineError("b", 2, "bad").record())
+    raw = out.read_bytes()
+    assert raw.count(b"\n") == 2 and raw.endswith(b"\n")
+    assert "héllo ✓".encode() in raw  # ensure_ascii=False
+    assert read_records(out) == [ok("a", "héllo ✓\nline"),
+                                 {"id": "b", "error": {"line": 2, "message": "bad"}}]
+
+
+def test_writer_never_writes_an_id_twice(tmp_path):
+    out = tmp_path / "out.jsonl"
+    with OutputWriter(out) as w:
+        assert w.write(ok("a")) is True
+        assert w.write(ok("a", "again")) is False
+        assert w.write(LineError("a", 1, "late error").record()) is False
+        assert w.duplicates == 2 and "a" in w
+    with OutputWriter(out) as w:
+        assert w.write(ok("a", "third")) is False  # also across runs
+    assert read_records(out) == [ok("a")]
+
+
+def test_writer_rejects_records_without_id_and_nan(tmp_path):
+    with OutputWriter(tmp_path / "out.jsonl") as w:
+        with pytest.raises(ValueError):
+            w.write({"completion": "x"})
+        with pytest.raises(ValueError):
+            w.write({"id": "n", "score": float("nan")})
+        assert w.write({"id": "n", "completion": "fine"})  # the failed attempt left no trace
+    assert read_records(tmp_path / "out.jsonl") == [{"id": "n", "completion": "fine"}]
+
+
+def test_writer_escapes_lone_surrogates(tmp_path):
+    out = tmp_path / "out.jsonl"
+    with OutputWriter(out) as w:
+        w.write(ok("s", "bad \udc80 byte"))
+    (rec,) = read_records(out)
+    assert rec["completion"] == "bad \udc80 byte"
+
+
+def test_failed_write_leaves_no_half_line(tmp_path, monkeypatch):
+    out = tmp_path / "out.jsonl"
+    real_write = os.write
+    with OutputWriter(out) as w:
+        w.write(ok("a"))
+
+        def disk_full(fd, data):
+            real_write(fd, bytes(data[: len(data) // 2]))
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(jobs.os, "write", disk_full)
+        with pytest.raises(OSError):
+            w.write(ok("b"))
+        monkeypatch.setattr(jobs.os, "write", real_write)
+        assert "b" not in w
+        assert w.write(ok("c"))
+    assert read_records(out) == [ok("a"), ok("c")]
+
+
+def test_resume_skips_done_ids_and_retries_errors(tmp_path):
+    out = tmp_path / "out.jsonl"
+    with OutputWriter(out) as w:
+        w.write(ok("a"))
+        w.write(LineError("b", 2, "temperature must be ...").record())
+        w.write(ok("c"))
+    with OutputWriter(out) as w:
+        assert w.done_ids == {"a", "c"}
+        assert w.retried == 1
+        assert "b" not in w
+        assert w.write(ok("b", "fixed")) is True
+        assert w.write(ok("a", "again")) is False
+    recs = read_records(out)
+    assert [r["id"] for r in recs] == ["a", "c", "b"]
+    assert recs[2] == ok("b", "fixed")
+
+
+def test_resume_success_beats_error_for_same_id(tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_text(json.dumps({"id": "x", "error": {"line": 1, "message": "m"}}) + "\n"
+                   + json.dumps(ok("x")) + "\n")
+    with OutputWriter(out) as w:
+        assert w.done_ids == {"x"} and w.retried == 0
+    assert read_records(out) == [ok("x")]
+
+
+def test_partial_last_line_is_cut_off(tmp_path):
+    out = tmp_path / "out.jsonl"
+    good = json.dumps(ok("a")) + "\n" + json.dumps(ok("b")) + "\n"
+    cut = json.dumps(ok("c", "x" * 50))[:40]
+    out.write_bytes(good.encode() + cut.encode())
+    with OutputWriter(out) as w:
+        assert out.read_bytes() == good.encode()
+        assert w.repaired_bytes == len(cut)
+        assert w.done_ids == {"a", "b"}
+        w.write(ok("c"))
+    assert [r["id"] for r in read_records(out)] == ["a", "b", "c"]
+
+
+def test_trailing_garbage_lines_are_cut_off(tmp_path):
+    out = tmp_path / "out.jsonl"
+    good = (json.dumps(ok("a")) + "\n").encode()
+    out.write_bytes(good + b"\x00\x00\x00\n{\"id\": \"z\", \n")
+    with OutputWriter(out) as w:
+        assert w.done_ids == {"a"}
+    assert out.read_bytes() == good
+
+
+def test_complete_last_record_without_newline_is_kept(tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_text(json.dumps(ok("a")) + "\n" + json.dumps(ok("b")))
+    with OutputWriter(out) as w:
+        assert w.done_ids == {"a", "b"} and w.repaired_bytes == 0
+        w.write(ok("c"))
+    assert [r["id"] for r in read_records(out)] == ["a", "b", "c"]
+
+
+def test_corrupt_middle_lines_are_kept_but_not_done(tmp_path):
+    out = tmp_path / "out.jsonl"
+    lines = [json.dumps(ok("a")), '{"id": "m", "compl', "", json.dumps(ok("b")),
+             json.dumps({"id": "e", "error": {"line": 9, "message": "m"}})]
+    out.write_text("\n".join(lines) + "\n")
+    with OutputWriter(out) as w:  # the error record forces a rewrite: corrupt lines must survive it
+        assert w.done_ids == {"a", "b"}
+        assert w.corrupt_lines == 1
+        assert w.write(ok("m")) is True
+    assert out.read_text().splitlines() == lines[:4] + [json.dumps(ok("m"))]
+
+
+def test_foreign_file_is_not_truncated(tmp_path):
+    out = tmp_path / "notes.txt"
+    out.write_text("my notes\nmore notes\n")
+    with pytest.raises(JobFileError, match="--no-resume"):
+        OutputWriter(out)
+    assert out.read_text() == "my notes\nmore notes\n"
+    with OutputWriter(out, resume=False):
+        pass
+    assert out.read_bytes() == b""
+
+
+def test_no_resume_truncates(tmp_path):
+    out = tmp_path / "out.jsonl"
+    with OutputWriter(out) as w:
+        w.write(ok("a"))
+    with OutputWriter(out, resume=False) as w:
+        assert w.done_ids == set()
+        assert w.write(ok("a", "new")) is True
+    assert read_records(out) == [ok("a", "new")]
+
+
+def test_output_errors_are_one_line(tmp_path):
+    with pytest.raises(JobFileError, match="is a directory"):
+        OutputWriter(tmp_path)
+
+
+@pytest.mark.skipif(jobs.fcntl is None, reason="no flock on this platform")
+def test_second_writer_on_same_output_is_refused(tmp_path):
+    out = tmp_path / "out.jsonl"
+    with OutputWriter(out) as w:
+        w.write(ok("a"))
+        with pytest.raises(JobFileError, match="in use"):
+            OutputWriter(out)
+    with OutputWriter(out) as w:  # lock released on close
+        assert w.done_ids == {"a"}
+
+
+CRASH_SCRIPT = textwrap.dedent("""
+    import sys
+    from klotski.jobs import OutputWriter
+    w = OutputWriter(sys.argv[1])
+    for i in range(int(sys.argv[2])):
+        # Big records: SIGKILL can then land inside write() and leave half a line.
+        if w.write({"id": f"r{i}", "completion": "x" * 1_000_000, "finish_reason": "length",
+                    "prompt_tokens": 1, "completion_tokens": 1}):
+            print(f"r{i}", flush=True)
+""")
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs SIGKILL")
+def test_sigkill_mid_run_then_resume_completes_exactly_once(tmp_path):
+    out, total = tmp_path / "out.jsonl", 150
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    reported = set()  # ids whose write() had returned before the kill
+    for _ in range(3):  # each run resumes the previous one's file, then dies too
+        proc = subprocess.Popen([sys.executable, "-c", CRASH_SCRIPT, str(out), str(total)],
+                                stdout=subprocess.PIPE, text=True, env=env)
+        for _ in range(5):
+            line = proc.stdout.readline()
+            assert line, "writer subprocess stopped early"
+            reported.add(line.strip())
+        time.sleep(0.02)  # it is writing more records now
+        proc.send_signal(signal.SIGKILL)
+        reported |= set(proc.stdout.read().split())
+        proc.wait()
+        proc.stdout.close()
+        assert proc.returncode == -signal.SIGKILL
+
+    with OutputWriter(out) as w:
+        assert reported <= w.done_ids
+        assert len(w.done_ids) < total
+        for i in range(total):
+            w.write({"id": f"r{i}", "completion": "resumed"})
+        assert w.duplicates == len(w.done_ids)
+
+    raw = out.read_bytes()
+    assert raw.endswith(b"\n")
+    ids = [json.loads(line)["id"] for line in raw.decode("utf-8").splitlines()]
+    assert sorted(ids) == sorted(f"r{i}" for i in range(total))
