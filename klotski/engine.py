@@ -13,12 +13,18 @@ from dataclasses import dataclass, field
 
 import torch
 
+from klotski.channels import make_channels, pin
 from klotski.config import RunConfig
 from klotski.kvcache import BatchKV
 from klotski.models import registry
 from klotski.models.spec import DTYPES, ModelSpec
 from klotski.pipeline import Pipeline, StepInput
-from placement.store import ResidentWeights, TensorStore
+from klotski.prefetch import FrequencyPredictor
+from klotski.trace import Trace
+from placement.cache import WeightCache
+from placement.plan import Placement
+from placement.store import TensorStore
+from placement.tiers import HOST, DeviceMemory, detect_budgets
 
 
 @dataclass
@@ -48,7 +54,7 @@ class Stats:
 
 
 class Engine:
-    def __init__(self, config: RunConfig):
+    def __init__(self, config: RunConfig, placement: Placement | None = None):
         self.config = config
         self.model_dir = registry.resolve(config.model)
         self.store = TensorStore(self.model_dir, direct=config.direct_io)
@@ -60,9 +66,41 @@ class Engine:
         self.eos = set(self.spec.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos.add(self.tokenizer.eos_token_id)
-        self.weights = ResidentWeights(self.store, self.spec.group_keys(), self.spec.group_refs, self.dtype)
-        self.pipeline = Pipeline(self.spec, self.weights, config)
+        self.device = _device(config.device)
+        self.budgets = detect_budgets(self.device.type, config.device_memory, config.host_memory)
+        self.memory = DeviceMemory(self.budgets.device)
+        self.trace = Trace(keep_events=bool(config.trace))
+        self.channels = make_channels(self.device, self.trace, config.emulate_link_gbps)
+        self.placement = placement
+        self.batch_size = config.batch_size or 8
+        self.num_batches = 1 if config.schedule == "simple" else (config.num_batches or 1)
+        self.pipeline: Pipeline | None = None
         self.stats = Stats()
+
+    def _start(self, seqs: list[Sequence]) -> None:
+        """Decide placement (now that the longest sequence is known) and fill the tiers."""
+        spec = self.spec
+        sizes = {key: self._group_nbytes(key) for key in spec.group_keys()}
+        longest = max(len(s.prompt_ids) + s.max_new_tokens for s in seqs)
+        group = self.batch_size * self.num_batches
+        kv_bytes = group * longest * spec.kv_bytes_per_token(self.dtype.itemsize)
+        if self.placement is None:
+            layer_attn = max(v for k, v in sizes.items() if k[0] == "attn")
+            expert = max(v for k, v in sizes.items() if k[0] == "expert")
+            reserve = layer_attn * 2 + sizes[("gate", 0)] * 2 + expert * (2 * spec.top_k + 2) \
+                + 8 * group * longest * spec.hidden_size * self.dtype.itemsize
+            self.placement = Placement.greedy(sizes, device=self.budgets.device, host=self.budgets.host,
+                                              kv_bytes=kv_bytes, reserve=reserve)
+        self.cache = WeightCache(self.store, self.placement, spec.group_refs, self.dtype, self.memory,
+                                 to_device=lambda t: t.to(self.device),
+                                 pin=lambda t: pin(t, self.device), disk_channel=self.channels["disk"])
+        self.predictor = FrequencyPredictor(spec.num_layers, spec.num_experts)
+        self.pipeline = Pipeline(spec, self.cache, self.channels, self.config, self.trace, self.predictor,
+                                 self.memory, self.device)
+
+    def _group_nbytes(self, key) -> int:
+        return sum(_numel(self.store.entries[r.name].span(r.index, r.rows)[2]) * self.dtype.itemsize
+                   for r in self.spec.group_refs(key).values())
 
     # ---- requests -> sequences ----------------------------------------------------------
     def prepare(self, requests):
@@ -107,22 +145,35 @@ class Engine:
     # ---- generation ---------------------------------------------------------------------
     def groups(self, seqs: list[Sequence]) -> list[list[list[Sequence]]]:
         """Longest prompts first, so each batch pads little; then n batches of bs per group."""
-        bs = self.config.batch_size or 8
-        n = self.config.num_batches or 1
+        bs, n = self.batch_size, self.num_batches
         order = sorted(seqs, key=lambda s: -len(s.prompt_ids))
         batches = [order[i:i + bs] for i in range(0, len(order), bs)]
         return [batches[i:i + n] for i in range(0, len(batches), n)]
 
     def run(self, seqs: list[Sequence]):
         """Generate for every sequence; yield each one as soon as it finishes."""
+        if not seqs:
+            return
+        if self.pipeline is None:
+            self._start(seqs)
         for group in self.groups(seqs):
             yield from self._run_group(group)
 
     def _run_group(self, group: list[list[Sequence]]):
         spec = self.spec
         prompt_len = [max(len(s.prompt_ids) for s in b) for b in group]
+        on_host = self.placement.kv == HOST
         kvs = [BatchKV(spec.num_layers, len(b), spec.num_kv_heads, spec.head_dim,
-                       p + max(s.max_new_tokens for s in b), self.dtype) for b, p in zip(group, prompt_len)]
+                       p + max(s.max_new_tokens for s in b), self.dtype, device=self.device, on_host=on_host,
+                       pin=lambda t: pin(t, self.device)) for b, p in zip(group, prompt_len)]
+        kv_device = 0 if on_host else sum(kv.nbytes() for kv in kvs)
+        self.memory.reserve(kv_device, "KV cache")
+        try:
+            yield from self._steps(group, kvs, prompt_len)
+        finally:
+            self.memory.free(kv_device)
+
+    def _steps(self, group, kvs, prompt_len):
         inputs = [_prefill_input(b, p, self._pad_id()) for b, p in zip(group, prompt_len)]
         next_pos = [inp.positions[:, -1] + 1 for inp in inputs]
         self.stats.prompt_tokens += sum(len(s.prompt_ids) for b in group for s in b)
@@ -182,6 +233,19 @@ class Engine:
         if self.config.include_token_ids:
             rec["token_ids"] = list(s.out)
         return rec
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def _prefill_input(batch: list[Sequence], length: int, pad: int) -> StepInput:

@@ -1,20 +1,35 @@
-"""The schedule: in what order one forward step of a batch group touches weights.
+"""The schedule (Algorithm 1 of the Klotski paper): the order in which one forward step of a
+batch group computes, and which transfers it starts when.
 
-A step takes every batch of the group through the model layer by layer (the zig-zag
-order of FlexGen/Klotski): attention batch by batch, the router batch by batch, then each
-expert once over the tokens of *all* batches that chose it. This module orders work and
-calls the model math; it never does arithmetic on weights itself, and it gets weights
-only through `weights.get(key)` / `weights.release(key)`, so where the bytes live is the
-placement's business.
+A step takes every batch of the group through the model layer by layer. Per layer:
+
+  1. attention, batch by batch; with the KV cache on the host, batch k+1's KV is loaded
+     (`kv_load`) while batch k computes and batch k's new KV is stored behind (`kv_store`);
+     meanwhile `weights` prefetches this layer's gate and K hot experts;
+  2. the gate, batch by batch; every selected expert that is neither on the device nor on
+     its way is queued on `experts` at once;
+  3. experts over the tokens of *all* batches: hot ones first, then the rest in the order
+     their transfers finish, each released the moment it is done; `weights` starts on the
+     next layer's attention as soon as there is room.
+
+Variants for ablation (`RunConfig.schedule`): `simple` (one batch, whole next layer
+prefetched), `multibatch` (n batches, whole next layer: FlexGen style), `hot-prefetch`
+(gate + K hot experts, the rest on demand, id order), `klotski` (+ hot-first order and early
+release). All compute the same numbers; only order and overlap differ.
+
+This module orders work and calls the model math; it never does arithmetic on weights, and
+it touches weights only through the WeightCache.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 
 from klotski.kvcache import BatchKV
 from klotski.models import mixtral as M
+from placement.tiers import OverBudget
 
 
 @dataclass
@@ -34,53 +49,212 @@ class _Routed:
 
 
 class Pipeline:
-    def __init__(self, spec, weights, config):
-        self.spec, self.weights, self.config = spec, weights, config
+    def __init__(self, spec, cache, channels, config, trace, predictor, memory, device):
+        self.spec, self.cache, self.ch, self.config = spec, cache, channels, config
+        self.trace, self.predictor, self.memory, self.device = trace, predictor, memory, device
+        self.schedule = config.schedule
+        self.whole_layer = self.schedule in ("simple", "multibatch")
+        self.K = spec.top_k if config.hot_experts is None else config.hot_experts
+        self.window = 2  # disk->host staging, layers ahead (paper §6.1's L)
+        self.wants: list = []    # prefetches in priority order: (key, channel name)
+        self.experts_loaded = 0
 
+    # ---- one step -----------------------------------------------------------------------
     def forward(self, kvs: list[BatchKV], inputs: list[StepInput]) -> list[torch.Tensor]:
         """Run one step for the group; return each batch's next-token logits [B, V] (fp32)."""
-        spec, W = self.spec, self.weights
-        outer = W.get(("outer",))
+        spec = self.spec
+        act = self._activation_bytes(kvs, inputs)
+        self._make_room(act, "activations")
+        self.memory.reserve(act, "activations")
+        outer = self._get(("outer",))
         hs, ctx = [], []
         for kv, inp in zip(kvs, inputs):
-            h = M.embed(inp.ids, outer["embed"])
-            cos, sin = M.rope_tables(inp.positions, spec.head_dim, spec.rope_theta, h.dtype)
-            mask = M.attention_mask(kv.begin_step(inp.valid), inp.ids.shape[1], spec.sliding_window)
+            with self.trace.span("compute", "embed"):
+                h = M.embed(inp.ids.to(self.device), outer["embed"])
+                cos, sin = M.rope_tables(inp.positions, spec.head_dim, spec.rope_theta, h.dtype)
+                mask = M.attention_mask(kv.begin_step(inp.valid), inp.ids.shape[1], spec.sliding_window)
             hs.append(h)
-            ctx.append((cos, sin, mask))
+            ctx.append((cos.to(self.device), sin.to(self.device), mask.to(self.device)))
         for layer in range(spec.num_layers):
-            attn = W.get(("attn", layer))
-            for k, kv in enumerate(kvs):
-                cos, sin, mask = ctx[k]
-                hs[k] = M.attention_block(hs[k], attn, cos, sin, mask,
-                                          lambda kk, vv, kv=kv: kv.write(layer, kk, vv), spec)
-            W.release(("attn", layer))
-            gate = W.get(("gate", layer))
-            routed = [self._route(h, attn["post_norm"], gate["router"]) for h in hs]
-            W.release(("gate", layer))
-            hs = self._experts(layer, hs, routed)
-        for kv, inp in zip(kvs, inputs):
-            kv.end_step(inp.ids.shape[1])
-        return [M.logits(h[:, -1], outer["norm"], outer["lm_head"], spec.rms_norm_eps) for h in hs]
+            self.cache.stage(self._layer_keys(layer + self.window))
+            self._attention(layer, hs, ctx, kvs)
+            routed, hot = self._gates(layer, hs)
+            hs = self._experts(layer, hs, routed, hot)
+            self.cache.unstage(self._layer_keys(layer))
+        for kv in kvs:
+            kv.end_step()
+        with self.trace.span("compute", "lm_head"):
+            out = [M.logits(h[:, -1], outer["norm"], outer["lm_head"], spec.rms_norm_eps).cpu() for h in hs]
+        self.cache.release(("outer",))
+        self.memory.free(act)
+        return out
 
-    def _route(self, h, post_norm, router) -> _Routed:
-        x = M.rms_norm(h, post_norm, self.spec.rms_norm_eps).reshape(-1, h.shape[-1])
-        weights, experts = M.route(x, router, self.spec.top_k)
-        return _Routed(x, weights, experts)
+    # ---- attention ----------------------------------------------------------------------
+    def _attention(self, layer, hs, ctx, kvs):
+        if self.whole_layer:
+            self._want([("gate", layer)] + self._expert_keys(layer), "weights")
+            if layer + 1 < self.spec.num_layers:
+                self._want(self._layer_keys(layer + 1), "weights")
+        else:
+            hot = self.predictor.predict(layer, self.K)
+            self._want([("gate", layer)] + [("expert", layer, e) for e in hot], "weights")
+        w = self._get(("attn", layer))
+        loads, stores = {}, []
+        if kvs[0].on_host:
+            loads[0] = self._kv_load(kvs[0], layer)
+        for k, kv in enumerate(kvs):
+            if kv.on_host and k + 1 < len(kvs):
+                loads[k + 1] = self._kv_load(kvs[k + 1], layer)  # next batch's KV behind this compute
+            buf = None
+            if kv.on_host:
+                buf = self._wait(loads[k][0], f"kv.{layer}.{k}")
+            cos, sin, mask = ctx[k]
+            with self.trace.span("compute", f"attn.{layer}.b{k}"):
+                hs[k] = M.attention_block(hs[k], w, cos, sin, mask,
+                                          lambda kk, vv, kv=kv, buf=buf: kv.write(layer, kk, vv, buf), self.spec)
+            if kv.on_host:
+                stores.append((self.ch["kv_store"].submit(lambda kv=kv, buf=buf: kv.store(layer, buf),
+                                                          name=f"kv.{layer}.{k}", nbytes=kv.new_nbytes(),
+                                                          link="device_to_host"), loads[k][1]))
+        for ticket, nbytes in stores:  # sync(store_cache_stream) before the buffers go
+            self._wait(ticket, "kv_store")
+            self.memory.free(nbytes)
+        self.cache.release(("attn", layer))
+        self._pump()
 
-    def _experts(self, layer: int, hs, routed: list[_Routed]):
-        """Each selected expert once, over its tokens from every batch of the group."""
+    def _kv_load(self, kv: BatchKV, layer: int):
+        nbytes = kv.step_nbytes()
+        self._make_room(nbytes, "kv")
+        self.memory.reserve(nbytes, f"kv layer {layer}")
+        ticket = self.ch["kv_load"].submit(lambda: kv.load(layer, self.device), name=f"kv.{layer}",
+                                           nbytes=kv.prefix_nbytes())
+        return ticket, nbytes
+
+    # ---- gate ---------------------------------------------------------------------------
+    def _gates(self, layer, hs):
+        spec, hot = self.spec, self.predictor.predict(layer, self.K)
+        gate = self._get(("gate", layer))
+        routed = []
+        for k, h in enumerate(hs):
+            with self.trace.span("compute", f"gate.{layer}.b{k}"):
+                x = M.rms_norm(h, gate["post_norm"], spec.rms_norm_eps).reshape(-1, h.shape[-1])
+                weights, experts = M.route(x, gate["router"], spec.top_k)
+            routed.append(_Routed(x, weights, experts))
+            # every newly selected expert goes on the experts channel at once
+            new = sorted(set(experts.flatten().tolist()))
+            self._want([("expert", layer, e) for e in new], "experts", front=True)
+        self.cache.release(("gate", layer))
+        chosen = torch.cat([r.experts.flatten() for r in routed])
+        self.predictor.observe(layer, chosen, hot)
+        return routed, hot
+
+    # ---- experts ------------------------------------------------------------------------
+    def _experts(self, layer, hs, routed, hot):
+        if not self.whole_layer and layer + 1 < self.spec.num_layers:
+            self._want([("attn", layer + 1)], "weights")
+        elif not self.whole_layer:
+            self._want([("attn", 0)], "weights")  # the next step starts at layer 0
         outs = [torch.zeros_like(r.x) for r in routed]
-        chosen = torch.unique(torch.cat([r.experts.flatten() for r in routed])).tolist()
-        for e in self.expert_order(layer, chosen):
+        chosen = sorted(set(torch.cat([r.experts.flatten() for r in routed]).tolist()))
+        done = []
+        for e in self._order(layer, chosen, hot):
+            key = ("expert", layer, e)
+            w = self._get(key)
             picks = [torch.where(r.experts == e) for r in routed]
-            w = self.weights.get(("expert", layer, e))
-            # One matmul over the tokens of all batches: the weight is shared n*bs ways.
-            y = M.expert_ffn(torch.cat([r.x[tok] for r, (tok, _) in zip(routed, picks)]), w)
-            self.weights.release(("expert", layer, e))
-            for r, out, (tok, slot), y_k in zip(routed, outs, picks, y.split([len(p[0]) for p in picks])):
-                out.index_add_(0, tok, M.weighted(y_k, r.weights[tok, slot]))
+            with self.trace.span("compute", f"expert.{layer}.{e}"):
+                # One matmul over the tokens of all batches: the weight is shared n*bs ways.
+                y = M.expert_ffn(torch.cat([r.x[tok] for r, (tok, _) in zip(routed, picks)]), w)
+                for r, out, (tok, slot), y_k in zip(routed, outs, picks, y.split([len(p[0]) for p in picks])):
+                    out.index_add_(0, tok, M.weighted(y_k, r.weights[tok, slot]))
+            if self.schedule == "klotski":
+                self.cache.release(key)  # early release: room for the next transfer now
+                self._pump()
+            else:
+                done.append(key)
+        for key in done + self._expert_keys(layer):  # end of layer: free the rest, incl. unused prefetches
+            self.cache.release(key)
+        self._pump()
         return [h + out.view_as(h) for h, out in zip(hs, outs)]
 
-    def expert_order(self, layer: int, chosen: list[int]) -> list[int]:
-        return sorted(chosen)
+    def _order(self, layer, chosen, hot):
+        """Yield experts in compute order. klotski: hot first, then whichever transfer has
+        finished (resident ones are finished already), waiting for the oldest otherwise."""
+        if self.schedule != "klotski":
+            yield from chosen
+            return
+        rest = [e for e in chosen if e not in hot]
+        yield from (e for e in hot if e in chosen)
+        while rest:
+            ready = [e for e in rest if self.cache.ready(("expert", layer, e))]
+            e = ready[0] if ready else rest[0]  # FIFO channel: the oldest pending lands first
+            rest.remove(e)
+            yield e
+
+    # ---- residency helpers --------------------------------------------------------------
+    def _want(self, keys, channel: str, front: bool = False) -> None:
+        items = [(k, channel) for k in keys if not self.cache.present(k)]
+        self.wants = items + self.wants if front else self.wants + items
+        self._pump()
+
+    def _pump(self) -> None:
+        """Start wanted transfers in priority order while the device has room."""
+        while self.wants:
+            key, channel = self.wants[0]
+            if not self.cache.present(key):
+                if not self.cache.start(key, self.ch[channel]):
+                    return
+                if key[0] == "expert":
+                    self.experts_loaded += 1
+            self.wants.pop(0)
+
+    def _get(self, key) -> dict:
+        """Device tensors of `key`: start it now if nobody did, and time any wait as bubble."""
+        self.wants = [(k, c) for k, c in self.wants if k != key]
+        if not self.cache.present(key):
+            self._make_room(self.cache.sizes[key], key)
+            self.cache.start(key, self.ch["experts" if key[0] == "expert" else "weights"])
+            if key[0] == "expert":
+                self.experts_loaded += 1
+        if self.cache.ready(key):
+            return self.cache.get(key)
+        start = time.perf_counter()
+        tensors = self.cache.get(key)
+        self.trace.add("wait", ".".join(map(str, key)), start, time.perf_counter())
+        return tensors
+
+    def _wait(self, ticket, name):
+        if ticket.done():
+            return ticket.wait()
+        start = time.perf_counter()
+        out = ticket.wait()
+        self.trace.add("wait", name, start, time.perf_counter())
+        return out
+
+    def _make_room(self, nbytes: int, what) -> None:
+        """Evict prefetched-but-unneeded transient groups until `nbytes` fit (demand beats prefetch)."""
+        while not self.memory.fits(nbytes):
+            victims = [k for k in self.cache.transient() if k != what]
+            if not victims:
+                raise OverBudget(
+                    f"device budget {self.memory.budget} bytes is too small: {nbytes} bytes needed for {what} "
+                    f"with {self.memory.used} in use; raise --device-memory or place less on the device")
+            # the most recently wanted is needed last: evict from the back
+            self.cache.release(victims[-1])
+
+    # ---- bookkeeping --------------------------------------------------------------------
+    def _layer_keys(self, layer: int) -> list:
+        if layer >= self.spec.num_layers:
+            return []
+        return [("attn", layer), ("gate", layer)] + self._expert_keys(layer)
+
+    def _expert_keys(self, layer: int) -> list:
+        return [("expert", layer, e) for e in range(self.spec.num_experts)]
+
+    def _activation_bytes(self, kvs, inputs) -> int:
+        """A reserve for one step's activations: hidden states and router inputs of every
+        batch, one batch's attention scores (fp32 softmax), the expert FFN intermediates."""
+        s, b = self.spec, self.cache.dtype.itemsize
+        tokens = sum(i.ids.numel() for i in inputs)
+        scores = max(i.ids.numel() * (kv.filled + i.ids.shape[1]) for kv, i in zip(kvs, inputs))
+        return (4 * tokens * s.hidden_size * b + 2 * s.num_heads * scores * 4
+                + 3 * tokens * s.top_k * s.intermediate_size * b)

@@ -196,18 +196,3 @@ class TensorStore:
                 raise CheckpointError(f"{entry.file}: tensor {where} has shape {list(got or entry.shape)}, "
                                       f"expected {list(shape)} from config.json; config and weights disagree")
 
-
-class ResidentWeights:
-    """Every tensor group read once and kept in compute memory: the no-offload case.
-
-    `refs_for(key)` maps a group key to {name: ref}; refs have .name/.index/.rows."""
-
-    def __init__(self, store: TensorStore, keys, refs_for, dtype: torch.dtype):
-        self.groups = {key: {n: store.read(r.name, r.index, r.rows).to(dtype)
-                             for n, r in refs_for(key).items()} for key in keys}
-
-    def get(self, key):
-        return self.groups[key]
-
-    def release(self, key) -> None:
-        pass

@@ -120,11 +120,11 @@ class ModelSpec:
     def attention_params(self) -> int:
         q = self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
-        return self.hidden_size * (2 * q + 2 * kv) + 2 * self.hidden_size  # + two norms
+        return self.hidden_size * (2 * q + 2 * kv) + self.hidden_size  # + input norm
 
     @property
     def gate_params(self) -> int:
-        return self.num_experts * self.hidden_size
+        return (self.num_experts + 1) * self.hidden_size  # router + post-attention norm
 
     def kv_bytes_per_token(self, dtype_bytes: int | None = None) -> int:
         """K and V of one token over all layers."""
@@ -140,12 +140,13 @@ class ModelSpec:
             "k": TensorRef(p + "self_attn.k_proj.weight"),
             "v": TensorRef(p + "self_attn.v_proj.weight"),
             "o": TensorRef(p + "self_attn.o_proj.weight"),
-            "post_norm": TensorRef(p + "post_attention_layernorm.weight"),
         }
 
     def gate_refs(self, layer: int) -> dict[str, TensorRef]:
+        # The post-attention norm travels with the router: both are used exactly at the gate.
         part = "mlp" if self.fused_experts else "block_sparse_moe"
-        return {"router": TensorRef(f"model.layers.{layer}.{part}.gate.weight")}
+        return {"post_norm": TensorRef(f"model.layers.{layer}.post_attention_layernorm.weight"),
+                "router": TensorRef(f"model.layers.{layer}.{part}.gate.weight")}
 
     def expert_refs(self, layer: int, expert: int) -> dict[str, TensorRef]:
         if self.fused_experts:
@@ -197,9 +198,9 @@ class ModelSpec:
         shapes[o["lm_head"]] = (self.vocab_size, H)
         for i in range(self.num_layers):
             a = self.attention_refs(i)
-            shapes.update({a["input_norm"]: (H,), a["post_norm"]: (H,), a["q"]: (q, H), a["k"]: (kv, H),
-                           a["v"]: (kv, H), a["o"]: (H, q)})
-            shapes[self.gate_refs(i)["router"]] = (E, H)
+            shapes.update({a["input_norm"]: (H,), a["q"]: (q, H), a["k"]: (kv, H), a["v"]: (kv, H), a["o"]: (H, q)})
+            g = self.gate_refs(i)
+            shapes.update({g["post_norm"]: (H,), g["router"]: (E, H)})
             for e in range(E):
                 x = self.expert_refs(i, e)
                 shapes.update({x["w1"]: (I, H), x["w3"]: (I, H), x["w2"]: (H, I)})

@@ -1,0 +1,117 @@
+"""WeightCache: the device-side view of every tensor group, and the moves that feed it.
+
+A group placed on `device` is read once and stays. A group placed on `host` is read into
+host RAM once (pinned on CUDA) and copied to the device per use. A group placed on `disk`
+is read per use, through a sliding window of host buffers that the pipeline fills `window`
+layers ahead (paper §6.1), or directly when the window has not reached it.
+
+Every transient device copy is reserved in `DeviceMemory` before its transfer is
+submitted and freed when the pipeline releases it, so peak device bytes never exceed the
+budget. Transfers run on channels handed in by the engine (objects with
+`submit(fn, name=, nbytes=, link=)` and `to_device(t)`); this package never imports them.
+"""
+from __future__ import annotations
+
+from placement.tiers import DEVICE, DISK, HOST, DeviceMemory
+
+DISK_TO_HOST = "disk_to_host"
+
+
+class WeightCache:
+    def __init__(self, store, placement, refs_for, dtype, memory: DeviceMemory, *, to_device, pin=lambda t: t,
+                 disk_channel=None):
+        self.store, self.placement, self.refs_for, self.dtype = store, placement, refs_for, dtype
+        self.memory, self.disk_channel = memory, disk_channel
+        self.sizes = {k: self._nbytes(k) for k in placement.tiers}
+        self.resident: dict = {}   # device-placed groups
+        self.host: dict = {}       # host-placed groups (and staged disk groups)
+        self.loaded: dict = {}     # transient device copies: key -> tensors
+        self.pending: dict = {}    # key -> Ticket of a transfer in flight
+        self.staging: dict = {}    # key -> Ticket of a disk->host read in flight
+        for key, tier in placement.tiers.items():
+            if tier == DEVICE:
+                memory.reserve(self.sizes[key], f"resident {key}")
+                self.resident[key] = {n: to_device(t) for n, t in self._read(key).items()}
+            elif tier == HOST:
+                self.host[key] = {n: pin(t) for n, t in self._read(key).items()}
+
+    def _nbytes(self, key) -> int:
+        item = self.dtype.itemsize
+        return sum(self.store.nbytes(r.name, r.index, r.rows) // self.store.entries[r.name].dtype.itemsize * item
+                   for r in self.refs_for(key).values())
+
+    def _read(self, key) -> dict:
+        return {n: self.store.read(r.name, r.index, r.rows).to(self.dtype) for n, r in self.refs_for(key).items()}
+
+    # ---- state --------------------------------------------------------------------------
+    def ready(self, key) -> bool:
+        """On the device now (resident, or a finished transfer)."""
+        return key in self.resident or key in self.loaded or (key in self.pending and self.pending[key].done())
+
+    def present(self, key) -> bool:
+        """On the device or on its way there."""
+        return key in self.resident or key in self.loaded or key in self.pending
+
+    def fits(self, key) -> bool:
+        return self.memory.fits(self.sizes[key])
+
+    # ---- moves --------------------------------------------------------------------------
+    def start(self, key, channel) -> bool:
+        """Begin moving `key` to the device on `channel`; False if the device has no room yet."""
+        if self.present(key):
+            return True
+        if not self.memory.fits(self.sizes[key]):
+            return False
+        self.memory.reserve(self.sizes[key], str(key))
+        source = self._source(key)
+        self.pending[key] = channel.submit(lambda: {n: channel.to_device(t) for n, t in source().items()},
+                                           name=_label(key), nbytes=self.sizes[key])
+        return True
+
+    def _source(self, key):
+        """A callable giving host tensors for `key`, run on the transfer's worker."""
+        if key in self.host:
+            tensors = self.host[key]
+            return lambda: tensors
+        ticket = self.staging.get(key)
+        if ticket is not None:
+            return ticket.wait
+        return lambda: self._read(key)
+
+    def get(self, key) -> dict:
+        """Device tensors of `key`, waiting for its transfer if needed (the caller times the wait)."""
+        if key in self.resident:
+            return self.resident[key]
+        if key not in self.loaded:
+            self.loaded[key] = self.pending.pop(key).wait()
+        return self.loaded[key]
+
+    def release(self, key) -> None:
+        """The pipeline is done with `key` for now: drop a transient copy and free its bytes."""
+        if key in self.resident:
+            return
+        if key in self.pending:  # prefetched but never used: let it land, then drop it
+            self.pending.pop(key).wait()
+        elif key not in self.loaded:
+            return
+        self.loaded.pop(key, None)
+        self.memory.free(self.sizes[key])
+
+    def transient(self) -> list:
+        return list(self.loaded) + list(self.pending)
+
+    # ---- disk -> host window ------------------------------------------------------------
+    def stage(self, keys) -> None:
+        """Read disk-placed `keys` into host buffers ahead of use (on the disk channel)."""
+        for key in keys:
+            if self.placement.tiers.get(key) == DISK and key not in self.staging and self.disk_channel:
+                self.staging[key] = self.disk_channel.submit(lambda key=key: self._read(key), name=_label(key),
+                                                             nbytes=self.sizes[key], link=DISK_TO_HOST)
+
+    def unstage(self, keys) -> None:
+        for key in keys:
+            self.staging.pop(key, None)
+
+
+def _label(key) -> str:
+    return ".".join(str(p) for p in key)
