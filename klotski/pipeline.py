@@ -58,6 +58,7 @@ class Pipeline:
         self.window = 2  # disk->host staging, layers ahead (paper §6.1's L)
         self.wants: list = []    # prefetches in priority order: (key, channel name)
         self.experts_loaded = 0
+        self.on_layer = None     # optional callback(layer, hidden states per batch), for tests
 
     # ---- one step -----------------------------------------------------------------------
     def forward(self, kvs: list[BatchKV], inputs: list[StepInput]) -> list[torch.Tensor]:
@@ -80,6 +81,8 @@ class Pipeline:
             self._attention(layer, hs, ctx, kvs)
             routed, hot = self._gates(layer, hs)
             hs = self._experts(layer, hs, routed, hot)
+            if self.on_layer:
+                self.on_layer(layer, hs)
             self.cache.unstage(self._layer_keys(layer))
         for kv in kvs:
             kv.end_step()
@@ -251,10 +254,14 @@ class Pipeline:
         return [("expert", layer, e) for e in range(self.spec.num_experts)]
 
     def _activation_bytes(self, kvs, inputs) -> int:
-        """A reserve for one step's activations: hidden states and router inputs of every
-        batch, one batch's attention scores (fp32 softmax), the expert FFN intermediates."""
-        s, b = self.spec, self.cache.dtype.itemsize
         tokens = sum(i.ids.numel() for i in inputs)
         scores = max(i.ids.numel() * (kv.filled + i.ids.shape[1]) for kv, i in zip(kvs, inputs))
-        return (4 * tokens * s.hidden_size * b + 2 * s.num_heads * scores * 4
-                + 3 * tokens * s.top_k * s.intermediate_size * b)
+        return activation_bytes(self.spec, self.cache.dtype.itemsize, tokens, scores)
+
+
+def activation_bytes(spec, itemsize: int, tokens: int, scores: int) -> int:
+    """A reserve for one step's activations: hidden states and router inputs of all `tokens`
+    of the group, one batch's attention scores (`scores` query-key pairs, fp32 softmax),
+    and one expert's FFN intermediates."""
+    return (4 * tokens * spec.hidden_size * itemsize + 2 * spec.num_heads * scores * 4
+            + 3 * tokens * spec.intermediate_size * itemsize)

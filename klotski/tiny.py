@@ -275,33 +275,33 @@ class _Weights:
         raise KeyError(name)
 
     def _hub(self, name: str) -> torch.Tensor:
-        s, seed = self.s, self.seed
+        s, seed, skewed = self.s, self.seed, self.routing == "skewed"
         if name.endswith("norm.weight"):
             return _randn(seed, name, (s.hidden,), self.NORM_NOISE, 1.0)
         if name == "model.embed_tokens.weight":
             w = _randn(seed, name, (s.vocab, s.hidden))
-            return self._skew_embedding(w) if self.routing == "skewed" else w
+            return self._skew_embedding(w) if skewed else w
         if name == "lm_head.weight":
             w = _randn(seed, name, (s.vocab, s.hidden), self.HEAD_GAIN / math.sqrt(s.hidden))
             # Short rows give tokens that cannot stand alone in text (control
             # bytes, UTF-8 fragments, <pad>) small logits, so greedy output
             # reads as words; eos keeps a full row so some sequences stop.
             w[self.quiet_ids] *= self.QUIET_GAIN
-            return self._skew_blind(w) if self.routing == "skewed" else w
+            return self._skew_blind_reader(w) if skewed else w
         if name.endswith("block_sparse_moe.gate.weight"):
             return self._router(name)
         q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
         shapes = {
-            "q_proj.weight": (q, s.hidden), "k_proj.weight": (kv, s.hidden),
-            "v_proj.weight": (kv, s.hidden), "o_proj.weight": (s.hidden, q),
-            "w1.weight": (s.inter, s.hidden), "w3.weight": (s.inter, s.hidden),
-            "w2.weight": (s.hidden, s.inter),
+            "q_proj": (q, s.hidden), "k_proj": (kv, s.hidden), "v_proj": (kv, s.hidden),
+            "o_proj": (s.hidden, q), "w1": (s.inter, s.hidden), "w3": (s.inter, s.hidden),
+            "w2": (s.hidden, s.inter),
         }
         kind = name.rsplit(".", 2)[-2]
-        shape = shapes[kind + ".weight"]
-        w = _randn(seed, name, shape, 1.0 / math.sqrt(shape[1]))
-        if self.routing == "skewed" and kind in ("q_proj", "k_proj"):
-            w = self._skew_blind(w)
+        w = _randn(seed, name, shapes[kind], 1.0 / math.sqrt(shapes[kind][1]))
+        if skewed and kind in ("o_proj", "w2"):
+            return self._skew_blind_writer(w)
+        if skewed:
+            return self._skew_blind_reader(w)
         return w
 
     def _router(self, name: str) -> torch.Tensor:
@@ -313,12 +313,18 @@ class _Weights:
     # Skewed routing mimics two properties of trained MoE routers that the
     # engine's planner and prefetcher exploit: a few experts take most tokens
     # (Zipf-like popularity), and a token's expert at layer l predicts its
-    # expert at layer l+1. A router has no bias, so popularity comes from a
-    # direction every token carries: embeddings get a common offset along a
-    # unit vector u, and router rows get a Zipf-ranked component along u.
-    # Layer correlation comes from router rows sharing a base matrix whose
-    # rows are dealt to experts by a per-layer permutation.
-    SKEW_OFFSET = 0.5       # common embedding component, in units of the per-dim std
+    # expert at layer l+1.
+    # A router has no bias, so popularity needs a direction every token carries:
+    # embeddings get a common component along a unit vector u, and router rows
+    # a Zipf-ranked component along u. Every other weight is made blind to u
+    # (readers ignore it, writers never write it), so u is a private channel to
+    # the routers: the residual's u part stays constant through the layers and
+    # the rest of the model behaves like the uniform one (no common component
+    # drawing every step towards the same tokens).
+    # Layer correlation comes from router rows sharing a base matrix whose rows
+    # are dealt to experts by a per-layer permutation; the base row's index is
+    # also its popularity rank, so popular experts follow each other too.
+    SKEW_OFFSET = 0.5       # u component of every embedding, per-dimension units
     SKEW_ZIPF = 2.5         # router logit advantage of the most popular expert
     SKEW_SHARED = 0.8       # weight of the cross-layer base in each router row
 
@@ -327,14 +333,16 @@ class _Weights:
         return u / u.norm()
 
     def _skew_embedding(self, w: torch.Tensor) -> torch.Tensor:
+        w = self._skew_blind_reader(w)  # the u component is then exactly the offset
         return w.add_(self._skew_direction(), alpha=self.SKEW_OFFSET * math.sqrt(self.s.hidden))
 
-    def _skew_blind(self, w: torch.Tensor) -> torch.Tensor:
-        # The common component would otherwise bias every query towards the
-        # same keys and every step towards the same tokens (loops); queries,
-        # keys and the output head are made blind to it.
+    def _skew_blind_reader(self, w: torch.Tensor) -> torch.Tensor:
         u = self._skew_direction()
         return w.sub_(torch.outer(w @ u, u))
+
+    def _skew_blind_writer(self, w: torch.Tensor) -> torch.Tensor:
+        u = self._skew_direction()
+        return w.sub_(torch.outer(u, u @ w))
 
     def _skew_router(self, name: str, fresh: torch.Tensor) -> torch.Tensor:
         s, seed = self.s, self.seed
@@ -343,11 +351,10 @@ class _Weights:
                       self.ROUTER_GAIN / math.sqrt(s.hidden))
         perm = torch.randperm(s.experts, generator=_generator(seed, f"skew/perm/{layer}"))
         mix = self.SKEW_SHARED
-        w = mix * base[perm] + math.sqrt(1 - mix * mix) * fresh
-        # Expert e takes base row perm[e]; the base row's index is its
-        # popularity rank, so the popular experts also follow each other.
+        w = self._skew_blind_reader(mix * base[perm] + math.sqrt(1 - mix * mix) * fresh)
         zipf = -torch.log1p(perm.to(torch.float32)) / math.log(s.experts) * self.SKEW_ZIPF
-        # A normalised hidden state projects ~OFFSET*sqrt(H)/sqrt(1+OFFSET^2) on u.
+        # The embedding's normalised u projection; deeper layers see less as
+        # the residual grows, which keeps their routing a little flatter.
         proj = self.SKEW_OFFSET * math.sqrt(s.hidden) / math.sqrt(1 + self.SKEW_OFFSET ** 2)
         return w + torch.outer(zipf / proj, self._skew_direction())
 

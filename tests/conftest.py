@@ -1,0 +1,72 @@
+"""Shared fixtures: tiny checkpoints built once per session, transformers as the reference."""
+import pytest
+import torch
+
+from klotski import tiny
+from klotski.config import RunConfig
+from klotski.engine import Engine
+from klotski.jobs import Request
+
+PROMPTS = [
+    "The history of the city begins",
+    "Quantum mechanics is a fundamental theory in physics that describes the behaviour of nature at small scales",
+    "Paris",
+    "A river is a natural flowing watercourse",
+    "The album was recorded in London during the winter of 1971 and released the following spring",
+    "Mount Everest",
+]
+
+VARIANTS = {
+    "gqa": {},
+    "window": {"sliding_window": 6, "num_hidden_layers": 3},
+    "mha-tied-sharded": {"num_key_value_heads": 4, "tie_word_embeddings": True, "num_shards": 3},
+}
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    out = {}
+    for name, kw in VARIANTS.items():
+        kw = dict(kw)
+        shards = kw.pop("num_shards", 1)
+        out[name] = tiny.build_checkpoint(root / name, "tiny", num_shards=shards, **kw)
+    out["fused"] = tiny.build_checkpoint(root / "fused", "tiny", fused_experts=True)
+    return out
+
+
+def requests(prompts=PROMPTS, max_new_tokens=10):
+    return [Request(id=f"r{i}", line=i + 1, prompt=p, messages=None, max_new_tokens=max_new_tokens)
+            for i, p in enumerate(prompts)]
+
+
+def reference_tokens(model_dir, prompts=PROMPTS, max_new_tokens=10):
+    """transformers' own batched greedy generate, left-padded, fp32: token ids per prompt up to EOS."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
+    eos = set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list)
+              else [model.generation_config.eos_token_id])
+    result = []
+    for row in out[:, enc["input_ids"].shape[1]:].tolist():
+        ids = []
+        for t in row:
+            if t in eos:
+                break
+            ids.append(t)
+        result.append(ids)
+    return result
+
+
+def engine_tokens(model_dir, placement=None, prompts=PROMPTS, max_new_tokens=10, **config):
+    cfg = RunConfig(model=str(model_dir), progress=False, dtype="float32", **config)
+    engine = Engine(cfg, placement=placement)
+    seqs, errors = engine.prepare(requests(prompts, max_new_tokens))
+    assert not errors
+    done = {s.request.id: s.out for s in engine.run(seqs)}
+    return [done[f"r{i}"] for i in range(len(prompts))], engine
