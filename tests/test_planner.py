@@ -1,0 +1,268 @@
+"""Planner: cost model, solver (hand-worked cases), simulator sanity, profile cache, speed."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+
+import pytest
+
+from planner.costmodel import CostModel, expected_distinct_experts, hqq_bytes
+from planner.profile import Profile, load_profile, measure
+from planner.routing import RoutingSample
+from planner.shapes import KNOWN_MODELS, ModelShape, as_shape, total_params
+from planner.simulate import simulate
+from planner.solve import Budgets, Infeasible, format_plan, solve, working_set
+
+# A shape whose weights dwarf its activations at small batch, so that a device budget just
+# above the working set leaves no room to keep weights resident (tio values stay as set).
+HAND = ModelShape(hidden_size=256, intermediate_size=4096, num_layers=4, num_heads=8, num_kv_heads=8,
+                  head_dim=32, num_experts=4, top_k=1, vocab_size=100, dtype="float32")
+TINY = ModelShape(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                  head_dim=16, num_experts=4, top_k=2, vocab_size=128, dtype="bfloat16")
+
+
+def hand_profile(t_attn, t_expert, t_io_expert, shape=HAND, disk_slowdown=10.0):
+    """Compute takes exactly the given overheads (peaks are effectively infinite); the link is
+    sized so that one expert crosses it in `t_io_expert` seconds."""
+    expert_bytes = CostModel(Profile(name="u", flops=1, mem_bw=1, links={}), shape).expert_bytes
+    bw = expert_bytes / t_io_expert
+    return Profile(name="hand", flops=1e30, mem_bw=1e30,
+                   links={"host_to_device": bw, "device_to_host": bw, "disk_to_host": bw / disk_slowdown},
+                   overhead_s={"attention": t_attn, "gate": 0.0, "expert": t_expert, "head": 0.0})
+
+
+def tight_budgets(cm, bs, n_max, P, G, host=1e12, disk=math.inf, schedule="klotski"):
+    """Device budget = working set at n_max + a little: no weight group fits beside it."""
+    ws = sum(working_set(cm, bs, n_max, P, G, schedule, cm.shape.top_k).values())
+    return Budgets(device=ws + 1000, host=host, disk=disk)
+
+
+# ---- shapes and cost model -------------------------------------------------------------------
+def test_known_models_and_config_roundtrip():
+    m7, m22 = KNOWN_MODELS["mixtral-8x7b"], KNOWN_MODELS["mixtral-8x22b"]
+    assert abs(total_params(m7) / 1e9 - 46.7) < 0.1          # the paper's 46.7B
+    assert abs(total_params(m22) / 1e9 - 141) < 1.0           # and 141B
+    cfg = {"hidden_size": 6144, "intermediate_size": 16384, "num_hidden_layers": 56, "num_attention_heads": 48,
+           "num_key_value_heads": 8, "head_dim": 128, "num_local_experts": 8, "num_experts_per_tok": 2,
+           "vocab_size": 32768, "torch_dtype": "bfloat16", "sliding_window": None}
+    assert dataclasses.replace(ModelShape.from_config(cfg), name="mixtral-8x22b") == m22
+    assert as_shape("Mixtral-8x7B") is m7
+    assert m7.kv_bytes_per_token() == 2 * 32 * 8 * 128 * 2
+
+
+def test_costmodel_sizes_and_paper_check():
+    cm = CostModel(load_profile("rtx3090-pcie4"), KNOWN_MODELS["mixtral-8x7b"])
+    assert cm.expert_bytes == 3 * 4096 * 14336 * 2
+    # One expert over PCIe 4.0 x16 at 80% efficiency: 352 MB / 25.2 GB/s + 10 us = 13.99 ms.
+    assert cm.t_io(cm.expert_bytes) * 1e3 == pytest.approx(13.99, abs=0.01)
+    # Decode attention is memory-bound, prefill compute-bound: prefill per token is far cheaper.
+    assert cm.t_attn(16, 512, 512) / 512 < cm.t_attn(16, 512) / 4
+    q = CostModel(load_profile("rtx3090-pcie4"), KNOWN_MODELS["mixtral-8x7b"], quant_bits=4)
+    # 4 bits + 8-bit scale and zero per 64 weights + fp16 meta per 128 groups ≈ 0.532 B/weight.
+    assert q.expert_bytes / (3 * 4096 * 14336) == pytest.approx(0.5 + 2 / 64 + 8 / (64 * 128), rel=1e-3)
+    assert q.t_dequant("expert") > 0 and cm.t_dequant("expert") == 0
+    assert hqq_bytes(128 * 64) == 128 * 64 // 2 + 2 * 128 + 8
+
+
+def test_expected_distinct_experts():
+    for t in (1, 3, 16, 100):
+        assert expected_distinct_experts(t, 8, 2) == pytest.approx(8 * (1 - (1 - 2 / 8) ** t))
+    # A skewed popularity concentrates tokens: fewer distinct experts for the same tokens.
+    skewed = [8, 4, 2, 1, 1, 1, 1, 1]
+    assert expected_distinct_experts(4, 8, 2, skewed) < expected_distinct_experts(4, 8, 2)
+    # A routing sample: tokens always pick {0, 1} → exactly 2 experts, however many tokens.
+    assert expected_distinct_experts(50, 8, 2, [(0, 1)] * 10) == pytest.approx(2.0)
+
+
+# ---- solver: hand-worked cases ----------------------------------------------------------------
+def _hand_n(cm, t_a, t_e, K, E):
+    """Inequalities (4)-(7) with bs·n large enough that every expert is used; t_G = 0."""
+    io_e, io_g, io_a = cm.t_io(cm.expert_bytes), cm.t_io(cm.gate_bytes), cm.t_io(cm.attention_bytes)
+    need = [math.ceil(io_g / t_a),
+            math.ceil((io_g + K * io_e) / t_a),
+            math.ceil((io_g + (K + 1) * io_e - K * t_e) / t_a),
+            math.ceil((io_g + E * io_e + io_a - E * t_e) / t_a)]
+    return [max(1, k) for k in need]
+
+
+def test_solver_binding_inequality_7():
+    # t_A = 2 ms, t_E = 3 ms, one expert over the link 9 ms (attention 0.75 ms), K = 1 of E = 4.
+    cm = CostModel(hand_profile(2e-3, 3e-3, 9e-3), HAND)
+    assert cm.t_io(cm.attention_bytes) * 1e3 == pytest.approx(0.7515, abs=1e-4)
+    # (5): 2n ≥ 9.003 → 5; (6): 2n + 3 ≥ 18.003 → 8; (7): 2n + 4·3 ≥ 36.003 + 0.75 → 13.
+    assert _hand_n(cm, 2e-3, 3e-3, K=1, E=4) == [1, 5, 8, 13]
+    plan = solve(HAND, cm, tight_budgets(cm, 4, 14, 1, 2), prompt_len=1, gen_len=2, batch_sizes=(4,))
+    assert plan.num_batches == 13
+    assert plan.binding.startswith("(7)")
+    # The link times above hold: no attention layer or expert stays on the device.
+    assert "attention" not in plan.placement_summary["device"]["groups"]
+    assert "experts" not in plan.placement_summary["device"]["groups"]
+
+
+def test_solver_binding_inequality_5():
+    # Slow experts (11 ms) cover the cold transfers; prefetching the hot one is what binds.
+    cm = CostModel(hand_profile(2e-3, 11e-3, 9e-3), HAND)
+    # (5): 2n ≥ 9.003 → 5; (6): 2n + 11 ≥ 18.003 → 4; (7): 2n + 44 ≥ 36.75 → 1.
+    assert _hand_n(cm, 2e-3, 11e-3, K=1, E=4) == [1, 5, 4, 1]
+    plan = solve(HAND, cm, tight_budgets(cm, 4, 6, 1, 2), prompt_len=1, gen_len=2, batch_sizes=(4,))
+    assert (plan.num_batches, plan.binding[:3]) == (5, "(5)")
+    text = format_plan(plan)
+    assert "binding: (5)" in text and "placement:" in text
+    assert json.loads(plan.to_json())["num_batches"] == 5
+
+
+def test_solver_infeasible_device_names_budget_and_shortfall():
+    cm = CostModel(hand_profile(2e-3, 3e-3, 9e-3), HAND)
+    ws = sum(working_set(cm, 4, 1, 1, 2, "klotski", 1).values())
+    with pytest.raises(Infeasible) as err:
+        solve(HAND, cm, Budgets(device=ws - 5 * 2**20, host=1e12), prompt_len=1, gen_len=2, batch_sizes=(4, 8))
+    assert err.value.budget == "device"
+    assert err.value.shortfall == pytest.approx(5 * 2**20)
+    assert "device budget" in str(err.value) and "5 MiB short" in str(err.value)
+
+
+def test_solver_infeasible_host_for_kv():
+    cm = CostModel(hand_profile(2e-3, 3e-3, 9e-3), HAND)
+    bs, P, G = 4, 1000, 1000
+    kv = 1 * bs * (P + G) * 2 * 8 * 32 * 4 * 4          # n=1: bs·(P+G)·K&V·heads·dim·fp32·layers
+    assert kv == cm.kv_bytes(bs * (P + G))
+    staging = 2 * (cm.attention_bytes + cm.gate_bytes + 4 * cm.expert_bytes)  # two layers staged from disk
+    ws = sum(working_set(cm, bs, 1, P, G, "klotski", 1).values())
+    # Device holds exactly the working set; the weights must go to disk (through two layers of
+    # host staging) and the KV cache, which cannot go to disk, must fit on host beside it.
+    host = kv + staging - 3 * 2**20
+    with pytest.raises(Infeasible) as err:
+        solve(HAND, cm, Budgets(device=ws, host=host), prompt_len=P, gen_len=G, batch_sizes=(bs,))
+    assert err.value.budget == "host"
+    assert err.value.shortfall == pytest.approx(3 * 2**20, rel=1e-6)
+    assert "3 MiB short" in str(err.value)
+
+
+def test_kv_growth_caps_n_below_the_inequalities():
+    cm = CostModel(hand_profile(2e-3, 3e-3, 9e-3), HAND)
+    bs, P, G = 4, 1, 31
+    budgets = tight_budgets(cm, bs, 14, P, G)
+    free = solve(HAND, cm, budgets, prompt_len=P, gen_len=G, batch_sizes=(bs,))
+    assert free.num_batches == 13
+    # Host holds all weights (no disk allowed) plus the KV cache of at most 7.5 batches. The
+    # device's spare room can't take a layer of KV either (checked), so n is capped at 7.
+    kv_batch = cm.kv_bytes(bs * (P + G))
+    for n in (7, 8):
+        room = budgets.device - sum(working_set(cm, bs, n, P, G, "klotski", 1).values())
+        assert room < n * kv_batch / HAND.num_layers
+    capped = dataclasses.replace(budgets, host=cm.weights_bytes() + 7.5 * kv_batch, disk=0)
+    plan = solve(HAND, cm, capped, prompt_len=P, gen_len=G, batch_sizes=(bs,))
+    assert plan.num_batches == 7
+    assert plan.binding.startswith("memory: the host budget") and "13" in plan.binding
+    assert plan.peak_bytes["host"] <= capped.host
+
+
+def test_kv_growth_forces_smaller_batch_size():
+    cm = CostModel(hand_profile(2e-3, 3e-3, 9e-3), HAND)
+    P, G = 64, 64
+    kv_seq = cm.kv_bytes(P + G)
+    budgets = dataclasses.replace(tight_budgets(cm, 16, 1, P, G), host=cm.weights_bytes() + 20 * kv_seq, disk=0)
+    plan = solve(HAND, cm, budgets, prompt_len=P, gen_len=G, batch_sizes=(4, 8, 16, 32), max_n=1)
+    assert plan.batch_size == 16          # 32 sequences' KV would not fit; 16 does
+
+
+def test_placement_fills_host_with_experts_before_disk():
+    cm = CostModel(hand_profile(2e-3, 3e-3, 9e-3), HAND)
+    bs, P, G = 4, 1, 2
+    budgets = tight_budgets(cm, bs, 14, P, G)
+    need = cm.weights_bytes() + cm.kv_bytes(13 * bs * (P + G))   # n = 13 (see test above)
+    plan = solve(HAND, cm, dataclasses.replace(budgets, host=need), prompt_len=P, gen_len=G, batch_sizes=(bs,))
+    assert plan.num_batches == 13 and plan.placement_summary["disk"]["groups"] == "-"
+    # Host short by two attention layers. Spilling to disk also costs host staging for two
+    # layers, so by hand: every attention layer, gate, the head and the embedding go to disk
+    # first, and only then experts — ceil((staging + 2·S_A − those) / S_E) = 8 of them.
+    staging = 2 * cm.layer_bytes()
+    others = 4 * (cm.attention_bytes + cm.gate_bytes) + cm.head_bytes + cm.embed_bytes
+    experts_on_disk = math.ceil((staging + 2 * cm.attention_bytes - others) / cm.expert_bytes)
+    assert experts_on_disk == 8
+    host = need - 2 * cm.attention_bytes
+    # n pinned: left free, the solver rather lowers n to keep attention on the device.
+    plan = solve(HAND, cm, dataclasses.replace(budgets, host=host), prompt_len=P, gen_len=G, batch_sizes=(bs,),
+                 num_batches=13)
+    assert all(plan.tier(j, "attention") == "disk" and plan.tier(j, "gate") == "disk" for j in range(4))
+    assert sum(plan.tier(j, "experts", e) == "disk" for j in range(4) for e in range(4)) == experts_on_disk
+    assert host - plan.peak_bytes["host"] < cm.expert_bytes   # no room left on host for one more
+
+
+def test_plan_mixtral_8x22b_on_3090_is_fast():
+    t0 = time.perf_counter()
+    profile = load_profile("rtx3090-pcie4")
+    shape = KNOWN_MODELS["mixtral-8x22b"]
+    plan = solve(shape, CostModel(profile, shape), Budgets.from_profile(profile), prompt_len=512, gen_len=32)
+    assert time.perf_counter() - t0 < 5.0
+    assert plan.peak_bytes["device"] <= profile.memory["device"]
+    assert plan.peak_bytes["host"] <= profile.memory["host"]
+    assert plan.placement_summary["disk"]["resident_bytes"] > 0   # 262 GiB do not fit 230 GiB of DRAM
+    assert 0 < plan.predicted_tokens_per_s and plan.prefill_s > 0 and plan.decode_s > 0
+
+
+# ---- simulator -------------------------------------------------------------------------------
+def test_simulator_orders_variants_when_io_bound():
+    cm = CostModel(hand_profile(0.5e-3, 1e-3, 10e-3, shape=TINY), TINY)
+    routing = RoutingSample.synthetic(TINY.num_layers, 4, 2, skew=1.5, seed=1)
+    tps = {}
+    for sch in ("simple", "multibatch", "hot-prefetch", "klotski"):
+        r = simulate(cm, TINY, bs=2, n=4, schedule=sch, prompt_len=4, gen_len=4, routing=routing)
+        tps[sch] = r.tokens_per_s
+        assert 0 < r.bubble_share < 1
+    assert tps["klotski"] >= tps["hot-prefetch"] >= tps["multibatch"] >= tps["simple"]
+    assert tps["multibatch"] > 1.5 * tps["simple"]
+
+
+def test_simulator_no_bubbles_with_infinite_bandwidth():
+    prof = hand_profile(0.5e-3, 1e-3, 10e-3, shape=TINY)
+    prof = dataclasses.replace(prof, links={k: math.inf for k in prof.links})
+    cm = CostModel(prof, TINY)
+    for sch in ("simple", "multibatch", "hot-prefetch", "klotski"):
+        r = simulate(cm, TINY, bs=2, n=3, schedule=sch, prompt_len=4, gen_len=3, trace=True)
+        assert r.bubble_share == pytest.approx(0.0, abs=1e-9)
+        lanes = {e["args"]["name"] for e in r.chrome_trace()["traceEvents"] if e["ph"] == "M"}
+        assert {"compute", "weights", "experts", "kv_load", "kv_store"} <= lanes
+        assert all(e["dur"] >= 0 for e in r.events)
+
+
+def test_simulator_agrees_with_solver_prediction():
+    profile = load_profile("rtx3090-pcie4")
+    shape = KNOWN_MODELS["mixtral-8x7b"]
+    cm = CostModel(profile, shape)
+    plan = solve(shape, cm, Budgets.from_profile(profile), prompt_len=512, gen_len=32, batch_sizes=(16,), max_n=8)
+    r = simulate(cm, shape, bs=16, n=plan.num_batches, prompt_len=512, gen_len=32, placement=plan)
+    assert r.tokens_per_s == pytest.approx(plan.predicted_tokens_per_s, rel=0.15)
+
+
+# ---- profile ---------------------------------------------------------------------------------
+def test_profile_cache_roundtrip(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    kw = dict(batch_sizes=(1, 4), context_lengths=(16, 32), token_counts=(1, 8), reps=2, io_bytes=4 << 20)
+    p1 = measure(TINY, **kw)
+    files = list((tmp_path / "klotski" / "profiles").glob("*.json"))
+    assert len(files) == 1
+    assert {"attention", "gate", "expert"} <= set(p1.samples) and p1.links["disk_to_host"] > 0
+    p2 = measure(TINY, **kw)
+    assert p2 == p1                                      # served from the cache
+    assert Profile.from_json(p1.to_json()) == p1
+    p3 = measure(TINY, refresh=True, **kw)
+    assert p3.samples != p1.samples                      # re-measured (timings never repeat exactly)
+    emu = measure(TINY, link_gbps=2.0, **kw)
+    assert emu.links["host_to_device"] == 2e9
+    # A cost model on the measured shape reproduces a measured point exactly.
+    cm = CostModel(p1, TINY)
+    bs, ctx, new, t = p1.samples["attention"][0]
+    assert cm.t_attn(int(bs), int(ctx), int(new)) == pytest.approx(t, rel=1e-9)
+    assert cm.t_expert(8) == pytest.approx(dict((r[0], r[1]) for r in p1.samples["expert"])[8], rel=1e-9)
+
+
+def test_builtin_profiles_state_sources():
+    for name in ("rtx3090-pcie4", "h800-pcie5"):
+        p = load_profile(name)
+        assert p.flops > 0 and p.links["host_to_device"] > 0 and p.memory["device"] > 0
+        for key in ("flops", "mem_bw"):
+            assert "source" in p.sources[key] and 0 < p.sources[key]["efficiency"] <= 1
+        assert all("source" in v for v in p.sources["links"].values())
