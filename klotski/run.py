@@ -55,6 +55,8 @@ def generate(config: RunConfig, jobs: Path, output: str | None) -> int:
         report = build_report(engine, ok=len(seqs), failed=failed, skipped=skipped,
                               wall_s=time.perf_counter() - t_start)
     print(summary(report, out_path), file=sys.stderr)
+    if config.trace:
+        Path(config.trace).write_text(json.dumps(engine.trace.to_chrome()))
     if config.report:
         Path(config.report).parent.mkdir(parents=True, exist_ok=True)
         Path(config.report).write_text(json.dumps(report, indent=2) + "\n")
@@ -71,7 +73,16 @@ def build_report(engine, *, ok: int, failed: int, skipped: int, wall_s: float) -
         "wall_s": round(wall_s, 4),
         "requests": {"ok": ok, "failed": failed, "skipped": skipped},
         "tokens": {"prompt": s.prompt_tokens, "generated": s.generated_tokens},
-        "plan": {"batch_size": c.batch_size or 8, "num_batches": c.num_batches or 1, "schedule": c.schedule},
+        "plan": {"batch_size": engine.batch_size, "num_batches": engine.num_batches,
+                 "hot_experts": engine.pipeline.K if engine.pipeline else None, "schedule": c.schedule,
+                 "placement": engine.placement.summary() if engine.placement else None},
+        "memory": {"peak_device_bytes": engine.memory.peak, "budget_device_bytes": engine.memory.budget,
+                   "budget_host_bytes": engine.budgets.host},
+        "io": {"bytes": dict(engine.trace.bytes),
+               "busy_s": {k: round(v, 4) for k, v in engine.trace.busy.items()},
+               "experts_loaded": engine.pipeline.experts_loaded if engine.pipeline else 0},
+        "bubble": {"seconds": round(engine.trace.bubble_s, 4), "share": round(engine.trace.bubble_share(), 4)},
+        "prefetch": engine.predictor.report() if engine.pipeline else {},
         "model": str(engine.model_dir),
         "config": c.to_json(),
     }
@@ -84,6 +95,8 @@ def summary(report: dict, out_path: Path) -> str:
         f"tokens    {t['prompt']} prompt, {t['generated']} generated",
         f"speed     {report['tokens_per_s']:.1f} tok/s (prefill {report['prefill_s']:.2f} s, "
         f"decode {report['decode_s']:.2f} s)",
+        f"bubble    {report['bubble']['share']:.1%} of compute time waiting on transfers; "
+        f"peak device {report['memory']['peak_device_bytes'] / 2**20:.1f} MiB",
         f"wall      {report['wall_s']:.1f} s",
         f"output    {out_path}",
     ]
