@@ -33,6 +33,7 @@ def run_once(model, jobs, schedule, n, bs, link, device_mem, host_mem, max_new, 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="medium-mixtral")
+    ap.add_argument("--jobs", default=str(ROOT / "jobs/wikitext.jsonl"), help="prompts (the first n*bs are used)")
     ap.add_argument("--link", type=float, default=2.0, help="emulated host->device GB/s")
     ap.add_argument("--bs", type=int, default=4)
     ap.add_argument("--ns", default="1,2,4,8,16")
@@ -43,7 +44,7 @@ def main():
     ap.add_argument("--schedules", default="simple,multibatch,hot-prefetch,klotski")
     a = ap.parse_args()
     ns = [int(x) for x in a.ns.split(",")]
-    prompts = [json.loads(l) for l in (ROOT / "jobs/wikitext.jsonl").read_text().splitlines()]
+    prompts = [json.loads(l) for l in Path(a.jobs).read_text().splitlines()]
     tmp = Path(tempfile.mkdtemp())
     configs = [(s, 1) for s in a.schedules.split(",") if s == "simple"]
     configs += [(s, n) for s in a.schedules.split(",") if s != "simple" for n in ns]
