@@ -105,7 +105,7 @@ class Engine:
     # ---- requests -> sequences ----------------------------------------------------------
     def prepare(self, requests):
         """Tokenize; return (sequences, line errors) — a prompt too long is a line error."""
-        from klotski.jobs import LineError
+        from klotski.jobs import LineError, prompt_too_long
         seqs, errors = [], []
         ctx = self.spec.max_position_embeddings
         for req in requests:
@@ -115,8 +115,7 @@ class Engine:
                 errors.append(LineError(req.id, req.line, f"cannot tokenize: {e}"))
                 continue
             if len(ids) >= ctx:
-                errors.append(LineError(req.id, req.line, f"prompt has {len(ids)} tokens but the model's "
-                                        f"context is {ctx}; shorten the prompt"))
+                errors.append(prompt_too_long(req, len(ids), ctx))
                 continue
             if not ids:
                 errors.append(LineError(req.id, req.line, "prompt is empty after tokenization"))
@@ -126,8 +125,8 @@ class Engine:
 
     def _tokenize(self, req) -> list[int]:
         if req.messages is not None:
-            messages = [m if isinstance(m, dict) else {"role": m[0], "content": m[1]} for m in req.messages]
-            out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            out = self.tokenizer.apply_chat_template(req.chat_messages(), add_generation_prompt=True,
+                                                     tokenize=True)
             return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
         return list(self.tokenizer(req.prompt)["input_ids"])
 
@@ -226,6 +225,11 @@ class Engine:
                 s.finish_reason = "length"
         if s.done:
             s.text = self.tokenizer.decode(s.out, skip_special_tokens=True)
+
+    def close(self) -> None:
+        for channel in self.channels.values():
+            channel.close()
+        self.store.close()
 
     def record(self, s: Sequence) -> dict:
         rec = {"id": s.request.id, "completion": s.text, "finish_reason": s.finish_reason,

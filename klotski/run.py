@@ -25,9 +25,10 @@ def generate(config: RunConfig, jobs: Path, output: str | None) -> int:
 
     t_start = time.perf_counter()
     out_path = Path(output) if output else default_output(jobs)
+    if out_path.resolve() == jobs.resolve():
+        raise UserError(f"{out_path}: the output would overwrite the job file; choose another -o path")
     requests, bad_lines = read_jobs(jobs)
     try:
-        out_path.parent.mkdir(parents=True, exist_ok=True)
         writer = OutputWriter(out_path, resume=config.resume)
     except OSError as e:
         raise UserError(f"{out_path}: cannot open the output file ({e.strerror}); choose another -o path") from None
@@ -39,9 +40,7 @@ def generate(config: RunConfig, jobs: Path, output: str | None) -> int:
         seqs, too_long = engine.prepare(todo)
         failed = 0
         for err in list(bad_lines) + too_long:
-            if err.id not in done:
-                writer.write(err.record())
-                failed += 1
+            failed += writer.write(err.record())
         if skipped:
             print(f"klotski: resuming {out_path}: {skipped} requests already done", file=sys.stderr)
         bar = tqdm(total=len(seqs), unit="req", desc="generate", disable=not config.progress, file=sys.stderr)
@@ -52,6 +51,7 @@ def generate(config: RunConfig, jobs: Path, output: str | None) -> int:
                 gen_s = engine.stats.prefill_s + engine.stats.decode_s
                 if gen_s > 0:
                     bar.set_postfix_str(f"{engine.stats.generated_tokens / gen_s:.1f} tok/s")
+        engine.close()
         report = build_report(engine, ok=len(seqs), failed=failed, skipped=skipped,
                               wall_s=time.perf_counter() - t_start)
     print(summary(report, out_path), file=sys.stderr)

@@ -1,0 +1,53 @@
+"""Sampling, stop conditions and chat rendering of the engine."""
+from conftest import PROMPTS, requests
+from klotski.config import RunConfig
+from klotski.engine import Engine
+from klotski.jobs import Request
+
+
+def _run(path, reqs, **config):
+    engine = Engine(RunConfig(model=str(path), progress=False, **config))
+    seqs, errors = engine.prepare(reqs)
+    return {s.request.id: s for s in engine.run(seqs)}, errors, engine
+
+
+def test_sampling_is_deterministic_per_seed_and_independent_of_batching(checkpoints):
+    reqs = requests(max_new_tokens=12)
+    a, _, _ = _run(checkpoints["gqa"], reqs, temperature=1.0, top_p=0.9, seed=7, batch_size=6)
+    b, _, _ = _run(checkpoints["gqa"], reqs, temperature=1.0, top_p=0.9, seed=7, batch_size=2, num_batches=3)
+    c, _, _ = _run(checkpoints["gqa"], reqs, temperature=1.0, top_p=0.9, seed=8, batch_size=6)
+    greedy, _, _ = _run(checkpoints["gqa"], reqs, batch_size=6)
+    assert {k: s.out for k, s in a.items()} == {k: s.out for k, s in b.items()}
+    assert {k: s.out for k, s in a.items()} != {k: s.out for k, s in c.items()}
+    assert {k: s.out for k, s in a.items()} != {k: s.out for k, s in greedy.items()}
+
+
+def test_max_new_tokens_and_stop_strings(checkpoints):
+    base, _, engine = _run(checkpoints["gqa"], requests(max_new_tokens=12))
+    long = next(s for s in base.values() if s.finish_reason == "length" and len(s.text) > 4)
+    assert len(long.out) == 12
+    stop = long.text[2:4]
+    req = Request(id="s", line=1, prompt=long.request.prompt, messages=None, max_new_tokens=12, stop=(stop,))
+    got, _, _ = _run(checkpoints["gqa"], [req])
+    s = got["s"]
+    assert s.finish_reason == "stop" and stop not in s.text and long.text.startswith(s.text)
+    assert s.text == long.text[: long.text.find(stop)]
+
+
+def test_chat_messages_use_the_tokenizer_template(checkpoints):
+    messages = (("user", "Tell me about Paris"),)
+    req = Request(id="c", line=1, prompt=None, messages=messages, max_new_tokens=4)
+    got, errors, engine = _run(checkpoints["gqa"], [req])
+    assert not errors
+    rendered = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Tell me about Paris"}],
+                                                    add_generation_prompt=True, tokenize=True)
+    rendered = rendered["input_ids"] if hasattr(rendered, "keys") else rendered
+    assert got["c"].prompt_ids == list(rendered)
+    assert len(got["c"].prompt_ids) > len(engine.tokenizer("Tell me about Paris")["input_ids"])
+
+
+def test_prompt_longer_than_context_is_a_line_error(checkpoints):
+    req = Request(id="big", line=3, prompt="word " * 5000, messages=None)
+    got, errors, _ = _run(checkpoints["gqa"], [req] + requests(PROMPTS[:1]))
+    assert [e.id for e in errors] == ["big"] and "context" in errors[0].message
+    assert list(got) == ["r0"]
