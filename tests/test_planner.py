@@ -176,8 +176,9 @@ def test_placement_fills_host_with_experts_before_disk():
     plan = solve(HAND, cm, dataclasses.replace(budgets, host=need), prompt_len=P, gen_len=G, batch_sizes=(bs,))
     assert plan.num_batches == 13 and plan.placement_summary["disk"]["groups"] == "-"
     # Host short by two attention layers. Spilling to disk also costs host staging for two
-    # layers, so by hand: every attention layer, gate, the head and the embedding go to disk
-    # first, and only then experts — ceil((staging + 2·S_A − those) / S_E) = 8 of them.
+    # layers, so by hand: every attention layer, gate, the head and the embedding leave the
+    # host first (to disk, or the gates to the device's spare room), and only then experts —
+    # ceil((staging + 2·S_A − those) / S_E) = 8 of them.
     staging = 2 * cm.layer_bytes()
     others = 4 * (cm.attention_bytes + cm.gate_bytes) + cm.head_bytes + cm.embed_bytes
     experts_on_disk = math.ceil((staging + 2 * cm.attention_bytes - others) / cm.expert_bytes)
@@ -186,9 +187,12 @@ def test_placement_fills_host_with_experts_before_disk():
     # n pinned: left free, the solver rather lowers n to keep attention on the device.
     plan = solve(HAND, cm, dataclasses.replace(budgets, host=host), prompt_len=P, gen_len=G, batch_sizes=(bs,),
                  num_batches=13)
-    assert all(plan.tier(j, "attention") == "disk" and plan.tier(j, "gate") == "disk" for j in range(4))
+    assert all(plan.tier(j, "attention") == "disk" and plan.tier(j, "gate") != "host" for j in range(4))
     assert sum(plan.tier(j, "experts", e) == "disk" for j in range(4) for e in range(4)) == experts_on_disk
     assert host - plan.peak_bytes["host"] < cm.expert_bytes   # no room left on host for one more
+    tiers, kv = plan.group_tiers(4, 4)                         # the engine's placement keys
+    assert tiers["attn", 0] == "disk" and kv == "host"
+    assert sum(t == "disk" for k, t in tiers.items() if k[0] == "expert") == experts_on_disk
 
 
 def test_plan_mixtral_8x22b_on_3090_is_fast():

@@ -1,0 +1,203 @@
+"""Op times and byte sizes for one model on one machine.
+
+Every time is a roofline, max(FLOPs / effective FLOP/s, bytes / effective memory B/s),
+plus a fixed per-call overhead (kernel launches, Python dispatch). When the profile was
+measured on this very model shape, the roofline is multiplied by a correction factor
+interpolated from the measurements (inverse-distance in log space), so the model is exact
+at measured points and scales like the roofline between and beyond them. Built-in hardware
+profiles have no measurements: pure roofline from published peaks × stated efficiencies.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from planner.routing import marginals_from_sample, marginals_from_weights
+from planner.shapes import as_shape
+
+LINKS = ("disk_to_host", "host_to_device", "device_to_host")
+
+
+def hqq_bytes(params: int, bits: int = 4, group: int = 64, meta_group: int = 128, meta_bits: int = 8) -> int:
+    """Bytes of an HQQ-quantized weight: `bits` per weight; one scale and one zero per
+    `group` weights, themselves quantized to `meta_bits` in groups of `meta_group` with an
+    fp16 scale and zero per meta-group (HQQ's quant_scale/quant_zero)."""
+    groups = math.ceil(params / group)
+    meta_groups = math.ceil(groups / meta_group)
+    return math.ceil(params * bits / 8) + 2 * math.ceil(groups * meta_bits / 8) + 2 * meta_groups * 2 * 2
+
+
+def popularity_marginals(num_experts: int, top_k: int, popularity=None) -> list[float]:
+    """Per-token selection probability per expert (sums to top_k) from: None (uniform),
+    marginals (already summing to top_k), first-choice weights (summing to 1), or a routing
+    sample (one collection of expert ids per token)."""
+    if popularity is None:
+        return [min(1.0, top_k / num_experts)] * num_experts
+    pop = list(popularity)
+    if pop and not isinstance(pop[0], (int, float)):
+        return marginals_from_sample(pop, num_experts)
+    if len(pop) != num_experts:
+        raise ValueError(f"popularity has {len(pop)} entries for {num_experts} experts")
+    total = sum(pop)
+    if top_k > 1 and abs(total - top_k) < 1e-6 * top_k:
+        return [float(x) for x in pop]
+    return marginals_from_weights([x / total for x in pop], top_k)
+
+
+def expected_distinct_experts(tokens: float, num_experts: int, top_k: int, popularity=None) -> float:
+    """Expected number of experts chosen at least once by `tokens` tokens. Uniform:
+    E·(1−(1−k/E)^tokens); in general Σ_e 1−(1−m_e)^tokens with m_e the per-token marginal
+    (tokens choose independently; within one token the choices are distinct)."""
+    if tokens <= 0:
+        return 0.0
+    m = popularity_marginals(num_experts, top_k, popularity)
+    return sum(1.0 - (1.0 - min(1.0, x)) ** tokens for x in m)
+
+
+class CostModel:
+    """t_attn, t_gate, t_expert, t_io and byte sizes of tensor groups for (profile, shape)."""
+
+    def __init__(self, profile, shape, *, quant_bits: int | None = None):
+        self.profile = profile
+        self.shape = s = as_shape(shape)
+        self.quant_bits = quant_bits
+        b = s.dtype_bytes
+        self._q = s.num_heads * s.head_dim
+        self._kv = s.num_kv_heads * s.head_dim
+        # Sizes of the groups the placement moves. Experts and attention are what HQQ
+        # quantizes (the paper's preset); the gate, norms and embeddings stay in dtype.
+        self.attention_bytes = self._qbytes(s.attention_params - 2 * s.hidden_size) + 2 * s.hidden_size * b
+        self.gate_bytes = s.gate_params * b
+        self.expert_bytes = self._qbytes(s.expert_params)
+        self.embed_bytes = s.vocab_size * s.hidden_size * b
+        self.head_bytes = 0 if s.tie_word_embeddings else s.vocab_size * s.hidden_size * b
+        self.norm_bytes = s.hidden_size * b
+        self.kv_bytes_per_token_layer = 2 * self._kv * b
+        measured_here = getattr(profile, "shape_key", None) == s.key()
+        self._samples = profile.samples if measured_here else {}
+
+    # ---- sizes --------------------------------------------------------------------------
+    def _qbytes(self, params: int) -> int:
+        if self.quant_bits is None:
+            return params * self.shape.dtype_bytes
+        return hqq_bytes(params, self.quant_bits)
+
+    def layer_bytes(self) -> int:
+        return self.attention_bytes + self.gate_bytes + self.shape.num_experts * self.expert_bytes
+
+    def weights_bytes(self) -> int:
+        return self.shape.num_layers * self.layer_bytes() + self.embed_bytes + self.head_bytes + self.norm_bytes
+
+    def kv_bytes(self, tokens: float, layers: int | None = None) -> float:
+        """KV cache of `tokens` token positions over `layers` layers (default all)."""
+        return tokens * self.kv_bytes_per_token_layer * (self.shape.num_layers if layers is None else layers)
+
+    def kv_context(self, ctx: int) -> int:
+        """Positions attended to: a sliding window caps the KV that is kept and read."""
+        w = self.shape.sliding_window
+        return min(ctx, w) if w else ctx
+
+    # ---- compute ------------------------------------------------------------------------
+    def work(self, kind: str, point: Sequence[float]) -> tuple[float, float]:
+        """(FLOPs, bytes touched) of one call of op `kind` at `point`:
+        attention (bs, ctx, new_tokens), gate/expert/head (tokens,), dequant (params,)."""
+        s, b = self.shape, self.shape.dtype_bytes
+        if kind == "attention":
+            bs, ctx, new = point
+            keys, toks = self.kv_context(int(ctx)), bs * new
+            # Causal prefill kernels skip the masked half of the score matrix.
+            scored = keys - (new - 1) / 2 if new > 1 else keys
+            flops = 2 * toks * s.hidden_size * (2 * self._q + 2 * self._kv) + 4 * toks * scored * self._q
+            return flops, (s.attention_params * b + bs * keys * self.kv_bytes_per_token_layer
+                           + 4 * toks * s.hidden_size * b)
+        (n,) = point
+        if kind == "gate":
+            return 2 * n * s.hidden_size * s.num_experts, s.gate_params * b + n * s.hidden_size * b
+        if kind == "expert":
+            return (6 * n * s.hidden_size * s.intermediate_size,
+                    s.expert_params * b + n * (2 * s.hidden_size + 3 * s.intermediate_size) * b)
+        if kind == "head":
+            return 2 * n * s.hidden_size * s.vocab_size, s.vocab_size * s.hidden_size * b + n * s.vocab_size * 4
+        if kind == "dequant":
+            # Unpack, subtract zero, multiply scale: a few FLOPs per weight; read q, write dtype.
+            return 4 * n, hqq_bytes(int(n), self.quant_bits or 4) + n * b
+        raise KeyError(kind)
+
+    def t_attn(self, bs: int, ctx: int, new_tokens: int = 1) -> float:
+        """One attention layer for one batch: q/k/v/o projections, rotary, softmax attention
+        of `new_tokens` queries per sequence over `ctx` positions (decode: 1; prefill: ctx)."""
+        return self._time("attention", (bs, self.kv_context(ctx), new_tokens))
+
+    def t_gate(self, tokens: int) -> float:
+        """Router for `tokens` tokens: linear, softmax, top-k."""
+        return self._time("gate", (max(1, tokens),))
+
+    def t_expert(self, tokens: float) -> float:
+        """One expert FFN over `tokens` tokens; 0 for none (the expert is not run)."""
+        return 0.0 if tokens <= 0 else self._time("expert", (max(1.0, tokens),))
+
+    def t_head(self, tokens: int) -> float:
+        """Final norm + LM head logits for `tokens` tokens (one per sequence per step)."""
+        return self._time("head", (max(1, tokens),))
+
+    def t_dequant(self, kind: str) -> float:
+        """Dequantizing one group ('attention' or 'expert') before use; HQQ weights stay
+        quantized wherever they live, so this is paid at every use, resident or not."""
+        if self.quant_bits is None:
+            return 0.0
+        s = self.shape
+        return self._time("dequant", (s.expert_params if kind == "expert" else s.attention_params,))
+
+    # ---- transfers ----------------------------------------------------------------------
+    def bandwidth(self, link: str) -> float:
+        if link not in LINKS:
+            raise ValueError(f"link {link!r} is not one of {LINKS}")
+        return float(self.profile.links[link])
+
+    def t_io(self, nbytes: float, link: str = "host_to_device") -> float:
+        if nbytes <= 0:
+            return 0.0
+        return nbytes / self.bandwidth(link) + float(getattr(self.profile, "link_latency_s", 0.0))
+
+    def t_fetch(self, nbytes: float, tier: str) -> float:
+        """Bringing a group to the device from `tier`. Disk-resident groups are staged through
+        host by a sliding window that runs ahead, so in steady state the slower link sets
+        the pace rather than the sum of both."""
+        if tier == "device" or nbytes <= 0:
+            return 0.0
+        h2d = self.t_io(nbytes, "host_to_device")
+        return h2d if tier == "host" else max(h2d, self.t_io(nbytes, "disk_to_host"))
+
+    # ---- roofline + measured correction -------------------------------------------------
+    def roofline(self, kind: str, point: Sequence[float]) -> float:
+        flops, byts = self.work(kind, point)
+        return max(flops / self.profile.flops, byts / self.profile.mem_bw)
+
+    def _time(self, kind: str, point: Sequence[float]) -> float:
+        base = self.roofline(kind, point)
+        samples = self._samples.get(kind)
+        if not samples:
+            return base + self.profile.overhead_s.get(kind, 0.0)
+        return base * self._correction(kind, samples, point)
+
+    def _correction(self, kind: str, samples, point) -> float:
+        """Measured/roofline ratio near `point`: the 4 nearest samples of the same mode
+        (decode and prefill attention behave differently), weighted 1/d² in log space."""
+        cache = self.__dict__.setdefault("_corr_cache", {})
+        if kind not in cache:
+            cache[kind] = [(self._mode(kind, row[:-1]), [math.log(max(x, 1e-9)) for x in row[:-1]],
+                            row[-1] / max(self.roofline(kind, row[:-1]), 1e-12)) for row in samples]
+        mode = self._mode(kind, point)
+        logp = [math.log(max(x, 1e-9)) for x in point]
+        near = sorted((sum((a - c) ** 2 for a, c in zip(pt, logp)), r)
+                      for m, pt, r in cache[kind] if m == mode)[:4]
+        if not near:
+            return 1.0
+        if near[0][0] < 1e-12:
+            return near[0][1]
+        wsum = sum(1 / d for d, _ in near)
+        return math.exp(sum(math.log(r) / d for d, r in near) / wsum)
+
+    @staticmethod
+    def _mode(kind, point) -> int:
+        return int(kind == "attention" and point[2] > 1)

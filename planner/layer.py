@@ -1,0 +1,153 @@
+"""Per-layer timing of one batch group under a placement: the terms of inequalities (4)–(7)
+and an analytic layer time for each schedule. Shared by the solver (choosing n, predicting
+throughput) and the plan report; the simulator replays the same schedules event by event.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCHEDULES = ("simple", "multibatch", "hot-prefetch", "klotski")
+INEQUALITIES = ("(4) n·t_A ≥ t_io(G)",
+                "(5) n·(t_A+t_G) ≥ t_io(G)+K·t_io(E)",
+                "(6) n·(t_A+t_G)+t_hotE ≥ t_io(G)+(K+1)·t_io(E)",
+                "(7) n·(t_A+t_G)+t_hotE+Σ_Q t_E ≥ t_io(G)+(K+|Q|)·t_io(E)+t_io(A)")
+FLEXGEN_INEQUALITIES = ("(1) n·t_A ≥ t_io(MoE)", "n·t_MoE ≥ t_io(A)")
+
+
+def expert_slots(schedule: str, num_experts: int, hot: int) -> int:
+    """Device buffers for off-device experts. FlexGen-style schedules hold the current and
+    the next whole MoE layer; hot-prefetch keeps a layer's experts until the layer ends;
+    Klotski frees each expert when done, so K hot + one computing + one arriving suffice."""
+    if schedule in ("simple", "multibatch"):
+        return 2 * num_experts
+    if schedule == "hot-prefetch":
+        return num_experts
+    return min(num_experts, hot + 2)
+
+
+@dataclass(frozen=True)
+class LayerIO:
+    """Tier of each group of one layer ('device', 'host' or 'disk')."""
+    attn: str
+    next_attn: str
+    gate: str
+    experts: tuple
+    kv: str
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One forward pass of a batch group: decode (new=1) or prefill (new=ctx=prompt)."""
+    bs: int
+    n: int
+    ctx: int
+    new: int
+
+
+def _used(m: float, tokens: float) -> float:
+    """Probability that an expert with per-token marginal m serves at least one of `tokens`."""
+    return 1.0 - (1.0 - min(1.0, m)) ** tokens
+
+
+def t_kv_batch(cost, io: LayerIO, ph: Phase) -> float:
+    """Loading one batch's KV cache for this layer (decode with the cache on host). It shares
+    the host→device link with the weights, so it is transfer, not cover."""
+    if io.kv != "host" or ph.new != 1:
+        return 0.0
+    return cost.t_io(cost.kv_bytes(ph.bs * cost.kv_context(ph.ctx), 1))
+
+
+def ineq_terms(cost, io: LayerIO, ph: Phase, marg, hot, schedule="klotski", with_kv=False):
+    """Left and right sides of inequalities (4)–(7) for one layer, generalised to per-expert
+    tiers (a resident expert costs no transfer) and expected routing: expert e serves
+    n·bs·m_e tokens and is needed with probability 1−(1−m_e)^(n·bs). `with_kv` adds the
+    KV-cache loads that share the link (the paper's inequalities leave them out)."""
+    tokens = ph.n * ph.bs * ph.new
+    t_a = ph.n * cost.t_attn(ph.bs, ph.ctx, ph.new) + cost.t_dequant("attention")
+    t_g = ph.n * cost.t_gate(ph.bs * ph.new)
+    deq = cost.t_dequant("expert")
+    hot_c = hot_io = cold_c = cold_io = 0.0
+    cold_fetch = []
+    for e, m in enumerate(marg):
+        used = _used(m, tokens)
+        if used <= 0:
+            continue
+        t_c = used * (cost.t_expert(tokens * m / used) + deq)
+        fetch = cost.t_fetch(cost.expert_bytes, io.experts[e])
+        if e in hot:
+            hot_c += t_c
+            hot_io += fetch
+        else:
+            cold_c += t_c
+            cold_io += used * fetch
+            if fetch > 0:
+                cold_fetch.append(fetch)
+    first = sum(cold_fetch) / len(cold_fetch) if cold_fetch else 0.0
+    io_g = cost.t_fetch(cost.gate_bytes, io.gate)
+    io_a = cost.t_fetch(cost.attention_bytes, io.next_attn)
+    if with_kv:
+        # Batches 1..n-1 load their KV during this layer's attention, and batch 0 of the
+        # next layer during the experts, on the same link as the weights.
+        kv = t_kv_batch(cost, io, ph)
+        io_g += (ph.n - 1) * kv
+        io_a += kv
+    # In expert-id order (hot-prefetch) a cold expert may be awaited before any hot one has
+    # run, so the hot compute is not counted as cover for the cold transfers.
+    cover = hot_c if schedule == "klotski" else 0.0
+    lhs = [t_a, t_a + t_g, t_a + t_g + cover, t_a + t_g + cover + cold_c]
+    rhs = [io_g, io_g + hot_io, io_g + hot_io + first, io_g + hot_io + cold_io + io_a]
+    parts = {"attn": t_a, "gate": t_g, "hot": hot_c, "cold": cold_c, "compute": t_a + t_g + hot_c + cold_c}
+    return lhs, rhs, parts
+
+
+def flexgen_terms(cost, io: LayerIO, ph: Phase, marg, with_kv=False):
+    """Multi-batch without expert awareness (FlexGen zig-zag): while attention runs for all
+    batches the whole MoE layer loads (the paper's Eq. 1); while the MoE layer runs batch by
+    batch the next attention loads."""
+    t_a = ph.n * cost.t_attn(ph.bs, ph.ctx, ph.new) + cost.t_dequant("attention")
+    per_batch = ph.bs * ph.new
+    t_m = ph.n * cost.t_gate(per_batch)
+    deq = cost.t_dequant("expert")
+    for m in marg:
+        used = _used(m, per_batch)
+        if used > 0:
+            t_m += ph.n * used * (cost.t_expert(per_batch * m / used) + deq)
+    io_moe = cost.t_fetch(cost.gate_bytes, io.gate) + sum(cost.t_fetch(cost.expert_bytes, t) for t in io.experts)
+    if with_kv:  # every batch's KV loads during the attention phase, beside the MoE weights
+        io_moe += ph.n * t_kv_batch(cost, io, ph)
+    return t_a, t_m, io_moe
+
+
+def moved_bytes(cost, io: LayerIO, ph: Phase, marg, schedule) -> dict:
+    """Bytes one layer moves per forward pass, by link."""
+    tokens = ph.n * ph.bs * ph.new
+    whole = schedule in ("simple", "multibatch")
+    h2d = sum(b for b, t in ((cost.attention_bytes, io.next_attn), (cost.gate_bytes, io.gate)) if t != "device")
+    h2d += sum(cost.expert_bytes * (1.0 if whole else _used(m, tokens))
+               for m, t in zip(marg, io.experts) if t != "device")
+    disk = sum(b for b, t in ((cost.attention_bytes, io.attn), (cost.gate_bytes, io.gate)) if t == "disk")
+    disk += cost.expert_bytes * sum(t == "disk" for t in io.experts)
+    kv_load = kv_store = 0.0
+    if io.kv == "host":
+        if ph.new == 1:
+            kv_load = ph.n * cost.kv_bytes(ph.bs * cost.kv_context(ph.ctx), 1)
+        kv_store = ph.n * cost.kv_bytes(ph.bs * ph.new, 1)
+    return {"host_to_device": h2d + kv_load, "disk_to_host": disk, "device_to_host": kv_store}
+
+
+def layer_time(cost, io: LayerIO, ph: Phase, marg, hot, schedule) -> tuple[float, float]:
+    """(layer time, bubble) for one layer and one batch group. The pipeline part is the
+    computation plus the worst shortfall among the inequalities (a stall at one point delays
+    every later point); and a layer is never faster than each link can move its bytes."""
+    if schedule in ("simple", "multibatch"):
+        t_a, t_m, io_moe = flexgen_terms(cost, io, ph, marg, with_kv=True)
+        io_a = cost.t_fetch(cost.attention_bytes, io.next_attn)
+        compute = t_a + t_m
+        pipe = max(t_a, io_moe) + max(t_m, io_a)
+    else:
+        lhs, rhs, parts = ineq_terms(cost, io, ph, marg, hot, schedule, with_kv=True)
+        compute = parts["compute"]
+        pipe = compute + max(0.0, *(r - c for c, r in zip(lhs, rhs)))
+    links = moved_bytes(cost, io, ph, marg, schedule)
+    t = max(pipe, *(cost.t_io(b, link) for link, b in links.items()))
+    return t, t - compute

@@ -1,0 +1,197 @@
+"""The plan a solve returns, its JSON form and its human-readable report."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+from planner.layer import INEQUALITIES, LayerIO, Phase, ineq_terms
+from planner.place import DISK_WINDOW_LAYERS, TIERS, Layout, working_set
+from planner.units import format_bytes
+
+
+@dataclass(frozen=True)
+class Plan:
+    batch_size: int
+    num_batches: int
+    hot_experts: int
+    schedule: str
+    placement: dict
+    predicted_tokens_per_s: float
+    prefill_s: float
+    decode_s: float
+    binding: str
+    peak_bytes: dict
+    per_layer: dict
+    prompt_len: int = 0
+    gen_len: int = 0
+    placement_summary: dict = field(default_factory=dict)
+    quant_bits: int | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self, indent: int | None = 1) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def group_tiers(self, num_layers: int, num_experts: int) -> tuple[dict, str]:
+        """The placement in the engine's terms (placement/plan.py): {('attn', j), ('gate', j),
+        ('expert', j, e), ('outer',): tier} and one KV tier (host if any layer's KV is)."""
+        tiers = {("outer",): self.placement.get("lm_head", "device")}
+        for j in range(num_layers):
+            tiers["attn", j] = self.tier(j, "attention")
+            tiers["gate", j] = self.tier(j, "gate")
+            for e in range(num_experts):
+                tiers["expert", j, e] = self.tier(j, "experts", e)
+        kv = "host" if any(self.tier(j, "kv") == "host" for j in range(num_layers)) else "device"
+        return tiers, kv
+
+    def tier(self, layer: int, kind: str, expert: int | None = None) -> str:
+        """Tier of one group: kind is 'attention', 'gate', 'experts' (with expert) or 'kv'."""
+        for key, tier in self.placement.items():
+            if _key_matches(key, layer, kind, expert):
+                return tier
+        raise KeyError(f"no placement for layer {layer} {kind} {expert}")
+
+
+def _ranges(items):
+    """[(start, stop_inclusive, value)] for runs of equal consecutive values."""
+    out = []
+    for i, v in enumerate(items):
+        if out and out[-1][2] == v and out[-1][1] == i - 1:
+            out[-1] = (out[-1][0], i, v)
+        else:
+            out.append((i, i, v))
+    return out
+
+
+def _span(a, b) -> str:
+    return f"{a}" if a == b else f"{a}-{b}"
+
+
+def _placement_dict(ios: list[LayerIO], layout: Layout, tied: bool) -> dict:
+    """Group → tier with layer and expert ranges compressed: 'layers.0-11.attention',
+    'layers.0-31.experts.0-1', 'layers.4-31.kv', 'embed', 'lm_head', 'norm'."""
+    out = {"embed": layout.embed, "norm": "device"}
+    if not tied:
+        out["lm_head"] = layout.head
+    for kind, attr in (("attention", "attn"), ("gate", "gate"), ("kv", "kv")):
+        for a, b, tier in _ranges([getattr(io, attr) for io in ios]):
+            out[f"layers.{_span(a, b)}.{kind}"] = tier
+    for a, b, tiers in _ranges([io.experts for io in ios]):
+        runs = _ranges(list(tiers))
+        if len(runs) == 1:
+            out[f"layers.{_span(a, b)}.experts"] = runs[0][2]
+        else:
+            for ea, eb, tier in runs:
+                out[f"layers.{_span(a, b)}.experts.{_span(ea, eb)}"] = tier
+    return out
+
+
+def _key_matches(key: str, layer: int, kind: str, expert: int | None) -> bool:
+    parts = key.split(".")
+    if parts[0] != "layers":
+        return kind == key
+    lo, _, hi = parts[1].partition("-")
+    if not int(lo) <= layer <= int(hi or lo) or parts[2] != kind:
+        return False
+    if len(parts) == 3 or expert is None:
+        return True
+    elo, _, ehi = parts[3].partition("-")
+    return int(elo) <= expert <= int(ehi or elo)
+
+
+def make_plan(cost, shape, budgets, pred, bs, n, layout, ios, binding, schedule, K, hot, marg, P, G) -> Plan:
+    L, E = shape.num_layers, shape.num_experts
+    ws = working_set(cost, bs, n, P, G, schedule, K)
+    kv_layer = n * bs * cost.kv_context(P + G) * cost.kv_bytes_per_token_layer
+    by_tier = {t: 0.0 for t in TIERS}
+    for t, c in layout.attn.items():
+        by_tier[t] += c * cost.attention_bytes
+    for t, c in layout.gate.items():
+        by_tier[t] += c * cost.gate_bytes
+    for t, c in layout.experts.items():
+        by_tier[t] += c * cost.expert_bytes
+    for t, c in layout.kv.items():
+        by_tier[t] += c * kv_layer
+    by_tier[layout.embed] += cost.embed_bytes
+    by_tier[layout.head] += cost.head_bytes
+    by_tier["device"] += cost.norm_bytes
+    resident = dict(by_tier)
+    full = {"attention_buffers": layout.attn["device"] == L, "gate_buffers": layout.gate["device"] == L,
+            "expert_buffers": layout.experts["device"] == L * E, "kv_buffers": layout.kv["device"] == L,
+            "head_buffer": layout.head == "device"}
+    by_tier["device"] += sum(v for k, v in ws.items() if not full.get(k, False))
+    if layout.attn["disk"] or layout.gate["disk"] or layout.experts["disk"] or layout.head == "disk":
+        by_tier["host"] += DISK_WINDOW_LAYERS * cost.layer_bytes()
+    summary = {}
+    for t in TIERS:
+        groups = []
+        for label, counts in (("attention layers", layout.attn), ("gates", layout.gate),
+                              ("experts", layout.experts), ("KV layers", layout.kv)):
+            if counts.get(t):
+                groups.append(f"{counts[t]} {label}")
+        groups += [g for g, where in (("embed", layout.embed), ("lm_head", layout.head)) if where == t]
+        summary[t] = {"resident_bytes": resident[t], "groups": ", ".join(groups) or "-"}
+
+    ctx = P + G // 2
+    io = max(ios, key=lambda x: sum(cost.t_fetch(cost.expert_bytes, t) for t in x.experts))
+    dec = Phase(bs, n, ctx, 1)
+    pre = Phase(bs, n, P, P)
+    per_layer = {
+        "t_attn_ms": {"decode": cost.t_attn(bs, ctx) * 1e3, "prefill": cost.t_attn(bs, P, P) * 1e3},
+        "t_gate_ms": {"decode": cost.t_gate(bs) * 1e3, "prefill": cost.t_gate(bs * P) * 1e3},
+        "t_expert_ms": {"decode": cost.t_expert(n * bs * shape.top_k / E) * 1e3,
+                        "prefill": cost.t_expert(n * bs * P * shape.top_k / E) * 1e3},
+        "t_io_ms": {"attention": cost.t_io(cost.attention_bytes) * 1e3, "gate": cost.t_io(cost.gate_bytes) * 1e3,
+                    "expert": cost.t_io(cost.expert_bytes) * 1e3,
+                    "expert_from_disk": cost.t_fetch(cost.expert_bytes, "disk") * 1e3,
+                    "kv_batch_decode": cost.t_io(cost.kv_bytes(bs * cost.kv_context(ctx), 1)) * 1e3},
+        "layer_ms": {"decode": (pred["decode_step_s"] - n * cost.t_head(bs)) / L * 1e3,
+                     "prefill": (pred["prefill_s"] - n * cost.t_head(bs)) / L * 1e3},
+        "bubble_ms": {"decode": pred["decode_bubble_s"] / L * 1e3, "prefill": pred["prefill_bubble_s"] / L * 1e3},
+        "expected_distinct_experts": sum(1 - (1 - min(1.0, m)) ** (n * bs) for m in marg),
+    }
+    if schedule in ("klotski", "hot-prefetch"):
+        lhs, rhs, _ = ineq_terms(cost, io, dec, marg, hot, schedule)
+        per_layer["inequalities_ms"] = [{"name": nm, "lhs": l * 1e3, "rhs": r * 1e3}
+                                        for nm, l, r in zip(INEQUALITIES, lhs, rhs)]
+    return Plan(batch_size=bs, num_batches=n, hot_experts=K, schedule=schedule,
+                placement=_placement_dict(ios, layout, cost.head_bytes == 0),
+                predicted_tokens_per_s=pred["tokens_per_s"], prefill_s=pred["prefill_s"], decode_s=pred["decode_s"],
+                binding=binding, peak_bytes=by_tier, per_layer=per_layer, prompt_len=P, gen_len=G,
+                placement_summary=summary, quant_bits=cost.quant_bits)
+
+
+def format_plan(plan: Plan) -> str:
+    """A readable report of a plan, for `klotski plan`."""
+    pl = plan.per_layer
+    lines = [
+        f"schedule {plan.schedule}: batch size {plan.batch_size} x {plan.num_batches} batches "
+        f"(= {plan.batch_size * plan.num_batches} sequences per group), {plan.hot_experts} hot experts prefetched",
+        f"prompt {plan.prompt_len} + generate {plan.gen_len} tokens"
+        + (f", weights HQQ {plan.quant_bits}-bit" if plan.quant_bits else ""),
+        f"predicted {plan.predicted_tokens_per_s:.3g} tokens/s   prefill {plan.prefill_s:.3g} s + "
+        f"decode {plan.decode_s:.3g} s per batch group",
+        f"binding: {plan.binding}",
+        "",
+        f"{'tier':<8}{'peak':>12}{'resident':>12}  groups",
+    ]
+    for t in TIERS:
+        s = plan.placement_summary.get(t, {})
+        lines.append(f"{t:<8}{format_bytes(plan.peak_bytes[t]):>12}{format_bytes(s.get('resident_bytes', 0)):>12}  "
+                     f"{s.get('groups', '-')}")
+    lines += ["", "placement:"]
+    lines += [f"  {k:<28} {v}" for k, v in plan.placement.items()]
+    lines += ["", f"per layer (ms){'':<14}{'decode':>10}{'prefill':>10}"]
+    for key, label in (("t_attn_ms", "attention / batch"), ("t_gate_ms", "gate / batch"),
+                       ("t_expert_ms", "one expert (avg)"), ("layer_ms", "layer, predicted"),
+                       ("bubble_ms", "bubble")):
+        lines.append(f"  {label:<26}{pl[key]['decode']:>10.3f}{pl[key]['prefill']:>10.3f}")
+    io = pl["t_io_ms"]
+    lines.append(f"  transfers: attention {io['attention']:.3f}, gate {io['gate']:.3f}, expert {io['expert']:.3f} "
+                 f"(from disk {io['expert_from_disk']:.3f}), KV of one batch {io['kv_batch_decode']:.3f}")
+    lines.append(f"  expected distinct experts per layer: {pl['expected_distinct_experts']:.2f}")
+    for q in pl.get("inequalities_ms", []):
+        mark = "ok " if q["lhs"] >= q["rhs"] * (1 - 1e-9) else "NO "
+        lines.append(f"  {mark}{q['name']:<62} {q['lhs']:9.2f} vs {q['rhs']:9.2f}")
+    return "\n".join(lines)
