@@ -19,7 +19,7 @@ from klotski.kvcache import BatchKV
 from klotski.models import registry
 from klotski.models.spec import DTYPES, ModelSpec
 from klotski.pipeline import Pipeline, StepInput
-from klotski.prefetch import FrequencyPredictor
+from klotski.prefetch import CorrelationPredictor, FrequencyPredictor, NextGatePredictor
 from klotski.trace import Trace
 from placement.cache import WeightCache
 from placement.plan import Placement
@@ -54,7 +54,7 @@ class Stats:
 
 
 class Engine:
-    def __init__(self, config: RunConfig, placement: Placement | None = None):
+    def __init__(self, config: RunConfig, placement: Placement | None = None, predictor=None):
         self.config = config
         self.model_dir = registry.resolve(config.model)
         self.store = TensorStore(self.model_dir, direct=config.direct_io)
@@ -72,6 +72,7 @@ class Engine:
         self.trace = Trace(keep_events=bool(config.trace))
         self.channels = make_channels(self.device, self.trace, config.emulate_link_gbps)
         self.placement = placement
+        self.predictor = predictor
         self.batch_size = config.batch_size or 8
         self.num_batches = 1 if config.schedule == "simple" else (config.num_batches or 1)
         self.pipeline: Pipeline | None = None
@@ -94,9 +95,19 @@ class Engine:
         self.cache = WeightCache(self.store, self.placement, spec.group_refs, self.dtype, self.memory,
                                  to_device=lambda t: t.to(self.device),
                                  pin=lambda t: pin(t, self.device), disk_channel=self.channels["disk"])
-        self.predictor = FrequencyPredictor(spec.num_layers, spec.num_experts)
+        if self.predictor is None:
+            self.predictor = self._make_predictor()
         self.pipeline = Pipeline(spec, self.cache, self.channels, self.config, self.trace, self.predictor,
                                  self.memory, self.device)
+
+    def _make_predictor(self):
+        spec, how = self.spec, self.config.prefetch
+        if how == "correlation":
+            from klotski.correlate import load_or_build
+            return CorrelationPredictor(load_or_build(self))
+        if how == "next-gate":
+            return NextGatePredictor(spec.num_layers, spec.num_experts)
+        return FrequencyPredictor(spec.num_layers, spec.num_experts)
 
     def _group_nbytes(self, key) -> int:
         return sum(_numel(self.store.entries[r.name].span(r.index, r.rows)[2]) * self.dtype.itemsize

@@ -54,7 +54,8 @@ class Pipeline:
         self.trace, self.predictor, self.memory, self.device = trace, predictor, memory, device
         self.schedule = config.schedule
         self.whole_layer = self.schedule in ("simple", "multibatch")
-        self.K = spec.top_k if config.hot_experts is None else config.hot_experts
+        self.K = 0 if config.prefetch == "none" else spec.top_k if config.hot_experts is None else config.hot_experts
+        self.next_gate = hasattr(predictor, "speculate")
         self.window = 2  # disk->host staging, layers ahead (paper §6.1's L)
         self.wants: list = []    # prefetches in priority order: (key, channel name)
         self.experts_loaded = 0
@@ -64,6 +65,7 @@ class Pipeline:
     def forward(self, kvs: list[BatchKV], inputs: list[StepInput]) -> list[torch.Tensor]:
         """Run one step for the group; return each batch's next-token logits [B, V] (fp32)."""
         spec = self.spec
+        self.predictor.begin_step()
         act = self._activation_bytes(kvs, inputs)
         self._make_room(act, "activations")
         self.memory.reserve(act, "activations")
@@ -100,7 +102,8 @@ class Pipeline:
                 self._want(self._layer_keys(layer + 1), "weights")
         else:
             hot = self.predictor.predict(layer, self.K)
-            self._want([("gate", layer)] + [("expert", layer, e) for e in hot], "weights")
+            ahead = [("gate", layer + 1)] if self.next_gate and layer + 1 < self.spec.num_layers else []
+            self._want([("gate", layer)] + [("expert", layer, e) for e in hot] + ahead, "weights")
         w = self._get(("attn", layer))
         loads, stores = {}, []
         if kvs[0].on_host:
@@ -147,9 +150,24 @@ class Pipeline:
             new = sorted(set(experts.flatten().tolist()))
             self._want([("expert", layer, e) for e in new], "experts", front=True)
         self.cache.release(("gate", layer))
-        chosen = torch.cat([r.experts.flatten() for r in routed])
-        self.predictor.observe(layer, chosen, hot)
+        self.predictor.observe(layer, [r.experts for r in routed])
+        if self.next_gate:
+            self._speculate(layer + 1, hs)
         return routed, hot
+
+    def _speculate(self, layer, hs) -> None:
+        """Next-gate prediction: layer+1's router on the hidden states entering this MoE,
+        only if that gate has already arrived (a prediction must never stall compute)."""
+        key = ("gate", layer)
+        if layer >= self.spec.num_layers or not self.cache.ready(key):
+            return
+        gate = self.cache.get(key)
+        picks = []
+        with self.trace.span("compute", f"speculate.{layer}"):
+            for h in hs:
+                x = M.rms_norm(h, gate["post_norm"], self.spec.rms_norm_eps).reshape(-1, h.shape[-1])
+                picks.append(M.route(x, gate["router"], self.spec.top_k)[1])
+        self.predictor.speculate(layer, picks)
 
     # ---- experts ------------------------------------------------------------------------
     def _experts(self, layer, hs, routed, hot):
@@ -168,7 +186,9 @@ class Pipeline:
                 # One matmul over the tokens of all batches: the weight is shared n*bs ways.
                 y = M.expert_ffn(torch.cat([r.x[tok] for r, (tok, _) in zip(routed, picks)]), w)
                 for r, out, (tok, slot), y_k in zip(routed, outs, picks, y.split([len(p[0]) for p in picks])):
-                    out.index_add_(0, tok, M.weighted(y_k, r.weights[tok, slot]))
+                    # index_put_ rather than index_add_: same sum (a token meets an expert once),
+                    # but index_add_ on CPU costs milliseconds per call here
+                    out.index_put_((tok,), M.weighted(y_k, r.weights[tok, slot]), accumulate=True)
             if self.schedule == "klotski":
                 self.cache.release(key)  # early release: room for the next transfer now
                 self._pump()

@@ -207,6 +207,7 @@ class _Weights:
     NORM_NOISE = 0.1
 
     QUIET_GAIN = 0.2
+    SELF_PENALTY = 1.0
 
     def __init__(self, shapes: _Shapes, seed: int, routing: str = "uniform",
                  quiet_ids: tuple[int, ...] = ()):
@@ -287,6 +288,11 @@ class _Weights:
             # bytes, UTF-8 fragments, <pad>) small logits, so greedy output
             # reads as words; eos keeps a full row so some sequences stop.
             w[self.quiet_ids] *= self.QUIET_GAIN
+            # The last position's residual still holds its input embedding;
+            # pointing each token's row away from its own embedding keeps a
+            # random model from locking onto one token (x x x x ...).
+            emb = self._hub("model.embed_tokens.weight")
+            w.sub_(emb, alpha=self.SELF_PENALTY / math.sqrt(s.hidden))
             return self._skew_blind_reader(w) if skewed else w
         if name.endswith("block_sparse_moe.gate.weight"):
             return self._router(name)
