@@ -23,6 +23,7 @@ def _module(name):
 
 compare = _module("compare")
 max_batch = _module("max_batch")
+accelerate_run = _module("accelerate_run")
 
 
 def _write_jobs(path, prompts=PROMPTS):
@@ -84,6 +85,29 @@ def test_report_accounts_tokens_and_time(accel_run):
     assert 0 < r["time_to_first_token_s"] <= r["prefill_s"] <= r["generate_s"] < r["wall_s"]
     assert r["peak_rss_bytes"] >= r["rss_after_load_bytes"] > 0
     assert r["budget_used_bytes"] >= r["resident_weight_bytes"]
+
+
+def test_rows_stop_at_eos_and_at_their_own_limit(accel_run):
+    """The tiny model never emits EOS on these prompts, so the cut is checked on a scripted generate."""
+    import torch
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(accel_run["model"], padding_side="left")
+    eos, pad = tok.eos_token_id, tok.pad_token_id
+
+    class Scripted:
+        def generate(self, input_ids, attention_mask, max_new_tokens, logits_processor, **kw):
+            assert max_new_tokens == 5 and attention_mask[1].tolist() == [0, 1, 1]
+            logits_processor[0](input_ids, None)
+            new = torch.tensor([[7, 8, eos, pad, pad], [7, 8, 9, 10, 11]])
+            return torch.cat([input_ids, new], dim=1)
+
+    batch = [{"id": "a", "ids": [1, 5, 6], "max_new": 5}, {"id": "b", "ids": [1, 5], "max_new": 3}]
+    records, generated, prefill, total = accelerate_run.generate_batch(Scripted(), tok, batch, pad, {eos})
+    assert [r["token_ids"] for r in records] == [[7, 8], [7, 8, 9]]
+    assert [r["finish_reason"] for r in records] == ["stop", "length"]
+    assert generated == 3 + 3  # EOS counts as generated, like Klotski; padding after it does not
+    assert 0 <= prefill <= total
 
 
 def test_compare_detects_an_altered_token(accel_run, tmp_path):
