@@ -53,6 +53,21 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-direct-io", action="store_true", help="read weights through the page cache")
 
 
+def _add_plan_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny-mixtral", help="alias (mixtral-8x7b, mixtral-8x22b), directory or built-in")
+    p.add_argument("--hardware", default="auto",
+                   help="auto (measure this machine), rtx3090-pcie4, h800-pcie5 or a profile JSON")
+    p.add_argument("--device-memory", "--gpu-memory", type=_size, metavar="SIZE")
+    p.add_argument("--host-memory", "--cpu-memory", type=_size, metavar="SIZE")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--gen-len", type=int, default=32)
+    p.add_argument("--batch-size", type=int)
+    p.add_argument("--num-batches", type=_num_batches, default=None, metavar="N|auto")
+    p.add_argument("--schedule", default="klotski", choices=SCHEDULES)
+    p.add_argument("--quantize", default="none", choices=("none", "hqq4"))
+    p.add_argument("--emulate-link", type=float, metavar="GBPS", dest="emulate_link_gbps")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="klotski",
@@ -75,6 +90,33 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-resume", action="store_true", help="start the output file afresh")
     g.add_argument("--include-token-ids", action="store_true", help="add token_ids to each output line")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    pl = sub.add_parser("plan", help="choose batch size, n and placement; predict throughput (no weights needed)",
+                        description="Plan a run: batch size, batches per group, hot experts, placement per tier, "
+                                    "the binding inequality and predicted tokens/s. Works for aliases "
+                                    "(mixtral-8x7b, mixtral-8x22b) without their weights.")
+    _add_plan_flags(pl)
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+    sm = sub.add_parser("simulate", help="discrete-event replay of the schedules on a hardware profile")
+    _add_plan_flags(sm)
+    sm.add_argument("--skew", type=float, default=1.0, help="Zipf skew of synthetic routing (0 = uniform)")
+    sm.add_argument("--trace", metavar="PATH", help="write the klotski schedule's Chrome trace")
+    sm.add_argument("--json", action="store_true")
+
+    pf = sub.add_parser("profile", help="measure this machine for a model's shapes (cached)")
+    pf.add_argument("--model", default="tiny-mixtral")
+    pf.add_argument("--emulate-link", type=float, metavar="GBPS", dest="emulate_link_gbps")
+    pf.add_argument("--refresh", action="store_true", help="measure again instead of using the cache")
+
+    co = sub.add_parser("correlate", help="build the expert-correlation table from a warm-up run")
+    co.add_argument("jobs", nargs="?", metavar="JOBS.jsonl", help="prompts (default: the bundled corpus)")
+    co.add_argument("--model", default="tiny-mixtral")
+    co.add_argument("-o", "--output", metavar="TABLE.json", help="default: the user cache, where generate looks")
+    co.add_argument("--path-length", type=int, default=1, help="layers of expert history per lookup (default 1)")
+    co.add_argument("--batch-size", type=int, default=8)
+    co.add_argument("--count", type=int, default=64, help="prompts to sample (default 64)")
+    co.add_argument("--max-new-tokens", type=int, default=16)
 
     t = sub.add_parser("make-tiny", help="write a deterministic small Mixtral checkpoint (HF format)")
     t.add_argument("output", metavar="DIR")
@@ -112,6 +154,9 @@ def main(argv=None) -> int:
         if args.command == "generate":
             from klotski.run import generate
             return generate(config_from_args(args), Path(args.jobs), args.output)
+        if args.command in ("plan", "simulate", "profile", "correlate"):
+            from klotski import commands
+            return getattr(commands, args.command)(args)
         if args.command == "make-tiny":
             from klotski import tiny
             path = tiny.build_checkpoint(args.output, args.preset, seed=args.seed, num_shards=args.shards,

@@ -75,23 +75,15 @@ class Engine:
         self.predictor = predictor
         self.batch_size = config.batch_size or 8
         self.num_batches = 1 if config.schedule == "simple" else (config.num_batches or 1)
+        self.plan = None
         self.pipeline: Pipeline | None = None
         self.stats = Stats()
 
     def _start(self, seqs: list[Sequence]) -> None:
         """Decide placement (now that the longest sequence is known) and fill the tiers."""
         spec = self.spec
-        sizes = {key: self._group_nbytes(key) for key in spec.group_keys()}
-        longest = max(len(s.prompt_ids) + s.max_new_tokens for s in seqs)
-        group = self.batch_size * self.num_batches
-        kv_bytes = group * longest * spec.kv_bytes_per_token(self.dtype.itemsize)
-        if self.placement is None:
-            layer_attn = max(v for k, v in sizes.items() if k[0] == "attn")
-            expert = max(v for k, v in sizes.items() if k[0] == "expert")
-            reserve = layer_attn * 2 + sizes[("gate", 0)] * 2 + expert * (2 * spec.top_k + 2) \
-                + 8 * group * longest * spec.hidden_size * self.dtype.itemsize
-            self.placement = Placement.greedy(sizes, device=self.budgets.device, host=self.budgets.host,
-                                              kv_bytes=kv_bytes, reserve=reserve)
+        if self.config.num_batches is None or self.config.batch_size is None or self.placement is None:
+            self._plan(seqs)
         self.cache = WeightCache(self.store, self.placement, spec.group_refs, self.dtype, self.memory,
                                  to_device=lambda t: t.to(self.device),
                                  pin=lambda t: pin(t, self.device), disk_channel=self.channels["disk"])
@@ -99,6 +91,22 @@ class Engine:
             self.predictor = self._make_predictor()
         self.pipeline = Pipeline(spec, self.cache, self.channels, self.config, self.trace, self.predictor,
                                  self.memory, self.device)
+
+    def _plan(self, seqs) -> None:
+        """Ask the planner for bs, n (those the user left to it) and the placement."""
+        from klotski import planning
+        shape = planning.as_shape(self.spec)
+        profile = planning.profile_for("auto", shape, device=self.device.type,
+                                       link_gbps=self.config.emulate_link_gbps)
+        self.plan = planning.make_plan(
+            shape, profile, device_memory=self.budgets.device, host_memory=self.budgets.host,
+            prompt_len=max(len(s.prompt_ids) for s in seqs), gen_len=max(s.max_new_tokens for s in seqs),
+            config=self.config, sequences=len(seqs))
+        self.batch_size = self.config.batch_size or self.plan.batch_size
+        if self.config.schedule != "simple":
+            self.num_batches = self.config.num_batches or self.plan.num_batches
+        if self.placement is None:
+            self.placement = planning.engine_placement(self.plan, self.spec)
 
     def _make_predictor(self):
         spec, how = self.spec, self.config.prefetch

@@ -30,6 +30,7 @@ import torch
 from klotski.kvcache import BatchKV
 from klotski.models import mixtral as M
 from placement.tiers import OverBudget
+from planner.place import PREFILL_EXPERT_CHUNK, activation_bytes
 
 
 @dataclass
@@ -183,8 +184,10 @@ class Pipeline:
             w = self._get(key)
             picks = [torch.where(r.experts == e) for r in routed]
             with self.trace.span("compute", f"expert.{layer}.{e}"):
-                # One matmul over the tokens of all batches: the weight is shared n*bs ways.
-                y = M.expert_ffn(torch.cat([r.x[tok] for r, (tok, _) in zip(routed, picks)]), w)
+                # One matmul over the tokens of all batches: the weight is shared n*bs ways
+                # (in chunks, so a long prefill does not blow the activation reserve).
+                x = torch.cat([r.x[tok] for r, (tok, _) in zip(routed, picks)])
+                y = torch.cat([M.expert_ffn(c, w) for c in x.split(PREFILL_EXPERT_CHUNK)])
                 for r, out, (tok, slot), y_k in zip(routed, outs, picks, y.split([len(p[0]) for p in picks])):
                     # index_put_ rather than index_add_: same sum (a token meets an expert once),
                     # but index_add_ on CPU costs milliseconds per call here
@@ -276,12 +279,5 @@ class Pipeline:
     def _activation_bytes(self, kvs, inputs) -> int:
         tokens = sum(i.ids.numel() for i in inputs)
         scores = max(i.ids.numel() * (kv.filled + i.ids.shape[1]) for kv, i in zip(kvs, inputs))
-        return activation_bytes(self.spec, self.cache.dtype.itemsize, tokens, scores)
-
-
-def activation_bytes(spec, itemsize: int, tokens: int, scores: int) -> int:
-    """A reserve for one step's activations: hidden states and router inputs of all `tokens`
-    of the group, one batch's attention scores (`scores` query-key pairs, fp32 softmax),
-    and one expert's FFN intermediates."""
-    return (4 * tokens * spec.hidden_size * itemsize + 2 * spec.num_heads * scores * 4
-            + 3 * tokens * spec.intermediate_size * itemsize)
+        return activation_bytes(self.spec, self.cache.dtype.itemsize, tokens=tokens, scores=scores,
+                                sequences=sum(i.ids.shape[0] for i in inputs))

@@ -12,8 +12,8 @@ subjects of the benchmarks, so three things matter more than anything else:
   logit gap is far above rounding noise and routing is not a coin flip, which
   lets the engine's schedules be compared token for token against transformers.
 
-Weights are generated and written one tensor at a time, so building `medium`
-(~1.5 GB) never holds more than its largest tensor in memory.
+Weights are generated and streamed to disk one tensor at a time, so building
+`medium` (~1.5 GB) takes a few hundred MB of RAM whatever the shard count.
 """
 
 from __future__ import annotations
@@ -134,8 +134,8 @@ def _quiet_token_ids(tok, vocab_size: int) -> tuple[int, ...]:
     return tuple(quiet)
 
 
-def _save_tokenizer(out_dir: Path, vocab_size: int, max_len: int) -> int:
-    """Write tokenizer files into out_dir; return the tokenizer's size."""
+def _save_tokenizer(out_dir: Path, vocab_size: int, max_len: int):
+    """Write tokenizer files into out_dir; return the `tokenizers.Tokenizer`."""
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
@@ -146,16 +146,16 @@ def _save_tokenizer(out_dir: Path, vocab_size: int, max_len: int) -> int:
         model_max_length=max_len,
     )
     fast.save_pretrained(out_dir)
-    # transformers 5 names its own backend class and puts the template in a
-    # .jinja file; the 4.x releases pyproject still allows know neither, while
-    # both versions read the class name and template below.
+    # transformers 5 records its own backend class name, which 4.x (still
+    # allowed by pyproject) cannot resolve, and puts the template in a .jinja
+    # file that older 4.x releases ignore; both major versions read these.
     cfg_path = out_dir / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
     cfg["chat_template"] = CHAT_TEMPLATE
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     (out_dir / "chat_template.jinja").unlink(missing_ok=True)
-    return tok.get_vocab_size()
+    return tok
 
 
 # --------------------------------------------------------------------------- weights
@@ -284,15 +284,15 @@ class _Weights:
             return self._skew_embedding(w) if skewed else w
         if name == "lm_head.weight":
             w = _randn(seed, name, (s.vocab, s.hidden), self.HEAD_GAIN / math.sqrt(s.hidden))
-            # Short rows give tokens that cannot stand alone in text (control
-            # bytes, UTF-8 fragments, <pad>) small logits, so greedy output
-            # reads as words; eos keeps a full row so some sequences stop.
-            w[self.quiet_ids] *= self.QUIET_GAIN
             # The last position's residual still holds its input embedding;
             # pointing each token's row away from its own embedding keeps a
             # random model from locking onto one token (x x x x ...).
             emb = self._hub("model.embed_tokens.weight")
             w.sub_(emb, alpha=self.SELF_PENALTY / math.sqrt(s.hidden))
+            # Short rows give tokens that cannot stand alone in text (control
+            # bytes, UTF-8 fragments, <pad>) small logits, so greedy output
+            # reads as words; eos keeps a full row so some sequences stop.
+            w[self.quiet_ids] *= self.QUIET_GAIN
             return self._skew_blind_reader(w) if skewed else w
         if name.endswith("block_sparse_moe.gate.weight"):
             return self._router(name)
@@ -423,6 +423,47 @@ def _config_fields() -> set[str]:
     return {f.name for f in dataclasses.fields(MixtralConfig)} | {"rope_theta"}
 
 
+def _save_config(out: Path, kwargs: dict, dtype_name: str, tok):
+    from transformers import GenerationConfig, MixtralConfig
+
+    ids = {t: tok.token_to_id(t) for t in ("<s>", "</s>", "<pad>")}
+    cfg = MixtralConfig(
+        **kwargs, architectures=["MixtralForCausalLM"], dtype=dtype_name,
+        bos_token_id=ids["<s>"], eos_token_id=ids["</s>"], pad_token_id=ids["<pad>"],
+    )
+    cfg.save_pretrained(out)
+    # Hub Mixtral configs carry these legacy top-level keys; transformers 5
+    # accepts them silently and readers written against hub files find them.
+    path = out / "config.json"
+    raw = json.loads(path.read_text())
+    raw["torch_dtype"] = dtype_name
+    raw["rope_theta"] = raw["rope_parameters"]["rope_theta"]
+    path.write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
+    GenerationConfig(bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id,
+                     pad_token_id=cfg.pad_token_id).save_pretrained(out)
+    return cfg
+
+
+def _save_weights(out: Path, entries, dtype: torch.dtype, make, num_shards: int) -> None:
+    """model.safetensors, or hub-style numbered shards plus their index."""
+    for stale in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
+        stale.unlink(missing_ok=True)  # a previous build with another shard count
+    if num_shards == 1:
+        _write_safetensors(out / "model.safetensors", entries, dtype, make)
+        return
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    sizes = [math.prod(shape) * itemsize for _, shape in entries]
+    ids = _shard_ids(sizes, num_shards)
+    weight_map = {}
+    for k in range(num_shards):
+        fname = f"model-{k + 1:05d}-of-{num_shards:05d}.safetensors"
+        part = [e for e, i in zip(entries, ids) if i == k]
+        _write_safetensors(out / fname, part, dtype, make)
+        weight_map.update({name: fname for name, _ in part})
+    index = {"metadata": {"total_size": sum(sizes)}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
 def build_checkpoint(out_dir, preset: str = "tiny", *, seed: int = 0, dtype=None,
                      num_shards: int = 1, fused_experts: bool = False,
                      routing: str = "uniform", **overrides) -> Path:
@@ -434,12 +475,11 @@ def build_checkpoint(out_dir, preset: str = "tiny", *, seed: int = 0, dtype=None
     fused_experts writes transformers-5 in-memory names (mlp.gate,
     mlp.experts.gate_up_proj, mlp.experts.down_proj) instead of the hub's
     per-expert block_sparse_moe tensors; values are identical.
-    routing="skewed" is reserved for routers with Zipf-like expert popularity
-    and correlated consecutive layers (real Mixtral's top-2 experts take ~50%
-    of assignments); only "uniform" is implemented.
+    routing="skewed" builds routers with Zipf-like expert popularity and
+    correlated consecutive layers: the two most popular experts of a layer
+    take ~50% of token-expert assignments, as in real Mixtral, against ~30%
+    with "uniform" (see _Weights for how).
     """
-    from transformers import GenerationConfig, MixtralConfig
-
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
     if routing not in ROUTINGS:
@@ -448,52 +488,19 @@ def build_checkpoint(out_dir, preset: str = "tiny", *, seed: int = 0, dtype=None
     if unknown:
         raise TypeError(f"not MixtralConfig fields: {sorted(unknown)}")
     kwargs = {**PRESETS[preset], **overrides}
-    wdtype = _as_dtype(dtype if dtype is not None else kwargs.pop("dtype"))
-    kwargs.pop("dtype", None)
+    if "rope_parameters" in overrides:
+        kwargs.pop("rope_theta", None)
+    preset_dtype = kwargs.pop("dtype")
+    wdtype = _as_dtype(dtype if dtype is not None else preset_dtype)
     dtype_name = str(wdtype).removeprefix("torch.")
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    for stale in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
-        stale.unlink(missing_ok=True)  # a previous build with another shard count
-
-    _save_tokenizer(out, kwargs["vocab_size"], kwargs["max_position_embeddings"])
-    from tokenizers import Tokenizer
-    tok = Tokenizer.from_str(_tokenizer_json(kwargs["vocab_size"]))
-    specials = {t: tok.token_to_id(t) for t in ("<s>", "</s>", "<pad>")}
-
-    cfg = MixtralConfig(
-        **kwargs, architectures=["MixtralForCausalLM"], dtype=dtype_name,
-        bos_token_id=specials["<s>"], eos_token_id=specials["</s>"],
-        pad_token_id=specials["<pad>"],
-    )
-    cfg.save_pretrained(out)
-    # Hub Mixtral configs carry these legacy top-level keys; transformers 5
-    # accepts them silently and readers written against hub files find them.
-    cfg_path = out / "config.json"
-    raw = json.loads(cfg_path.read_text())
-    raw["torch_dtype"] = dtype_name
-    raw["rope_theta"] = raw["rope_parameters"]["rope_theta"]
-    cfg_path.write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
-    GenerationConfig(bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id,
-                     pad_token_id=cfg.pad_token_id).save_pretrained(out)
-
+    tok = _save_tokenizer(out, kwargs["vocab_size"], kwargs["max_position_embeddings"])
+    cfg = _save_config(out, kwargs, dtype_name, tok)
     weights = _Weights(_Shapes.of(cfg), seed, routing, _quiet_token_ids(tok, cfg.vocab_size))
     entries = weights.fused_entries() if fused_experts else weights.hub_entries()
-    itemsize = torch.empty((), dtype=wdtype).element_size()
-    sizes = [math.prod(shape) * itemsize for _, shape in entries]
-    if num_shards == 1:
-        _write_safetensors(out / "model.safetensors", entries, wdtype, weights.make)
-    else:
-        ids = _shard_ids(sizes, num_shards)
-        weight_map = {}
-        for k in range(num_shards):
-            fname = f"model-{k + 1:05d}-of-{num_shards:05d}.safetensors"
-            part = [e for e, i in zip(entries, ids) if i == k]
-            _write_safetensors(out / fname, part, wdtype, weights.make)
-            weight_map.update({name: fname for name, _ in part})
-        index = {"metadata": {"total_size": sum(sizes)}, "weight_map": dict(sorted(weight_map.items()))}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    _save_weights(out, entries, wdtype, weights.make, num_shards)
 
     stamp = {"build_version": BUILD_VERSION, "preset": preset, "seed": seed,
              "dtype": dtype_name, "fused_experts": fused_experts, "routing": routing,

@@ -53,15 +53,27 @@ class Layout:
     head: str
 
 
+def activation_bytes(shape, itemsize: int, *, tokens: int, scores: int, sequences: int) -> int:
+    """Device bytes of one step's activations, shared with the engine's own reservation:
+    hidden state, residual and MoE input/output of all `tokens` of the group (x4), one
+    batch's attention scores and probabilities in fp32 (`scores` query-key pairs per head),
+    one expert call's FFN intermediates (at most PREFILL_EXPERT_CHUNK tokens), and the
+    fp32 next-token logits of every sequence."""
+    s = shape
+    return (4 * tokens * s.hidden_size * itemsize + 2 * s.num_heads * scores * 4
+            + 3 * min(tokens, PREFILL_EXPERT_CHUNK) * s.intermediate_size * itemsize
+            + sequences * s.vocab_size * 4)
+
+
 def working_set(cost, bs, n, prompt_len, gen_len, schedule, hot) -> dict:
     """Device bytes needed besides resident weights and KV, assuming every weight group is
     off-device (the MILP drops a buffer when its whole group is resident)."""
     s, b = cost.shape, cost.shape.dtype_bytes
     deq = (s.expert_params + s.attention_params) * b if cost.quant_bits else 0  # dequantized copies
-    decode = n * bs * s.hidden_size * b * 3 + n * bs * s.intermediate_size * b * 2 + bs * s.vocab_size * 4
-    prefill = (n * bs * prompt_len * s.hidden_size * b * 3
-               + min(n * bs * prompt_len, PREFILL_EXPERT_CHUNK) * s.intermediate_size * b * 2
-               + bs * prompt_len * (s.num_heads + 2 * s.num_kv_heads) * s.head_dim * b + bs * s.vocab_size * 4)
+    ctx = prompt_len + gen_len
+    decode = activation_bytes(s, b, tokens=n * bs, scores=bs * ctx, sequences=n * bs)
+    prefill = activation_bytes(s, b, tokens=n * bs * prompt_len, scores=bs * prompt_len * prompt_len,
+                               sequences=n * bs)
     kv_ctx = cost.kv_context(prompt_len + gen_len)
     return {
         "activations": max(decode, prefill) + deq,

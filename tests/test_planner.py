@@ -147,11 +147,13 @@ def test_kv_growth_caps_n_below_the_inequalities():
     free = solve(HAND, cm, budgets, prompt_len=P, gen_len=G, batch_sizes=(bs,))
     assert free.num_batches == 13
     # Host holds all weights (no disk allowed) plus the KV cache of at most 7.5 batches. The
-    # device's spare room can't take a layer of KV either (checked), so n is capped at 7.
+    # device is sized to the working set at n=8, so its spare room at n <= 8 takes neither a
+    # layer of KV nor an attention layer (which would free host room for KV): n is capped at 7.
     kv_batch = cm.kv_bytes(bs * (P + G))
+    budgets = tight_budgets(cm, bs, 8, P, G)
     for n in (7, 8):
         room = budgets.device - sum(working_set(cm, bs, n, P, G, "klotski", 1).values())
-        assert room < n * kv_batch / HAND.num_layers
+        assert room < min(n * kv_batch / HAND.num_layers, cm.attention_bytes)
     capped = dataclasses.replace(budgets, host=cm.weights_bytes() + 7.5 * kv_batch, disk=0)
     plan = solve(HAND, cm, capped, prompt_len=P, gen_len=G, batch_sizes=(bs,))
     assert plan.num_batches == 7

@@ -199,3 +199,34 @@ def test_ensure_builtin_rebuilds_stale_cache(tmp_path, monkeypatch, capsys):
     assert "out of date" in capsys.readouterr().err
     assert json.loads((d / tiny.STAMP_FILE).read_text())["build_version"] == tiny.BUILD_VERSION
     assert sorted(os.listdir(d.parent)) == ["tiny-mixtral"]
+
+
+def test_skewed_routing_concentrates_and_correlates_experts(hub, tmp_path):
+    def routing_stats(d):
+        model, info = _load(d)
+        assert not any(info.values()), info
+        text = tiny.CORPUS.read_text(encoding="utf-8")[:1500]  # < 1024 positions
+        ids = torch.tensor([model.config.bos_token_id] + _tok(d).encode(text, add_special_tokens=False))
+        with torch.no_grad():
+            routers = model(ids[None], output_router_logits=True).router_logits
+        top = [r.topk(2, dim=-1).indices for r in routers]
+        E = model.config.num_local_experts
+        shares = [torch.bincount(t.flatten(), minlength=E).sort(descending=True).values[:2].sum()
+                  / t.numel() for t in top]
+        # how often layer l's first choice fixes layer l+1's first choice
+        agree = []
+        for a, b in zip(top, top[1:]):
+            pairs = torch.zeros(E, E)
+            pairs.index_put_((a[:, 0], b[:, 0]), torch.ones(len(a)), accumulate=True)
+            agree.append(pairs.max(1).values.sum() / len(a))
+        return sum(shares) / len(shares), sum(agree) / len(agree)
+
+    uniform = routing_stats(hub)
+    skewed = routing_stats(tiny.build_checkpoint(tmp_path / "sk", "tiny", routing="skewed"))
+    assert uniform[0] < 0.42 < skewed[0] < 0.65, (uniform, skewed)
+    assert skewed[1] > uniform[1] + 0.1, (uniform, skewed)
+
+
+def _tok(d):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(d)

@@ -1,0 +1,85 @@
+"""`klotski plan | simulate | profile | correlate`: the planner and the prefetch table from the
+command line. Each returns an exit status; errors are raised as user errors."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from klotski import planning
+from klotski.config import RunConfig
+
+
+def _config(a) -> RunConfig:
+    return RunConfig(model=a.model, batch_size=a.batch_size, num_batches=a.num_batches, schedule=a.schedule,
+                     quantize=a.quantize, emulate_link_gbps=a.emulate_link_gbps, max_new_tokens=a.gen_len)
+
+
+def plan(a) -> int:
+    from planner.solve import format_plan
+    shape = planning.model_shape(a.model)
+    profile = planning.profile_for(a.hardware, shape, link_gbps=a.emulate_link_gbps)
+    result = planning.make_plan(shape, profile, device_memory=a.device_memory, host_memory=a.host_memory,
+                                prompt_len=a.prompt_len, gen_len=a.gen_len, config=_config(a))
+    print(result.to_json() if a.json else format_plan(result))
+    return 0
+
+
+def simulate(a) -> int:
+    from planner.costmodel import CostModel
+    from planner.routing import RoutingSample
+    from planner.simulate import simulate as replay
+    shape = planning.model_shape(a.model)
+    profile = planning.profile_for(a.hardware, shape, link_gbps=a.emulate_link_gbps)
+    config = _config(a)
+    chosen = planning.make_plan(shape, profile, device_memory=a.device_memory, host_memory=a.host_memory,
+                                prompt_len=a.prompt_len, gen_len=a.gen_len, config=config)
+    cost = CostModel(profile, shape, quant_bits=4 if a.quantize == "hqq4" else None)
+    routing = RoutingSample.synthetic(shape.num_layers, shape.num_experts, shape.top_k, skew=a.skew)
+    rows = []
+    for schedule in ("simple", "multibatch", "hot-prefetch", "klotski"):
+        n = 1 if schedule == "simple" else chosen.num_batches
+        r = replay(cost, shape, bs=chosen.batch_size, n=n, schedule=schedule, prompt_len=a.prompt_len,
+                   gen_len=a.gen_len, routing=routing, placement=chosen, trace=bool(a.trace) and schedule == "klotski")
+        rows.append({"schedule": schedule, "batch_size": chosen.batch_size, "num_batches": n,
+                     "tokens_per_s": r.tokens_per_s, "bubble_share": r.bubble_share, "step_s": r.step_s})
+        if a.trace and schedule == "klotski":
+            Path(a.trace).write_text(json.dumps(r.chrome_trace()))
+    if a.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        print(f"{'schedule':14s} {'bs':>4s} {'n':>4s} {'tokens/s':>10s} {'bubble':>7s}")
+        for r in rows:
+            print(f"{r['schedule']:14s} {r['batch_size']:4d} {r['num_batches']:4d} "
+                  f"{r['tokens_per_s']:10.2f} {r['bubble_share']:7.1%}")
+    return 0
+
+
+def profile(a) -> int:
+    from planner.profile import measure
+    shape = planning.model_shape(a.model)
+    result = measure(shape, link_gbps=a.emulate_link_gbps, refresh=a.refresh)
+    print(result.to_json())
+    return 0
+
+
+def correlate(a) -> int:
+    from klotski.correlate import build_table, default_table_path, warmup_prompts
+    from klotski.engine import Engine
+    if a.jobs:
+        from klotski.jobs import read_jobs
+        requests, _ = read_jobs(Path(a.jobs))
+        prompts = [r.prompt for r in requests if r.prompt][: a.count]
+    else:
+        prompts = warmup_prompts(a.count)
+    config = RunConfig(model=a.model, progress=False)
+    out = Path(a.output) if a.output else None
+    if out is None:
+        probe = Engine(config)
+        out = default_table_path(probe.model_dir, probe.store)
+        probe.close()
+    table = build_table(config, prompts, out, path=a.path_length, batch_size=a.batch_size,
+                        max_new_tokens=a.max_new_tokens)
+    print(f"wrote the expert-correlation table ({len(prompts)} prompts, path length {table.path}) to {out}",
+          file=sys.stderr)
+    return 0
