@@ -83,3 +83,13 @@ def correlate(a) -> int:
     print(f"wrote the expert-correlation table ({len(prompts)} prompts, path length {table.path}) to {out}",
           file=sys.stderr)
     return 0
+
+
+def quantize(a) -> int:
+    from klotski.engine import Engine
+    from klotski.quantized import ensure_quantized
+    engine = Engine(RunConfig(model=a.model, progress=False))
+    out = ensure_quantized(engine.store, engine.spec, engine.model_dir, a.output, engine.dtype, optimize=a.optimize)
+    engine.close()
+    print(f"quantized checkpoint: {out}")
+    return 0

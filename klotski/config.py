@@ -57,6 +57,7 @@ class RunConfig:
     prefetch: str = "correlation"
     hot_experts: int | None = None    # K; None = the model's top-k
     quantize: str = "none"
+    quantize_optimize: bool = False   # HQQ's half-quadratic optimisation (slow on CPU)
     emulate_link_gbps: float | None = None
     direct_io: bool = True
     resume: bool = True
@@ -82,6 +83,8 @@ class RunConfig:
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.quantize not in ("none", "hqq4"):
+            raise ConfigError(f"--quantize {self.quantize!r}: choose none or hqq4")
         if self.emulate_link_gbps is not None and self.emulate_link_gbps <= 0:
             raise ConfigError("--emulate-link must be a positive bandwidth in GB/s")
 

@@ -84,9 +84,15 @@ class Engine:
         spec = self.spec
         if self.config.num_batches is None or self.config.batch_size is None or self.placement is None:
             self._plan(seqs)
+        codec = None
+        if self.config.quantize == "hqq4":
+            from klotski.quantized import QuantCodec, ensure_quantized
+            qdir = ensure_quantized(self.store, spec, self.model_dir, self.config.offload_dir, self.dtype,
+                                    optimize=self.config.quantize_optimize)
+            codec = QuantCodec(qdir, self.dtype)
         self.cache = WeightCache(self.store, self.placement, spec.group_refs, self.dtype, self.memory,
-                                 to_device=lambda t: t.to(self.device),
-                                 pin=lambda t: pin(t, self.device), disk_channel=self.channels["disk"])
+                                 to_device=lambda t: t.to(self.device), pin=lambda t: pin(t, self.device),
+                                 disk_channel=self.channels["disk"], codec=codec)
         if self.predictor is None:
             self.predictor = self._make_predictor()
         self.pipeline = Pipeline(spec, self.cache, self.channels, self.config, self.trace, self.predictor,

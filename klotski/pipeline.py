@@ -242,11 +242,15 @@ class Pipeline:
             if key[0] == "expert":
                 self.experts_loaded += 1
         if self.cache.ready(key):
-            return self.cache.get(key)
-        start = time.perf_counter()
-        tensors = self.cache.get(key)
-        self.trace.add("wait", ".".join(map(str, key)), start, time.perf_counter())
-        return tensors
+            self.cache.get(key)
+        else:
+            start = time.perf_counter()
+            self.cache.get(key)
+            self.trace.add("wait", ".".join(map(str, key)), start, time.perf_counter())
+        if self.cache.needs_decode(key):
+            with self.trace.span("compute", "dequant." + ".".join(map(str, key))):
+                return self.cache.decode(key)
+        return self.cache.get(key)
 
     def _wait(self, ticket, name):
         if ticket.done():

@@ -68,6 +68,7 @@ def build_report(engine, *, ok: int, failed: int, skipped: int, wall_s: float) -
     gen_s = s.prefill_s + s.decode_s
     return {
         "tokens_per_s": round(s.generated_tokens / gen_s, 3) if gen_s else 0.0,
+        "predicted_tokens_per_s": round(engine.plan.predicted_tokens_per_s, 3) if engine.plan else None,
         "prefill_s": round(s.prefill_s, 4),
         "decode_s": round(s.decode_s, 4),
         "wall_s": round(wall_s, 4),
@@ -75,7 +76,8 @@ def build_report(engine, *, ok: int, failed: int, skipped: int, wall_s: float) -
         "tokens": {"prompt": s.prompt_tokens, "generated": s.generated_tokens},
         "plan": {"batch_size": engine.batch_size, "num_batches": engine.num_batches,
                  "hot_experts": engine.pipeline.K if engine.pipeline else None, "schedule": c.schedule,
-                 "placement": engine.placement.summary() if engine.placement else None},
+                 "placement": engine.placement.summary() if engine.placement else None,
+                 "binding": engine.plan.binding if engine.plan else None},
         "memory": {"peak_device_bytes": engine.memory.peak, "budget_device_bytes": engine.memory.budget,
                    "budget_host_bytes": engine.budgets.host},
         "io": {"bytes": dict(engine.trace.bytes),
@@ -94,7 +96,8 @@ def summary(report: dict, out_path: Path) -> str:
         f"requests  {r['ok']} ok, {r['failed']} failed" + (f", {r['skipped']} already done" if r["skipped"] else ""),
         f"tokens    {t['prompt']} prompt, {t['generated']} generated",
         f"speed     {report['tokens_per_s']:.1f} tok/s (prefill {report['prefill_s']:.2f} s, "
-        f"decode {report['decode_s']:.2f} s)",
+        f"decode {report['decode_s']:.2f} s)"
+        + (f"; planner predicted {report['predicted_tokens_per_s']:.1f}" if report["predicted_tokens_per_s"] else ""),
         f"bubble    {report['bubble']['share']:.1%} of compute time waiting on transfers; "
         f"peak device {report['memory']['peak_device_bytes'] / 2**20:.1f} MiB",
         f"wall      {report['wall_s']:.1f} s",

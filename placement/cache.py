@@ -19,19 +19,24 @@ DISK_TO_HOST = "disk_to_host"
 
 class WeightCache:
     def __init__(self, store, placement, refs_for, dtype, memory: DeviceMemory, *, to_device, pin=lambda t: t,
-                 disk_channel=None):
+                 disk_channel=None, codec=None):
         self.store, self.placement, self.refs_for, self.dtype = store, placement, refs_for, dtype
-        self.memory, self.disk_channel = memory, disk_channel
-        self.sizes = {k: self._nbytes(k) for k in placement.tiers}
+        self.memory, self.disk_channel, self.codec = memory, disk_channel, codec
+        full = {k: self._nbytes(k) for k in placement.tiers}
+        # bytes that cross a link, and device bytes of a transient copy (packed + decoded)
+        self.moved = {k: self.codec.packed_nbytes(k) if self._coded(k) else full[k] for k in full}
+        self.sizes = {k: self.moved[k] + full[k] if self._coded(k) else full[k] for k in full}
+        self.decoded: set = set()
         self.resident: dict = {}   # device-placed groups
         self.host: dict = {}       # host-placed groups (and staged disk groups)
         self.loaded: dict = {}     # transient device copies: key -> tensors
         self.pending: dict = {}    # key -> Ticket of a transfer in flight
         self.staging: dict = {}    # key -> Ticket of a disk->host read in flight
         for key, tier in placement.tiers.items():
-            if tier == DEVICE:
-                memory.reserve(self.sizes[key], f"resident {key}")
-                self.resident[key] = {n: to_device(t) for n, t in self._read(key).items()}
+            if tier == DEVICE:  # resident groups are kept decoded: nothing to move, nothing to redo
+                memory.reserve(full[key], f"resident {key}")
+                tensors = {n: to_device(t) for n, t in self._read(key).items()}
+                self.resident[key] = self.codec.decode(tensors) if self._coded(key) else tensors
             elif tier == HOST:
                 self.host[key] = {n: pin(t) for n, t in self._read(key).items()}
 
@@ -40,7 +45,13 @@ class WeightCache:
         return sum(self.store.nbytes(r.name, r.index, r.rows) // self.store.entries[r.name].dtype.itemsize * item
                    for r in self.refs_for(key).values())
 
+    def _coded(self, key) -> bool:
+        return self.codec is not None and self.codec.covers(key)
+
     def _read(self, key) -> dict:
+        """Host tensors of `key` as stored: packed parts when quantized."""
+        if self._coded(key):
+            return self.codec.read(key)
         return {n: self.store.read(r.name, r.index, r.rows).to(self.dtype) for n, r in self.refs_for(key).items()}
 
     # ---- state --------------------------------------------------------------------------
@@ -65,7 +76,7 @@ class WeightCache:
         self.memory.reserve(self.sizes[key], str(key))
         source = self._source(key)
         self.pending[key] = channel.submit(lambda: {n: channel.to_device(t) for n, t in source().items()},
-                                           name=_label(key), nbytes=self.sizes[key])
+                                           name=_label(key), nbytes=self.moved[key])
         return True
 
     def _source(self, key):
@@ -86,6 +97,15 @@ class WeightCache:
             self.loaded[key] = self.pending.pop(key).wait()
         return self.loaded[key]
 
+    def needs_decode(self, key) -> bool:
+        return self._coded(key) and key in self.loaded and key not in self.decoded
+
+    def decode(self, key) -> dict:
+        """Dequantize a landed transient copy in place (its reservation already covers both)."""
+        self.loaded[key] = self.codec.decode(self.loaded[key])
+        self.decoded.add(key)
+        return self.loaded[key]
+
     def release(self, key) -> None:
         """The pipeline is done with `key` for now: drop a transient copy and free its bytes."""
         if key in self.resident:
@@ -95,6 +115,7 @@ class WeightCache:
         elif key not in self.loaded:
             return
         self.loaded.pop(key, None)
+        self.decoded.discard(key)
         self.memory.free(self.sizes[key])
 
     def transient(self) -> list:
@@ -106,7 +127,7 @@ class WeightCache:
         for key in keys:
             if self.placement.tiers.get(key) == DISK and key not in self.staging and self.disk_channel:
                 self.staging[key] = self.disk_channel.submit(lambda key=key: self._read(key), name=_label(key),
-                                                             nbytes=self.sizes[key], link=DISK_TO_HOST)
+                                                             nbytes=self.moved[key], link=DISK_TO_HOST)
 
     def unstage(self, keys) -> None:
         for key in keys:

@@ -77,3 +77,18 @@ def test_misplaced_kv_block_is_caught(checkpoints, ref, monkeypatch):
     placement = Placement.by_kind(probe.spec.group_keys(), kv="host")
     ours, _ = engine_tokens(checkpoints["gqa"], placement=placement, batch_size=3, num_batches=2)
     assert ours != ref
+
+
+@pytest.mark.parametrize("schedule", ["klotski", "multibatch"])
+def test_quantized_weights_move_packed_and_give_identical_tokens_on_any_placement(checkpoints, tmp_path, schedule):
+    """HQQ output differs from bf16/fp32 by design, but must not depend on where bytes live."""
+    resident, _ = engine_tokens(checkpoints["gqa"], quantize="hqq4", offload_dir=str(tmp_path / "q"),
+                                batch_size=6, num_batches=1)
+    _, probe = engine_tokens(checkpoints["gqa"], prompts=["x"], max_new_tokens=1)
+    placement = Placement.by_kind(probe.spec.group_keys(), kv="host", attn="host", expert="disk")
+    moved, engine = engine_tokens(checkpoints["gqa"], quantize="hqq4", offload_dir=str(tmp_path / "q"),
+                                  placement=placement, batch_size=2, num_batches=3, schedule=schedule)
+    assert moved == resident
+    expert = ("expert", 0, 0)
+    assert engine.cache.moved[expert] * 3 < engine._group_nbytes(expert)  # packed bytes cross the link
+    assert engine.memory.peak <= engine.memory.budget

@@ -1,0 +1,65 @@
+"""`--quantize hqq4`: the quantized copy of a checkpoint and the codec the WeightCache uses.
+
+Attention and expert groups are quantized once into the offload directory (or the user
+cache), with a manifest naming the method and the source checkpoint; a later run reuses
+the copy while the manifest matches. What sits on host/disk and crosses the links is the
+packed form; the device dequantizes just before use (timed as compute by the pipeline).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from klotski import quant
+
+QUANTIZED_KINDS = ("attn", "expert")
+
+
+def label(key) -> str:
+    return ".".join(str(p) for p in key)
+
+
+class QuantCodec:
+    def __init__(self, directory: Path, dtype):
+        from safetensors import safe_open
+        self.directory, self.dtype = Path(directory), dtype
+        self._packed: dict[str, int] = {}
+        with safe_open(self.directory / quant.WEIGHTS_FILE, framework="pt") as f:
+            for name in f.keys():
+                group = name.split("/", 1)[0]
+                sl = f.get_slice(name)
+                numel = 1
+                for d in sl.get_shape():
+                    numel *= d
+                self._packed[group] = self._packed.get(group, 0) + numel * _itemsize(sl.get_dtype())
+
+    def covers(self, key) -> bool:
+        return key[0] in QUANTIZED_KINDS
+
+    def packed_nbytes(self, key) -> int:
+        return self._packed[label(key)]
+
+    def read(self, key) -> dict:
+        return quant.load_quantized(self.directory, label(key))
+
+    def decode(self, parts: dict) -> dict:
+        return quant.dequantize_group(parts, self.dtype)
+
+
+def _itemsize(dtype: str) -> int:
+    return {"F64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "U8": 1, "I8": 1, "BOOL": 1}.get(dtype, 4)
+
+
+def ensure_quantized(store, spec, model_dir: Path, offload_dir: str | None, dtype, *, optimize: bool = False) -> Path:
+    """The quantized copy for this checkpoint and preset, built on first use."""
+    from klotski.correlate import model_key
+    from klotski.tiny import default_cache_dir
+    qspec = quant.QuantSpec(optimize=optimize)
+    out = Path(offload_dir) if offload_dir else default_cache_dir() / "quantized" / f"{model_key(model_dir, store)}-{qspec.tag()}"
+    if not quant.manifest_matches(out, model_dir, qspec):
+        print(f"klotski: quantizing attention and experts with HQQ ({qspec.tag()}) into {out} (first use)",
+              file=sys.stderr)
+        groups = ((label(k), {n: store.read(r.name, r.index, r.rows).to(dtype) for n, r in spec.group_refs(k).items()})
+                  for k in spec.group_keys() if k[0] in QUANTIZED_KINDS)
+        quant.quantize_checkpoint(model_dir, out, qspec, groups)
+    return out
