@@ -47,6 +47,9 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="pipeline schedule; all give identical greedy output (default: klotski)")
     p.add_argument("--prefetch", default="correlation", choices=PREFETCH,
                    help="how hot experts are predicted (default: correlation)")
+    p.add_argument("--attention", default="full", metavar="full|sink:S,window:W",
+                   help="full (exact, default) or StreamingLLM-style: keep each sequence's first S and "
+                        "last W tokens of the KV cache")
     p.add_argument("--quantize", default="none", choices=("none", "hqq4"),
                    help="hqq4: move attention and experts as HQQ 4-bit (g64, scale/zero g128), "
                         "dequantized on the device before use; the copy is made once in --offload-dir")
@@ -147,7 +150,7 @@ def config_from_args(a: argparse.Namespace) -> RunConfig:
         model=a.model, max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
         seed=a.seed, batch_size=a.batch_size, num_batches=a.num_batches, device_memory=a.device_memory,
         host_memory=a.host_memory, offload_dir=a.offload_dir, device=a.device, dtype=a.dtype,
-        schedule=a.schedule, prefetch=a.prefetch, quantize=a.quantize, quantize_optimize=a.quantize_optimize,
+        schedule=a.schedule, prefetch=a.prefetch, attention=a.attention, quantize=a.quantize, quantize_optimize=a.quantize_optimize,
         emulate_link_gbps=a.emulate_link_gbps,
         direct_io=not a.no_direct_io, resume=not a.no_resume, include_token_ids=a.include_token_ids,
         report=a.report, trace=a.trace, progress=not a.no_progress)

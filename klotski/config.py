@@ -39,6 +39,16 @@ def format_size(n: float) -> str:
     return f"{n} B"
 
 
+def _sparse(attention: str) -> tuple[int | None, int | None]:
+    """'full' -> (None, None); 'sink:4,window:1020' -> (4, 1020)."""
+    if attention == "full":
+        return None, None
+    m = re.fullmatch(r"sink:(\d+),window:(\d+)", attention.replace(" ", ""))
+    if not m or int(m.group(2)) < 1:
+        raise ConfigError(f"--attention {attention!r}: use 'full' or 'sink:S,window:W' (e.g. sink:4,window:1020)")
+    return int(m.group(1)), int(m.group(2))
+
+
 @dataclass(frozen=True)
 class RunConfig:
     model: str = "tiny-mixtral"
@@ -56,6 +66,7 @@ class RunConfig:
     schedule: str = "klotski"
     prefetch: str = "correlation"
     hot_experts: int | None = None    # K; None = the model's top-k
+    attention: str = "full"           # or "sink:S,window:W" (StreamingLLM-style KV sparsity)
     quantize: str = "none"
     quantize_optimize: bool = False   # HQQ's half-quadratic optimisation (slow on CPU)
     emulate_link_gbps: float | None = None
@@ -83,10 +94,19 @@ class RunConfig:
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+        _sparse(self.attention)
         if self.quantize not in ("none", "hqq4"):
             raise ConfigError(f"--quantize {self.quantize!r}: choose none or hqq4")
         if self.emulate_link_gbps is not None and self.emulate_link_gbps <= 0:
             raise ConfigError("--emulate-link must be a positive bandwidth in GB/s")
+
+    @property
+    def attention_sink(self) -> int | None:
+        return _sparse(self.attention)[0]
+
+    @property
+    def attention_recent(self) -> int | None:
+        return _sparse(self.attention)[1]
 
     def replace(self, **changes) -> "RunConfig":
         return dataclasses.replace(self, **changes)

@@ -76,7 +76,11 @@ class Pipeline:
             with self.trace.span("compute", "embed"):
                 h = M.embed(inp.ids.to(self.device), outer["embed"])
                 cos, sin = M.rope_tables(inp.positions, spec.head_dim, spec.rope_theta, h.dtype)
-                mask = M.attention_mask(kv.begin_step(inp.valid), inp.ids.shape[1], spec.sliding_window)
+                sink, recent = self.config.attention_sink, self.config.attention_recent
+                mask = M.attention_mask(kv.begin_step(inp.valid, sink, recent), inp.ids.shape[1],
+                                        spec.sliding_window, sink, recent)
+                if kv.step_columns() is not None:  # attend over the kept slots only
+                    mask = mask.index_select(-1, kv.step_columns())
             hs.append(h)
             ctx.append((cos.to(self.device), sin.to(self.device), mask.to(self.device)))
         for layer in range(spec.num_layers):

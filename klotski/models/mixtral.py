@@ -40,17 +40,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
-def attention_mask(valid: torch.Tensor, new_tokens: int, window: int | None) -> torch.Tensor:
+def attention_mask(valid: torch.Tensor, new_tokens: int, window: int | None,
+                   sink: int | None = None, recent: int | None = None) -> torch.Tensor:
     """Boolean [B, 1, new, total] mask: query i sees key j iff j <= i, key j is a real token
     (not left padding) and, with a sliding window W, i - W < j. Indices are slots in the
-    padded cache, as transformers counts them."""
+    padded cache, as transformers counts them. StreamingLLM sparsity (`sink`, `recent`)
+    further keeps only a sequence's first `sink` tokens and keys with i - recent < j."""
     total = valid.shape[1]
     i = torch.arange(total - new_tokens, total)[:, None]
     j = torch.arange(total)[None, :]
     allowed = j <= i
     if window is not None:
         allowed &= j > i - window
-    return (allowed[None] & valid[:, None, :])[:, None]
+    allowed = allowed[None] & valid[:, None, :]
+    if recent is not None:
+        rank = valid.long().cumsum(-1) - 1  # position of key j within its own sequence
+        allowed &= (rank < sink)[:, None, :] | (j > i - recent)[None]
+    return allowed[:, None]
 
 
 def qkv(x, w: dict, cos, sin, num_heads: int, num_kv_heads: int, head_dim: int):

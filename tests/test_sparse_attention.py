@@ -1,0 +1,49 @@
+"""StreamingLLM-style KV sparsity: exact when nothing is dropped, and a real truncation otherwise."""
+import torch
+
+from conftest import engine_tokens, reference_tokens
+from klotski.kvcache import BatchKV
+from klotski.models.mixtral import attention_mask
+from placement.plan import Placement
+
+
+def test_sink_plus_window_covering_the_sequence_is_exact(checkpoints):
+    ref = reference_tokens(checkpoints["gqa"])
+    _, probe = engine_tokens(checkpoints["gqa"], prompts=["x"], max_new_tokens=1)
+    host_kv = Placement.by_kind(probe.spec.group_keys(), kv="host")
+    for placement in (None, host_kv):
+        ours, _ = engine_tokens(checkpoints["gqa"], placement=placement, attention="sink:4,window:200",
+                                batch_size=3, num_batches=2)
+        assert ours == ref
+
+
+def test_truncated_cache_gives_the_same_tokens_on_device_and_host(checkpoints):
+    """Sparse output differs from full attention but not between gathering (host) and masking (device)."""
+    _, probe = engine_tokens(checkpoints["gqa"], prompts=["x"], max_new_tokens=1)
+    host_kv = Placement.by_kind(probe.spec.group_keys(), kv="host")
+    dev, _ = engine_tokens(checkpoints["gqa"], attention="sink:2,window:5", batch_size=3, num_batches=2,
+                           max_new_tokens=14)
+    host, engine = engine_tokens(checkpoints["gqa"], placement=host_kv, attention="sink:2,window:5",
+                                 batch_size=3, num_batches=2, max_new_tokens=14)
+    full, _ = engine_tokens(checkpoints["gqa"], batch_size=3, num_batches=2, max_new_tokens=14)
+    assert dev == host
+    assert dev != full
+
+
+def test_mask_keeps_first_sink_and_last_window_of_each_sequence():
+    valid = torch.tensor([[False, False, True, True, True, True, True, True],
+                          [True, True, True, True, True, True, True, True]])
+    mask = attention_mask(valid, 1, None, sink=1, recent=2)[:, 0, 0]  # the last query, slot 7
+    assert mask[0].tolist() == [False, False, True, False, False, False, True, True]
+    assert mask[1].tolist() == [True, False, False, False, False, False, True, True]
+
+
+def test_host_loads_only_the_kept_slots():
+    kv = BatchKV(1, 1, 1, 2, 64, torch.float32, on_host=True)
+    kv.begin_step(torch.ones(1, 40, dtype=torch.bool), sink=3, recent=8)
+    kv.end_step()
+    kv.begin_step(torch.ones(1, 1, dtype=torch.bool), sink=3, recent=8)
+    assert kv.old_slots.tolist() == [0, 1, 2] + list(range(33, 40))  # 3 sinks + the 7 old in the window
+    assert kv.prefix_nbytes() == 2 * 10 * 2 * 4
+    keys, values, offset = kv.load(0, "cpu")
+    assert offset == 10 and keys.shape[2] == 11
