@@ -136,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--shards", type=int, default=1, help="number of safetensors files")
     t.add_argument("--fused-experts", action="store_true", help="write transformers-v5 fused expert tensors")
+    t.add_argument("--routing", default="uniform", choices=("uniform", "skewed"),
+                   help="skewed: Zipf-like expert popularity correlated across layers, like real Mixtral")
 
     j = sub.add_parser("jobs", help="export example job files")
     j.add_argument("dataset", choices=("wikitext",))
@@ -173,7 +175,7 @@ def main(argv=None) -> int:
         if args.command == "make-tiny":
             from klotski import tiny
             path = tiny.build_checkpoint(args.output, args.preset, seed=args.seed, num_shards=args.shards,
-                                         fused_experts=args.fused_experts)
+                                         fused_experts=args.fused_experts, routing=args.routing)
             print(f"wrote {args.preset} checkpoint to {path}")
             return EXIT_OK
         if args.command == "jobs":
