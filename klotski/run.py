@@ -43,7 +43,9 @@ def generate(config: RunConfig, jobs: Path, output: str | None) -> int:
             failed += writer.write(err.record())
         if skipped:
             print(f"klotski: resuming {out_path}: {skipped} requests already done", file=sys.stderr)
-        bar = tqdm(total=len(seqs), unit="req", desc="generate", disable=not config.progress, file=sys.stderr)
+        # disable=None: tqdm turns itself off when stderr is not a terminal (logs, CI)
+        bar = tqdm(total=len(seqs), unit="req", desc="generate", disable=None if config.progress else True,
+                   file=sys.stderr, mininterval=0.5)
         with bar:
             for seq in engine.run(seqs):
                 writer.write(engine.record(seq))
