@@ -198,32 +198,35 @@ class Engine:
             self.memory.free(kv_device)
 
     def _steps(self, group, kvs, prompt_len):
-        inputs = [_prefill_input(b, p, self._pad_id()) for b, p in zip(group, prompt_len)]
-        next_pos = [inp.positions[:, -1] + 1 for inp in inputs]
+        """Prefill, then decode until every sequence is done; a batch whose sequences are all
+        done leaves the group's steps (its KV cache was sized for its own longest request)."""
+        inputs = {k: _prefill_input(b, p, self._pad_id()) for k, (b, p) in enumerate(zip(group, prompt_len))}
+        next_pos = {k: inp.positions[:, -1] + 1 for k, inp in inputs.items()}
         self.stats.prompt_tokens += sum(len(s.prompt_ids) for b in group for s in b)
         prefill = True
-        while True:
+        while inputs:
+            active = list(inputs)
             t0 = time.perf_counter()
-            logits = self.pipeline.forward(kvs, inputs)
+            logits = self.pipeline.forward([kvs[k] for k in active], [inputs[k] for k in active])
             elapsed = time.perf_counter() - t0
             if prefill:
                 self.stats.prefill_s += elapsed
             else:
                 self.stats.decode_s += elapsed
             prefill = False
-            inputs = []
-            for b, lg, pos in zip(group, logits, next_pos):
-                tokens = self._pick(b, lg)
-                for s, t in zip(b, tokens):
+            inputs = {}
+            for k, lg in zip(active, logits):
+                batch = group[k]
+                tokens = self._pick(batch, lg)
+                for s, t in zip(batch, tokens):
                     if not s.done:
                         self._append(s, t)
                         if s.done:
                             yield s
-                ids = torch.tensor(tokens, dtype=torch.long)[:, None]
-                inputs.append(StepInput(ids, torch.ones_like(ids, dtype=torch.bool), pos[:, None].clone()))
-                pos += 1
-            if all(s.done for b in group for s in b):
-                return
+                if not all(s.done for s in batch):
+                    ids = torch.tensor(tokens, dtype=torch.long)[:, None]
+                    inputs[k] = StepInput(ids, torch.ones_like(ids, dtype=torch.bool), next_pos[k][:, None].clone())
+                    next_pos[k] += 1
 
     def _pad_id(self) -> int:
         pad = self.tokenizer.pad_token_id

@@ -20,9 +20,7 @@ def model_shape(model: str):
     if model.lower() in KNOWN_MODELS:
         return as_shape(model.lower())
     from klotski.models import registry
-    from klotski.models.spec import ModelSpec
-    path = registry.resolve(model)
-    return as_shape(ModelSpec.from_config(json.loads((Path(path) / "config.json").read_text())))
+    return as_shape(json.loads((Path(registry.resolve(model)) / "config.json").read_text()))
 
 
 def profile_for(hardware: str, shape, *, device: str = "cpu", link_gbps: float | None = None):

@@ -85,17 +85,24 @@ def working_set(cost, bs, n, prompt_len, gen_len, schedule, hot) -> dict:
     }
 
 
-def place_milp(cost, bs, n, P, G, budgets: Budgets, schedule, hot, marg) -> Layout | None:
-    """Small MILP: how many layers' attention / gates, how many experts, how many layers' KV
-    on each tier; embeddings and head as single groups. Objective: the busiest link's time
-    per decode step (host→device, disk→host, device→host), plus a small weight on the total
-    so that idle links are not filled for nothing."""
+def _inputs(cost, bs, n, P, G, schedule, hot, marg):
+    """What both placers need: shape, layers, experts, working set, KV bytes per layer (whole
+    context, and loaded per decode step on average), share of experts a layer uses."""
     s = cost.shape
     L, E = s.num_layers, s.num_experts
     ws = working_set(cost, bs, n, P, G, schedule, hot)
     kv_layer = n * bs * cost.kv_context(P + G) * cost.kv_bytes_per_token_layer
     kv_load = n * bs * cost.kv_context(P + G // 2) * cost.kv_bytes_per_token_layer
     used = 1.0 if schedule in ("simple", "multibatch") else sum(1 - (1 - min(1.0, m)) ** (n * bs) for m in marg) / E
+    return s, L, E, ws, kv_layer, kv_load, used
+
+
+def place_milp(cost, bs, n, P, G, budgets: Budgets, schedule, hot, marg) -> Layout | None:
+    """Small MILP: how many layers' attention / gates, how many experts, how many layers' KV
+    on each tier; embeddings and head as single groups. Objective: the busiest link's time
+    per decode step (host→device, disk→host, device→host), plus a small weight on the total
+    so that idle links are not filled for nothing."""
+    s, L, E, ws, kv_layer, kv_load, used = _inputs(cost, bs, n, P, G, schedule, hot, marg)
     h2d, disk_bw, d2h = (cost.bandwidth(k) for k in ("host_to_device", "disk_to_host", "device_to_host"))
     staging = DISK_WINDOW_LAYERS * cost.layer_bytes()
 
@@ -163,12 +170,7 @@ def place_greedy(cost, bs, n, P, G, budgets: Budgets, schedule, hot, marg) -> La
     """The MILP's problem solved by density: fill the device with the groups that save the
     most transfer seconds per byte, keep the rest on host (KV first: it cannot go to disk),
     spill to disk. Used to search (bs, n) quickly; the final placement is the MILP's."""
-    s = cost.shape
-    L, E = s.num_layers, s.num_experts
-    ws = working_set(cost, bs, n, P, G, schedule, hot)
-    kv_layer = n * bs * cost.kv_context(P + G) * cost.kv_bytes_per_token_layer
-    kv_load = n * bs * cost.kv_context(P + G // 2) * cost.kv_bytes_per_token_layer
-    used = 1.0 if schedule in ("simple", "multibatch") else sum(1 - (1 - min(1.0, m)) ** (n * bs) for m in marg) / E
+    s, L, E, ws, kv_layer, kv_load, used = _inputs(cost, bs, n, P, G, schedule, hot, marg)
     everything = cost.weights_bytes() - cost.embed_bytes + L * kv_layer + ws["activations"]
     if everything <= budgets.device:  # all resident: no transfer buffers needed at all
         embed = "host" if cost.embed_bytes <= budgets.host else "disk"

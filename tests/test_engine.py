@@ -51,3 +51,14 @@ def test_prompt_longer_than_context_is_a_line_error(checkpoints):
     got, errors, _ = _run(checkpoints["gqa"], [req] + requests(PROMPTS[:1]))
     assert [e.id for e in errors] == ["big"] and "context" in errors[0].message
     assert list(got) == ["r0"]
+
+
+def test_batches_with_different_lengths_in_one_group(checkpoints):
+    """A batch that finishes early leaves the group; the others go on (no cache overflow)."""
+    from conftest import reference_tokens
+    reqs = [Request(id=f"r{i}", line=i + 1, prompt=p, messages=None, max_new_tokens=3 if i % 2 else 12)
+            for i, p in enumerate(PROMPTS)]
+    got, _, _ = _run(checkpoints["gqa"], reqs, batch_size=1, num_batches=6, dtype="float32")
+    ref = reference_tokens(checkpoints["gqa"], max_new_tokens=12)
+    for i, r in enumerate(reqs):
+        assert got[r.id].out == ref[i][: r.max_new_tokens]

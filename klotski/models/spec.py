@@ -16,6 +16,10 @@ from pathlib import Path
 import torch
 
 from placement.store import CheckpointError
+from planner.shapes import ModelShape
+
+_SHAPE_FIELDS = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                 "num_experts", "top_k", "vocab_size", "tie_word_embeddings", "sliding_window")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -58,29 +62,17 @@ class ModelSpec:
         mt = cfg.get("model_type", "mixtral")
         if mt != "mixtral":
             raise ValueError(f"model_type {mt!r} is not supported (Klotski runs the Mixtral family)")
-        heads = cfg["num_attention_heads"]
+        # shapes are read once, by the planner's ModelShape; the engine adds what it computes with
+        shape = ModelShape.from_config(cfg)
         rope = cfg.get("rope_parameters") or {}
         eos = cfg.get("eos_token_id")
         eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
-        dtype_name = cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"
-        if dtype_name not in DTYPES:
-            raise ValueError(f"config.json dtype {dtype_name!r} is not one of {sorted(DTYPES)}")
         return cls(
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            num_experts=cfg["num_local_experts"],
-            top_k=cfg["num_experts_per_tok"],
-            vocab_size=cfg["vocab_size"],
+            **{f: getattr(shape, f) for f in _SHAPE_FIELDS},
+            dtype=DTYPES[shape.dtype],
             rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 1e6))),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-            sliding_window=cfg.get("sliding_window"),
             max_position_embeddings=cfg.get("max_position_embeddings", 32768),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            dtype=DTYPES[dtype_name],
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos,
             fused_experts=fused_experts,

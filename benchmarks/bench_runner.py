@@ -1,0 +1,206 @@
+"""One benchmark run = one child process, measured from outside, turned into one metrics row.
+
+Every system runs in a fresh process so no run inherits another's warm allocator,
+page-table or thread-pool state, and so that peak RSS is per run: `os.wait4` returns the
+rusage of exactly the child it reaps (RUSAGE_CHILDREN deltas would mix every child
+this driver ever waited for).
+
+The two systems write different reports (Klotski's `--report`, accelerate_run.py's
+report); `klotski_row` and `accelerate_row` map both onto the same metric names so the
+driver, the plots and the Markdown never care which system produced a row.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ACCELERATE_RUN = ROOT / "benchmarks" / "baselines" / "accelerate_run.py"
+
+# Which channels carry which link: achieved bandwidth = bytes on the link / the busy time
+# of the channels that moved them (busy, not wall, so an idle link does not dilute it).
+LINK_CHANNELS = {"host_to_device": ("weights", "experts", "kv_load"),
+                 "device_to_host": ("kv_store",),
+                 "disk_to_host": ("disk",)}
+
+
+def child_env(threads: int) -> dict:
+    """The environment of every child: same intra-op thread count for all systems.
+
+    OMP/MKL variables are read by torch at start-up, which is the only way to pin a
+    `klotski generate` process without a flag; accelerate_run.py also gets --threads.
+    """
+    env = dict(os.environ)
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        env[var] = str(threads)
+    env["TOKENIZERS_PARALLELISM"] = "false"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+def run_process(cmd: list[str], *, env: dict, log: Path) -> dict:
+    """Run cmd to completion; exit code, wall seconds and the child's own peak RSS."""
+    t0 = time.perf_counter()
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+        except BaseException:  # Ctrl-C: do not leave a multi-GB child behind
+            proc.kill()
+            proc.wait()
+            raise
+    proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
+    return {"returncode": proc.returncode, "process_wall_s": time.perf_counter() - t0,
+            "peak_rss_bytes": usage.ru_maxrss * 1024,  # KiB on Linux
+            "cpu_s": usage.ru_utime + usage.ru_stime}
+
+
+def tail(path: Path, chars: int = 1500) -> str:
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return ""
+
+
+# --------------------------------------------------------------------------- commands
+
+def klotski_cmd(*, model, jobs, out, report, schedule, batch_size=None, num_batches=None,
+                max_new_tokens, device_memory, host_memory, link_gbps=None, direct_io=False,
+                trace=None) -> list[str]:
+    cmd = [sys.executable, "-m", "klotski.cli", "generate", str(jobs), "--model", str(model),
+           "-o", str(out), "--report", str(report), "--include-token-ids", "--no-progress",
+           "--no-resume", "--schedule", schedule, "--max-new-tokens", str(max_new_tokens),
+           "--device-memory", device_memory, "--host-memory", host_memory,
+           "--num-batches", str(num_batches) if num_batches else "auto"]
+    if batch_size:  # without it the planner chooses
+        cmd += ["--batch-size", str(batch_size)]
+    if link_gbps:
+        cmd += ["--emulate-link", str(link_gbps)]
+    if not direct_io:
+        cmd.append("--no-direct-io")
+    if trace:
+        cmd += ["--trace", str(trace)]
+    return cmd
+
+
+def accelerate_cmd(*, model, jobs, out, report, batch_size, max_new_tokens, device_memory,
+                   host_memory, offload, threads) -> list[str]:
+    return [sys.executable, str(ACCELERATE_RUN), "--model", str(model), "--jobs", str(jobs),
+            "--out", str(out), "--report", str(report), "--batch-size", str(batch_size),
+            "--max-new-tokens", str(max_new_tokens), "--max-memory-device", device_memory,
+            "--max-memory-cpu", host_memory, "--offload-folder", str(offload),
+            "--threads", str(threads)]
+
+
+# --------------------------------------------------------------------------- metrics rows
+
+def _per_group(total: float, groups: int) -> float:
+    return total / groups if groups else 0.0
+
+
+def klotski_row(report: dict, proc: dict) -> dict:
+    plan, io = report["plan"], report["io"]
+    served = report["requests"]["ok"]
+    # The planner's batch size can exceed the job; the batches actually run are what count.
+    bs, n_plan = min(plan["batch_size"], max(served, 1)), plan["num_batches"]
+    batches = math.ceil(served / bs) if bs else 0
+    n = max(1, min(n_plan, batches))  # the planner may ask for more batches than the job has
+    groups = math.ceil(batches / n) if batches else 0
+    busy = io.get("busy_s", {})
+    links = {}
+    for link, nbytes in io.get("bytes", {}).items():
+        secs = sum(busy.get(c, 0.0) for c in LINK_CHANNELS.get(link, ()))
+        links[link] = {"bytes": nbytes, "busy_s": round(secs, 4),
+                       "gb_per_s": round(nbytes / secs / 1e9, 3) if secs else None}
+    gen_s = report["prefill_s"] + report["decode_s"]
+    return {
+        "tokens_per_s": report["tokens_per_s"],
+        "predicted_tokens_per_s": report.get("predicted_tokens_per_s"),
+        "generated_tokens": report["tokens"]["generated"],
+        "prefill_s": report["prefill_s"], "decode_s": report["decode_s"],
+        # Every sequence of a group gets its first token when the group's prefill ends and
+        # its last when the group ends, so per-group means are TTFT and request latency.
+        "ttft_s": round(_per_group(report["prefill_s"], groups), 4),
+        "latency_s": round(_per_group(gen_s, groups), 4),
+        "wall_s": report["wall_s"],
+        "batch_size": bs, "batch_size_planned": plan["batch_size"],
+        "num_batches": n, "num_batches_planned": n_plan, "groups": groups,
+        "requests": served,
+        "peak_device_bytes": report["memory"]["peak_device_bytes"],
+        "budget_device_bytes": report["memory"]["budget_device_bytes"],
+        "budget_host_bytes": report["memory"].get("budget_host_bytes"),
+        "links": links,
+        "busy_s": busy,
+        "bubble_s": report["bubble"]["seconds"], "bubble_share": report["bubble"]["share"],
+        "experts_loaded": io.get("experts_loaded"),
+        "prefetch_precision": report.get("prefetch", {}).get("precision"),
+        "placement": plan.get("placement"),
+        **proc,
+    }
+
+
+def accelerate_row(report: dict, proc: dict) -> dict:
+    placement = report.get("device_map_summary", {})
+    disk_bytes = placement.get("param_bytes", {}).get("disk", 0)
+    batches = report["num_batches"]
+    steps = batches * report["max_new_tokens"]
+    return {
+        "tokens_per_s": report["tokens_per_s"],
+        "predicted_tokens_per_s": None,
+        "generated_tokens": report["generated_tokens"],
+        "prefill_s": report["prefill_s"], "decode_s": report["decode_s"],
+        "ttft_s": round(_per_group(report["prefill_s"], batches), 4),
+        "latency_s": round(_per_group(report["generate_s"], batches), 4),
+        "wall_s": report["wall_s"],
+        "batch_size": report["batch_size"], "num_batches": 1, "num_batches_planned": None,
+        "groups": batches, "requests": report["requests"]["ok"],
+        # accelerate's "device" tier here is the weights it keeps as CPU tensors.
+        "peak_device_bytes": report.get("resident_weight_bytes"),
+        "budget_device_bytes": report["max_memory"]["device"],
+        "budget_host_bytes": report["max_memory"]["cpu"],
+        # Not instrumented: offloaded modules are memory-mapped inside the forward hook. The
+        # upper bound is every disk weight mapped once per forward (padding steps included).
+        "links": {"disk_mmap_upper_bound": {"bytes": disk_bytes * steps, "busy_s": None, "gb_per_s": None}},
+        "busy_s": {},
+        "bubble_s": None, "bubble_share": None,
+        "experts_loaded": None, "prefetch_precision": None,
+        "placement": {"param_bytes": placement.get("param_bytes"), "modules": placement.get("modules")},
+        "load_s": report.get("load_s"),
+        "budget_used_bytes": report.get("budget_used_bytes"),
+        **proc,
+    }
+
+
+def read_report(path: Path) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def machine_info() -> dict:
+    """What the numbers were measured on, from /proc and the installed packages."""
+    import platform
+    import re
+
+    def grab(path: str, pattern: str) -> str | None:
+        try:
+            m = re.search(pattern, Path(path).read_text(), re.M)
+        except OSError:
+            return None
+        return m.group(1).strip() if m else None
+
+    versions = {}
+    for mod in ("torch", "transformers", "accelerate"):
+        try:
+            versions[mod] = __import__(mod).__version__
+        except ImportError:
+            versions[mod] = None
+    mem_kib = grab("/proc/meminfo", r"^MemTotal:\s+(\d+) kB")
+    load = grab("/proc/loadavg", r"^(\S+ \S+ \S+)")
+    return {"cpu": grab("/proc/cpuinfo", r"^model name\s*:\s*(.+)$"), "cores": os.cpu_count(),
+            "ram_bytes": int(mem_kib) * 1024 if mem_kib else None, "kernel": platform.release(),
+            "python": platform.python_version(), **versions,
+            "loadavg_at_start": load}
