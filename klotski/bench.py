@@ -14,11 +14,14 @@ import shlex
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEMS = ("accelerate", "simple", "multibatch", "hot-prefetch", "klotski")
-# Budgets below the model size, so every system really offloads: (device, host).
+# Budgets below the model size, so every system really offloads: (device, host), for the
+# preset's own dtype; a preset built in a wider dtype gets a proportionally larger device
+# budget so the same share of the model fits (medium: 900MB in bfloat16, 1800MB in float32).
 BUDGETS = {"tiny": ("24MB", "256MB"), "small": ("48MB", "1GiB"), "medium": ("900MB", "8GiB")}
 XL_SHAPE = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=12, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128)  # Mixtral-8x7B layers, 12 of them: ~34 GB in bf16
@@ -61,13 +64,18 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=int, default=16, help="prompts per run (default 16)")
     p.add_argument("--max-new-tokens", type=int, default=8, help="tokens generated per prompt (default 8)")
     p.add_argument("--reps", type=int, default=3, help="measured repetitions after the warm-up (default 3)")
-    p.add_argument("--device-memory", metavar="SIZE", help="device budget (default: per preset, medium 900MB)")
+    p.add_argument("--device-memory", metavar="SIZE",
+                   help="device budget (default: per preset and dtype; medium: 900MB bfloat16, 1800MB float32)")
     p.add_argument("--host-memory", metavar="SIZE", help="host budget (default: per preset, medium 8GiB)")
     p.add_argument("--emulate-link", type=float, default=2.0, metavar="GBPS",
                    help="also run the ladder with host->device throttled to GBPS GB/s (0 = skip; default 2)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads of every process (default 1: on a shared 2-core box, all-core "
                         "OpenMP stalls whenever a neighbour runs)")
+    p.add_argument("--batch-size", default="4", metavar="B|auto",
+                   help="Klotski's batch size; the planner chooses n for it (auto: the planner chooses both). "
+                        "Default 4, as in the paper's ablation: with few prompts the planner's own bs would "
+                        "leave a single batch, and n would mean nothing")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"subset of {','.join(SYSTEMS)}")
     p.add_argument("--ns", default="1,2,4", help="n sweep (batches per group); empty to skip (default 1,2,4)")
     p.add_argument("--sweep-schedules", default="klotski,multibatch", help="schedules swept over n")
@@ -156,6 +164,16 @@ Klotski's schedules among themselves.
 
 # --------------------------------------------------------------------------- main
 
+def default_budgets(preset: str, dtype: str | None) -> tuple[str, str]:
+    from klotski import tiny
+    from klotski.config import parse_size
+    device, host = BUDGETS.get(preset, BUDGETS["medium"])
+    native = tiny.PRESETS.get(preset, tiny.PRESETS["medium"])["dtype"]
+    width = {"float32": 4, "bfloat16": 2, "float16": 2}
+    scale = width.get(dtype or native, 2) / width.get(native, 2)
+    return f"{round(parse_size(device) * scale / 1e6)}MB", host
+
+
 def settings_from_args(a) -> dict:
     systems = _csv(a.systems)
     unknown = set(systems) - set(SYSTEMS)
@@ -165,10 +183,13 @@ def settings_from_args(a) -> dict:
     if any(n < 1 for n in ns) or a.prompts < 1 or a.reps < 1 or a.max_new_tokens < 1 or a.threads < 1:
         raise ValueError("--ns, --prompts, --reps, --max-new-tokens and --threads must be at least 1")
     preset = a.preset if not a.model else "custom"
-    device, host = BUDGETS.get(a.preset, BUDGETS["medium"])
+    device, host = default_budgets(a.preset, a.dtype if not a.model else None)
+    batch_size = None if a.batch_size == "auto" else int(a.batch_size)
+    if batch_size is not None and batch_size < 1:
+        raise ValueError("--batch-size must be at least 1 or auto")
     return {
         "preset": preset, "routing": a.routing if not a.model else None, "dtype": a.dtype if not a.model else None,
-        "prompts": a.prompts, "max_new_tokens": a.max_new_tokens, "reps": a.reps,
+        "prompts": a.prompts, "max_new_tokens": a.max_new_tokens, "reps": a.reps, "batch_size": batch_size,
         "device_memory": a.device_memory or device, "host_memory": a.host_memory or host,
         "link_gbps": a.emulate_link or None, "threads": a.threads, "systems": systems, "ns": ns,
         "sweep_schedules": _csv(a.sweep_schedules), "sweep_batch_size": a.sweep_batch_size,
@@ -182,7 +203,7 @@ def command_line(s: dict, a) -> str:
     parts += ["--model", a.model] if a.model else ["--preset", s["preset"], "--routing", s["routing"], "--dtype", s["dtype"]]
     parts += ["--prompts", s["prompts"], "--max-new-tokens", s["max_new_tokens"], "--reps", s["reps"],
               "--device-memory", s["device_memory"], "--host-memory", s["host_memory"],
-              "--emulate-link", s["link_gbps"] or 0, "--threads", s["threads"], "--systems", ",".join(s["systems"]),
+              "--batch-size", s["batch_size"] or "auto", "--emulate-link", s["link_gbps"] or 0, "--threads", s["threads"], "--systems", ",".join(s["systems"]),
               "--ns", ",".join(map(str, s["ns"])), "--sweep-schedules", ",".join(s["sweep_schedules"]),
               "--sweep-batch-size", s["sweep_batch_size"]]
     if s["direct_io"]:
@@ -232,7 +253,9 @@ def main(a) -> int:
           f"work dir {work}", file=sys.stderr, flush=True)
     try:
         results = bench_driver.run({**s, "prompt_pool": pool, "work_dir": str(work)})
-        results = {"schema": 1, "machine": machine, "settings": s, **results,
+        machine["loadavg_at_end"] = bench_runner.machine_info()["loadavg_at_start"]
+        results = {"schema": 1, "created": time.strftime("%Y-%m-%d %H:%M"), "machine": machine,
+                   "settings": s, **results,
                    "skipped": [{"system": "llama.cpp", "reason": LLAMA_CPP_NOTE}],
                    "notes": [ACCELERATE_LINK_NOTE]}
         if not keep:  # the trace is gone with the work dir; the timeline window is in the JSON

@@ -10,11 +10,13 @@ CUDA differ:
     `torch.cuda.Stream` and records an event; `Ticket.wait` makes the compute stream wait
     on that event, so the copy overlaps kernels exactly as in the paper's four streams.
 
-`link_gbps` (from `--emulate-link`) stretches every host->device transfer to take
-bytes / bandwidth, so a CPU run reproduces a PCIe card's compute/transfer ratio.
+`link_gbps` (from `--emulate-link`) makes every host->device transfer take bytes /
+bandwidth on ONE link shared by all channels (as streams share a PCIe link), so a CPU run
+reproduces a PCIe card's compute/transfer ratio.
 """
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -37,9 +39,25 @@ class Ticket:
         return result
 
 
+class EmulatedLink:
+    """A host->device link of fixed bandwidth, served first come first served: a transfer
+    starts when the link is free and occupies it for bytes / bandwidth."""
+
+    def __init__(self, gbps: float):
+        self.bytes_per_s = gbps * 1e9
+        self.free_at = 0.0
+        self._lock = threading.Lock()
+
+    def occupy(self, nbytes: int, now: float) -> float:
+        """Book the link for `nbytes`; return when the transfer is done."""
+        with self._lock:
+            self.free_at = max(now, self.free_at) + nbytes / self.bytes_per_s
+            return self.free_at
+
+
 class Channel:
-    def __init__(self, name: str, device: torch.device, trace, link_gbps: float | None = None):
-        self.name, self.device, self.trace, self.link_gbps = name, device, trace, link_gbps
+    def __init__(self, name: str, device: torch.device, trace, link: EmulatedLink | None = None):
+        self.name, self.device, self.trace, self.link = name, device, trace, link
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"klotski-{name}")
@@ -50,17 +68,15 @@ class Channel:
 
         def work():
             start = time.perf_counter()
+            done_at = self.link.occupy(nbytes, start) if self.link and link == HOST_TO_DEVICE else None
             if self.cuda:
                 with torch.cuda.stream(self.stream):
                     result = fn()
                     event.record(self.stream)
             else:
                 result = fn()
-            if link == HOST_TO_DEVICE and self.link_gbps:
-                # Emulated link: the transfer may not finish before bytes / bandwidth.
-                remaining = nbytes / (self.link_gbps * 1e9) - (time.perf_counter() - start)
-                if remaining > 0:
-                    time.sleep(remaining)
+            if done_at is not None:
+                time.sleep(max(0.0, done_at - time.perf_counter()))
             self.trace.add(self.name, name, start, time.perf_counter(), nbytes, link)
             return result
 
@@ -81,8 +97,9 @@ class Channel:
 
 
 def make_channels(device: torch.device, trace, link_gbps: float | None) -> dict[str, Channel]:
+    link = EmulatedLink(link_gbps) if link_gbps else None  # one link, shared like PCIe
     names = ("weights", "experts", "kv_load", "kv_store", "disk")
-    return {n: Channel(n, device, trace, None if n == "disk" else link_gbps) for n in names}
+    return {n: Channel(n, device, trace, None if n == "disk" else link) for n in names}
 
 
 def pin(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -60,6 +60,8 @@ class Pipeline:
         self.window = 2  # disk->host staging, layers ahead (paper §6.1's L)
         self.wants: list = []    # prefetches in priority order: (key, channel name)
         self.experts_loaded = 0
+        self.upcoming: list = []  # this layer's experts in expected compute order
+        self.layer = -1
         self.on_layer = None     # optional callback(layer, hidden states per batch), for tests
 
     # ---- one step -----------------------------------------------------------------------
@@ -84,6 +86,7 @@ class Pipeline:
             hs.append(h)
             ctx.append((cos.to(self.device), sin.to(self.device), mask.to(self.device)))
         for layer in range(spec.num_layers):
+            self.layer, self.upcoming = layer, []
             self.cache.stage(self._layer_keys(layer + self.window))
             self._attention(layer, hs, ctx, kvs)
             routed, hot = self._gates(layer, hs)
@@ -176,16 +179,18 @@ class Pipeline:
 
     # ---- experts ------------------------------------------------------------------------
     def _experts(self, layer, hs, routed, hot):
-        if not self.whole_layer and layer + 1 < self.spec.num_layers:
-            self._want([("attn", layer + 1)], "weights")
-        elif not self.whole_layer:
-            self._want([("attn", 0)], "weights")  # the next step starts at layer 0
+        if not self.whole_layer:
+            self._want(self._next_layer_prefetch(layer), "weights")
         outs = [torch.zeros_like(r.x) for r in routed]
         chosen = sorted(set(torch.cat([r.experts.flatten() for r in routed]).tolist()))
+        # expected compute order, for choosing what to evict (needed last goes first)
+        self.upcoming = [("expert", layer, e) for e in chosen if self.schedule != "klotski" or e in hot]
+        self.upcoming += [("expert", layer, e) for e in chosen if ("expert", layer, e) not in self.upcoming]
         done = []
         for e in self._order(layer, chosen, hot):
             key = ("expert", layer, e)
             w = self._get(key)
+            self.upcoming.remove(key)
             picks = [torch.where(r.experts == e) for r in routed]
             with self.trace.span("compute", f"expert.{layer}.{e}"):
                 # One matmul over the tokens of all batches: the weight is shared n*bs ways
@@ -206,6 +211,18 @@ class Pipeline:
         self._pump()
         return [h + out.view_as(h) for h, out in zip(hs, outs)]
 
+    def _next_layer_prefetch(self, layer) -> list:
+        """While this layer's experts compute, the link moves what the next layer needs first:
+        its attention, then its gate and predicted hot experts (this layer's routing is known
+        now, so the prediction is as good as it would be later). The paper starts gate + hot
+        during the next attention; starting them here keeps the link busy through the
+        expert phase instead of idling once the attention weights have landed."""
+        nxt = layer + 1
+        if nxt == self.spec.num_layers:
+            return [("attn", 0)]  # the next step starts at layer 0; its routing is unknown yet
+        hot = self.predictor.predict(nxt, self.K)
+        return [("attn", nxt), ("gate", nxt)] + [("expert", nxt, e) for e in hot]
+
     def _order(self, layer, chosen, hot):
         """Yield experts in compute order. klotski: hot first, then whichever transfer has
         finished (resident ones are finished already), waiting for the oldest otherwise."""
@@ -216,7 +233,9 @@ class Pipeline:
         yield from (e for e in hot if e in chosen)
         while rest:
             ready = [e for e in rest if self.cache.ready(("expert", layer, e))]
-            e = ready[0] if ready else rest[0]  # FIFO channel: the oldest pending lands first
+            flying = [e for e in rest if self.cache.present(("expert", layer, e))]
+            # FIFO channels: of those in flight, the oldest lands first
+            e = ready[0] if ready else min(flying, key=self._submitted) if flying else rest[0]
             rest.remove(e)
             yield e
 
@@ -264,16 +283,28 @@ class Pipeline:
         self.trace.add("wait", name, start, time.perf_counter())
         return out
 
+    def _submitted(self, e) -> int:
+        keys = list(self.cache.pending)
+        return keys.index(next(k for k in keys if k[0] == "expert" and k[2] == e))
+
     def _make_room(self, nbytes: int, what) -> None:
-        """Evict prefetched-but-unneeded transient groups until `nbytes` fit (demand beats prefetch)."""
+        """Evict transient groups until `nbytes` fit, the one needed farthest in the future
+        first (Belady): experts already computed, then prefetches for later layers, then this
+        layer's experts from the back of the compute order."""
         while not self.memory.fits(nbytes):
             victims = [k for k in self.cache.transient() if k != what]
             if not victims:
                 raise OverBudget(
                     f"device budget {self.memory.budget} bytes is too small: {nbytes} bytes needed for {what} "
                     f"with {self.memory.used} in use; raise --device-memory or place less on the device")
-            # the most recently wanted is needed last: evict from the back
-            self.cache.release(victims[-1])
+            self.cache.release(max(victims, key=self._next_use))
+
+    def _next_use(self, key) -> int:
+        if key in self.upcoming:
+            return self.upcoming.index(key)
+        if key[0] == "expert" and key[1] == self.layer:
+            return 1 << 30  # computed already this step
+        return 1 << 20  # a prefetch for a later layer
 
     # ---- bookkeeping --------------------------------------------------------------------
     def _layer_keys(self, layer: int) -> list:
