@@ -100,14 +100,33 @@ class Engine:
 
     def _plan(self, seqs) -> None:
         """Ask the planner for bs, n (those the user left to it) and the placement."""
-        from klotski import planning
+        from klotski import errors, planning
         shape = planning.as_shape(self.spec)
         profile = planning.profile_for("auto", shape, device=self.device.type,
                                        link_gbps=self.config.emulate_link_gbps)
-        self.plan = planning.make_plan(
-            shape, profile, device_memory=self.budgets.device, host_memory=self.budgets.host,
-            prompt_len=max(len(s.prompt_ids) for s in seqs), gen_len=max(s.max_new_tokens for s in seqs),
-            config=self.config, sequences=len(seqs))
+        # Time is planned for the typical request (batches are formed by length, so padding is
+        # small), memory for the worst: the device budget handed to the planner leaves room for
+        # the extra attention scores of the longest prompt's prefill.
+        lengths = sorted(len(s.prompt_ids) for s in seqs)
+        typical, longest = -(-sum(lengths) // len(lengths)), lengths[-1]
+
+        def extra(bs):
+            return (planning.activation_bytes(shape, self.dtype.itemsize, tokens=bs * longest,
+                                              scores=bs * longest * longest, sequences=bs)
+                    - planning.activation_bytes(shape, self.dtype.itemsize, tokens=bs * typical,
+                                                scores=bs * typical * typical, sequences=bs))
+
+        def solve(device_memory, prompt_len):
+            return planning.make_plan(
+                shape, profile, device_memory=device_memory, host_memory=self.budgets.host, prompt_len=prompt_len,
+                gen_len=max(s.max_new_tokens for s in seqs), config=self.config, sequences=len(seqs))
+
+        self.plan = solve(self.budgets.device, typical)
+        if extra(self.plan.batch_size) > 0:
+            try:
+                self.plan = solve(self.budgets.device - extra(self.plan.batch_size), typical)
+            except errors.USER_ERRORS:  # too tight for that: plan everything for the longest prompt
+                self.plan = solve(self.budgets.device, longest)
         self.batch_size = self.config.batch_size or self.plan.batch_size
         if self.config.schedule != "simple":
             self.num_batches = self.config.num_batches or self.plan.num_batches
@@ -191,6 +210,7 @@ class Engine:
                        p + max(s.max_new_tokens for s in b), self.dtype, device=self.device, on_host=on_host,
                        pin=lambda t: pin(t, self.device)) for b, p in zip(group, prompt_len)]
         kv_device = 0 if on_host else sum(kv.nbytes() for kv in kvs)
+        self.pipeline.make_room(kv_device, "KV cache")
         self.memory.reserve(kv_device, "KV cache")
         try:
             yield from self._steps(group, kvs, prompt_len)

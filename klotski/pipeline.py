@@ -70,7 +70,7 @@ class Pipeline:
         spec = self.spec
         self.predictor.begin_step()
         act = self._activation_bytes(kvs, inputs)
-        self._make_room(act, "activations")
+        self.make_room(act, "activations")
         self.memory.reserve(act, "activations")
         outer = self._get(("outer",))
         hs, ctx = [], []
@@ -138,7 +138,7 @@ class Pipeline:
 
     def _kv_load(self, kv: BatchKV, layer: int):
         nbytes = kv.step_nbytes()
-        self._make_room(nbytes, "kv")
+        self.make_room(nbytes, "kv")
         self.memory.reserve(nbytes, f"kv layer {layer}")
         ticket = self.ch["kv_load"].submit(lambda: kv.load(layer, self.device), name=f"kv.{layer}",
                                            nbytes=kv.prefix_nbytes())
@@ -260,7 +260,7 @@ class Pipeline:
         """Device tensors of `key`: start it now if nobody did, and time any wait as bubble."""
         self.wants = [(k, c) for k, c in self.wants if k != key]
         if not self.cache.present(key):
-            self._make_room(self.cache.sizes[key], key)
+            self.make_room(self.cache.sizes[key], key)
             self.cache.start(key, self.ch["experts" if key[0] == "expert" else "weights"])
             if key[0] == "expert":
                 self.experts_loaded += 1
@@ -287,7 +287,7 @@ class Pipeline:
         keys = list(self.cache.pending)
         return keys.index(next(k for k in keys if k[0] == "expert" and k[2] == e))
 
-    def _make_room(self, nbytes: int, what) -> None:
+    def make_room(self, nbytes: int, what) -> None:
         """Evict transient groups until `nbytes` fit, the one needed farthest in the future
         first (Belady): experts already computed, then prefetches for later layers, then this
         layer's experts from the back of the compute order."""

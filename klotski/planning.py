@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 from planner.costmodel import CostModel
+from planner.place import activation_bytes  # noqa: F401  (the engine sizes its reserve with it)
 from planner.profile import builtin_profiles, load_profile, measure
 from planner.shapes import KNOWN_MODELS, as_shape
 from planner.solve import Budgets, solve

@@ -1,0 +1,146 @@
+"""`klotski bench` end to end on the tiny preset: every system measured, outputs agree, plots, report."""
+import argparse
+import json
+import shutil
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+
+from klotski import bench
+
+ROOT = Path(__file__).resolve().parents[1]
+for _d in (ROOT / "benchmarks", ROOT / "benchmarks" / "baselines"):
+    if str(_d) not in sys.path:
+        sys.path.insert(0, str(_d))
+
+import bench_driver  # noqa: E402
+import report  # noqa: E402
+
+EXPECTED = ["accelerate-same-bs", "multibatch", "klotski", "multibatch-link", "klotski-link",
+            "klotski-n2-link", "multibatch-n2-link"]
+
+
+def _args(*argv):
+    parser = argparse.ArgumentParser(prog="klotski")
+    bench.add_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["bench", *argv])
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench")
+    args = _args("--preset", "tiny", "--reps", "1", "--prompts", "4", "--max-new-tokens", "3",
+                 "--systems", "klotski,multibatch,accelerate", "--ns", "1,2",
+                 "--out", str(root / "bench.json"), "--img-dir", str(root / "img"), "--work-dir", str(root / "work"))
+    rc = bench.main(args)
+    return {"rc": rc, "root": root, "results": json.loads((root / "bench.json").read_text())}
+
+
+def test_exits_cleanly_with_every_system_measured(run):
+    r = run["results"]
+    assert run["rc"] == 0, r["failures"]
+    assert not r["failures"]
+    assert set(EXPECTED) <= set(r["systems"]), sorted(r["systems"])
+    for key in EXPECTED:
+        d = r["systems"][key]
+        assert len(d["runs"]) == 1, key
+        tps = d["median"]["tokens_per_s"]
+        assert 0 < d["min"]["tokens_per_s"] <= tps <= d["max"]["tokens_per_s"], key
+        # 4 prompts x 3 tokens, or n x bs prompts for a sweep point
+        assert d["median"]["generated_tokens"] == 3 * d["prompts"], key
+        assert d["median"]["peak_rss_bytes"] > 50 * 2**20, key
+    assert r["settings"]["threads"] == 1 and r["settings"]["reps"] == 1
+    assert r["systems"]["klotski-link"]["median"]["bubble_share"] is not None
+    assert r["systems"]["accelerate-same-bs"]["batch_size"] == r["plans"]["plain"]["batch_size"]
+    assert r["accelerate_max_batch"]["best_batch_size"] >= r["plans"]["plain"]["batch_size"]
+    # The n=1 sweep point is the ladder's configuration and is not run twice.
+    sweep = {(p["schedule"], p["n"]): p["key"] for p in r["sweep"]}
+    assert sweep[("klotski", 2)] == "klotski-n2-link" and len(sweep) == 4
+    assert [x for x in r["skipped"] if x["system"] == "llama.cpp"]
+
+
+def test_outputs_agree_token_for_token(run):
+    ag = run["results"]["agreement"]
+    assert ag["all_identical"], ag["disagreements"]
+    assert set(EXPECTED) <= set(ag["per_config"])
+    # Independently of compare.py: every output file gives the same ids for every prompt it served.
+    seen = {}
+    outs = sorted((run["root"] / "work").glob("*.out.jsonl"))
+    assert len(outs) >= len(EXPECTED)
+    for path in outs:
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            assert rec["token_ids"], (path.name, rec)
+            assert seen.setdefault(rec["id"], rec["token_ids"]) == rec["token_ids"], (path.name, rec["id"])
+    assert len(seen) == 8  # 4 prompts, 8 in the n=2 sweep
+
+
+def test_a_changed_token_is_reported(run, tmp_path):
+    work = tmp_path / "work"
+    shutil.copytree(run["root"] / "work", work)
+    victim = work / "klotski.rep1.out.jsonl"
+    recs = [json.loads(line) for line in victim.read_text().splitlines()]
+    recs[0]["token_ids"][-1] += 1
+    victim.write_text("".join(json.dumps(x) + "\n" for x in recs))
+    outputs = {"klotski": [("rep1", victim, work / "jobs.jsonl")],
+               "multibatch": [("rep1", work / "multibatch.rep1.out.jsonl", work / "jobs.jsonl")]}
+    ag = bench_driver.agreement(outputs, ("plan-plain", "reference", work / "plan-plain.warmup.out.jsonl"))
+    assert not ag["all_identical"]
+    assert [d["config"] for d in ag["disagreements"]] == ["klotski"]
+    first = ag["disagreements"][0]["first_difference"]
+    assert first["id"] == recs[0]["id"] and first["position"] == len(recs[0]["token_ids"]) - 1
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", path
+    return struct.unpack(">II", data[16:24])
+
+
+def test_plots_are_real_pngs(run):
+    plots = run["results"]["plots"]
+    assert set(plots) == {"throughput", "tradeoff", "bubbles", "timeline"}
+    for name, p in plots.items():
+        path = Path(p)
+        assert path.parent == run["root"] / "img"
+        assert path.stat().st_size > 15_000, (name, path.stat().st_size)
+        w, h = _png_size(path)
+        assert w >= 600 and h >= 300, (name, w, h)
+    tl = run["results"]["timeline"]
+    lanes = {e["lane"] for e in tl["events"]}
+    assert "compute" in lanes and tl["duration_ms"] > 0
+    assert all(0 <= e["start_ms"] <= tl["duration_ms"] + 1e-6 for e in tl["events"])
+
+
+def test_report_has_a_row_for_every_system(run):
+    text = report.render(run["results"])
+    lines = text.splitlines()
+    for key, d in run["results"]["systems"].items():
+        tps = f"{d['median']['tokens_per_s']:.2f}"
+        if d["role"] == "sweep":  # sweep table: the config is the last column
+            row = [line for line in lines if line.endswith(f"| {key} |")]
+        else:
+            row = [line for line in lines if line.startswith(f"| {key} |")]
+        assert len(row) == 1 and tps in row[0], (key, row)
+    for ratio in run["results"]["ratios"]:
+        assert f"| {ratio['name']} |" in text
+    assert "llama.cpp" in text and "klotski bench --preset tiny" in text
+    for p in run["results"]["plots"].values():
+        assert f"]({p})" in text  # outside docs/: linked by absolute path
+
+
+def test_xl_only_prints_the_commands(capsys, tmp_path):
+    out = tmp_path / "x.json"
+    assert bench.main(_args("--preset", "xl", "--out", str(out))) == 0
+    text = capsys.readouterr().out
+    assert "build_checkpoint" in text and "iflag=direct" in text and "klotski bench --model" in text
+    assert not out.exists()
+
+
+def test_settings_are_validated():
+    with pytest.raises(ValueError):
+        bench.settings_from_args(_args("--systems", "klotski,vllm"))
+    assert bench.default_budgets("medium", "float32") == ("1800MB", "8GiB")
+    assert bench.default_budgets("medium", "bfloat16") == ("900MB", "8GiB")
