@@ -22,6 +22,14 @@ SYSTEM_COLOR = {"accelerate": "#7f7f7f", "simple": "#d62728", "multibatch": "#ff
 LANE_COLOR = {"compute": "#1f77b4", "wait": "#d62728", "weights": "#ff7f0e", "experts": "#2ca02c",
               "kv_load": "#9467bd", "kv_store": "#8c564b", "disk": "#7f7f7f"}
 LANES = ("compute", "wait", "weights", "experts", "kv_load", "kv_store", "disk")
+# Compute events are named attn.J.bK, gate.J.bK, expert.J.E, embed, lm_head: shade by kind.
+OP_COLOR = {"attention": "#1f77b4", "gate": "#aec7e8", "experts": "#17becf", "embed / lm_head": "#393b79"}
+
+
+def _op_color(name: str) -> str:
+    kind = name.split(".", 1)[0]
+    return {"attn": OP_COLOR["attention"], "gate": OP_COLOR["gate"],
+            "expert": OP_COLOR["experts"]}.get(kind, OP_COLOR["embed / lm_head"])
 
 
 def _color(d: dict) -> str:
@@ -51,8 +59,11 @@ def _save(fig, path: Path) -> Path:
 
 def throughput(results: dict, path: Path) -> Path:
     """Median tokens/s per configuration (baselines and ladders), min-max as error bars."""
-    rows = [(k, d) for k, d in results["systems"].items()
-            if d["role"] in ("baseline", "ladder") and "tokens_per_s" in d["median"]]
+    order = {"accelerate": 0, "simple": 1, "multibatch": 2, "hot-prefetch": 3, "klotski": 4}
+    rows = sorted(((k, d) for k, d in results["systems"].items()
+                   if d["role"] in ("baseline", "ladder") and "tokens_per_s" in d["median"]),
+                  key=lambda kd: (kd[1]["regime"] == "link", order.get(kd[1]["schedule"] or kd[1]["system"], 9),
+                                  kd[1]["batch_size"]))
     fig, ax = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.8))
     ys = list(range(len(rows)))[::-1]
     for y, (key, d) in zip(ys, rows):
@@ -60,7 +71,7 @@ def throughput(results: dict, path: Path) -> Path:
         hatch = "//" if d["regime"] == "link" else None
         ax.barh(y, med, color=_color(d), hatch=hatch, edgecolor="black", linewidth=0.5,
                 xerr=[[med - lo], [hi - med]], capsize=3)
-        ax.text(med, y, f"  {med:.1f}", va="center", ha="left", fontsize=8)
+        ax.text(hi, y, f"  {med:.1f}", va="center", ha="left", fontsize=8)  # right of the error bar
     ax.set_yticks(ys, [f"{k}  (bs={d['batch_size']}, n={d['num_batches'] or 1})" for k, d in rows], fontsize=8)
     ax.set_xlabel(f"generated tokens/s  (median of {results['settings']['reps']} runs; bars: min-max)")
     ax.set_title(f"Throughput per system\n{_subtitle(results)}", fontsize=10)
@@ -68,7 +79,7 @@ def throughput(results: dict, path: Path) -> Path:
     ax.legend(handles=[Patch(facecolor="white", edgecolor="black", label=REGIME_LABEL["plain"]),
                        Patch(facecolor="white", edgecolor="black", hatch="//",
                              label=f"{REGIME_LABEL['link']} ({_link_text(results)}, Klotski only)")],
-              loc="lower right", fontsize=8)
+              loc="upper center", bbox_to_anchor=(0.5, -0.12 - 0.6 / max(len(rows), 1)), ncol=2, fontsize=8)
     ax.margins(x=0.15)
     ax.grid(axis="x", alpha=0.3)
     return _save(fig, path)
@@ -77,10 +88,12 @@ def throughput(results: dict, path: Path) -> Path:
 # --------------------------------------------------------------------------- trade-off
 
 def _sweeps(results: dict) -> dict[str, list[dict]]:
+    """schedule -> configurations of its n sweep (a point may be a ladder configuration)."""
     by = {}
-    for d in results["systems"].values():
-        if d["role"] == "sweep" and "tokens_per_s" in d["median"]:
-            by.setdefault(d["schedule"], []).append(d)
+    for point in results.get("sweep", []):
+        d = results["systems"].get(point["key"])
+        if d and "tokens_per_s" in d["median"]:
+            by.setdefault(point["schedule"], []).append(d)
     return {k: sorted(v, key=lambda d: d["num_batches"]) for k, v in by.items()}
 
 
@@ -110,9 +123,10 @@ def tradeoff(results: dict, path: Path) -> Path:
              if d["regime"] == "plain" and d["role"] in ("baseline", "ladder") and "tokens_per_s" in d["median"]]
     for key, d in plain:
         x, y = d["median"]["latency_s"], d["median"]["tokens_per_s"]
-        right.plot([x], [y], "s" if d["system"] == "accelerate" else "o", color=_color(d), markersize=8,
+        marker = {"accelerate-same-bs": "s", "accelerate-best-bs": "D"}.get(key, "o")
+        right.plot([x], [y], marker, color=_color(d), markersize=8,
                    label=f"{key} (bs={d['batch_size']}, n={d['num_batches'] or 1})")
-    right.set_title(f"Systems at their batch sizes ({REGIME_LABEL['plain']})", fontsize=10)
+    right.set_title(f"Systems at their batch sizes: {REGIME_LABEL['plain']}", fontsize=10)
     for ax in (left, right):
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
@@ -135,15 +149,17 @@ def bubbles(results: dict, path: Path) -> Path:
         if d["role"] == "ladder" and d["median"].get("bubble_share") is not None:
             ax.plot([d["num_batches"] or 1], [100 * d["median"]["bubble_share"]],
                     "^" if d["regime"] == "link" else "s", color=_color(d), markersize=8, fillstyle="none",
-                    label=f"{key} (planner's bs={d['batch_size']})")
+                    label=f"{key} (ladder, bs={d['batch_size']})")
     ax.set_xscale("log", base=2)
-    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ns = sorted({d["num_batches"] or 1 for d in results["systems"].values() if d["role"] in ("sweep", "ladder")})
+    ax.set_xticks(ns or [1], [str(n) for n in ns] or ["1"])
+    ax.minorticks_off()
     ax.set_xlabel("n: batches per group sharing each loaded weight")
     ax.set_ylabel("bubble share (% of compute time waiting)")
     ax.set_ylim(bottom=0)
     ax.set_title(f"Pipeline bubbles vs n (link {_link_text(results)})\n{_subtitle(results)}", fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1))
     return _save(fig, path)
 
 
@@ -159,8 +175,10 @@ def timeline(results: dict, path: Path) -> Path:
         if e["lane"] not in lanes:
             continue
         y = len(lanes) - 1 - lanes.index(e["lane"])
-        ax.barh(y, max(e["dur_ms"], 1e-3), left=e["start_ms"], height=0.7, color=LANE_COLOR[e["lane"]],
-                edgecolor="black", linewidth=0.2)
+        color = _op_color(e["name"]) if e["lane"] == "compute" else LANE_COLOR[e["lane"]]
+        wide = e["dur_ms"] > 0.004 * tl["duration_ms"]  # outlines on slivers would hide their colour
+        ax.barh(y, max(e["dur_ms"], 1e-3), left=e["start_ms"], height=0.7, color=color,
+                edgecolor="black" if wide else color, linewidth=0.2)
     ax.set_yticks(range(len(lanes)), lanes[::-1])
     ax.set_xlabel("time within the decode step (ms)")
     ax.set_ylabel("lane")
@@ -174,8 +192,9 @@ def timeline(results: dict, path: Path) -> Path:
         title = "No trace events recorded"
     ax.set_title(f"{title}\n{_subtitle(results)}", fontsize=10)
     from matplotlib.patches import Patch
-    ax.legend(handles=[Patch(color=LANE_COLOR[l], label=l) for l in lanes], ncol=len(lanes), fontsize=8,
-              loc="upper center", bbox_to_anchor=(0.5, -0.18))
+    handles = [Patch(color=c, label=f"compute: {k}") for k, c in OP_COLOR.items()]
+    handles += [Patch(color=LANE_COLOR[lane], label=lane) for lane in lanes[1:]]
+    ax.legend(handles=handles, ncol=5, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.18))
     ax.grid(axis="x", alpha=0.3)
     return _save(fig, path)
 

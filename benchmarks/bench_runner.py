@@ -204,3 +204,27 @@ def machine_info() -> dict:
             "ram_bytes": int(mem_kib) * 1024 if mem_kib else None, "kernel": platform.release(),
             "python": platform.python_version(), **versions,
             "loadavg_at_start": load}
+
+
+def code_state() -> dict:
+    """Commit and a hash of the engine's sources: a run that straddles a code change shows it."""
+    import hashlib
+
+    def git(*args) -> str | None:
+        try:
+            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
+                                  timeout=30).stdout.strip() or None
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    # What runs during a measurement: the engine and the baseline/driver scripts (not the
+    # plotting or report code, nor other benchmark scripts that may change alongside).
+    files = [f for pkg in ("klotski", "planner", "placement", "benchmarks/baselines") for f in (ROOT / pkg).rglob("*.py")]
+    files += [ROOT / "benchmarks" / "bench_driver.py", ROOT / "benchmarks" / "bench_runner.py"]
+    h = hashlib.sha256()
+    for f in sorted(files):
+        h.update(str(f.relative_to(ROOT)).encode())
+        h.update(f.read_bytes())
+    dirty = git("status", "--porcelain", "--", "klotski", "planner", "placement", "benchmarks")
+    return {"commit": git("rev-parse", "--short", "HEAD"), "source_sha256": h.hexdigest()[:16],
+            "uncommitted": dirty.splitlines() if dirty else []}

@@ -135,7 +135,8 @@ def read_prompts(path: str) -> list[dict]:
 
 def xl_instructions(a) -> str:
     """The bigger-than-RAM regime is run by hand: a ~34 GB build and a half-hour run."""
-    model = "~/.cache/klotski/models/xl-mixtral-skewed-bfloat16"
+    from klotski import tiny
+    model = tiny.default_cache_dir() / "models" / "xl-mixtral-skewed-bfloat16"  # absolute: python does not expand ~
     shape = ", ".join(f"{k}={v}" for k, v in XL_SHAPE.items())
     return f"""\
 The bigger-than-RAM regime (issue 6) is not run by `klotski bench` itself: building the
@@ -248,13 +249,22 @@ def main(a) -> int:
     out = Path(a.out) if a.out else ROOT / "benchmarks" / "results" / f"bench-{s['preset']}.json"
     keep = a.work_dir is not None
     work = Path(a.work_dir) if keep else Path(tempfile.mkdtemp(prefix="klotski-bench-"))
-    machine = bench_runner.machine_info()
+    machine, code = bench_runner.machine_info(), bench_runner.code_state()
     print(f"bench: {s['command']}\nbench: model {s['model_dir']} ({s['model_bytes'] / 1e9:.2f} GB), "
           f"work dir {work}", file=sys.stderr, flush=True)
     try:
-        results = bench_driver.run({**s, "prompt_pool": pool, "work_dir": str(work)})
+        try:
+            results = bench_driver.run({**s, "prompt_pool": pool, "work_dir": str(work)})
+        except RuntimeError as e:  # a planning run failed: nothing to compare against
+            print(f"klotski: error: {e}", file=sys.stderr)
+            return 1
         machine["loadavg_at_end"] = bench_runner.machine_info()["loadavg_at_start"]
-        results = {"schema": 1, "created": time.strftime("%Y-%m-%d %H:%M"), "machine": machine,
+        end = bench_runner.code_state()
+        code = {"at_start": code, "at_end": end, "changed_during_run": end["source_sha256"] != code["source_sha256"]}
+        if code["changed_during_run"]:
+            print("bench: warning: the engine's sources changed during the run; results mix versions",
+                  file=sys.stderr)
+        results = {"schema": 1, "created": time.strftime("%Y-%m-%d %H:%M"), "machine": machine, "code": code,
                    "settings": s, **results,
                    "skipped": [{"system": "llama.cpp", "reason": LLAMA_CPP_NOTE}],
                    "notes": [ACCELERATE_LINK_NOTE]}

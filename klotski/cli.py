@@ -139,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--routing", default="uniform", choices=("uniform", "skewed"),
                    help="skewed: Zipf-like expert popularity correlated across layers, like real Mixtral")
 
+    from klotski import bench
+    bench.add_parser(sub)
+
     j = sub.add_parser("jobs", help="export example job files")
     j.add_argument("dataset", choices=("wikitext",))
     j.add_argument("-o", "--output", default="wikitext103.jsonl")
@@ -172,6 +175,9 @@ def main(argv=None) -> int:
         if args.command in ("plan", "simulate", "profile", "correlate", "quantize"):
             from klotski import commands
             return getattr(commands, args.command)(args)
+        if args.command == "bench":
+            from klotski import bench
+            return bench.main(args)
         if args.command == "make-tiny":
             from klotski import tiny
             path = tiny.build_checkpoint(args.output, args.preset, seed=args.seed, num_shards=args.shards,

@@ -100,8 +100,11 @@ class Engine:
 
     def _plan(self, seqs) -> None:
         """Ask the planner for bs, n (those the user left to it) and the placement."""
+        import dataclasses
+
         from klotski import errors, planning
-        shape = planning.as_shape(self.spec)
+        # plan in the compute dtype: that is what sits on the device and crosses the links
+        shape = dataclasses.replace(planning.as_shape(self.spec), dtype=str(self.dtype).removeprefix("torch."))
         profile = planning.profile_for("auto", shape, device=self.device.type,
                                        link_gbps=self.config.emulate_link_gbps)
         # Time is planned for the typical request (batches are formed by length, so padding is

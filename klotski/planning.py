@@ -11,7 +11,7 @@ from planner.costmodel import CostModel
 from planner.place import activation_bytes  # noqa: F401  (the engine sizes its reserve with it)
 from planner.profile import builtin_profiles, load_profile, measure
 from planner.shapes import KNOWN_MODELS, as_shape
-from planner.solve import Budgets, solve
+from planner.solve import Budgets, Infeasible, solve
 
 from placement.plan import Placement
 
@@ -40,12 +40,25 @@ def make_plan(shape, profile, *, device_memory, host_memory, prompt_len, gen_len
     cost = CostModel(profile, shape, quant_bits=4 if config.quantize == "hqq4" else None)
     budgets = Budgets.from_profile(profile, device=device_memory, host=host_memory)
     batch_sizes = (config.batch_size,) if config.batch_size else tuple(range(4, 65, 4))
-    max_n = 64
-    if sequences is not None:  # never plan more batches than the job has
-        max_n = max(1, math.ceil(sequences / min(batch_sizes)))
     num_batches = 1 if config.schedule == "simple" else config.num_batches
-    return solve(shape, cost, budgets, prompt_len=prompt_len, gen_len=gen_len, batch_sizes=batch_sizes,
-                 max_n=max_n, schedule=config.schedule, K=config.hot_experts, num_batches=num_batches)
+
+    def for_bs(bs):
+        # never plan a group larger than the job: n*bs beyond the sequences is idle capacity
+        max_n = 64 if sequences is None else max(1, math.ceil(sequences / bs))
+        return solve(shape, cost, budgets, prompt_len=prompt_len, gen_len=gen_len, batch_sizes=(bs,),
+                     max_n=max_n, schedule=config.schedule, K=config.hot_experts, num_batches=num_batches)
+
+    if sequences is not None:
+        batch_sizes = tuple(bs for bs in batch_sizes if bs <= max(sequences, batch_sizes[0])) or batch_sizes[:1]
+    plans, failure = [], None
+    for bs in batch_sizes:
+        try:
+            plans.append(for_bs(bs))
+        except Infeasible as e:
+            failure = failure or e
+    if not plans:
+        raise failure
+    return max(plans, key=lambda p: p.predicted_tokens_per_s)
 
 
 def engine_placement(plan, spec) -> Placement:

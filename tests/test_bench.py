@@ -18,8 +18,8 @@ for _d in (ROOT / "benchmarks", ROOT / "benchmarks" / "baselines"):
 import bench_driver  # noqa: E402
 import report  # noqa: E402
 
-EXPECTED = ["accelerate-same-bs", "multibatch", "klotski", "multibatch-link", "klotski-link",
-            "klotski-n2-link", "multibatch-n2-link"]
+EXPECTED = ["accelerate-same-bs", "accelerate-best-bs", "multibatch", "klotski", "multibatch-link", "klotski-link",
+            "klotski-n1-link", "klotski-n2-link", "multibatch-n1-link", "multibatch-n2-link"]
 
 
 def _args(*argv):
@@ -31,7 +31,7 @@ def _args(*argv):
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("bench")
-    args = _args("--preset", "tiny", "--reps", "1", "--prompts", "4", "--max-new-tokens", "3",
+    args = _args("--preset", "tiny", "--reps", "1", "--prompts", "8", "--max-new-tokens", "3",
                  "--systems", "klotski,multibatch,accelerate", "--ns", "1,2",
                  "--out", str(root / "bench.json"), "--img-dir", str(root / "img"), "--work-dir", str(root / "work"))
     rc = bench.main(args)
@@ -48,16 +48,16 @@ def test_exits_cleanly_with_every_system_measured(run):
         assert len(d["runs"]) == 1, key
         tps = d["median"]["tokens_per_s"]
         assert 0 < d["min"]["tokens_per_s"] <= tps <= d["max"]["tokens_per_s"], key
-        # 4 prompts x 3 tokens, or n x bs prompts for a sweep point
+        # 8 prompts x 3 tokens, or n x bs prompts for a sweep point
         assert d["median"]["generated_tokens"] == 3 * d["prompts"], key
         assert d["median"]["peak_rss_bytes"] > 50 * 2**20, key
     assert r["settings"]["threads"] == 1 and r["settings"]["reps"] == 1
     assert r["systems"]["klotski-link"]["median"]["bubble_share"] is not None
     assert r["systems"]["accelerate-same-bs"]["batch_size"] == r["plans"]["plain"]["batch_size"]
-    assert r["accelerate_max_batch"]["best_batch_size"] >= r["plans"]["plain"]["batch_size"]
-    # The n=1 sweep point is the ladder's configuration and is not run twice.
+    assert r["systems"]["accelerate-best-bs"]["batch_size"] == r["accelerate_max_batch"]["best_batch_size"] == 8
     sweep = {(p["schedule"], p["n"]): p["key"] for p in r["sweep"]}
     assert sweep[("klotski", 2)] == "klotski-n2-link" and len(sweep) == 4
+    assert r["systems"]["klotski-n2-link"]["prompts"] == 8 and r["systems"]["klotski-n1-link"]["prompts"] == 4
     assert [x for x in r["skipped"] if x["system"] == "llama.cpp"]
 
 
@@ -74,7 +74,7 @@ def test_outputs_agree_token_for_token(run):
             rec = json.loads(line)
             assert rec["token_ids"], (path.name, rec)
             assert seen.setdefault(rec["id"], rec["token_ids"]) == rec["token_ids"], (path.name, rec["id"])
-    assert len(seen) == 8  # 4 prompts, 8 in the n=2 sweep
+    assert len(seen) == 8
 
 
 def test_a_changed_token_is_reported(run, tmp_path):
@@ -91,6 +91,18 @@ def test_a_changed_token_is_reported(run, tmp_path):
     assert [d["config"] for d in ag["disagreements"]] == ["klotski"]
     first = ag["disagreements"][0]["first_difference"]
     assert first["id"] == recs[0]["id"] and first["position"] == len(recs[0]["token_ids"]) - 1
+
+
+def test_a_sweep_point_equal_to_a_ladder_configuration_is_not_run_twice(tmp_path):
+    settings = {"work_dir": str(tmp_path), "threads": 1, "link_gbps": 2.0, "systems": ["klotski", "multibatch"],
+                "sweep_schedules": ["klotski"], "ns": [1, 2], "sweep_batch_size": 4, "prompts": 8,
+                "max_new_tokens": 2, "prompt_pool": [{"id": str(i), "prompt": f"p{i}"} for i in range(8)]}
+    plan = {"batch_size": 4, "num_batches": 2}
+    configs, index = bench_driver.Bench(settings).configs(tmp_path / "jobs.jsonl", {"plain": plan, "link": plan}, None)
+    keys = [c.key for c in configs]
+    assert {p["n"]: p["key"] for p in index} == {1: "klotski-n1-link", 2: "klotski-link"}
+    assert "klotski-n2-link" not in keys and keys.count("klotski-link") == 1
+    assert sorted(keys) == sorted(["klotski", "multibatch", "klotski-link", "multibatch-link", "klotski-n1-link"])
 
 
 def _png_size(path: Path) -> tuple[int, int]:
@@ -116,13 +128,14 @@ def test_plots_are_real_pngs(run):
 
 def test_report_has_a_row_for_every_system(run):
     text = report.render(run["results"])
-    lines = text.splitlines()
+    systems_part, rest = text.split("### Sweep over n", 1)
+    sweep_part = rest.split("### Ratios", 1)[0]
     for key, d in run["results"]["systems"].items():
         tps = f"{d['median']['tokens_per_s']:.2f}"
         if d["role"] == "sweep":  # sweep table: the config is the last column
-            row = [line for line in lines if line.endswith(f"| {key} |")]
+            row = [line for line in sweep_part.splitlines() if line.endswith(f"| {key} |")]
         else:
-            row = [line for line in lines if line.startswith(f"| {key} |")]
+            row = [line for line in systems_part.splitlines() if line.startswith(f"| {key} |")]
         assert len(row) == 1 and tps in row[0], (key, row)
     for ratio in run["results"]["ratios"]:
         assert f"| {ratio['name']} |" in text
