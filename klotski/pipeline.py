@@ -271,6 +271,7 @@ class Pipeline:
             self.cache.get(key)
             self.trace.add("wait", ".".join(map(str, key)), start, time.perf_counter())
         if self.cache.needs_decode(key):
+            self.make_room(self.cache.decode_nbytes(key), key)
             with self.trace.span("compute", "dequant." + ".".join(map(str, key))):
                 return self.cache.decode(key)
         return self.cache.get(key)

@@ -44,7 +44,7 @@ def make_plan(shape, profile, *, device_memory, host_memory, prompt_len, gen_len
 
     def for_bs(bs):
         # never plan a group larger than the job: n*bs beyond the sequences is idle capacity
-        max_n = 64 if sequences is None else max(1, math.ceil(sequences / bs))
+        max_n = 64 if sequences is None else max(1, sequences // bs)
         return solve(shape, cost, budgets, prompt_len=prompt_len, gen_len=gen_len, batch_sizes=(bs,),
                      max_n=max_n, schedule=config.schedule, K=config.hot_experts, num_batches=num_batches)
 

@@ -22,21 +22,23 @@ class WeightCache:
                  disk_channel=None, codec=None):
         self.store, self.placement, self.refs_for, self.dtype = store, placement, refs_for, dtype
         self.memory, self.disk_channel, self.codec = memory, disk_channel, codec
-        full = {k: self._nbytes(k) for k in placement.tiers}
-        # bytes that cross a link, and device bytes of a transient copy (packed + decoded)
+        self.full = {k: self._nbytes(k) for k in placement.tiers}
+        full = self.full
+        # bytes that cross a link (and that a resident group occupies), and device bytes of a
+        # transient copy (packed + decoded)
         self.moved = {k: self.codec.packed_nbytes(k) if self._coded(k) else full[k] for k in full}
         self.sizes = {k: self.moved[k] + full[k] if self._coded(k) else full[k] for k in full}
         self.decoded: set = set()
+        self.unpacked: dict = {}   # resident quantized groups decoded for the current use
         self.resident: dict = {}   # device-placed groups
         self.host: dict = {}       # host-placed groups (and staged disk groups)
         self.loaded: dict = {}     # transient device copies: key -> tensors
         self.pending: dict = {}    # key -> Ticket of a transfer in flight
         self.staging: dict = {}    # key -> Ticket of a disk->host read in flight
         for key, tier in placement.tiers.items():
-            if tier == DEVICE:  # resident groups are kept decoded: nothing to move, nothing to redo
-                memory.reserve(full[key], f"resident {key}")
-                tensors = {n: to_device(t) for n, t in self._read(key).items()}
-                self.resident[key] = self.codec.decode(tensors) if self._coded(key) else tensors
+            if tier == DEVICE:  # quantized groups stay packed, as the planner sized them
+                memory.reserve(self.moved[key], f"resident {key}")
+                self.resident[key] = {n: to_device(t) for n, t in self._read(key).items()}
             elif tier == HOST:
                 self.host[key] = {n: pin(t) for n, t in self._read(key).items()}
 
@@ -92,23 +94,34 @@ class WeightCache:
     def get(self, key) -> dict:
         """Device tensors of `key`, waiting for its transfer if needed (the caller times the wait)."""
         if key in self.resident:
-            return self.resident[key]
+            return self.unpacked.get(key, self.resident[key])
         if key not in self.loaded:
             self.loaded[key] = self.pending.pop(key).wait()
         return self.loaded[key]
 
     def needs_decode(self, key) -> bool:
-        return self._coded(key) and key in self.loaded and key not in self.decoded
+        return self._coded(key) and (key in self.loaded or key in self.resident) and key not in self.decoded
+
+    def decode_nbytes(self, key) -> int:
+        """Device bytes `decode` will reserve: a transient copy's reservation already covers it."""
+        return self.full[key] if key in self.resident else 0
 
     def decode(self, key) -> dict:
-        """Dequantize a landed transient copy in place (its reservation already covers both)."""
-        self.loaded[key] = self.codec.decode(self.loaded[key])
+        """Dequantize `key` on the device for this use."""
         self.decoded.add(key)
+        if key in self.resident:
+            self.memory.reserve(self.full[key], f"decoded {key}")
+            self.unpacked[key] = self.codec.decode(self.resident[key])
+            return self.unpacked[key]
+        self.loaded[key] = self.codec.decode(self.loaded[key])
         return self.loaded[key]
 
     def release(self, key) -> None:
         """The pipeline is done with `key` for now: drop a transient copy and free its bytes."""
         if key in self.resident:
+            if self.unpacked.pop(key, None) is not None:
+                self.decoded.discard(key)
+                self.memory.free(self.full[key])
             return
         if key in self.pending:  # prefetched but never used: let it land, then drop it
             self.pending.pop(key).wait()
@@ -119,7 +132,8 @@ class WeightCache:
         self.memory.free(self.sizes[key])
 
     def transient(self) -> list:
-        return list(self.loaded) + list(self.pending)
+        """Everything on the device that `release` would free."""
+        return list(self.unpacked) + list(self.loaded) + list(self.pending)
 
     # ---- disk -> host window ------------------------------------------------------------
     def stage(self, keys) -> None:
