@@ -30,7 +30,7 @@ import torch
 from klotski.kvcache import BatchKV
 from klotski.models import mixtral as M
 from placement.tiers import OverBudget
-from planner.place import PREFILL_EXPERT_CHUNK, activation_bytes
+from planner.place import ATTENTION_SCORE_CHUNK, PREFILL_EXPERT_CHUNK, activation_bytes
 
 
 @dataclass
@@ -125,7 +125,8 @@ class Pipeline:
             cos, sin, mask = ctx[k]
             with self.trace.span("compute", f"attn.{layer}.b{k}"):
                 hs[k] = M.attention_block(hs[k], w, cos, sin, mask,
-                                          lambda kk, vv, kv=kv, buf=buf: kv.write(layer, kk, vv, buf), self.spec)
+                                          lambda kk, vv, kv=kv, buf=buf: kv.write(layer, kk, vv, buf), self.spec,
+                                          max_scores=ATTENTION_SCORE_CHUNK)
             if kv.on_host:
                 stores.append((self.ch["kv_store"].submit(lambda kv=kv, buf=buf: kv.store(layer, buf),
                                                           name=f"kv.{layer}.{k}", nbytes=kv.new_nbytes(),

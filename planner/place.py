@@ -19,6 +19,7 @@ from planner.layer import LayerIO, expert_slots
 
 TIERS = ("device", "host", "disk")
 DISK_WINDOW_LAYERS = 2      # layers staged in host memory ahead of the disk-resident ones
+ATTENTION_SCORE_CHUNK = 1 << 24  # attention scores alive at once (queries are chunked past it)
 PREFILL_EXPERT_CHUNK = 4096  # tokens per expert call in prefill (bounds the FFN intermediate)
 
 
@@ -56,11 +57,12 @@ class Layout:
 def activation_bytes(shape, itemsize: int, *, tokens: int, scores: int, sequences: int) -> int:
     """Device bytes of one step's activations, shared with the engine's own reservation:
     hidden state, residual and MoE input/output of all `tokens` of the group (x4), one
-    batch's attention scores and probabilities in fp32 (`scores` query-key pairs per head),
+    batch's attention scores and probabilities in fp32 (`scores` query-key pairs per head,
+    at most ATTENTION_SCORE_CHUNK at once),
     one expert call's FFN intermediates (at most PREFILL_EXPERT_CHUNK tokens), and the
     fp32 next-token logits of every sequence."""
     s = shape
-    return (4 * tokens * s.hidden_size * itemsize + 2 * s.num_heads * scores * 4
+    return (4 * tokens * s.hidden_size * itemsize + 2 * min(s.num_heads * scores, ATTENTION_SCORE_CHUNK) * 4
             + 3 * min(tokens, PREFILL_EXPERT_CHUNK) * s.intermediate_size * itemsize
             + sequences * s.vocab_size * 4)
 

@@ -47,3 +47,21 @@ def test_host_loads_only_the_kept_slots():
     assert kv.prefix_nbytes() == 2 * 10 * 2 * 4
     keys, values, offset = kv.load(0, "cpu")
     assert offset == 10 and keys.shape[2] == 11
+
+
+def test_query_chunking_bounds_scores_and_keeps_results():
+    """A long prefill attends in query chunks (bounded score memory); rows agree to float rounding."""
+    from types import SimpleNamespace
+
+    from klotski.models import mixtral as M
+    torch.manual_seed(0)
+    spec = SimpleNamespace(rms_norm_eps=1e-5, num_heads=4, num_kv_heads=2, head_dim=16)
+    H = 64
+    w = {"input_norm": torch.ones(H), "q": torch.randn(64, H) / 8, "k": torch.randn(32, H) / 8,
+         "v": torch.randn(32, H) / 8, "o": torch.randn(H, 64) / 8}
+    h = torch.randn(2, 50, H)
+    cos, sin = M.rope_tables(torch.arange(50).expand(2, 50), 16, 1e4, h.dtype)
+    mask = M.attention_mask(torch.ones(2, 50, dtype=torch.bool), 50, None)
+    whole = M.attention_block(h, w, cos, sin, mask, lambda k, v: (k, v), spec)
+    chunked = M.attention_block(h, w, cos, sin, mask, lambda k, v: (k, v), spec, max_scores=2 * 4 * 50 * 7)
+    torch.testing.assert_close(chunked, whole, atol=1e-6, rtol=1e-6)

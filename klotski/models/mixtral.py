@@ -101,13 +101,20 @@ def weighted(y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (y * weight[:, None]).to(y.dtype)
 
 
-def attention_block(h, w: dict, cos, sin, mask, cache_write, spec) -> torch.Tensor:
+def attention_block(h, w: dict, cos, sin, mask, cache_write, spec, max_scores: int | None = None) -> torch.Tensor:
     """Residual attention sub-layer for one batch. `cache_write(k, v)` stores this step's
-    keys/values and returns every key/value the batch has so far."""
+    keys/values and returns every key/value the batch has so far. Queries are taken in
+    chunks so that at most `max_scores` attention scores exist at once (a long prefill
+    would otherwise hold B x heads x T x S of them); each query row's result is unchanged."""
     x = rms_norm(h, w["input_norm"], spec.rms_norm_eps)
     q, k, v = qkv(x, w, cos, sin, spec.num_heads, spec.num_kv_heads, spec.head_dim)
     keys, values = cache_write(k, v)
-    return h + attend(q, keys, values, mask, w["o"])
+    B, heads, T, _ = q.shape
+    step = T if max_scores is None else max(1, max_scores // (B * heads * keys.shape[2]))
+    if step >= T:
+        return h + attend(q, keys, values, mask, w["o"])
+    return h + torch.cat([attend(q[:, :, i:i + step], keys, values, mask[:, :, i:i + step], w["o"])
+                          for i in range(0, T, step)], dim=1)
 
 
 def embed(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
