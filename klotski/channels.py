@@ -22,7 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-HOST_TO_DEVICE, DISK_TO_HOST, DEVICE_TO_HOST = "host_to_device", "disk_to_host", "device_to_host"
+HOST_TO_DEVICE = "host_to_device"  # the link --emulate-link throttles
 
 
 class Ticket:
@@ -82,15 +82,9 @@ class Channel:
 
         return Ticket(self._pool.submit(work), event)
 
-    def to_device(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
         """Copy a host tensor into device memory (called inside submitted work)."""
-        if self.cuda:
-            return t.to(self.device, non_blocking=True).to(dtype or t.dtype)
-        out = t.to(dtype) if dtype is not None and dtype != t.dtype else t.clone()
-        return out
-
-    def to_host(self, t: torch.Tensor) -> torch.Tensor:
-        return t.to("cpu", non_blocking=True) if self.cuda else t.clone()
+        return t.to(self.device, non_blocking=True) if self.cuda else t.clone()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

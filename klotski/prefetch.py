@@ -208,9 +208,6 @@ class NextGatePredictor(FrequencyPredictor):
         super().begin_step()
         self.speculated = {}
 
-    def wants_next_gate(self) -> bool:
-        return True
-
     def speculate(self, layer: int, experts: list[torch.Tensor]) -> None:
         """Experts the next layer's router picks for the current hidden states (computed by the pipeline)."""
         self.speculated[layer] = torch.bincount(torch.cat([e.flatten() for e in experts]),

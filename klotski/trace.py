@@ -30,7 +30,6 @@ class Trace:
         self.events: list[Event] = []
         self.busy = defaultdict(float)     # lane -> seconds
         self.bytes = defaultdict(int)      # link -> bytes
-        self.counts = defaultdict(int)
         self._lock = threading.Lock()
 
     def add(self, lane: str, name: str, start: float, end: float, nbytes: int = 0, link: str | None = None):
