@@ -28,6 +28,7 @@ def generate(config: RunConfig, jobs: Path, output: str | None) -> int:
     if out_path.resolve() == jobs.resolve():
         raise UserError(f"{out_path}: the output would overwrite the job file; choose another -o path")
     requests, bad_lines = read_jobs(jobs)
+    engine = Engine(config)  # a bad model fails here, before an output file is created
     try:
         writer = OutputWriter(out_path, resume=config.resume)
     except OSError as e:
@@ -35,7 +36,6 @@ def generate(config: RunConfig, jobs: Path, output: str | None) -> int:
     with writer:
         done = writer.done_ids
         skipped = sum(r.id in done for r in requests)
-        engine = Engine(config)
         todo = [r for r in requests if r.id not in done]
         seqs, too_long = engine.prepare(todo)
         failed = 0
