@@ -9,24 +9,19 @@ table. Usage:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT, generate, write_jobs  # noqa: E402
 
 
 def run_once(model, jobs, schedule, n, bs, link, device_mem, host_mem, max_new, report):
-    cmd = [sys.executable, "-m", "klotski.cli", "generate", str(jobs), "--model", model, "-o",
-           str(report.with_suffix(".out.jsonl")), "--no-resume", "--no-progress", "--report", str(report),
-           "--schedule", schedule, "--num-batches", str(n), "--batch-size", str(bs),
-           "--max-new-tokens", str(max_new), "--emulate-link", str(link),
-           "--device-memory", device_mem, "--host-memory", host_mem]
-    subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT)
-    r = json.loads(report.read_text())
+    r = generate(jobs, report, ["--model", model, "--schedule", schedule, "--num-batches", str(n),
+                                "--batch-size", str(bs), "--max-new-tokens", str(max_new), "--emulate-link",
+                                str(link), "--device-memory", device_mem, "--host-memory", host_mem])
     return r["tokens_per_s"], r["bubble"]["share"], r
 
 
@@ -44,16 +39,13 @@ def main():
     ap.add_argument("--schedules", default="simple,multibatch,hot-prefetch,klotski")
     a = ap.parse_args()
     ns = [int(x) for x in a.ns.split(",")]
-    prompts = [json.loads(l) for l in Path(a.jobs).read_text().splitlines()]
     tmp = Path(tempfile.mkdtemp())
     configs = [(s, 1) for s in a.schedules.split(",") if s == "simple"]
     configs += [(s, n) for s in a.schedules.split(",") if s != "simple" for n in ns]
     results = {c: [] for c in configs}
     for rep in range(a.reps + 1):  # rep 0 is the warm-up
         for schedule, n in configs:
-            jobs = tmp / f"jobs{n}.jsonl"
-            jobs.write_text("".join(json.dumps({"id": p["id"], "prompt": p["prompt"]}) + "\n"
-                                    for p in prompts[: n * a.bs]))
+            jobs = write_jobs(a.jobs, n * a.bs, tmp / f"jobs{n}.jsonl")
             tps, bubble, _ = run_once(a.model, jobs, schedule, n, a.bs, a.link, a.device_memory,
                                       a.host_memory, a.max_new_tokens, tmp / f"r-{schedule}-{n}.json")
             if rep:

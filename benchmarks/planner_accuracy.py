@@ -11,12 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT, generate, write_jobs  # noqa: E402
 
 
 def main():
@@ -34,20 +34,14 @@ def main():
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp())
     jobs = tmp / "jobs.jsonl"
-    lines = Path(a.jobs).read_text().splitlines()[: a.prompts]
-    jobs.write_text("".join(json.dumps({"id": json.loads(l)["id"], "prompt": json.loads(l)["prompt"]}) + "\n"
-                            for l in lines))
+    write_jobs(a.jobs, a.prompts, jobs)
     rows = {}
     for rep in range(a.reps):
         for point in a.points.split(","):
             flags = [] if point == "auto" else ["--batch-size", point.split("x")[0], "--num-batches", point.split("x")[1]]
-            report = tmp / f"{point}-{rep}.json"
-            cmd = [sys.executable, "-m", "klotski.cli", "generate", str(jobs), "--model", a.model, "-o",
-                   str(tmp / "out.jsonl"), "--no-resume", "--no-progress", "--report", str(report),
-                   "--max-new-tokens", str(a.max_new_tokens), "--emulate-link", str(a.link),
-                   "--device-memory", a.device_memory, "--host-memory", a.host_memory] + flags
-            subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT)
-            r = json.loads(report.read_text())
+            r = generate(jobs, tmp / f"{point}-{rep}.json",
+                         ["--model", a.model, "--max-new-tokens", str(a.max_new_tokens), "--emulate-link",
+                          str(a.link), "--device-memory", a.device_memory, "--host-memory", a.host_memory] + flags)
             rows.setdefault(point, []).append(r)
             print(f"rep {rep} {point}: bs {r['plan']['batch_size']} n {r['plan']['num_batches']} "
                   f"measured {r['tokens_per_s']:.2f} predicted {r['predicted_tokens_per_s']:.2f}", file=sys.stderr)

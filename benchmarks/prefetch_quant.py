@@ -12,12 +12,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT, generate, write_jobs  # noqa: E402
 
 
 def main():
@@ -41,21 +41,16 @@ def main():
         build_checkpoint(model, a.preset, routing="skewed")
     tmp = Path(tempfile.mkdtemp())
     jobs = tmp / "jobs.jsonl"
-    lines = [json.loads(l) for l in Path(a.jobs).read_text().splitlines()[: a.bs * a.n]]
-    jobs.write_text("".join(json.dumps({"id": p["id"], "prompt": p["prompt"]}) + "\n" for p in lines))
+    write_jobs(a.jobs, a.bs * a.n, jobs)
     configs = [(p, q) for q in a.quantize.split(",") for p in a.prefetch.split(",")]
     runs = {c: [] for c in configs}
     for rep in range(a.reps + 1):  # rep 0 warms up (and builds tables / quantized copies)
         for prefetch, quant in configs:
-            report = tmp / f"{prefetch}-{quant}.json"
-            cmd = [sys.executable, "-m", "klotski.cli", "generate", str(jobs), "--model", str(model), "-o",
-                   str(tmp / f"{prefetch}-{quant}.out.jsonl"), "--no-resume", "--no-progress", "--report",
-                   str(report), "--include-token-ids", "--batch-size", str(a.bs), "--num-batches", str(a.n),
-                   "--max-new-tokens", str(a.max_new_tokens), "--emulate-link", str(a.link),
-                   "--device-memory", a.device_memory, "--host-memory", a.host_memory,
-                   "--prefetch", prefetch, "--quantize", quant]
-            subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT)
-            r = json.loads(report.read_text())
+            r = generate(jobs, tmp / f"{prefetch}-{quant}.json",
+                         ["--model", str(model), "--include-token-ids", "--batch-size", str(a.bs),
+                          "--num-batches", str(a.n), "--max-new-tokens", str(a.max_new_tokens), "--emulate-link",
+                          str(a.link), "--device-memory", a.device_memory, "--host-memory", a.host_memory,
+                          "--prefetch", prefetch, "--quantize", quant])
             print(f"rep {rep} {prefetch:12s} {quant:5s} {r['tokens_per_s']:7.2f} tok/s", file=sys.stderr)
             if rep:
                 runs[(prefetch, quant)].append(r)

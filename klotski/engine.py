@@ -145,10 +145,6 @@ class Engine:
             return NextGatePredictor(spec.num_layers, spec.num_experts)
         return FrequencyPredictor(spec.num_layers, spec.num_experts)
 
-    def _group_nbytes(self, key) -> int:
-        return sum(_numel(self.store.entries[r.name].span(r.index, r.rows)[2]) * self.dtype.itemsize
-                   for r in self.spec.group_refs(key).values())
-
     # ---- requests -> sequences ----------------------------------------------------------
     def prepare(self, requests):
         """Tokenize; return (sequences, line errors) — a prompt too long is a line error."""
@@ -294,13 +290,6 @@ def _device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _prefill_input(batch: list[Sequence], length: int, pad: int) -> StepInput:

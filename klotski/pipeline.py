@@ -81,8 +81,9 @@ class Pipeline:
                 sink, recent = self.config.attention_sink, self.config.attention_recent
                 mask = M.attention_mask(kv.begin_step(inp.valid, sink, recent), inp.ids.shape[1],
                                         spec.sliding_window, sink, recent)
-                if kv.step_columns() is not None:  # attend over the kept slots only
-                    mask = mask.index_select(-1, kv.step_columns())
+                columns = kv.step_columns()
+                if columns is not None:  # attend over the kept slots only
+                    mask = mask.index_select(-1, columns)
             hs.append(h)
             ctx.append((cos.to(self.device), sin.to(self.device), mask.to(self.device)))
         for layer in range(spec.num_layers):
@@ -147,14 +148,13 @@ class Pipeline:
 
     # ---- gate ---------------------------------------------------------------------------
     def _gates(self, layer, hs):
-        spec, hot = self.spec, self.predictor.predict(layer, self.K)
+        hot = self.predictor.predict(layer, self.K)
         gate = self._get(("gate", layer))
         routed = []
         for k, h in enumerate(hs):
             with self.trace.span("compute", f"gate.{layer}.b{k}"):
-                x = M.rms_norm(h, gate["post_norm"], spec.rms_norm_eps).reshape(-1, h.shape[-1])
-                weights, experts = M.route(x, gate["router"], spec.top_k)
-            routed.append(_Routed(x, weights, experts))
+                routed.append(self._route(h, gate))
+            experts = routed[-1].experts
             # every newly selected expert goes on the experts channel at once
             new = sorted(set(experts.flatten().tolist()))
             self._want([("expert", layer, e) for e in new], "experts", front=True)
@@ -171,12 +171,13 @@ class Pipeline:
         if layer >= self.spec.num_layers or not self.cache.ready(key):
             return
         gate = self.cache.get(key)
-        picks = []
         with self.trace.span("compute", f"speculate.{layer}"):
-            for h in hs:
-                x = M.rms_norm(h, gate["post_norm"], self.spec.rms_norm_eps).reshape(-1, h.shape[-1])
-                picks.append(M.route(x, gate["router"], self.spec.top_k)[1])
+            picks = [self._route(h, gate).experts for h in hs]
         self.predictor.speculate(layer, picks)
+
+    def _route(self, h, gate) -> _Routed:
+        x = M.rms_norm(h, gate["post_norm"], self.spec.rms_norm_eps).reshape(-1, h.shape[-1])
+        return _Routed(x, *M.route(x, gate["router"], self.spec.top_k))
 
     # ---- experts ------------------------------------------------------------------------
     def _experts(self, layer, hs, routed, hot):
@@ -185,8 +186,8 @@ class Pipeline:
         outs = [torch.zeros_like(r.x) for r in routed]
         chosen = sorted(set(torch.cat([r.experts.flatten() for r in routed]).tolist()))
         # expected compute order, for choosing what to evict (needed last goes first)
-        self.upcoming = [("expert", layer, e) for e in chosen if self.schedule != "klotski" or e in hot]
-        self.upcoming += [("expert", layer, e) for e in chosen if ("expert", layer, e) not in self.upcoming]
+        first = [e for e in chosen if self.schedule != "klotski" or e in hot]
+        self.upcoming = [("expert", layer, e) for e in first + [e for e in chosen if e not in first]]
         done = []
         for e in self._order(layer, chosen, hot):
             key = ("expert", layer, e)
@@ -250,38 +251,40 @@ class Pipeline:
         """Start wanted transfers in priority order while the device has room."""
         while self.wants:
             key, channel = self.wants[0]
-            if not self.cache.present(key):
-                if not self.cache.start(key, self.ch[channel]):
-                    return
-                if key[0] == "expert":
-                    self.experts_loaded += 1
+            if not self._start(key, channel):
+                return
             self.wants.pop(0)
+
+    def _start(self, key, channel: str) -> bool:
+        """Start moving `key` on `channel` unless it is on its way; False if there is no room."""
+        if self.cache.present(key):
+            return True
+        started = self.cache.start(key, self.ch[channel])
+        self.experts_loaded += started and key[0] == "expert"
+        return started
 
     def _get(self, key) -> dict:
         """Device tensors of `key`: start it now if nobody did, and time any wait as bubble."""
         self.wants = [(k, c) for k, c in self.wants if k != key]
         if not self.cache.present(key):
             self.make_room(self.cache.sizes[key], key)
-            self.cache.start(key, self.ch["experts" if key[0] == "expert" else "weights"])
-            if key[0] == "expert":
-                self.experts_loaded += 1
-        if self.cache.ready(key):
-            self.cache.get(key)
-        else:
-            start = time.perf_counter()
-            self.cache.get(key)
-            self.trace.add("wait", ".".join(map(str, key)), start, time.perf_counter())
+            self._start(key, "experts" if key[0] == "expert" else "weights")
+        tensors = self._timed(self.cache.ready(key), lambda: self.cache.get(key), ".".join(map(str, key)))
         if self.cache.needs_decode(key):
             self.make_room(self.cache.decode_nbytes(key), key)
             with self.trace.span("compute", "dequant." + ".".join(map(str, key))):
                 return self.cache.decode(key)
-        return self.cache.get(key)
+        return tensors
 
     def _wait(self, ticket, name):
-        if ticket.done():
-            return ticket.wait()
+        return self._timed(ticket.done(), ticket.wait, name)
+
+    def _timed(self, ready: bool, fetch, name):
+        """`fetch()`, counting the time as bubble when the data was not there yet."""
+        if ready:
+            return fetch()
         start = time.perf_counter()
-        out = ticket.wait()
+        out = fetch()
         self.trace.add("wait", name, start, time.perf_counter())
         return out
 

@@ -24,7 +24,7 @@ def test_every_schedule_and_n_gives_identical_tokens(checkpoints, ref, schedule,
 def _tight(engine):
     """Device room for the embeddings, one layer's attention and gate, a few experts, and the
     activation reserve of the largest possible prefill step."""
-    size = engine._group_nbytes
+    size = engine.cache.full.__getitem__
     longest = max(len(engine.tokenizer(p)["input_ids"]) for p in PROMPTS)
     tokens = len(PROMPTS) * longest
     act = activation_bytes(engine.spec, 4, tokens=tokens, scores=tokens * longest, sequences=len(PROMPTS))
@@ -49,7 +49,7 @@ def test_tight_budget_kv_on_host_experts_on_disk(checkpoints, ref, schedule, n):
 def test_planned_placement_spreads_over_tiers(checkpoints, ref):
     """A budget below the model size makes the planner's placement use host and disk."""
     _, probe = engine_tokens(checkpoints["gqa"], prompts=["x"], max_new_tokens=1)
-    total = sum(probe._group_nbytes(k) for k in probe.spec.group_keys())
+    total = sum(probe.cache.full.values())
     ours, engine = engine_tokens(checkpoints["gqa"], device_memory=total * 6 // 10, host_memory=total * 6 // 10)
     tiers = set(engine.placement.tiers.values())
     assert {"host", "disk"} <= tiers
@@ -89,5 +89,5 @@ def test_quantized_weights_move_packed_and_give_identical_tokens_on_any_placemen
                                   placement=placement, batch_size=2, num_batches=3, schedule=schedule)
     assert moved == resident
     expert = ("expert", 0, 0)
-    assert engine.cache.moved[expert] * 3 < engine._group_nbytes(expert)  # packed bytes cross the link
+    assert engine.cache.moved[expert] * 3 < engine.cache.full[expert]  # packed bytes cross the link
     assert engine.memory.peak <= engine.memory.budget
