@@ -17,6 +17,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 REGIME_LABEL = {"plain": "fits in RAM (memory copies)", "link": "emulated link"}
+DISK_LABEL = "bigger than RAM (disk reads)"
 SYSTEM_COLOR = {"accelerate": "#7f7f7f", "simple": "#d62728", "multibatch": "#ff7f0e",
                 "hot-prefetch": "#2ca02c", "klotski": "#1f77b4"}
 LANE_COLOR = {"compute": "#1f77b4", "wait": "#d62728", "weights": "#ff7f0e", "experts": "#2ca02c",
@@ -34,6 +35,12 @@ def _op_color(name: str) -> str:
 
 def _color(d: dict) -> str:
     return SYSTEM_COLOR.get(d["schedule"] or d["system"], "#17becf")
+
+
+def _regime_label(results: dict, regime: str) -> str:
+    if regime == "plain" and results["settings"].get("bigger_than_ram"):
+        return DISK_LABEL
+    return REGIME_LABEL.get(regime, regime)
 
 
 def _link_text(results: dict) -> str:
@@ -76,7 +83,7 @@ def throughput(results: dict, path: Path) -> Path:
     ax.set_xlabel(f"generated tokens/s  (median of {results['settings']['reps']} runs; bars: min-max)")
     ax.set_title(f"Throughput per system\n{_subtitle(results)}", fontsize=10)
     from matplotlib.patches import Patch
-    ax.legend(handles=[Patch(facecolor="white", edgecolor="black", label=REGIME_LABEL["plain"]),
+    ax.legend(handles=[Patch(facecolor="white", edgecolor="black", label=_regime_label(results, "plain")),
                        Patch(facecolor="white", edgecolor="black", hatch="//",
                              label=f"{REGIME_LABEL['link']} ({_link_text(results)}, Klotski only)")],
               loc="upper center", bbox_to_anchor=(0.5, -0.12 - 0.6 / max(len(rows), 1)), ncol=2, fontsize=8)
@@ -113,7 +120,7 @@ def tradeoff(results: dict, path: Path) -> Path:
         for d, x, y in zip(pts, xs, ys):
             left.annotate(f"n={d['num_batches']}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
     bs = results["settings"]["sweep_batch_size"]
-    left.set_title(f"Sweep over n (bs={bs}; {REGIME_LABEL.get(regime, 'no sweep')}"
+    left.set_title(f"Sweep over n (bs={bs}; {_regime_label(results, regime) if regime else 'no sweep'}"
                    + (f", {_link_text(results)})" if regime == "link" else ")"), fontsize=10)
     for ax in (left, right):
         ax.set_xlabel("latency per request: prefill + decode of its group (s)")
@@ -126,7 +133,7 @@ def tradeoff(results: dict, path: Path) -> Path:
         marker = {"accelerate-same-bs": "s", "accelerate-best-bs": "D"}.get(key, "o")
         right.plot([x], [y], marker, color=_color(d), markersize=8,
                    label=f"{key} (bs={d['batch_size']}, n={d['num_batches'] or 1})")
-    right.set_title(f"Systems at their batch sizes: {REGIME_LABEL['plain']}", fontsize=10)
+    right.set_title(f"Systems at their batch sizes: {_regime_label(results, 'plain')}", fontsize=10)
     for ax in (left, right):
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
@@ -186,7 +193,7 @@ def timeline(results: dict, path: Path) -> Path:
         regime = tl.get("regime")
         title = (f"One decode step of klotski (forward {tl['forward']} of {tl['forwards']}, "
                  f"{tl['duration_ms']:.0f} ms), bs={tl.get('batch_size')}, n={tl.get('num_batches')}, "
-                 f"{REGIME_LABEL.get(regime, regime)}" + (f" {_link_text(results)}" if regime == "link" else ""))
+                 f"{_regime_label(results, regime)}" + (f" {_link_text(results)}" if regime == "link" else ""))
         ax.set_xlim(0, tl["duration_ms"])
     else:
         title = "No trace events recorded"

@@ -83,6 +83,15 @@ def _machine(r: dict) -> list[str]:
                  f"configurations interleaved in each round (order: {', '.join(r['order'])}). Klotski reads "
                  f"weights {'with O_DIRECT' if s['direct_io'] else 'through the page cache'}; "
                  f"emulated link: {s['link_gbps'] or 'off'} GB/s.")
+    if s.get("single_batch_prompts"):
+        lines.append(f"Single-batch configurations (simple, accelerate at Klotski's batch size) served the first "
+                     f"{s['single_batch_prompts']} prompts (whole batches): their weight pass serves one batch, "
+                     "so a few batches measure their rate (column *prompts*).")
+    if s.get("disk_read"):
+        d = s["disk_read"]
+        lines.append(f"Disk: sequential O_DIRECT read bandwidth **{_num(d.get('gb_per_s'))} GB/s** "
+                     f"(`{d['command']}`), the physical limit of the bigger-than-RAM regime. The model is "
+                     f"{'bigger' if s.get('bigger_than_ram') else 'smaller'} than this machine's RAM.")
     return lines
 
 
@@ -94,7 +103,9 @@ def _plans(r: dict) -> list[str]:
                    f"(asked for n={p['num_batches_planned']}; the job has {p['groups']} group(s)), "
                    f"predicted {_num(p['predicted_tokens_per_s'])} tokens/s.")
     mb = r.get("accelerate_max_batch")
-    if mb:
+    if mb and not mb.get("searched", True):
+        out.append(f"- accelerate's best batch: {mb['best_batch_size']} ({mb['note']}).")
+    elif mb:
         tried = ", ".join(f"{c['batch_size']} ({'fits' if c['fits'] else 'does not fit'})" for c in mb["candidates"])
         out.append(f"- accelerate's best batch: {mb['best_batch_size']} (max_batch.py search; tried {tried}; "
                    f"{mb['note']}; criterion: {mb['criterion']}).")
@@ -112,7 +123,9 @@ def _ordered(r: dict) -> list[tuple[str, dict]]:
 
 
 def _regime(r: dict, regime: str) -> str:
-    return "in RAM" if regime == "plain" else f"link {r['settings']['link_gbps']:g} GB/s"
+    if regime != "plain":
+        return f"link {r['settings']['link_gbps']:g} GB/s"
+    return "from disk" if r["settings"].get("bigger_than_ram") else "in RAM"
 
 
 def _predicted(d: dict) -> str:
@@ -125,26 +138,27 @@ def _predicted(d: dict) -> str:
 
 def _main_table(r: dict) -> list[str]:
     reps = r["settings"]["reps"]
-    head = ["config", "regime", "bs", "n", f"tokens/s (median of {reps})", "min–max", "predicted tok/s",
+    head = ["config", "regime", "prompts", "bs", "n", f"tokens/s (median of {reps})", "min–max", "predicted tok/s",
             "TTFT/group (s)", "latency/group (s)", "wall (s)", "peak RSS", "peak device", "host→device",
-            "GB/s busy", "GB/s mean", "bubble"]
+            "GB/s busy", "GB/s mean", "disk GB/s (decode)", "bubble"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for key, d in _ordered(r):
         m = d["median"]
         if "tokens_per_s" not in m:
-            lines.append(f"| {key} | {_regime(r, d['regime'])} | {d['batch_size']} | {d['num_batches'] or 1} | failed |"
-                         + " |" * (len(head) - 5))
+            lines.append(f"| {key} | {_regime(r, d['regime'])} | {d['prompts']} | {d['batch_size']} | "
+                         f"{d['num_batches'] or 1} | failed |" + " |" * (len(head) - 6))
             continue
         moved, bw, mean = _h2d(m)
         if d["system"] == "accelerate":
             mapped = m.get("disk_mmap_upper_bound.bytes")
             moved = f"≤ {_bytes(mapped)} mapped" if mapped else "none (all resident)"
         lines.append("| " + " | ".join([
-            key, _regime(r, d["regime"]), str(d["batch_size"]),
+            key, _regime(r, d["regime"]), str(d["prompts"]), str(d["batch_size"]),
             str(d["num_batches"] or 1), f"**{m['tokens_per_s']:.2f}**", _spread(d, "tokens_per_s"),
             _predicted(d), _num(m.get("ttft_s")), _num(m.get("latency_s")),
             _num(m.get("process_wall_s"), "{:.1f}"), _bytes(m.get("peak_rss_bytes")),
-            _bytes(m.get("peak_device_bytes")), moved, bw, mean, _pct(m.get("bubble_share"))]) + " |")
+            _bytes(m.get("peak_device_bytes")), moved, bw, mean, _num(m.get("decode_disk_gb_per_s")),
+            _pct(m.get("bubble_share"))]) + " |")
     return lines
 
 
@@ -221,8 +235,9 @@ def _discussion(r: dict) -> list[str]:
         lines.append(f"- `{x['name']}` = {_num(x['value'], '{:.2f}×')}{tgt}{verdict or '.'} Why: _to do_.")
     if not by:
         lines.append("- No ratios: some systems were not run.")
-    lines.append("- Bigger-than-RAM targets (≥ 10× / ≥ 1.5× accelerate, ≥ 85% of the disk's sequential read "
-                 "bandwidth during decode) are not measured here; see *Not run*.")
+    if not r["settings"].get("bigger_than_ram"):
+        lines.append("- Bigger-than-RAM targets (≥ 10× / ≥ 1.5× accelerate, ≥ 85% of the disk's sequential read "
+                     "bandwidth during decode) are not measured here; see *Not run*.")
     return lines
 
 
@@ -230,11 +245,14 @@ def render(results: dict, link_base: str = "docs") -> str:
     r, s = results, results["settings"]
     out = [f"## `klotski bench`: {s['preset']} preset" + (f", {s['routing']} routing" if s.get("routing") else ""), ""]
     out += _machine(r) + [""] + _plans(r) + [""]
-    out += ["### Systems (fits-in-RAM regime and emulated link)", ""] + _main_table(r)
+    title = "bigger-than-RAM regime" if s.get("bigger_than_ram") else "fits-in-RAM regime" + (
+        " and emulated link" if s.get("link_gbps") else "")
+    out += [f"### Systems ({title})", ""] + _main_table(r)
     out += ["", "TTFT/group: prefill time per batch group (every sequence of a group gets its first token "
                 "when the group's prefill ends); latency/group: prefill + decode per group; wall: the whole "
                 "process, start-up and loading included; peak RSS: the process's high-water mark (`wait4`); "
                 "peak device: Klotski's device-tier accounting, for accelerate the weights it keeps resident; "
+                "disk GB/s (decode): bytes Klotski read from disk while decode steps ran / decode time; "
                 "GB/s busy: host→device bytes / summed busy seconds of the channels that moved them "
                 "(a lower bound on the rate while moving: channels overlap, and with an emulated link a "
                 "transfer's busy time includes queueing for the shared link); GB/s mean: the same bytes / "
@@ -246,7 +264,9 @@ def render(results: dict, link_base: str = "docs") -> str:
     out += ["", "### Do all systems produce the same tokens?", ""] + _agreement(r) + _failures(r)
     out += ["", "### Not run", ""]
     out += [f"- **{x['system']}**: {x['reason']}" for x in r.get("skipped", [])]
-    out += ["- **Bigger-than-RAM regime** (`xl`): run by hand; `klotski bench --preset xl` prints the commands."]
+    if not s.get("bigger_than_ram"):
+        out += ["- **Bigger-than-RAM regime**: `klotski bench --preset xl`, run by hand (about an hour); "
+                "see its own section."]
     out += [f"- {n}" for n in r.get("notes", [])]
     out += ["", "### Plots", ""]
     titles = {"throughput": "Throughput per system", "tradeoff": "Throughput–latency trade-off over n and batch size",

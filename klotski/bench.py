@@ -22,9 +22,24 @@ SYSTEMS = ("accelerate", "simple", "multibatch", "hot-prefetch", "klotski")
 # Budgets below the model size, so every system really offloads: (device, host), for the
 # preset's own dtype; a preset built in a wider dtype gets a proportionally larger device
 # budget so the same share of the model fits (medium: 900MB in bfloat16, 1800MB in float32).
-BUDGETS = {"tiny": ("24MB", "256MB"), "small": ("48MB", "1GiB"), "medium": ("900MB", "8GiB")}
-XL_SHAPE = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=12, num_attention_heads=32,
-                num_key_value_heads=8, head_dim=128)  # Mixtral-8x7B layers, 12 of them: ~34 GB in bf16
+BUDGETS = {"tiny": ("24MB", "256MB"), "small": ("48MB", "1GiB"), "medium": ("900MB", "8GiB"),
+           "xl": ("4GiB", "8GiB")}
+SHARDS = {"xl": 7}  # ~5 GB shards, as on the hub
+XL_DISK_BYTES = 65e9  # the model (~32 GB) and accelerate's re-saved experts (~28 GB)
+# Settings the flags default to. The fits-in-RAM presets compare everything, several times.
+# xl (~32 GB, bigger than RAM) reads the SSD at every weight pass, so it keeps generations
+# short, runs once, skips the n sweep and the emulated link (the disk is the slow link),
+# reads with O_DIRECT, runs the single-batch systems on 2 batches, and gives accelerate
+# the whole job as its batch (activations are tiny next to the budget; searching would
+# reload 28 GB per candidate).
+FITS_IN_RAM = dict(prompts=16, max_new_tokens=8, reps=3, emulate_link=2.0, ns="1,2,4", direct_io=False,
+                   single_batch_prompts=None, accelerate_batch=None, dtype="float32", memory_limit="none",
+                   cold_cache=False)
+PRESET_DEFAULTS = {"tiny": FITS_IN_RAM, "small": FITS_IN_RAM, "medium": FITS_IN_RAM,
+                   "xl": dict(prompts=64, max_new_tokens=4, reps=1, emulate_link=0.0, ns="", direct_io=True,
+                              single_batch_prompts=8, accelerate_batch=64, dtype="bfloat16", memory_limit="auto",
+                              cold_cache=True)}
+RUNTIME_ALLOWANCE = 2 << 30  # interpreter, torch, transformers, activations: outside both tier budgets
 
 LLAMA_CPP_NOTE = (
     "skipped: llama-cpp-python (0.3.36) is on the package index only as a source archive "
@@ -51,24 +66,26 @@ def add_parser(sub) -> argparse.ArgumentParser:
                     "offloading and Klotski's schedules (simple, multibatch, hot-prefetch, klotski), each "
                     "in its own process, alternating, several repetitions; report medians, spreads, "
                     "ratios and whether all greedy outputs agree. Needs the source checkout (benchmarks/).")
-    p.add_argument("--preset", default="medium", choices=("tiny", "small", "medium", "xl"),
-                   help="built-in model size; xl (bigger than RAM) only prints the commands to run by hand")
+    p.add_argument("--preset", default="medium", choices=tuple(PRESET_DEFAULTS),
+                   help="built-in model size (default medium). xl (~32 GB, bigger than RAM, run by hand, "
+                        "about an hour) changes the defaults marked 'xl:'")
     p.add_argument("--routing", default="skewed", choices=("uniform", "skewed"),
                    help="expert popularity of the built model (default: skewed, like real Mixtral)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+    p.add_argument("--dtype", choices=("float32", "bfloat16"),
                    help="dtype the preset is built in (default float32: in bfloat16 transformers' and "
-                        "Klotski's kernels round differently, so greedy tokens cannot be compared)")
+                        "Klotski's kernels round differently, so greedy tokens cannot be compared; "
+                        "xl: bfloat16, as float32 would need 64 GB of disk)")
     p.add_argument("--model", metavar="DIR", help="bench this checkpoint instead of building a preset")
     p.add_argument("--jobs", default=str(ROOT / "jobs" / "wikitext.jsonl"),
                    help="prompt file; the first --prompts lines are used (default: jobs/wikitext.jsonl)")
-    p.add_argument("--prompts", type=int, default=16, help="prompts per run (default 16)")
-    p.add_argument("--max-new-tokens", type=int, default=8, help="tokens generated per prompt (default 8)")
-    p.add_argument("--reps", type=int, default=3, help="measured repetitions after the warm-up (default 3)")
+    p.add_argument("--prompts", type=int, help="prompts per run (default 16; xl: 64)")
+    p.add_argument("--max-new-tokens", type=int, help="tokens generated per prompt (default 8; xl: 4)")
+    p.add_argument("--reps", type=int, help="measured repetitions after the warm-up (default 3; xl: 1)")
     p.add_argument("--device-memory", metavar="SIZE",
                    help="device budget (default: per preset and dtype; medium: 900MB bfloat16, 1800MB float32)")
     p.add_argument("--host-memory", metavar="SIZE", help="host budget (default: per preset, medium 8GiB)")
-    p.add_argument("--emulate-link", type=float, default=2.0, metavar="GBPS",
-                   help="also run the ladder with host->device throttled to GBPS GB/s (0 = skip; default 2)")
+    p.add_argument("--emulate-link", type=float, metavar="GBPS",
+                   help="also run the ladder with host->device throttled to GBPS GB/s (0 = skip; default 2; xl: 0)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads of every process (default 1: on a shared 2-core box, all-core "
                         "OpenMP stalls whenever a neighbour runs)")
@@ -77,13 +94,25 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "Default 4, as in the paper's ablation: with few prompts the planner's own bs would "
                         "leave a single batch, and n would mean nothing")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"subset of {','.join(SYSTEMS)}")
-    p.add_argument("--ns", default="1,2,4", help="n sweep (batches per group); empty to skip (default 1,2,4)")
+    p.add_argument("--ns", help="n sweep (batches per group); empty to skip (default 1,2,4; xl: empty)")
     p.add_argument("--sweep-schedules", default="klotski,multibatch", help="schedules swept over n")
     p.add_argument("--sweep-batch-size", type=int, default=4,
                    help="batch size of the sweep; a sweep point runs n x this many prompts as one group")
-    p.add_argument("--direct-io", action="store_true",
+    p.add_argument("--direct-io", action=argparse.BooleanOptionalAction,
                    help="Klotski reads the checkpoint with O_DIRECT (default: page cache, like accelerate's "
-                        "memory maps, since this regime fits in RAM)")
+                        "memory maps, since the model fits in RAM; xl: O_DIRECT, and the disk's own O_DIRECT "
+                        "bandwidth is measured with dd to judge it against)")
+    p.add_argument("--single-batch-prompts", type=int, metavar="K",
+                   help="simple and accelerate at Klotski's batch size serve one batch per weight pass; run "
+                        "them on the first K prompts only (default: all; xl: 8)")
+    p.add_argument("--memory-limit", metavar="SIZE|auto|none",
+                   help="run every system in a memory cgroup of SIZE, page cache included, so memory-mapped "
+                        "reads get no more RAM than the budgets (auto: device + host + 2GiB; default none; "
+                        "xl: auto)")
+    p.add_argument("--cold-cache", action=argparse.BooleanOptionalAction,
+                   help="drop the page cache before every run (root only; default off; xl: on)")
+    p.add_argument("--accelerate-batch", type=int, metavar="B",
+                   help="accelerate's best batch size, given instead of searched (default: searched; xl: 64)")
     p.add_argument("--out", metavar="JSON", help="results (default: benchmarks/results/bench-PRESET.json)")
     p.add_argument("--img-dir", default=str(ROOT / "docs" / "img"), help="where the PNG plots go")
     p.add_argument("--work-dir", help="keep per-run outputs, reports, logs and traces here (default: temporary)")
@@ -109,10 +138,16 @@ def ensure_model(preset: str, routing: str, dtype: str) -> Path:
     if _stamp_ok(final, preset, routing, dtype):
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
+    need = XL_DISK_BYTES if preset == "xl" else 0
+    free = shutil.disk_usage(final.parent).free
+    if free < need:
+        raise ValueError(f"{final.parent} has {free / 1e9:.0f} GB free; the xl bench needs about "
+                         f"{need / 1e9:.0f} GB (model + accelerate's offload folder); free some space "
+                         "or set XDG_CACHE_HOME to a larger disk")
     print(f"bench: building {final.name} into {final.parent}", file=sys.stderr, flush=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.building-", dir=final.parent))
     try:
-        tiny.build_checkpoint(tmp, preset, routing=routing, dtype=dtype)
+        tiny.build_checkpoint(tmp, preset, routing=routing, dtype=dtype, num_shards=SHARDS.get(preset, 1))
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -131,38 +166,6 @@ def read_prompts(path: str) -> list[dict]:
     return out
 
 
-# --------------------------------------------------------------------------- xl
-
-def xl_instructions(a) -> str:
-    """The bigger-than-RAM regime is run by hand: a ~34 GB build and a half-hour run."""
-    from klotski import tiny
-    model = tiny.default_cache_dir() / "models" / "xl-mixtral-skewed-bfloat16"  # absolute: python does not expand ~
-    shape = ", ".join(f"{k}={v}" for k, v in XL_SHAPE.items())
-    return f"""\
-The bigger-than-RAM regime (issue 6) is not run by `klotski bench` itself: building the
-~34 GB checkpoint takes a long while and one round of systems takes 30+ minutes.
-Run by hand, on a disk with ~80 GB free (model + accelerate's offload folder):
-
-  # 1. the model: Mixtral-8x7B-shaped layers (12 of them), skewed routing, bfloat16
-  python -c "from klotski import tiny; tiny.build_checkpoint('{model}', 'medium', routing='skewed', dtype='bfloat16', {shape})"
-
-  # 2. the disk's sequential read limit (page cache bypassed), to compare achieved bandwidth with
-  dd if={model}/model.safetensors of=/dev/null bs=64M count=64 iflag=direct
-
-  # 3. the bench: short generations, O_DIRECT reads, one repetition
-  klotski bench --model {model} --device-memory 4GiB --host-memory 8GiB --direct-io \\
-      --prompts 64 --max-new-tokens 4 --reps 1 --ns "" --emulate-link 0 \\
-      --out benchmarks/results/bench-xl.json
-  python benchmarks/report.py benchmarks/results/bench-xl.json -o docs/bench-section-xl.md
-
-Targets: Klotski >= 10x accelerate at the same batch size, >= 1.5x at accelerate's best
-batch, and >= 85% of the dd bandwidth sustained during decode (the report's disk_to_host
-bytes / disk busy seconds). In bfloat16, transformers' and Klotski's greedy tokens are
-not expected to agree token for token (different kernels, different rounding); compare
-Klotski's schedules among themselves.
-"""
-
-
 # --------------------------------------------------------------------------- main
 
 def default_budgets(preset: str, dtype: str | None) -> tuple[str, str]:
@@ -172,10 +175,19 @@ def default_budgets(preset: str, dtype: str | None) -> tuple[str, str]:
     native = tiny.PRESETS.get(preset, tiny.PRESETS["medium"])["dtype"]
     width = {"float32": 4, "bfloat16": 2, "float16": 2}
     scale = width.get(dtype or native, 2) / width.get(native, 2)
-    return f"{round(parse_size(device) * scale / 1e6)}MB", host
+    return (device if scale == 1 else f"{round(parse_size(device) * scale / 1e6)}MB"), host
+
+
+def fill_preset_defaults(a) -> None:
+    """Flags left unset take the preset's defaults (a --model run takes the fits-in-RAM ones)."""
+    defaults = PRESET_DEFAULTS[a.preset]
+    for key, value in defaults.items():
+        if getattr(a, key) is None:
+            setattr(a, key, value)
 
 
 def settings_from_args(a) -> dict:
+    fill_preset_defaults(a)
     systems = _csv(a.systems)
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
@@ -195,7 +207,19 @@ def settings_from_args(a) -> dict:
         "link_gbps": a.emulate_link or None, "threads": a.threads, "systems": systems, "ns": ns,
         "sweep_schedules": _csv(a.sweep_schedules), "sweep_batch_size": a.sweep_batch_size,
         "direct_io": a.direct_io, "jobs_source": a.jobs,
+        "single_batch_prompts": a.single_batch_prompts, "accelerate_batch": a.accelerate_batch,
+        "memory_limit": a.memory_limit, "cold_cache": a.cold_cache,
+        "memory_limit_bytes": memory_limit_bytes(a.memory_limit, a.device_memory or device, a.host_memory or host),
     }
+
+
+def memory_limit_bytes(text: str, device: str, host: str) -> int | None:
+    from klotski.config import parse_size
+    if text == "none":
+        return None
+    if text == "auto":
+        return parse_size(device) + parse_size(host) + RUNTIME_ALLOWANCE
+    return parse_size(text)
 
 
 def command_line(s: dict, a) -> str:
@@ -207,8 +231,11 @@ def command_line(s: dict, a) -> str:
               "--batch-size", s["batch_size"] or "auto", "--emulate-link", s["link_gbps"] or 0, "--threads", s["threads"], "--systems", ",".join(s["systems"]),
               "--ns", ",".join(map(str, s["ns"])), "--sweep-schedules", ",".join(s["sweep_schedules"]),
               "--sweep-batch-size", s["sweep_batch_size"]]
-    if s["direct_io"]:
-        parts.append("--direct-io")
+    parts.append("--direct-io" if s["direct_io"] else "--no-direct-io")
+    for flag, key in (("--single-batch-prompts", "single_batch_prompts"), ("--accelerate-batch", "accelerate_batch")):
+        if s[key]:
+            parts += [flag, s[key]]
+    parts += ["--memory-limit", s["memory_limit"], "--cold-cache" if s["cold_cache"] else "--no-cold-cache"]
     return shlex.join(map(str, parts))
 
 
@@ -218,9 +245,6 @@ def _display_path(p: Path) -> str:
 
 
 def main(a) -> int:
-    if a.preset == "xl" and not a.model:
-        print(xl_instructions(a))
-        return 0
     bench_dir = ROOT / "benchmarks"
     if not (bench_dir / "bench_driver.py").exists():
         print(f"klotski: error: bench needs the source checkout ({bench_dir} not found); "
@@ -235,12 +259,18 @@ def main(a) -> int:
 
     try:
         s = settings_from_args(a)
+        s["model_dir"] = str(Path(a.model).expanduser() if a.model else ensure_model(a.preset, a.routing, a.dtype))
     except ValueError as e:
         print(f"klotski: error: {e}", file=sys.stderr)
         return 2
     s["command"] = command_line(s, a)
-    s["model_dir"] = str(Path(a.model).expanduser() if a.model else ensure_model(a.preset, a.routing, a.dtype))
-    s["model_bytes"] = sum(f.stat().st_size for f in Path(s["model_dir"]).glob("*.safetensors"))
+    shards = sorted(Path(s["model_dir"]).glob("*.safetensors"))
+    s["model_bytes"] = sum(f.stat().st_size for f in shards)
+    s["bigger_than_ram"] = s["model_bytes"] > (bench_runner.machine_info()["ram_bytes"] or 0)
+    if s["direct_io"]:  # the physical limit O_DIRECT reads are judged against
+        s["disk_read"] = bench_runner.disk_read_gbps(max(shards, key=lambda f: f.stat().st_size))
+        s["disk_read_gbps"] = s["disk_read"]["gb_per_s"]
+        print(f"bench: disk read bandwidth (dd, O_DIRECT): {s['disk_read_gbps']} GB/s", file=sys.stderr)
     pool = read_prompts(a.jobs)
     need = max([s["prompts"]] + [n * s["sweep_batch_size"] for n in s["ns"]])
     if need > len(pool):

@@ -5,7 +5,8 @@ scheduling thread's compute, and returns a `Ticket`. This is the ONLY place wher
 CUDA differ:
 
   * CPU: `to_device` is a memory copy into a fresh tensor (the device tier is a budgeted
-    working set in RAM); a ticket is ready when the worker's future is.
+    working set in RAM), or no copy for a fresh disk read only that transfer holds; a
+    ticket is ready when the worker's future is.
   * CUDA: the worker issues non-blocking copies from pinned memory on the channel's own
     `torch.cuda.Stream` and records an event; `Ticket.wait` makes the compute stream wait
     on that event, so the copy overlaps kernels exactly as in the paper's four streams.
@@ -82,9 +83,13 @@ class Channel:
 
         return Ticket(self._pool.submit(work), event)
 
-    def to_device(self, t: torch.Tensor) -> torch.Tensor:
-        """Copy a host tensor into device memory (called inside submitted work)."""
-        return t.to(self.device, non_blocking=True) if self.cuda else t.clone()
+    def to_device(self, t: torch.Tensor, owned: bool = False) -> torch.Tensor:
+        """Copy a host tensor into device memory (called inside submitted work). On CPU the
+        "device" is the same RAM: a host-tier tensor is cloned (the copy is what the tier
+        budgets count), while a fresh read only this transfer holds (`owned`) is handed over."""
+        if self.cuda:
+            return t.to(self.device, non_blocking=True)
+        return t if owned else t.clone()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

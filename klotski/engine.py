@@ -21,7 +21,7 @@ from klotski.models.spec import DTYPES, ModelSpec
 from klotski.pipeline import Pipeline, StepInput
 from klotski.prefetch import CorrelationPredictor, FrequencyPredictor, NextGatePredictor
 from klotski.trace import Trace
-from placement.cache import WeightCache
+from placement.cache import DISK_TO_HOST, WeightCache
 from placement.plan import Placement
 from placement.store import TensorStore
 from placement.tiers import HOST, DeviceMemory, detect_budgets
@@ -51,6 +51,7 @@ class Stats:
     decode_s: float = 0.0
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    decode_disk_bytes: int = 0  # read from disk while decode steps ran: the bigger-than-RAM bound
 
 
 class Engine:
@@ -225,13 +226,14 @@ class Engine:
         prefill = True
         while inputs:
             active = list(inputs)
-            t0 = time.perf_counter()
+            t0, disk0 = time.perf_counter(), self.trace.bytes[DISK_TO_HOST]
             logits = self.pipeline.forward([kvs[k] for k in active], [inputs[k] for k in active])
             elapsed = time.perf_counter() - t0
             if prefill:
                 self.stats.prefill_s += elapsed
             else:
                 self.stats.decode_s += elapsed
+                self.stats.decode_disk_bytes += self.trace.bytes[DISK_TO_HOST] - disk0
             prefill = False
             inputs = {}
             for k, lg in zip(active, logits):

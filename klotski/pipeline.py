@@ -86,9 +86,13 @@ class Pipeline:
                     mask = mask.index_select(-1, columns)
             hs.append(h)
             ctx.append((cos.to(self.device), sin.to(self.device), mask.to(self.device)))
+        for layer in range(self.window):  # already staged by the previous step, except on the first
+            self.cache.stage(self._layer_keys(layer))
         for layer in range(spec.num_layers):
             self.layer, self.upcoming = layer, []
-            self.cache.stage(self._layer_keys(layer + self.window))
+            # Wraps to the next step's first layers, so the disk never idles between steps (on the
+            # last step of a run that is one window read for nothing).
+            self.cache.stage(self._layer_keys((layer + self.window) % spec.num_layers))
             self._attention(layer, hs, ctx, kvs)
             routed, hot = self._gates(layer, hs)
             hs = self._experts(layer, hs, routed, hot)
@@ -313,8 +317,6 @@ class Pipeline:
 
     # ---- bookkeeping --------------------------------------------------------------------
     def _layer_keys(self, layer: int) -> list:
-        if layer >= self.spec.num_layers:
-            return []
         return [("attn", layer), ("gate", layer)] + self._expert_keys(layer)
 
     def _expert_keys(self, layer: int) -> list:

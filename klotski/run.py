@@ -84,7 +84,10 @@ def build_report(engine, *, ok: int, failed: int, skipped: int, wall_s: float) -
                    "budget_host_bytes": engine.budgets.host},
         "io": {"bytes": dict(engine.trace.bytes),
                "busy_s": {k: round(v, 4) for k, v in engine.trace.busy.items()},
-               "experts_loaded": engine.pipeline.experts_loaded if engine.pipeline else 0},
+               "experts_loaded": engine.pipeline.experts_loaded if engine.pipeline else 0,
+               # Disk bytes per second of decode wall time: how busy decode kept the disk.
+               "decode_disk_bytes": s.decode_disk_bytes,
+               "decode_disk_gb_per_s": round(s.decode_disk_bytes / s.decode_s / 1e9, 4) if s.decode_s else None},
         "bubble": {"seconds": round(engine.trace.bubble_s, 4), "share": round(engine.trace.bubble_share(), 4)},
         "prefetch": engine.predictor.report() if engine.pipeline else {},
         "model": str(engine.model_dir),

@@ -56,6 +56,15 @@ PRESETS: dict[str, dict] = {
         num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=4096,
         rope_theta=1e6, rms_norm_eps=1e-5, dtype="bfloat16",
     ),
+    # Bigger than this machine's 24 GB of RAM (~32 GB in bfloat16): Mixtral-8x7B's layer
+    # shape, 11 layers. Only for the by-hand bench of the regime where every system reads
+    # from the SSD; nothing in the tests builds it.
+    "xl": dict(
+        vocab_size=4096, hidden_size=4096, intermediate_size=14336, num_hidden_layers=11,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=4096,
+        rope_theta=1e6, rms_norm_eps=1e-5, dtype="bfloat16",
+    ),
 }
 
 BUILTIN_MODELS: dict[str, str] = {

@@ -76,20 +76,26 @@ class WeightCache:
         if not self.memory.fits(self.sizes[key]):
             return False
         self.memory.reserve(self.sizes[key], str(key))
-        source = self._source(key)
-        self.pending[key] = channel.submit(lambda: {n: channel.to_device(t) for n, t in source().items()},
+        source, owned = self._source(key)
+        self.pending[key] = channel.submit(lambda: {n: channel.to_device(t, owned) for n, t in source().items()},
                                            name=_label(key), nbytes=self.moved[key])
         return True
 
     def _source(self, key):
-        """A callable giving host tensors for `key`, run on the transfer's worker."""
+        """A callable giving host tensors for `key`, run on the transfer's worker, and whether
+        those tensors are this copy's own (a fresh read nobody else holds) or the host tier's.
+
+        A staged buffer is handed over to this one copy: once the device copy exists the host
+        buffer is garbage, so the window holds only layers not yet copied (what the planner
+        charged to the host budget). A disk group that was not staged is read now, still on
+        the disk channel, so every disk byte is on the disk lane and in its counters."""
         if key in self.host:
             tensors = self.host[key]
-            return lambda: tensors
-        ticket = self.staging.get(key)
-        if ticket is not None:
-            return ticket.wait
-        return lambda: self._read(key)
+            return (lambda: tensors), False
+        if self.placement.tiers.get(key) == DISK and self.disk_channel:
+            self.stage([key])
+            return self.staging.pop(key).wait, True
+        return (lambda: self._read(key)), True
 
     def get(self, key) -> dict:
         """Device tensors of `key`, waiting for its transfer if needed (the caller times the wait)."""

@@ -144,12 +144,49 @@ def test_report_has_a_row_for_every_system(run):
         assert f"]({p})" in text  # outside docs/: linked by absolute path
 
 
-def test_xl_only_prints_the_commands(capsys, tmp_path):
-    out = tmp_path / "x.json"
-    assert bench.main(_args("--preset", "xl", "--out", str(out))) == 0
-    text = capsys.readouterr().out
-    assert "build_checkpoint" in text and "iflag=direct" in text and "klotski bench --model" in text
-    assert not out.exists()
+def test_xl_defaults_fill_only_unset_flags():
+    s = bench.settings_from_args(_args("--preset", "xl"))
+    assert (s["prompts"], s["max_new_tokens"], s["reps"], s["ns"], s["link_gbps"]) == (64, 4, 1, [], None)
+    assert s["direct_io"] and s["dtype"] == "bfloat16" and (s["single_batch_prompts"], s["accelerate_batch"]) == (8, 64)
+    assert (s["device_memory"], s["host_memory"]) == ("4GiB", "8GiB")
+    s = bench.settings_from_args(_args("--preset", "xl", "--prompts", "32", "--no-direct-io", "--reps", "2"))
+    assert (s["prompts"], s["direct_io"], s["reps"], s["max_new_tokens"]) == (32, False, 2, 4)
+    s = bench.settings_from_args(_args("--preset", "medium"))
+    assert (s["prompts"], s["direct_io"], s["single_batch_prompts"], s["ns"]) == (16, False, None, [1, 2, 4])
+    assert "--no-direct-io" in bench.command_line(s, _args("--preset", "medium"))
+
+
+def test_single_batch_systems_run_whole_batches_of_the_first_prompts(tmp_path):
+    settings = {"work_dir": str(tmp_path), "threads": 1, "link_gbps": None, "prompts": 16, "max_new_tokens": 2,
+                "systems": ["accelerate", "simple", "klotski"], "sweep_schedules": [], "ns": [],
+                "sweep_batch_size": 4, "single_batch_prompts": 6,
+                "prompt_pool": [{"id": str(i), "prompt": f"p{i}"} for i in range(16)]}
+    jobs = bench_driver.write_jobs(settings["prompt_pool"], 16, 2, tmp_path / "jobs.jsonl")
+    configs, _ = bench_driver.Bench(settings).configs(jobs, {"plain": {"batch_size": 4, "num_batches": 4}}, 16)
+    lines = {c.key: Path(c.jobs).read_text().splitlines() for c in configs}
+    assert len(lines["accelerate-same-bs"]) == len(lines["simple"]) == 4  # 6 rounded down to whole batches
+    assert [json.loads(x)["id"] for x in lines["simple"]] == ["0", "1", "2", "3"]
+    assert len(lines["klotski"]) == len(lines["accelerate-best-bs"]) == 16
+
+
+def test_disk_and_accelerate_targets_apply_only_bigger_than_ram():
+    systems = {"klotski": {"median": {"tokens_per_s": 20.0, "decode_disk_gb_per_s": 0.99}},
+               "accelerate-same-bs": {"median": {"tokens_per_s": 1.0}}}
+    fits = {r["name"]: r for r in bench_driver.ratios(systems, {"disk_read_gbps": 1.1})}
+    big = {r["name"]: r for r in bench_driver.ratios(systems, {"disk_read_gbps": 1.1, "bigger_than_ram": True})}
+    disk = "klotski disk read during decode / dd O_DIRECT bandwidth"
+    assert fits[disk]["value"] == 0.9 and fits[disk]["met"] is None
+    assert big[disk]["met"] is True and big["klotski / accelerate-same-bs"]["met"] is True
+    assert fits["klotski / accelerate-same-bs"]["met"] is None
+    systems["klotski"]["median"]["decode_disk_gb_per_s"] = 0.5
+    big = {r["name"]: r for r in bench_driver.ratios(systems, {"disk_read_gbps": 1.1, "bigger_than_ram": True})}
+    assert big[disk]["met"] is False
+
+
+def test_building_xl_checks_free_disk_first(monkeypatch):
+    monkeypatch.setattr(bench.shutil, "disk_usage", lambda p: type("U", (), {"free": 10e9})())
+    with pytest.raises(ValueError, match="needs about 65 GB"):
+        bench.ensure_model("xl", "skewed", "bfloat16")
 
 
 def test_settings_are_validated():
@@ -157,3 +194,19 @@ def test_settings_are_validated():
         bench.settings_from_args(_args("--systems", "klotski,vllm"))
     assert bench.default_budgets("medium", "float32") == ("1800MB", "8GiB")
     assert bench.default_budgets("medium", "bfloat16") == ("900MB", "8GiB")
+
+
+def test_memory_group_limits_a_child_including_what_it_allocates(tmp_path):
+    import sys
+
+    import bench_runner
+    try:
+        bench_runner.MemoryGroup(1 << 30).remove()
+    except OSError:
+        pytest.skip("no writable memory cgroup here")
+    small = bench_runner.run_process([sys.executable, "-c", "x = bytearray(100_000_000)"], env=None,
+                                     log=tmp_path / "small.log", memory_limit=1 << 30)
+    big = bench_runner.run_process([sys.executable, "-c", "x = bytearray(1_500_000_000)"], env=None,
+                                   log=tmp_path / "big.log", memory_limit=1 << 30)
+    assert small["returncode"] == 0 and 100_000_000 <= small["peak_cgroup_bytes"] <= 1 << 30
+    assert big["returncode"] != 0  # killed at the limit, not allowed to spill past it

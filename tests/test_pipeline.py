@@ -91,3 +91,27 @@ def test_quantized_weights_move_packed_and_give_identical_tokens_on_any_placemen
     expert = ("expert", 0, 0)
     assert engine.cache.moved[expert] * 3 < engine.cache.full[expert]  # packed bytes cross the link
     assert engine.memory.peak <= engine.memory.budget
+
+
+def test_disk_reads_ride_the_disk_lane_and_are_handed_over_without_a_copy(checkpoints, ref):
+    """Every disk byte is read on the disk channel (counted, and during decode too); a staged
+    buffer becomes the device copy itself on CPU, while a host-tier group is copied."""
+    _, probe = engine_tokens(checkpoints["gqa"], prompts=["x"], max_new_tokens=1)
+    placement = Placement.by_kind(probe.spec.group_keys(), kv="host", attn="host", expert="disk")
+    ours, engine = engine_tokens(checkpoints["gqa"], placement=placement, batch_size=3, num_batches=2)
+    assert ours == ref
+    cache, disk_keys = engine.cache, [k for k, t in placement.tiers.items() if t == "disk"]
+    assert engine.trace.bytes["disk_to_host"] >= sum(cache.moved[k] for k in disk_keys)
+    assert engine.trace.busy["disk"] > 0 and engine.stats.decode_disk_bytes > 0
+    channel, expert, attn = engine.channels["experts"], ("expert", 0, 0), ("attn", 0)
+    cache.stage([expert])
+    staged = cache.staging[expert].wait()
+    assert cache.start(expert, channel)
+    assert expert not in cache.staging  # the window lets go once the copy owns the buffer
+    on_device = cache.get(expert)
+    assert all(on_device[n].data_ptr() == staged[n].data_ptr() for n in staged)
+    cache.release(expert)
+    assert cache.start(attn, channel)
+    copied = cache.get(attn)
+    assert all(copied[n].data_ptr() != cache.host[attn][n].data_ptr() for n in copied)
+    cache.release(attn)
