@@ -82,23 +82,30 @@ def _machine(r: dict) -> list[str]:
                  f"{s['threads']} torch thread(s). {s['reps']} measured repetitions after a warm-up, "
                  f"configurations interleaved in each round (order: {', '.join(r['order'])}). Klotski reads "
                  f"weights {'with O_DIRECT' if s['direct_io'] else 'through the page cache'}; "
-                 f"emulated link: {s['link_gbps'] or 'off'} GB/s.")
+                 f"emulated link: {str(s['link_gbps']) + ' GB/s' if s['link_gbps'] else 'off'}.")
     if s.get("single_batch_prompts"):
         lines.append(f"Single-batch configurations (simple, accelerate at Klotski's batch size) served the first "
                      f"{s['single_batch_prompts']} prompts (whole batches): their weight pass serves one batch, "
                      "so a few batches measure their rate (column *prompts*).")
+    if s.get("memory_limit_bytes"):
+        lines.append(f"Every process ran in a memory cgroup of {_bytes(s['memory_limit_bytes'])} (device + host "
+                     "budgets + 2 GiB for the runtime), page cache included, so memory-mapped reads got no more "
+                     "RAM than O_DIRECT ones" + ("; the page cache was dropped before every run." if s.get("cold_cache")
+                                                 else "."))
     if s.get("disk_read"):
-        d = s["disk_read"]
-        lines.append(f"Disk: sequential O_DIRECT read bandwidth **{_num(d.get('gb_per_s'))} GB/s** "
-                     f"(`{d['command']}`), the physical limit of the bigger-than-RAM regime. The model is "
-                     f"{'bigger' if s.get('bigger_than_ram') else 'smaller'} than this machine's RAM.")
+        samples = [x for when in ("start", "end") for x in s["disk_read"].get(when, [])]
+        rates = ", ".join(_num(x.get("gb_per_s")) for x in samples)
+        lines.append(f"Disk: sequential O_DIRECT read bandwidth **{_num(s.get('disk_read_gbps'))} GB/s**, the "
+                     f"median of {len(samples)} reads of 2 GB before and after the run ({rates} GB/s; e.g. "
+                     f"`{samples[0]['command']}`), the physical limit of the bigger-than-RAM regime. The model "
+                     f"is {'bigger' if s.get('bigger_than_ram') else 'smaller'} than this machine's RAM.")
     return lines
 
 
 def _plans(r: dict) -> list[str]:
     out = []
     for regime, p in r["plans"].items():
-        name = "fits in RAM" if regime == "plain" else "emulated link"
+        name = _regime(r, regime)
         out.append(f"- Planner ({name}): bs={p['batch_size']}, n={p['num_batches']} "
                    f"(asked for n={p['num_batches_planned']}; the job has {p['groups']} group(s)), "
                    f"predicted {_num(p['predicted_tokens_per_s'])} tokens/s.")
@@ -136,6 +143,12 @@ def _predicted(d: dict) -> str:
     return f"{m:.2f}" if lo == hi else f"{m:.2f} ({lo:.2f}–{hi:.2f})"
 
 
+def _memory(m: dict) -> str:
+    """Peak RSS, and with a memory cgroup the peak it charged (RSS + page cache)."""
+    rss, group = _bytes(m.get("peak_rss_bytes")), m.get("peak_cgroup_bytes")
+    return rss if group is None else f"{rss} ({_bytes(group)} with page cache)"
+
+
 def _main_table(r: dict) -> list[str]:
     reps = r["settings"]["reps"]
     head = ["config", "regime", "prompts", "bs", "n", f"tokens/s (median of {reps})", "min–max", "predicted tok/s",
@@ -156,7 +169,7 @@ def _main_table(r: dict) -> list[str]:
             key, _regime(r, d["regime"]), str(d["prompts"]), str(d["batch_size"]),
             str(d["num_batches"] or 1), f"**{m['tokens_per_s']:.2f}**", _spread(d, "tokens_per_s"),
             _predicted(d), _num(m.get("ttft_s")), _num(m.get("latency_s")),
-            _num(m.get("process_wall_s"), "{:.1f}"), _bytes(m.get("peak_rss_bytes")),
+            _num(m.get("process_wall_s"), "{:.1f}"), _memory(m),
             _bytes(m.get("peak_device_bytes")), moved, bw, mean, _num(m.get("decode_disk_gb_per_s")),
             _pct(m.get("bubble_share"))]) + " |")
     return lines

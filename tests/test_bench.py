@@ -210,3 +210,15 @@ def test_memory_group_limits_a_child_including_what_it_allocates(tmp_path):
                                    log=tmp_path / "big.log", memory_limit=1 << 30)
     assert small["returncode"] == 0 and 100_000_000 <= small["peak_cgroup_bytes"] <= 1 << 30
     assert big["returncode"] != 0  # killed at the limit, not allowed to spill past it
+
+
+def test_disk_bandwidth_is_read_with_dd_and_summarised_by_median(tmp_path):
+    import bench_runner
+    f = tmp_path / "shard.bin"
+    f.write_bytes(b"\0" * (8 << 20))
+    (sample,) = bench_runner.disk_read_samples([f], count=3)
+    if sample["gb_per_s"] is None:
+        pytest.skip(f"dd with O_DIRECT is refused here: {sample['error']}")
+    assert sample["bytes"] == 8 << 20 and "iflag=direct" in sample["command"]
+    rates = [{"gb_per_s": x} for x in (1.7, 1.1, 1.2, None)]
+    assert bench_runner.median_gbps(rates) == 1.2 and bench_runner.median_gbps([]) is None
