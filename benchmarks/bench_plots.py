@@ -113,6 +113,9 @@ def tradeoff(results: dict, path: Path) -> Path:
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
     sweeps = _sweeps(results)
     regime = next((d["regime"] for v in sweeps.values() for d in v), None)
+    if not sweeps:
+        left.text(0.5, 0.5, "no n sweep in this run\n(--ns was empty)", ha="center", va="center",
+                  transform=left.transAxes, fontsize=11, color="#555555")
     for sched, pts in sweeps.items():
         xs = [d["median"]["latency_s"] for d in pts]
         ys = [d["median"]["tokens_per_s"] for d in pts]
