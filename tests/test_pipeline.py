@@ -111,6 +111,13 @@ def test_disk_reads_ride_the_disk_lane_and_are_handed_over_without_a_copy(checkp
     on_device = cache.get(expert)
     assert all(on_device[n].data_ptr() == staged[n].data_ptr() for n in staged)
     cache.release(expert)
+    engine.channels["disk"].submit(lambda: None, name="drain", link=None).wait()  # FIFO: reads in flight land
+    unstaged, before = ("expert", 1, 1), engine.trace.bytes["disk_to_host"]
+    cache.unstage([unstaged])
+    assert cache.start(unstaged, channel)
+    cache.get(unstaged)  # read on demand: still on the disk lane, still counted
+    assert engine.trace.bytes["disk_to_host"] - before == cache.moved[unstaged]
+    cache.release(unstaged)
     assert cache.start(attn, channel)
     copied = cache.get(attn)
     assert all(copied[n].data_ptr() != cache.host[attn][n].data_ptr() for n in copied)
