@@ -383,7 +383,6 @@ def run(s: dict) -> dict:
         "order": [c.key for c in configs],
         "sweep": sweep_index,
         "systems": systems,
-        "ratios": ratios(systems, s),
         "agreement": agreement(bench.outputs, ref),
         "failures": bench.failures,
         "timeline": {"regime": trace_regime, "batch_size": plans[trace_regime]["batch_size"],

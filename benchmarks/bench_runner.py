@@ -52,8 +52,7 @@ def run_process(cmd: list[str], *, env: dict, log: Path, memory_limit: int | Non
     RAM than one reading with O_DIRECT: the same budget for everyone, not just for the
     tensors each system admits to. cold_cache: drop the page cache first (needs root), so
     no run inherits the disk reads of the one before."""
-    if cold_cache:
-        drop_page_cache()
+    dropped = drop_page_cache() if cold_cache else None
     group = MemoryGroup(memory_limit) if memory_limit else None
     t0 = time.perf_counter()
     try:
@@ -70,6 +69,8 @@ def run_process(cmd: list[str], *, env: dict, log: Path, memory_limit: int | Non
         result = {"returncode": proc.returncode, "process_wall_s": time.perf_counter() - t0,
                   "peak_rss_bytes": usage.ru_maxrss * 1024,  # KiB on Linux
                   "cpu_s": usage.ru_utime + usage.ru_stime}
+        if cold_cache:
+            result["page_cache_dropped"] = dropped  # False without root: the run was not cold
         if group:
             result["peak_cgroup_bytes"] = group.peak()  # RSS + page cache charged to the run
             result["memory_limit_bytes"] = memory_limit

@@ -266,7 +266,8 @@ def main(a) -> int:
     s["command"] = command_line(s, a)
     shards = sorted(Path(s["model_dir"]).glob("*.safetensors"))
     s["model_bytes"] = sum(f.stat().st_size for f in shards)
-    s["bigger_than_ram"] = s["model_bytes"] > (bench_runner.machine_info()["ram_bytes"] or 0)
+    machine, code = bench_runner.machine_info(), bench_runner.code_state()
+    s["bigger_than_ram"] = s["model_bytes"] > (machine["ram_bytes"] or 0)
     if s["direct_io"]:  # the physical limit O_DIRECT reads are judged against
         s["disk_read"] = {"start": bench_runner.disk_read_samples(shards)}
         s["disk_read_gbps"] = bench_runner.median_gbps(s["disk_read"]["start"])
@@ -279,7 +280,6 @@ def main(a) -> int:
     out = Path(a.out) if a.out else ROOT / "benchmarks" / "results" / f"bench-{s['preset']}.json"
     keep = a.work_dir is not None
     work = Path(a.work_dir) if keep else Path(tempfile.mkdtemp(prefix="klotski-bench-"))
-    machine, code = bench_runner.machine_info(), bench_runner.code_state()
     print(f"bench: {s['command']}\nbench: model {s['model_dir']} ({s['model_bytes'] / 1e9:.2f} GB), "
           f"work dir {work}", file=sys.stderr, flush=True)
     try:
@@ -292,7 +292,7 @@ def main(a) -> int:
         if s["direct_io"]:  # the limit again after the run; ratios use the median of all samples
             s["disk_read"]["end"] = bench_runner.disk_read_samples(shards)
             s["disk_read_gbps"] = bench_runner.median_gbps(s["disk_read"]["start"] + s["disk_read"]["end"])
-            results["ratios"] = bench_driver.ratios(results["systems"], s)
+        results["ratios"] = bench_driver.ratios(results["systems"], s)
         end = bench_runner.code_state()
         code = {"at_start": code, "at_end": end, "changed_during_run": end["source_sha256"] != code["source_sha256"]}
         if code["changed_during_run"]:

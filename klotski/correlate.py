@@ -46,8 +46,8 @@ def build_table(config, prompts: list[str], out: Path, *, path: int = 1, batch_s
 
     # One group of all the prompts: each weight pass serves all of them, which matters when
     # the model streams from disk (a bigger-than-RAM model pays one disk read per step).
-    groups = -(-len(prompts) // batch_size)
-    probe = Engine(config.replace(batch_size=batch_size, num_batches=groups, progress=False, trace=None))
+    batches = -(-len(prompts) // batch_size)
+    probe = Engine(config.replace(batch_size=batch_size, num_batches=batches, progress=False, trace=None))
     spec = probe.spec
     table = CorrelationTable(spec.num_layers, spec.num_experts, spec.top_k, path=path)
     engine = Engine(probe.config, predictor=CorrelationPredictor(table))
