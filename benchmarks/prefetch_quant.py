@@ -35,8 +35,9 @@ def main():
     ap.add_argument("--quantize", default="none,hqq4")
     ap.add_argument("--json")
     a = ap.parse_args()
-    from klotski.tiny import build_checkpoint, default_cache_dir
-    model = default_cache_dir() / "models" / f"{a.preset}-mixtral-skewed"
+    from klotski import cachedir
+    from klotski.tiny import build_checkpoint
+    model = cachedir.models() / f"{a.preset}-mixtral-skewed"
     if not (model / "config.json").exists():
         build_checkpoint(model, a.preset, routing="skewed")
     tmp = Path(tempfile.mkdtemp())

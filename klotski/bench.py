@@ -17,6 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from klotski import cachedir
+
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEMS = ("accelerate", "simple", "multibatch", "hot-prefetch", "klotski")
 # Budgets below the model size, so every system really offloads: (device, host), for the
@@ -134,7 +136,7 @@ def _stamp_ok(path: Path, preset: str, routing: str, dtype: str) -> bool:
 def ensure_model(preset: str, routing: str, dtype: str) -> Path:
     """The preset built with this routing and dtype, in the user cache (built once, atomically)."""
     from klotski import tiny
-    final = tiny.default_cache_dir() / "models" / f"{preset}-mixtral-{routing}-{dtype}"
+    final = cachedir.models() / f"{preset}-mixtral-{routing}-{dtype}"
     if _stamp_ok(final, preset, routing, dtype):
         return final
     final.parent.mkdir(parents=True, exist_ok=True)

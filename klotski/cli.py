@@ -6,9 +6,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from klotski.config import PREFETCH, SCHEDULES, RunConfig, parse_size
+from klotski.config import OUTPUT_FORMATS, PREFETCH, SCHEDULES, RunConfig, parse_size
 
-EXIT_OK, EXIT_FAILED_LINES, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_FAILED_LINES, EXIT_USAGE, EXIT_STOPPED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 
 def _size(text: str) -> int:
@@ -35,6 +35,9 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, help="sequences per batch (default: the planner's choice, else 8)")
     p.add_argument("--num-batches", type=_num_batches, default=None, metavar="N|auto",
                    help="batches per group sharing each loaded weight (default: auto)")
+    p.add_argument("--prefill-chunk", type=int, metavar="TOKENS",
+                   help="prompt tokens per prefill pass (default: the planner's choice; the whole prompt "
+                        "where it fits)")
     p.add_argument("--device-memory", "--gpu-memory", type=_size, metavar="SIZE",
                    help="budget of the compute device, e.g. 20GiB (default: detected)")
     p.add_argument("--host-memory", "--cpu-memory", type=_size, metavar="SIZE",
@@ -70,6 +73,7 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gen-len", type=int, default=32)
     p.add_argument("--batch-size", type=int)
     p.add_argument("--num-batches", type=_num_batches, default=None, metavar="N|auto")
+    p.add_argument("--prefill-chunk", type=int, metavar="TOKENS")
     p.add_argument("--schedule", default="klotski", choices=SCHEDULES)
     p.add_argument("--quantize", default="none", choices=("none", "hqq4"))
     p.add_argument("--emulate-link", type=float, metavar="GBPS", dest="emulate_link_gbps")
@@ -96,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--trace", metavar="PATH", help="write a Chrome-trace JSON (open in Perfetto)")
     g.add_argument("--no-resume", action="store_true", help="start the output file afresh")
     g.add_argument("--include-token-ids", action="store_true", help="add token_ids to each output line")
+    g.add_argument("--output-format", default="auto", choices=OUTPUT_FORMATS,
+                   help="auto (default): each line in its input line's form (OpenAI Batch output for OpenAI "
+                        "Batch requests); klotski or openai: every line in that form")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     pl = sub.add_parser("plan", help="choose batch size, n and placement; predict throughput (no weights needed)",
@@ -121,9 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
     co.add_argument("--model", default="tiny-mixtral")
     co.add_argument("-o", "--output", metavar="TABLE.json", help="default: the user cache, where generate looks")
     co.add_argument("--path-length", type=int, default=1, help="layers of expert history per lookup (default 1)")
-    co.add_argument("--batch-size", type=int, default=8)
+    co.add_argument("--batch-size", type=int, help="default: the planner's choice")
     co.add_argument("--count", type=int, default=64, help="prompts to sample (default 64)")
     co.add_argument("--max-new-tokens", type=int, default=16)
+    co.add_argument("--device-memory", "--gpu-memory", type=_size, metavar="SIZE")
+    co.add_argument("--host-memory", "--cpu-memory", type=_size, metavar="SIZE")
 
     q = sub.add_parser("quantize", help="write the HQQ 4-bit copy of a checkpoint (what --quantize hqq4 uses)")
     q.add_argument("--model", default="tiny-mixtral")
@@ -153,11 +162,13 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(a: argparse.Namespace) -> RunConfig:
     return RunConfig(
         model=a.model, max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
-        seed=a.seed, batch_size=a.batch_size, num_batches=a.num_batches, device_memory=a.device_memory,
+        seed=a.seed, batch_size=a.batch_size, num_batches=a.num_batches, prefill_chunk=a.prefill_chunk,
+        device_memory=a.device_memory,
         host_memory=a.host_memory, offload_dir=a.offload_dir, device=a.device, dtype=a.dtype,
         schedule=a.schedule, prefetch=a.prefetch, attention=a.attention, quantize=a.quantize, quantize_optimize=a.quantize_optimize,
         emulate_link_gbps=a.emulate_link_gbps,
         direct_io=not a.no_direct_io, resume=not a.no_resume, include_token_ids=a.include_token_ids,
+        output_format=a.output_format,
         report=a.report, trace=a.trace, progress=not a.no_progress)
 
 
@@ -195,6 +206,9 @@ def main(argv=None) -> int:
     except errors.USER_ERRORS as e:
         print(f"klotski: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except errors.RunStopped as e:
+        print(f"klotski: error: {e}", file=sys.stderr)
+        return EXIT_STOPPED
     return EXIT_USAGE
 
 

@@ -12,7 +12,8 @@ from klotski.config import RunConfig
 
 def _config(a) -> RunConfig:
     return RunConfig(model=a.model, batch_size=a.batch_size, num_batches=a.num_batches, schedule=a.schedule,
-                     quantize=a.quantize, emulate_link_gbps=a.emulate_link_gbps, max_new_tokens=a.gen_len)
+                     quantize=a.quantize, emulate_link_gbps=a.emulate_link_gbps, max_new_tokens=a.gen_len,
+                     prefill_chunk=a.prefill_chunk)
 
 
 def plan(a) -> int:
@@ -64,32 +65,44 @@ def profile(a) -> int:
 
 
 def correlate(a) -> int:
-    from klotski.correlate import build_table, default_table_path, warmup_prompts
-    from klotski.engine import Engine
+    """Fill the expert-correlation table ahead of a big job: one engine, the budgets and
+    planner of `generate`, the table learned as it runs and saved where `generate` looks."""
+    from klotski.assemble import build_engine, plan_run
+    from klotski.checkpoint import Checkpoint
+    from klotski.correlate import table_path, warmup_prompts
+    from klotski.jobs import Request, read_jobs
+    from klotski.prefetch import CorrelationPredictor, CorrelationTable
+    from klotski.sequences import prepare
     if a.jobs:
-        from klotski.jobs import read_jobs
         requests, _ = read_jobs(Path(a.jobs))
-        prompts = [r.prompt for r in requests if r.prompt][: a.count]
+        requests = requests[: a.count]
     else:
-        prompts = warmup_prompts(a.count)
-    config = RunConfig(model=a.model, progress=False)
-    out = Path(a.output) if a.output else None
-    if out is None:
-        probe = Engine(config)
-        out = default_table_path(probe.model_dir, probe.store)
-        probe.close()
-    table = build_table(config, prompts, out, path=a.path_length, batch_size=a.batch_size,
-                        max_new_tokens=a.max_new_tokens)
-    print(f"wrote the expert-correlation table ({len(prompts)} prompts, path length {table.path}) to {out}",
+        requests = [Request(id=str(i), line=i + 1, prompt=p, messages=None)
+                    for i, p in enumerate(warmup_prompts(a.count))]
+    config = RunConfig(model=a.model, batch_size=a.batch_size, max_new_tokens=a.max_new_tokens,
+                       device_memory=a.device_memory, host_memory=a.host_memory, progress=False)
+    ckpt = Checkpoint.open(config.model)
+    out = Path(a.output) if a.output else table_path(ckpt)
+    spec = ckpt.spec
+    table = CorrelationTable(spec.num_layers, spec.num_experts, spec.top_k, path=a.path_length)
+    seqs, _ = prepare(requests, ckpt.tokenizer, spec, config)
+    engine = build_engine(config, ckpt, plan_run(config, ckpt, seqs),
+                          predictor=CorrelationPredictor(table, save_to=(out, ckpt.key)))
+    from tqdm import tqdm
+    for _ in tqdm(engine.run(seqs), total=len(seqs), unit="req", desc="correlate", file=sys.stderr, disable=None):
+        pass
+    engine.close()
+    table.save(out, ckpt.key)
+    print(f"wrote the expert-correlation table ({len(seqs)} prompts, path length {table.path}) to {out}",
           file=sys.stderr)
     return 0
 
 
 def quantize(a) -> int:
-    from klotski.engine import Engine
+    from klotski.checkpoint import Checkpoint
     from klotski.quantized import ensure_quantized
-    engine = Engine(RunConfig(model=a.model, progress=False))
-    out = ensure_quantized(engine.store, engine.spec, engine.model_dir, a.output, engine.dtype, optimize=a.optimize)
-    engine.close()
+    ckpt = Checkpoint.open(a.model)
+    out = ensure_quantized(ckpt, ckpt.spec.dtype, a.output, optimize=a.optimize)
+    ckpt.close()
     print(f"quantized checkpoint: {out}")
     return 0

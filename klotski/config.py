@@ -9,15 +9,12 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
+from planner import units
+
 SCHEDULES = ("klotski", "hot-prefetch", "multibatch", "simple")
 PREFETCH = ("correlation", "next-gate", "none")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20,
-          "gi": 2**30, "gib": 2**30, "ti": 2**40, "tib": 2**40}
-
+OUTPUT_FORMATS = ("auto", "klotski", "openai")
 
 class ConfigError(ValueError):
     """A flag or setting that cannot work; the message says which and what to use."""
@@ -25,18 +22,10 @@ class ConfigError(ValueError):
 
 def parse_size(text: str) -> int:
     """'20GiB' -> 21474836480, '512MB' -> 512000000, '1024' -> 1024 bytes."""
-    m = _SIZE.match(str(text))
-    if not m:
-        raise ConfigError(f"size {text!r} is not like 20GiB, 512MB or 1024")
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
-
-
-def format_size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n} B"
+    try:
+        return units.parse_size(text)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _sparse(attention: str) -> tuple[int | None, int | None]:
@@ -58,6 +47,7 @@ class RunConfig:
     seed: int = 0
     batch_size: int | None = None     # None = planner's choice (or 8 without a planner)
     num_batches: int | None = None    # None = "auto"
+    prefill_chunk: int | None = None  # prompt tokens per prefill pass; None = the planner's choice
     device_memory: int | None = None  # bytes; None = detected
     host_memory: int | None = None
     offload_dir: str | None = None
@@ -73,6 +63,7 @@ class RunConfig:
     direct_io: bool = True
     resume: bool = True
     include_token_ids: bool = False
+    output_format: str = "auto"       # auto: each output line in its input line's form
     report: str | None = None
     trace: str | None = None
     progress: bool = True
@@ -90,7 +81,9 @@ class RunConfig:
             raise ConfigError("--temperature must be >= 0 (0 means greedy)")
         if not 0 < self.top_p <= 1:
             raise ConfigError("--top-p must be in (0, 1]")
-        for name in ("batch_size", "num_batches"):
+        if self.output_format not in OUTPUT_FORMATS:
+            raise ConfigError(f"--output-format {self.output_format!r}: choose one of {', '.join(OUTPUT_FORMATS)}")
+        for name in ("batch_size", "num_batches", "prefill_chunk"):
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")

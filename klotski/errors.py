@@ -9,6 +9,11 @@ class UserError(Exception):
     """Raised by the engine for conditions the user can fix (e.g. an unwritable output)."""
 
 
+class RunStopped(Exception):
+    """A run that stopped midway; the message says why, where the finished records are and
+    that rerunning the same command resumes."""
+
+
 def _user_errors():
     from klotski.jobs import JobFileError
     errors = [ConfigError, ModelNotFound, CheckpointError, JobFileError, UserError]

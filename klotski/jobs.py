@@ -21,30 +21,7 @@ it, and the error record of a later one gets the id ``"<id>#line<N>"``. A line
 whose id cannot be read (bad JSON, not UTF-8) is named by its line number, but
 never takes an id that another line states explicitly.
 
-Output and resume semantics (``OutputWriter``):
-
-* Each record is one JSON line written with a single ``write`` call, then
-  flushed and fsync'ed, so a crash loses at most the record being written.
-* Successful records are *done*: a rerun skips their ids.
-* Error records are *not* done. On resume they are removed from the file and
-  their jobs are tried again, because the usual fix for an error is to edit the
-  job file (or raise a limit) and rerun; an unfixed job simply gets the same
-  error record again, at the end of the file. Removing them keeps every id
-  unique once the retried job succeeds. If an id somehow has both kinds of
-  record, the success wins.
-* A last line cut short by a crash (or anything after the last valid record)
-  is cut off. In-place truncation is enough for that: it only removes bytes
-  that are garbage anyway, so a crash during repair leaves a file that the
-  next repair handles the same way. Dropping error records from the middle
-  needs a rewrite, done into a temporary file that atomically replaces the
-  output, so a crash leaves either the old or the new file, never a mix.
-* A corrupt line followed by valid ones is kept verbatim (it might be
-  something a user wants to inspect) but its id, if any, is not done.
-* An existing file with lines but no valid record is refused rather than
-  truncated: it is probably not a Klotski output (a typo in ``-o``).
-* The output is locked (flock) while a writer is open, so two runs writing the
-  same file fail fast instead of duplicating ids.
-* ``resume=False`` (``--no-resume``) truncates an existing output.
+Output records and resuming are klotski/output.py's.
 
 This module only uses the standard library: tokenizing and generating belong to
 the engine.
@@ -56,12 +33,7 @@ import json
 import math
 import os
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Sequence
-
-try:
-    import fcntl
-except ImportError:  # not on Windows; the lock is a safety net, not a requirement
-    fcntl = None
+from typing import Iterator
 
 ROLES = ("system", "user", "assistant")
 COMPLETIONS_URL = "/v1/completions"
@@ -92,6 +64,7 @@ class Request:
     top_p: float | None = None
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    openai: str | None = None  # the endpoint ("/v1/chat/completions", ...) of an OpenAI Batch line
 
     def chat_messages(self) -> list[dict[str, str]]:
         return [{"role": r, "content": c} for r, c in self.messages or ()]
@@ -99,14 +72,15 @@ class Request:
 
 @dataclass(frozen=True)
 class LineError:
-    """A job that cannot be served; ``message`` says what is wrong and how to fix it."""
+    """A job that cannot be served; ``message`` says what is wrong and how to fix it.
+    ``openai`` is the endpoint when the line was recognisably an OpenAI Batch request, and
+    ``code`` the error code its OpenAI-form output line carries."""
 
     id: str
     line: int
     message: str
-
-    def record(self) -> dict:
-        return {"id": self.id, "error": {"line": self.line, "message": self.message}}
+    openai: str | None = None
+    code: str = "invalid_request"
 
     def __str__(self) -> str:
         return f"line {self.line} (id {self.id!r}): {self.message}"
@@ -122,7 +96,7 @@ def prompt_too_long(request: Request, prompt_tokens: int, context: int,
     else:
         message = (f"prompt has {prompt_tokens} tokens, more than the model's context of "
                    f"{context} tokens; shorten the prompt")
-    return LineError(request.id, request.line, message)
+    return LineError(request.id, request.line, message, openai=request.openai, code="context_length_exceeded")
 
 
 # ---------------------------------------------------------------- reading
@@ -134,24 +108,25 @@ class _Invalid(Exception):
 
 def read_jobs(path) -> tuple[list[Request], list[LineError]]:
     """Validate every line of a job file; returns requests and errors, each in file order."""
-    parsed = []  # [line, explicit id or None, request fields or None, error or None]
+    parsed = []  # [line, explicit id or None, request fields or None, error or None, OpenAI endpoint]
     for line, raw in _numbered_lines(path):
-        explicit, fields, error = None, None, None
+        explicit, fields, error, openai = None, None, None, None
         try:
             obj = _decode(raw, first=line == 1)
             if obj is None:
                 continue
+            openai = _endpoint(obj)
             explicit = _explicit_id(obj)
             fields = _fields(obj)
         except _Invalid as e:
             error = str(e)
-        parsed.append([line, explicit, fields, error])
+        parsed.append([line, explicit, fields, error, openai])
 
     names, owner = _assign_ids(parsed)
     requests, errors = [], []
-    for line, explicit, fields, error in parsed:
+    for line, explicit, fields, error, openai in parsed:
         if error is None:
-            requests.append(Request(id=names[line], line=line, **fields))
+            requests.append(Request(id=names[line], line=line, openai=openai, **fields))
             continue
         name = names.get(line)
         if name is None:  # its id belongs to another line: name the error record apart
@@ -159,7 +134,7 @@ def read_jobs(path) -> tuple[list[Request], list[LineError]]:
             while name in owner:
                 name += "#"
             owner[name] = line
-        errors.append(LineError(name, line, error))
+        errors.append(LineError(name, line, error, openai=openai))
     return requests, errors
 
 
@@ -173,7 +148,7 @@ def _assign_ids(parsed: list[list]) -> tuple[dict[int, str], dict[str, int]]:
     names: dict[int, str] = {}
     owner: dict[str, int] = {}
     for entry in parsed:
-        line, explicit, _, error = entry
+        line, explicit, _, error, *_ = entry
         if explicit is None:
             continue
         if explicit in owner:
@@ -182,7 +157,7 @@ def _assign_ids(parsed: list[list]) -> tuple[dict[int, str], dict[str, int]]:
         else:
             owner[explicit], names[line] = line, explicit
     for entry in parsed:
-        line, explicit, _, error = entry
+        line, explicit, _, error, *_ = entry
         if explicit is not None:
             continue
         default = str(line)
@@ -235,6 +210,16 @@ def _decode(raw: bytes, first: bool) -> dict | None:
 
 def _is_openai(obj: dict) -> bool:
     return "body" in obj or "custom_id" in obj
+
+
+def _endpoint(obj: dict) -> str | None:
+    """The OpenAI endpoint a Batch line asks for (its url, else what its body implies)."""
+    if not _is_openai(obj):
+        return None
+    url, body = obj.get("url"), obj.get("body")
+    if url in (COMPLETIONS_URL, CHAT_URL):
+        return url
+    return COMPLETIONS_URL if isinstance(body, dict) and body.get("prompt") is not None else CHAT_URL
 
 
 def _explicit_id(obj: dict) -> str | None:
@@ -387,218 +372,3 @@ def _json_type(value) -> str:
 def _show(value) -> str:
     text = json.dumps(value, ensure_ascii=False)
     return text if len(text) <= 60 else text[:57] + "..."
-
-
-# ---------------------------------------------------------------- batching
-
-
-def sort_for_batching(requests: Iterable[Request], lengths: dict[str, int]) -> list[Request]:
-    """Longest prompt first (stable), so batches hold prompts of similar length."""
-    return sorted(requests, key=lambda r: -lengths[r.id])
-
-
-def batches(items: Sequence, batch_size: int) -> Iterator[list]:
-    """Consecutive chunks of ``batch_size`` items; the last one may be shorter."""
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    items = list(items)
-    for start in range(0, len(items), batch_size):
-        yield items[start:start + batch_size]
-
-
-# ---------------------------------------------------------------- writing
-
-
-class OutputWriter:
-    """Appends one JSON record per line, durably, never writing an id twice.
-
-    After opening: ``done_ids`` holds the ids of successful records from earlier
-    runs (empty with ``resume=False``); ``retried`` counts error records that
-    were removed so their jobs run again; ``corrupt_lines`` counts unreadable
-    lines kept in the middle of the file; ``repaired_bytes`` counts bytes cut
-    off the end. ``duplicates`` counts ``write`` calls ignored because their id
-    was already in the file.
-    """
-
-    def __init__(self, path, *, resume: bool = True):
-        self.path = os.fspath(path)
-        self.done_ids: set[str] = set()
-        self.retried = 0
-        self.corrupt_lines = 0
-        self.repaired_bytes = 0
-        self.duplicates = 0
-        self._present: set[str] = set()
-        if os.path.isdir(self.path):
-            raise JobFileError(f"output {self.path} is a directory; give a file name")
-        parent = os.path.dirname(os.path.abspath(self.path))
-        try:
-            os.makedirs(parent, exist_ok=True)
-        except OSError as e:
-            raise JobFileError(f"cannot create directory {parent} for the output: {e.strerror}") from None
-        self._fd = self._open_locked()
-        try:
-            if resume:
-                self._recover()
-            else:
-                os.ftruncate(self._fd, 0)
-                os.fsync(self._fd)
-            self._present |= self.done_ids
-        except BaseException:
-            self.close()
-            raise
-
-    # -- public
-
-    def write(self, record: dict) -> bool:
-        """Append ``record``; False (and ``duplicates`` += 1) if its id is already in the file."""
-        if self._fd is None:
-            raise ValueError("OutputWriter is closed")
-        rid = record.get("id")
-        if not isinstance(rid, str):
-            raise ValueError(f"record needs a string id, got {rid!r}")
-        if rid in self._present:
-            self.duplicates += 1
-            return False
-        # allow_nan=False: NaN is not JSON, and the file must stay readable by any parser.
-        text = json.dumps(record, ensure_ascii=False, allow_nan=False) + "\n"
-        try:
-            data = text.encode("utf-8")
-        except UnicodeEncodeError:  # lone surrogates from a tokenizer: escape them
-            data = (json.dumps(record, allow_nan=False) + "\n").encode("ascii")
-        size = os.fstat(self._fd).st_size
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(self._fd, view):]
-            os.fsync(self._fd)
-        except OSError:
-            # Cut a half-written line (disk full...) so later records stay on their own lines.
-            try:
-                os.ftruncate(self._fd, size)
-            except OSError:
-                pass
-            raise
-        self._present.add(rid)
-        return True
-
-    def __contains__(self, rid: str) -> bool:
-        return rid in self._present
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # also releases the lock
-            self._fd = None
-
-    def __enter__(self) -> OutputWriter:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    # -- opening and repair
-
-    def _open_locked(self) -> int:
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
-        except OSError as e:
-            raise JobFileError(f"cannot open output {self.path}: {e.strerror}") from None
-        if fcntl is None:
-            return fd
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            # A run that replaced the file while we waited leaves us holding a dead inode.
-            if os.fstat(fd).st_ino != os.stat(self.path).st_ino:
-                raise BlockingIOError
-        except OSError:
-            os.close(fd)
-            raise JobFileError(f"output {self.path} is in use by another klotski run; "
-                               f"wait for it or choose another -o") from None
-        return fd
-
-    def _scan(self):
-        """Classify every line: returns (entries, end of the last valid record).
-
-        entries: (start, end, kind, id) with kind "ok", "error", "blank" or
-        "corrupt"; ``foreign`` is True when a complete line is corrupt.
-        """
-        entries, good_end, offset, foreign = [], 0, 0, False
-        os.lseek(self._fd, 0, os.SEEK_SET)
-        with open(self._fd, "rb", closefd=False) as f:
-            for raw in f:
-                start, offset = offset, offset + len(raw)
-                kind, rid = _classify(raw)
-                entries.append((start, offset, kind, rid))
-                if kind in ("ok", "error"):
-                    good_end = offset
-                foreign |= kind == "corrupt" and raw.endswith(b"\n")
-        return entries, good_end, foreign
-
-    def _recover(self) -> None:
-        entries, good_end, foreign = self._scan()
-        if not entries:
-            return
-        # A crash leaves at most one unterminated line; whole corrupt lines and
-        # no record at all mean this file was never ours.
-        if good_end == 0 and foreign:
-            raise JobFileError(f"output {self.path} exists but no line in it is a result record; "
-                               f"choose another -o, or pass --no-resume to overwrite it")
-        kept = [e for e in entries if e[1] <= good_end]
-        self.repaired_bytes = entries[-1][1] - good_end
-        ok_ids = {rid for _, _, kind, rid in kept if kind == "ok"}
-        self.corrupt_lines = sum(kind == "corrupt" for _, _, kind, _ in kept)
-        self.retried = len({rid for _, _, kind, rid in kept if kind == "error"} - ok_ids)
-        if any(kind == "error" for _, _, kind, _ in kept):
-            self._rewrite([e for e in kept if e[2] != "error"])
-        elif self.repaired_bytes:
-            os.ftruncate(self._fd, good_end)
-            os.fsync(self._fd)
-        self.done_ids = ok_ids
-        self._terminate_last_line()
-
-    def _rewrite(self, keep) -> None:
-        tmp = self.path + ".klotski-tmp"
-        with open(self._fd, "rb", closefd=False) as src, open(tmp, "wb") as dst:
-            for start, end, _, _ in keep:
-                src.seek(start)
-                dst.write(src.read(end - start))
-            dst.flush()
-            os.fsync(dst.fileno())
-        os.chmod(tmp, os.fstat(self._fd).st_mode & 0o7777)
-        os.replace(tmp, self.path)
-        _fsync_dir(os.path.dirname(os.path.abspath(self.path)))
-        # Lock the new file before letting go of the old one, so no other run slips in.
-        old, self._fd = self._fd, self._open_locked()
-        os.close(old)
-
-    def _terminate_last_line(self) -> None:
-        # A complete record missing only its newline (hand-edited file): finish the line.
-        size = os.fstat(self._fd).st_size
-        if size and os.pread(self._fd, 1, size - 1) != b"\n":
-            os.write(self._fd, b"\n")
-            os.fsync(self._fd)
-
-
-def _classify(raw: bytes) -> tuple[str, str | None]:
-    if not raw.strip():
-        return "blank", None
-    try:
-        obj = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        return "corrupt", None
-    if not isinstance(obj, dict) or not isinstance(obj.get("id"), str):
-        return "corrupt", None
-    return ("error" if "error" in obj else "ok"), obj["id"]
-
-
-def _fsync_dir(path: str) -> None:
-    # Makes the rename itself durable; not possible (nor needed) on every platform.
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

@@ -30,7 +30,8 @@ import torch
 from klotski.kvcache import BatchKV
 from klotski.models import mixtral as M
 from placement.tiers import OverBudget
-from planner.place import ATTENTION_SCORE_CHUNK, PREFILL_EXPERT_CHUNK, activation_bytes
+from planner.workingset import (ATTENTION_SCORE_CHUNK, DISK_WINDOW_LAYERS, KV_BUFFERS, PREFILL_EXPERT_CHUNK, Step,
+                                activation_bytes)
 
 
 @dataclass
@@ -57,7 +58,7 @@ class Pipeline:
         self.whole_layer = self.schedule in ("simple", "multibatch")
         self.K = 0 if config.prefetch == "none" else spec.top_k if config.hot_experts is None else config.hot_experts
         self.next_gate = hasattr(predictor, "speculate")
-        self.window = 2  # disk->host staging, layers ahead (paper §6.1's L)
+        self.window = DISK_WINDOW_LAYERS  # disk->host staging, layers ahead (paper §6.1's L)
         self.wants: list = []    # prefetches in priority order: (key, channel name)
         self.experts_loaded = 0
         self.upcoming: list = []  # this layer's experts in expected compute order
@@ -72,11 +73,12 @@ class Pipeline:
         act = self._activation_bytes(kvs, inputs)
         self.make_room(act, "activations")
         self.memory.reserve(act, "activations")
-        outer = self._get(("outer",))
         hs, ctx = [], []
         for kv, inp in zip(kvs, inputs):
             with self.trace.span("compute", "embed"):
-                h = M.embed(inp.ids.to(self.device), outer["embed"])
+                # gathered where the table lives; only the rows travel
+                rows, index = self.cache.embedding_rows(inp.ids)
+                h = M.embed(index.to(rows.device), rows).to(self.device)
                 cos, sin = M.rope_tables(inp.positions, spec.head_dim, spec.rope_theta, h.dtype)
                 sink, recent = self.config.attention_sink, self.config.attention_recent
                 mask = M.attention_mask(kv.begin_step(inp.valid, sink, recent), inp.ids.shape[1],
@@ -101,9 +103,10 @@ class Pipeline:
             self.cache.unstage(self._layer_keys(layer))
         for kv in kvs:
             kv.end_step()
+        head = self._get(("head",))
         with self.trace.span("compute", "lm_head"):
-            out = [M.logits(h[:, -1], outer["norm"], outer["lm_head"], spec.rms_norm_eps).cpu() for h in hs]
-        self.cache.release(("outer",))
+            out = [M.logits(h[:, -1], head["norm"], head["lm_head"], spec.rms_norm_eps).cpu() for h in hs]
+        self.cache.release(("head",))
         self.memory.free(act)
         return out
 
@@ -111,8 +114,8 @@ class Pipeline:
     def _attention(self, layer, hs, ctx, kvs):
         if self.whole_layer:
             self._want([("gate", layer)] + self._expert_keys(layer), "weights")
-            if layer + 1 < self.spec.num_layers:
-                self._want(self._layer_keys(layer + 1), "weights")
+            last = layer + 1 == self.spec.num_layers
+            self._want([("head",)] if last else self._layer_keys(layer + 1), "weights")
         else:
             hot = self.predictor.predict(layer, self.K)
             ahead = [("gate", layer + 1)] if self.next_gate and layer + 1 < self.spec.num_layers else []
@@ -123,7 +126,11 @@ class Pipeline:
             loads[0] = self._kv_load(kvs[0], layer)
         for k, kv in enumerate(kvs):
             if kv.on_host and k + 1 < len(kvs):
-                loads[k + 1] = self._kv_load(kvs[k + 1], layer)  # next batch's KV behind this compute
+                # at most KV_BUFFERS batches on the device: the oldest store lands before the
+                # next batch's KV loads (behind this batch's compute)
+                while len(stores) > KV_BUFFERS - 2:
+                    self._kv_stored(*stores.pop(0))
+                loads[k + 1] = self._kv_load(kvs[k + 1], layer)
             buf = None
             if kv.on_host:
                 buf = self._wait(loads[k][0], f"kv.{layer}.{k}")
@@ -137,10 +144,13 @@ class Pipeline:
                                                           name=f"kv.{layer}.{k}", nbytes=kv.new_nbytes(),
                                                           link="device_to_host"), loads[k][1]))
         for ticket, nbytes in stores:  # sync(store_cache_stream) before the buffers go
-            self._wait(ticket, "kv_store")
-            self.memory.free(nbytes)
+            self._kv_stored(ticket, nbytes)
         self.cache.release(("attn", layer))
         self._pump()
+
+    def _kv_stored(self, ticket, nbytes: int) -> None:
+        self._wait(ticket, "kv_store")
+        self.memory.free(nbytes)
 
     def _kv_load(self, kv: BatchKV, layer: int):
         nbytes = kv.step_nbytes()
@@ -211,6 +221,7 @@ class Pipeline:
                 self.cache.release(key)  # early release: room for the next transfer now
                 self._pump()
             else:
+                self.cache.unhold(key)  # kept to the end of the layer, but evictable
                 done.append(key)
         for key in done + self._expert_keys(layer):  # end of layer: free the rest, incl. unused prefetches
             self.cache.release(key)
@@ -225,7 +236,7 @@ class Pipeline:
         expert phase instead of idling once the attention weights have landed."""
         nxt = layer + 1
         if nxt == self.spec.num_layers:
-            return [("attn", 0)]  # the next step starts at layer 0; its routing is unknown yet
+            return [("head",), ("attn", 0)]  # then the next step's layer 0; its routing is unknown yet
         hot = self.predictor.predict(nxt, self.K)
         return [("attn", nxt), ("gate", nxt)] + [("expert", nxt, e) for e in hot]
 
@@ -241,7 +252,8 @@ class Pipeline:
             ready = [e for e in rest if self.cache.ready(("expert", layer, e))]
             flying = [e for e in rest if self.cache.present(("expert", layer, e))]
             # FIFO channels: of those in flight, the oldest lands first
-            e = ready[0] if ready else min(flying, key=self._submitted) if flying else rest[0]
+            e = ready[0] if ready else min(flying, key=lambda x: self._submitted(("expert", layer, x))) \
+                if flying else rest[0]
             rest.remove(e)
             yield e
 
@@ -268,8 +280,10 @@ class Pipeline:
         return started
 
     def _get(self, key) -> dict:
-        """Device tensors of `key`: start it now if nobody did, and time any wait as bubble."""
+        """Device tensors of `key`, held until released: start it now if nobody did, and time
+        any wait as bubble."""
         self.wants = [(k, c) for k, c in self.wants if k != key]
+        self.cache.hold(key)
         if not self.cache.present(key):
             self.make_room(self.cache.sizes[key], key)
             self._start(key, "experts" if key[0] == "expert" else "weights")
@@ -292,9 +306,9 @@ class Pipeline:
         self.trace.add("wait", name, start, time.perf_counter())
         return out
 
-    def _submitted(self, e) -> int:
-        keys = list(self.cache.pending)
-        return keys.index(next(k for k in keys if k[0] == "expert" and k[2] == e))
+    def _submitted(self, key) -> int:
+        """Position of `key` in the order its transfer was submitted (pending is insertion-ordered)."""
+        return list(self.cache.pending).index(key)
 
     def make_room(self, nbytes: int, what) -> None:
         """Evict transient groups until `nbytes` fit, the one needed farthest in the future
@@ -304,8 +318,8 @@ class Pipeline:
             victims = [k for k in self.cache.transient() if k != what]
             if not victims:
                 raise OverBudget(
-                    f"device budget {self.memory.budget} bytes is too small: {nbytes} bytes needed for {what} "
-                    f"with {self.memory.used} in use; raise --device-memory or place less on the device")
+                    f"the device budget ({self.memory.budget} bytes) ran out: {nbytes} bytes needed for {what} "
+                    f"with {self.memory.used} in use and nothing left to evict")
             self.cache.release(max(victims, key=self._next_use))
 
     def _next_use(self, key) -> int:
@@ -323,7 +337,8 @@ class Pipeline:
         return [("expert", layer, e) for e in range(self.spec.num_experts)]
 
     def _activation_bytes(self, kvs, inputs) -> int:
-        tokens = sum(i.ids.numel() for i in inputs)
-        scores = max(i.ids.numel() * (kv.filled + i.ids.shape[1]) for kv, i in zip(kvs, inputs))
-        return activation_bytes(self.spec, self.cache.dtype.itemsize, tokens=tokens, scores=scores,
-                                sequences=sum(i.ids.shape[0] for i in inputs))
+        """This step's activation reserve, by the planner's own formula (workingset.py)."""
+        step = Step(tokens=sum(i.ids.numel() for i in inputs), sequences=sum(i.ids.shape[0] for i in inputs),
+                    batch=max(i.ids.shape[0] for i in inputs), queries=max(i.ids.shape[1] for i in inputs),
+                    keys=max(kv.filled + i.ids.shape[1] for kv, i in zip(kvs, inputs)))
+        return activation_bytes(self.spec, self.cache.dtype.itemsize, step)

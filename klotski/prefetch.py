@@ -3,10 +3,10 @@
 Three predictors share one interface (`begin_step`, `predict`, `observe`, `report`):
 
 * `CorrelationPredictor` (paper §6.2): a table of counts "experts chosen at the previous
-  `path` layers -> expert chosen at this layer", built by a warm-up run and updated online
-  from real gate decisions (updates are never written back, so one task cannot bias the
-  next). For layer j it looks up every token of the group by its own expert path, sums the
-  tendencies over all tokens of all batches and returns the top K.
+  `path` layers -> expert chosen at this layer", learned online from real gate decisions
+  (and saved back to the cache as the job goes: klotski/correlate.py). For layer j it
+  looks up every token of the group by its own expert path, sums the tendencies over all
+  tokens of all batches and returns the top K.
 * `NextGatePredictor` (AdapMoE / ProMoE-style speculation, training-free): layer j's router
   applied to the hidden state entering layer j-1's MoE.
 * `FrequencyPredictor`: how often each expert was chosen at that layer so far.
@@ -17,6 +17,7 @@ so outputs are exact whatever they say. Ties go to the lower expert id, so runs 
 from __future__ import annotations
 
 import json
+import os
 from itertools import combinations
 from pathlib import Path
 
@@ -81,6 +82,9 @@ class FrequencyPredictor:
 
     def report(self) -> dict:
         return self.metrics.report()
+
+    def persist(self) -> None:
+        """Save what was learned, where that is kept (called after every batch group)."""
 
 
 class CorrelationTable:
@@ -149,8 +153,9 @@ class CorrelationTable:
                 "layers": [{",".join(map(str, k)): v.tolist() for k, v in layer.items()} for layer in self.counts]}
 
     def save(self, path: Path, model_key: str) -> None:
+        """Atomically: a reader (or a run killed mid-write) sees the old table or the new one."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(self.to_json(model_key)))
         tmp.replace(path)
 
@@ -171,11 +176,12 @@ class CorrelationTable:
 
 
 class CorrelationPredictor(FrequencyPredictor):
-    """Predicts from the token paths of the current step; learns online from every gate."""
+    """Predicts from the token paths of the current step; learns online from every gate.
+    `save_to` = (path, model key) saves the table there on `persist`."""
 
-    def __init__(self, table: CorrelationTable):
+    def __init__(self, table: CorrelationTable, save_to: tuple[Path, str] | None = None):
         super().__init__(table.num_layers, table.num_experts)
-        self.table = table
+        self.table, self.save_to = table, save_to
         self.history: list[torch.Tensor] = []  # per layer: [N_group] combination codes this step
 
     def begin_step(self) -> None:
@@ -195,6 +201,10 @@ class CorrelationPredictor(FrequencyPredictor):
         paths = self.table.paths(self.history, layer) if layer > 0 and len(self.history) >= layer else None
         self.table.update(layer, paths, flat)
         self.history.append(self.table.codes(flat))
+
+    def persist(self) -> None:
+        if self.save_to:
+            self.table.save(*self.save_to)
 
 
 class NextGatePredictor(FrequencyPredictor):

@@ -151,6 +151,18 @@ def dequantize_tensor(parts: dict[str, torch.Tensor], dtype: torch.dtype | None 
     return W.to(dtype).contiguous()
 
 
+def packed_weight_nbytes(rows: int, cols: int, spec: QuantSpec = QuantSpec()) -> int:
+    """Bytes of `quantize_tensor`'s parts for a rows x cols weight, without quantizing it: what
+    the planner sizes a quantized group by before the copy exists."""
+    gs, mgs = spec.group_size, spec.meta_group_size
+    groups = _padded_groups(rows, cols, gs)
+    codes = -(-groups // 10) * gs * 4 if spec.bits == 3 else groups * gs * spec.bits // 8  # 3 bits: 10 per int32
+    if mgs:
+        meta_groups = -(-groups // mgs)
+        return codes + 2 * (meta_groups * mgs + 2 * 4 * meta_groups)  # 8-bit codes + fp32 scale, zero
+    return codes + 2 * 4 * groups  # fp32 scale and zero per group
+
+
 def packed_nbytes(parts: dict[str, torch.Tensor]) -> int:
     """Bytes stored and moved for a parts dict or a whole quantized group."""
     return sum(t.numel() * t.element_size() for t in parts.values())
@@ -186,7 +198,7 @@ def _dequantize_meta(q, s, z, count: int) -> torch.Tensor:
 # Group-local names (klotski.models.spec) and their Hugging Face spellings. An allow-list:
 # norms, router, embeddings and lm_head are small or precision-critical, and anything we do
 # not recognise is safer left alone.
-_PROJECTIONS = {"q", "k", "v", "o", "w1", "w2", "w3"}
+PROJECTIONS = {"q", "k", "v", "o", "w1", "w2", "w3"}
 _HF_PROJECTION = re.compile(r"(self_attn\.[qkvo]_proj|block_sparse_moe\.experts\.\d+\.w[123])\.weight$")
 
 
@@ -194,7 +206,7 @@ def should_quantize(name: str, tensor: torch.Tensor) -> bool:
     """True for 2-D expert and attention projection weights, by group-local or HF name."""
     if tensor.ndim != 2 or not tensor.is_floating_point():
         return False
-    return name in _PROJECTIONS or bool(_HF_PROJECTION.search(name))
+    return name in PROJECTIONS or bool(_HF_PROJECTION.search(name))
 
 
 def quantize_group(tensors: dict[str, torch.Tensor], spec: QuantSpec = QuantSpec()) -> dict[str, torch.Tensor]:

@@ -11,8 +11,7 @@ import sys
 from pathlib import Path
 
 from klotski import quant
-
-QUANTIZED_KINDS = ("attn", "expert")
+from klotski.checkpoint import QUANTIZED_KINDS
 
 
 def label(key) -> str:
@@ -50,16 +49,17 @@ def _itemsize(dtype: str) -> int:
     return {"F64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "U8": 1, "I8": 1, "BOOL": 1}.get(dtype, 4)
 
 
-def ensure_quantized(store, spec, model_dir: Path, offload_dir: str | None, dtype, *, optimize: bool = False) -> Path:
-    """The quantized copy for this checkpoint and preset, built on first use."""
-    from klotski.correlate import model_key
-    from klotski.tiny import default_cache_dir
+def ensure_quantized(ckpt, dtype, offload_dir: str | None, *, optimize: bool = False) -> Path:
+    """The quantized copy of checkpoint `ckpt` (a klotski.checkpoint.Checkpoint), built on
+    first use in `offload_dir` or the user cache."""
+    from klotski import cachedir
     qspec = quant.QuantSpec(optimize=optimize)
-    out = Path(offload_dir) if offload_dir else default_cache_dir() / "quantized" / f"{model_key(model_dir, store)}-{qspec.tag()}"
-    if not quant.manifest_matches(out, model_dir, qspec):
+    out = Path(offload_dir) if offload_dir else cachedir.quantized_copy(ckpt.key, qspec.tag())
+    if not quant.manifest_matches(out, ckpt.directory, qspec):
         print(f"klotski: quantizing attention and experts with HQQ ({qspec.tag()}) into {out} (first use)",
               file=sys.stderr)
+        store, spec = ckpt.store, ckpt.spec
         groups = ((label(k), {n: store.read(r.name, r.index, r.rows).to(dtype) for n, r in spec.group_refs(k).items()})
                   for k in spec.group_keys() if k[0] in QUANTIZED_KINDS)
-        quant.quantize_checkpoint(model_dir, out, qspec, groups)
+        quant.quantize_checkpoint(ckpt.directory, out, qspec, groups)
     return out

@@ -1,16 +1,22 @@
 """`klotski generate`: job file in, one JSON line per prompt out, a summary and a report.
 
-Output is written the moment each sequence finishes (flushed and fsynced by the writer),
-so a crash or Ctrl-C loses at most the sequences in flight; rerunning resumes."""
+The order is what makes refusals cheap and runs resumable: the job file is read and the
+checkpoint opened (nothing loaded), the prompts tokenized, the output's finished ids read,
+the run planned — a budget that cannot work is refused here, before any weight is read or
+the output file is created — and only then the tiers are filled and generation starts.
+Output is written the moment each sequence finishes (flushed and fsynced by the writer), so
+a crash, a kill or Ctrl-C loses at most the sequences in flight; rerunning resumes."""
 from __future__ import annotations
 
 import json
 import sys
+import tempfile
 import time
+import traceback
 from pathlib import Path
 
 from klotski.config import RunConfig
-from klotski.errors import UserError
+from klotski.errors import RunStopped, UserError
 
 
 def default_output(jobs: Path) -> Path:
@@ -20,44 +26,57 @@ def default_output(jobs: Path) -> Path:
 def generate(config: RunConfig, jobs: Path, output: str | None) -> int:
     from tqdm import tqdm
 
-    from klotski.engine import Engine
-    from klotski.jobs import OutputWriter, read_jobs
+    from klotski.assemble import build_engine, plan_run
+    from klotski.checkpoint import Checkpoint
+    from klotski.jobs import read_jobs
+    from klotski.output import OutputWriter, error_record, finished_ids, result_record
+    from klotski.sequences import prepare
 
     t_start = time.perf_counter()
     out_path = Path(output) if output else default_output(jobs)
     if out_path.resolve() == jobs.resolve():
         raise UserError(f"{out_path}: the output would overwrite the job file; choose another -o path")
     requests, bad_lines = read_jobs(jobs)
-    engine = Engine(config)  # a bad model fails here, before an output file is created
+    ckpt = Checkpoint.open(config.model, direct_io=config.direct_io)  # a bad model fails here
+    done = finished_ids(out_path) if config.resume else set()
+    seqs, too_long = prepare([r for r in requests if r.id not in done], ckpt.tokenizer, ckpt.spec, config)
+    run_plan = plan_run(config, ckpt, seqs) if seqs else None  # a refusal happens here
     try:
         writer = OutputWriter(out_path, resume=config.resume)
     except OSError as e:
         raise UserError(f"{out_path}: cannot open the output file ({e.strerror}); choose another -o path") from None
+    model_name = config.model
     with writer:
-        done = writer.done_ids
-        skipped = sum(r.id in done for r in requests)
-        todo = [r for r in requests if r.id not in done]
-        seqs, too_long = engine.prepare(todo)
-        failed = 0
-        for err in list(bad_lines) + too_long:
-            failed += writer.write(err.record())
+        skipped = sum(r.id in writer.done_ids for r in requests)
+        seqs = [s for s in seqs if s.request.id not in writer.done_ids]
+        failed = sum(writer.write(error_record(err, fmt=config.output_format)) for err in bad_lines + too_long)
         if skipped:
             print(f"klotski: resuming {out_path}: {skipped} requests already done", file=sys.stderr)
         # disable=None: tqdm turns itself off when stderr is not a terminal (logs, CI)
         bar = tqdm(total=len(seqs), unit="req", desc="generate", disable=None if config.progress else True,
                    file=sys.stderr, mininterval=0.5)
-        with bar:
-            for seq in engine.run(seqs):
-                writer.write(engine.record(seq))
-                bar.update(1)
-                gen_s = engine.stats.prefill_s + engine.stats.decode_s
-                if gen_s > 0:
-                    bar.set_postfix_str(f"{engine.stats.generated_tokens / gen_s:.1f} tok/s")
-        engine.close()
-        report = build_report(engine, ok=len(seqs), failed=failed, skipped=skipped,
-                              wall_s=time.perf_counter() - t_start)
+        engine = None
+        try:
+            engine = build_engine(config, ckpt, run_plan) if seqs else None
+            with bar:
+                for seq in engine.run(seqs) if engine else ():
+                    writer.write(result_record(seq, fmt=config.output_format, model=model_name,
+                                               include_token_ids=config.include_token_ids))
+                    bar.update(1)
+                    gen_s = engine.stats.prefill_s + engine.stats.decode_s
+                    if gen_s > 0:
+                        bar.set_postfix_str(f"{engine.stats.generated_tokens / gen_s:.1f} tok/s")
+        except (KeyboardInterrupt, UserError):
+            raise
+        except Exception as e:  # the run stopped: say so in one line; what is written stays
+            raise RunStopped(_stopped(e, out_path, len(writer.done_ids) + bar.n)) from None
+        finally:
+            if engine:
+                engine.close()
+        report = build_report(engine, run_plan, ok=len(seqs), failed=failed, skipped=skipped,
+                              wall_s=time.perf_counter() - t_start, config=config, model_dir=ckpt.directory)
     print(summary(report, out_path), file=sys.stderr)
-    if config.trace:
+    if config.trace and engine:
         Path(config.trace).write_text(json.dumps(engine.trace.to_chrome()))
     if config.report:
         Path(config.report).parent.mkdir(parents=True, exist_ok=True)
@@ -65,34 +84,49 @@ def generate(config: RunConfig, jobs: Path, output: str | None) -> int:
     return 1 if failed else 0
 
 
-def build_report(engine, *, ok: int, failed: int, skipped: int, wall_s: float) -> dict:
-    s, c = engine.stats, engine.config
+def _stopped(e: Exception, out_path: Path, written: int) -> str:
+    """One line for a run that stopped midway; the traceback goes to a file it names."""
+    from placement.tiers import OverBudget
+    keep = f"{written} records are in {out_path}; rerun the same command to resume"
+    if isinstance(e, OverBudget):
+        return f"the run stopped: {e}; {keep}"
+    with tempfile.NamedTemporaryFile("w", prefix="klotski-crash-", suffix=".txt", delete=False) as f:
+        traceback.print_exception(e, file=f)
+    return f"internal error ({type(e).__name__}: {e}); {keep}; details in {f.name}"
+
+
+def build_report(engine, run_plan, *, ok: int, failed: int, skipped: int, wall_s: float, config,
+                 model_dir) -> dict:
+    report = {"tokens_per_s": 0.0, "predicted_tokens_per_s": None, "prefill_s": 0.0, "decode_s": 0.0,
+              "wall_s": round(wall_s, 4), "requests": {"ok": ok, "failed": failed, "skipped": skipped},
+              "tokens": {"prompt": 0, "generated": 0}, "model": str(model_dir), "config": config.to_json()}
+    if engine is None:
+        return report
+    s, plan = engine.stats, run_plan.plan
     gen_s = s.prefill_s + s.decode_s
-    return {
+    report.update({
         "tokens_per_s": round(s.generated_tokens / gen_s, 3) if gen_s else 0.0,
-        "predicted_tokens_per_s": round(engine.plan.predicted_tokens_per_s, 3) if engine.plan else None,
+        "predicted_tokens_per_s": round(plan.predicted_tokens_per_s, 3) if plan else None,
         "prefill_s": round(s.prefill_s, 4),
         "decode_s": round(s.decode_s, 4),
-        "wall_s": round(wall_s, 4),
-        "requests": {"ok": ok, "failed": failed, "skipped": skipped},
         "tokens": {"prompt": s.prompt_tokens, "generated": s.generated_tokens},
-        "plan": {"batch_size": engine.batch_size, "num_batches": engine.num_batches,
-                 "hot_experts": engine.pipeline.K if engine.pipeline else None, "schedule": c.schedule,
-                 "placement": engine.placement.summary() if engine.placement else None,
-                 "binding": engine.plan.binding if engine.plan else None},
+        "plan": {"batch_size": run_plan.batch_size, "num_batches": run_plan.num_batches,
+                 "prefill_chunk": run_plan.prefill_chunk, "prefill_passes": s.prefill_passes,
+                 "hot_experts": engine.pipeline.K, "schedule": config.schedule,
+                 "placement": run_plan.placement.summary(),
+                 "buffers": plan.buffers if plan else None, "binding": plan.binding if plan else None},
         "memory": {"peak_device_bytes": engine.memory.peak, "budget_device_bytes": engine.memory.budget,
-                   "budget_host_bytes": engine.budgets.host},
+                   "peak_host_bytes": engine.host_memory.peak, "budget_host_bytes": engine.host_memory.budget},
         "io": {"bytes": dict(engine.trace.bytes),
                "busy_s": {k: round(v, 4) for k, v in engine.trace.busy.items()},
-               "experts_loaded": engine.pipeline.experts_loaded if engine.pipeline else 0,
+               "experts_loaded": engine.pipeline.experts_loaded,
                # Disk bytes per second of decode wall time: how busy decode kept the disk.
                "decode_disk_bytes": s.decode_disk_bytes,
                "decode_disk_gb_per_s": round(s.decode_disk_bytes / s.decode_s / 1e9, 4) if s.decode_s else None},
         "bubble": {"seconds": round(engine.trace.bubble_s, 4), "share": round(engine.trace.bubble_share(), 4)},
-        "prefetch": engine.predictor.report() if engine.pipeline else {},
-        "model": str(engine.model_dir),
-        "config": c.to_json(),
-    }
+        "prefetch": engine.predictor.report(),
+    })
+    return report
 
 
 def summary(report: dict, out_path: Path) -> str:
@@ -100,12 +134,18 @@ def summary(report: dict, out_path: Path) -> str:
     lines = [
         f"requests  {r['ok']} ok, {r['failed']} failed" + (f", {r['skipped']} already done" if r["skipped"] else ""),
         f"tokens    {t['prompt']} prompt, {t['generated']} generated",
-        f"speed     {report['tokens_per_s']:.1f} tok/s (prefill {report['prefill_s']:.2f} s, "
-        f"decode {report['decode_s']:.2f} s)"
-        + (f"; planner predicted {report['predicted_tokens_per_s']:.1f}" if report["predicted_tokens_per_s"] else ""),
-        f"bubble    {report['bubble']['share']:.1%} of compute time waiting on transfers; "
-        f"peak device {report['memory']['peak_device_bytes'] / 2**20:.1f} MiB",
-        f"wall      {report['wall_s']:.1f} s",
-        f"output    {out_path}",
     ]
+    if "memory" in report:
+        mem, plan = report["memory"], report["plan"]
+        lines += [
+            f"speed     {report['tokens_per_s']:.1f} tok/s (prefill {report['prefill_s']:.2f} s, "
+            f"decode {report['decode_s']:.2f} s)"
+            + (f"; planner predicted {report['predicted_tokens_per_s']:.1f}" if report["predicted_tokens_per_s"] else ""),
+            f"plan      batch size {plan['batch_size']} x {plan['num_batches']} batches"
+            + (f", prefill in chunks of {plan['prefill_chunk']} tokens" if plan["prefill_chunk"] else ""),
+            f"bubble    {report['bubble']['share']:.1%} of compute time waiting on transfers",
+            f"memory    peak device {mem['peak_device_bytes'] / 2**20:.1f} of {mem['budget_device_bytes'] / 2**20:.1f} MiB, "
+            f"host {mem['peak_host_bytes'] / 2**20:.1f} of {mem['budget_host_bytes'] / 2**20:.1f} MiB",
+        ]
+    lines += [f"wall      {report['wall_s']:.1f} s", f"output    {out_path}"]
     return "\n".join(lines)

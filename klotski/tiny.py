@@ -520,11 +520,6 @@ def build_checkpoint(out_dir, preset: str = "tiny", *, seed: int = 0, dtype=None
 
 # --------------------------------------------------------------------------- built-ins
 
-def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "klotski"
-
-
 def _is_current(path: Path, preset: str) -> bool:
     try:
         stamp = json.loads((path / STAMP_FILE).read_text())
@@ -543,7 +538,8 @@ def ensure_builtin(name: str) -> Path:
     if name not in BUILTIN_MODELS:
         raise ValueError(f"unknown built-in model {name!r}; choose from {sorted(BUILTIN_MODELS)}")
     preset = BUILTIN_MODELS[name]
-    root = default_cache_dir() / "models"
+    from klotski import cachedir
+    root = cachedir.models()
     final = root / name
     if _is_current(final, preset):
         return final

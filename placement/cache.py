@@ -2,26 +2,33 @@
 
 A group placed on `device` is read once and stays. A group placed on `host` is read into
 host RAM once (pinned on CUDA) and copied to the device per use. A group placed on `disk`
-is read per use, through a sliding window of host buffers that the pipeline fills `window`
-layers ahead (paper §6.1), or directly when the window has not reached it.
+is read per use, through a sliding window of host buffers that the pipeline fills ahead
+(paper §6.1), or directly when the window has not reached it. The embedding table is only
+gathered from: its rows are looked up where it lives, and only those rows move.
 
-Every transient device copy is reserved in `DeviceMemory` before its transfer is
-submitted and freed when the pipeline releases it, so peak device bytes never exceed the
-budget. Transfers run on channels handed in by the engine (objects with
-`submit(fn, name=, nbytes=, link=)` and `to_device(t)`); this package never imports them.
+Every transient device copy is reserved in the device `Memory` before its transfer is
+submitted and freed when the pipeline releases it; host copies, staged buffers included,
+are reserved in the host `Memory`. A group the pipeline is computing with is held
+(`hold`) and never chosen for eviction, so what the accounts say is what exists. Transfers
+run on channels handed in by the engine (objects with `submit(fn, name=, nbytes=, link=)`
+and `to_device(t)`); this package never imports them.
 """
 from __future__ import annotations
 
-from placement.tiers import DEVICE, DISK, HOST, DeviceMemory
+import torch
+
+from placement.tiers import DEVICE, DISK, HOST, Memory
 
 DISK_TO_HOST = "disk_to_host"
 
 
 class WeightCache:
-    def __init__(self, store, placement, refs_for, dtype, memory: DeviceMemory, *, to_device, pin=lambda t: t,
-                 disk_channel=None, codec=None):
+    def __init__(self, store, placement, refs_for, dtype, memory: Memory, *, to_device, pin=lambda t: t,
+                 disk_channel=None, codec=None, host_memory: Memory | None = None):
         self.store, self.placement, self.refs_for, self.dtype = store, placement, refs_for, dtype
         self.memory, self.disk_channel, self.codec = memory, disk_channel, codec
+        self.host_memory = host_memory or Memory(float("inf"))
+        self.to_device = to_device
         self.full = {k: self._nbytes(k) for k in placement.tiers}
         full = self.full
         # bytes that cross a link (and that a resident group occupies), and device bytes of a
@@ -31,15 +38,17 @@ class WeightCache:
         self.decoded: set = set()
         self.unpacked: dict = {}   # resident quantized groups decoded for the current use
         self.resident: dict = {}   # device-placed groups
-        self.host: dict = {}       # host-placed groups (and staged disk groups)
+        self.host: dict = {}       # host-placed groups
         self.loaded: dict = {}     # transient device copies: key -> tensors
         self.pending: dict = {}    # key -> Ticket of a transfer in flight
         self.staging: dict = {}    # key -> Ticket of a disk->host read in flight
+        self.held: set = set()     # groups being computed with: never evicted
         for key, tier in placement.tiers.items():
             if tier == DEVICE:  # quantized groups stay packed, as the planner sized them
                 memory.reserve(self.moved[key], f"resident {key}")
                 self.resident[key] = {n: to_device(t) for n, t in self._read(key).items()}
             elif tier == HOST:
+                self.host_memory.reserve(self.moved[key], f"host copy of {key}")
                 self.host[key] = {n: pin(t) for n, t in self._read(key).items()}
 
     def _nbytes(self, key) -> int:
@@ -94,7 +103,9 @@ class WeightCache:
             return (lambda: tensors), False
         if self.placement.tiers.get(key) == DISK and self.disk_channel:
             self.stage([key])
-            return self.staging.pop(key).wait, True
+            ticket = self.staging.pop(key)
+            self.host_memory.free(self.moved[key])  # handed over: counted on the device from now
+            return ticket.wait, True
         return (lambda: self._read(key)), True
 
     def get(self, key) -> dict:
@@ -104,6 +115,13 @@ class WeightCache:
         if key not in self.loaded:
             self.loaded[key] = self.pending.pop(key).wait()
         return self.loaded[key]
+
+    def hold(self, key) -> None:
+        """The pipeline computes with `key` now: it is not evicted until `unhold`/`release`."""
+        self.held.add(key)
+
+    def unhold(self, key) -> None:
+        self.held.discard(key)
 
     def needs_decode(self, key) -> bool:
         return self._coded(key) and (key in self.loaded or key in self.resident) and key not in self.decoded
@@ -124,6 +142,7 @@ class WeightCache:
 
     def release(self, key) -> None:
         """The pipeline is done with `key` for now: drop a transient copy and free its bytes."""
+        self.held.discard(key)
         if key in self.resident:
             if self.unpacked.pop(key, None) is not None:
                 self.decoded.discard(key)
@@ -138,20 +157,36 @@ class WeightCache:
         self.memory.free(self.sizes[key])
 
     def transient(self) -> list:
-        """Everything on the device that `release` would free."""
-        return list(self.unpacked) + list(self.loaded) + list(self.pending)
+        """What `release` could free to make room: every transient copy not being computed with."""
+        return [k for k in (*self.unpacked, *self.loaded, *self.pending) if k not in self.held]
+
+    # ---- the embedding: gathered where it lives ----------------------------------------
+    def embedding_rows(self, ids: torch.Tensor):
+        """(rows, index) such that rows[index] are the embeddings of `ids`: the whole table
+        where it is in memory, else just the distinct rows read from disk."""
+        key = ("embed",)
+        if key in self.resident:
+            return self.resident[key]["embed"], ids
+        if key in self.host:
+            return self.host[key]["embed"], ids
+        ref = self.refs_for(key)["embed"]
+        unique, index = torch.unique(ids, return_inverse=True)
+        rows = torch.stack([self.store.read(ref.name, None, (r, r + 1))[0] for r in unique.tolist()])
+        return rows.to(self.dtype), index
 
     # ---- disk -> host window ------------------------------------------------------------
     def stage(self, keys) -> None:
         """Read disk-placed `keys` into host buffers ahead of use (on the disk channel)."""
         for key in keys:
             if self.placement.tiers.get(key) == DISK and key not in self.staging and self.disk_channel:
+                self.host_memory.reserve(self.moved[key], f"staged {key}")
                 self.staging[key] = self.disk_channel.submit(lambda key=key: self._read(key), name=_label(key),
                                                              nbytes=self.moved[key], link=DISK_TO_HOST)
 
     def unstage(self, keys) -> None:
         for key in keys:
-            self.staging.pop(key, None)
+            if self.staging.pop(key, None) is not None:
+                self.host_memory.free(self.moved[key])
 
 
 def _label(key) -> str:

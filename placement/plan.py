@@ -1,6 +1,7 @@
 """Placement: which tier every tensor group lives on between uses.
 
-Group keys come from the model spec: ('outer',), ('attn', j), ('gate', j), ('expert', j, e).
+Group keys come from the model spec: ('embed',), ('head',), ('attn', j), ('gate', j),
+('expert', j, e).
 The KV cache has one tier for the whole run. The planner chooses the placement
 (`planner.solve`); tests build their own with `by_kind`.
 """

@@ -50,15 +50,17 @@ def detect_budgets(device: str, device_memory: int | None, host_memory: int | No
 
 
 class OverBudget(RuntimeError):
-    pass
+    """A reservation the budget cannot take: a bug in planning or accounting, never a user
+    mistake that a plan accepted; the CLI states it in one line and a rerun resumes."""
 
 
-class DeviceMemory:
-    """Byte-exact accounting of the device tier. Every device allocation is reserved here
-    first, from the scheduling thread; `peak` is the most ever reserved at once."""
+class Memory:
+    """Byte-exact accounting of one tier (the device, or host RAM). Every allocation is
+    reserved here first, from the scheduling thread (host staging also from the disk
+    channel's submitter); `peak` is the most ever reserved at once."""
 
-    def __init__(self, budget: int):
-        self.budget = budget
+    def __init__(self, budget: float, tier: str = "device"):
+        self.budget, self.tier = budget, tier
         self.used = 0
         self.peak = 0
         self._lock = threading.Lock()
@@ -69,7 +71,7 @@ class DeviceMemory:
     def reserve(self, nbytes: int, what: str = "") -> None:
         with self._lock:
             if self.used + nbytes > self.budget:
-                raise OverBudget(f"device budget exceeded by {self.used + nbytes - self.budget} bytes "
+                raise OverBudget(f"{self.tier} budget exceeded by {self.used + nbytes - self.budget:.0f} bytes "
                                  f"reserving {nbytes} for {what}")
             self.used += nbytes
             self.peak = max(self.peak, self.used)
@@ -77,4 +79,4 @@ class DeviceMemory:
     def free(self, nbytes: int) -> None:
         with self._lock:
             self.used -= nbytes
-            assert self.used >= 0, "device memory freed twice"
+            assert self.used >= 0, f"{self.tier} memory freed twice"

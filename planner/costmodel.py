@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from planner.routing import marginals_from_sample, marginals_from_weights
 from planner.shapes import as_shape
@@ -21,10 +22,10 @@ LINKS = ("disk_to_host", "host_to_device", "device_to_host")
 def hqq_bytes(params: int, bits: int = 4, group: int = 64, meta_group: int = 128, meta_bits: int = 8) -> int:
     """Bytes of an HQQ-quantized weight: `bits` per weight; one scale and one zero per
     `group` weights, themselves quantized to `meta_bits` in groups of `meta_group` with an
-    fp16 scale and zero per meta-group (HQQ's quant_scale/quant_zero)."""
+    fp32 scale and zero per meta-group (HQQ's quant_scale/quant_zero)."""
     groups = math.ceil(params / group)
     meta_groups = math.ceil(groups / meta_group)
-    return math.ceil(params * bits / 8) + 2 * math.ceil(groups * meta_bits / 8) + 2 * meta_groups * 2 * 2
+    return math.ceil(params * bits / 8) + 2 * math.ceil(groups * meta_bits / 8) + 2 * meta_groups * 2 * 4
 
 
 def popularity_marginals(num_experts: int, top_k: int, popularity=None) -> list[float]:
@@ -54,24 +55,45 @@ def expected_distinct_experts(tokens: float, num_experts: int, top_k: int, popul
     return sum(1.0 - (1.0 - min(1.0, x)) ** tokens for x in m)
 
 
+@dataclass(frozen=True)
+class GroupBytes:
+    """Bytes of one copy of each tensor-group kind as it sits in a tier and crosses a link
+    (packed when quantized), and the dequantized copy a quantized group is expanded into per
+    use (0 otherwise). The engine measures these on its checkpoint, so the planner places
+    exactly what the engine reserves; without one they follow from the shape."""
+    attention: int   # input norm + q, k, v, o
+    gate: int        # post-attention norm + router
+    expert: int
+    head: int        # final norm + LM head (a tied head is still a copy of its own on the device)
+    embed: int       # the embedding table, gathered from on the host
+    attention_decoded: int = 0
+    expert_decoded: int = 0
+
+
 class CostModel:
     """t_attn, t_gate, t_expert, t_io and byte sizes of tensor groups for (profile, shape)."""
 
-    def __init__(self, profile, shape, *, quant_bits: int | None = None):
+    def __init__(self, profile, shape, *, quant_bits: int | None = None, sizes: GroupBytes | None = None):
         self.profile = profile
         self.shape = s = as_shape(shape)
         self.quant_bits = quant_bits
         b = s.dtype_bytes
         self._q = s.num_heads * s.head_dim
         self._kv = s.num_kv_heads * s.head_dim
-        # Sizes of the groups the placement moves. Experts and attention are what HQQ
-        # quantizes (the paper's preset); the gate, norms and embeddings stay in dtype.
-        self.attention_bytes = self._qbytes(s.attention_params - 2 * s.hidden_size) + 2 * s.hidden_size * b
-        self.gate_bytes = s.gate_params * b
-        self.expert_bytes = self._qbytes(s.expert_params)
-        self.embed_bytes = s.vocab_size * s.hidden_size * b
-        self.head_bytes = 0 if s.tie_word_embeddings else s.vocab_size * s.hidden_size * b
-        self.norm_bytes = s.hidden_size * b
+        if sizes is None:
+            # Experts and attention projections are what HQQ quantizes (the paper's preset);
+            # norms, gates and embeddings stay in dtype.
+            quant = quant_bits is not None
+            sizes = GroupBytes(
+                attention=self._qbytes(s.attention_params - s.hidden_size) + s.hidden_size * b,
+                gate=s.gate_params * b, expert=self._qbytes(s.expert_params),
+                head=(s.vocab_size + 1) * s.hidden_size * b, embed=s.vocab_size * s.hidden_size * b,
+                attention_decoded=s.attention_params * b if quant else 0,
+                expert_decoded=s.expert_params * b if quant else 0)
+        self.sizes = sizes
+        self.attention_bytes, self.gate_bytes, self.expert_bytes = sizes.attention, sizes.gate, sizes.expert
+        self.head_bytes, self.embed_bytes = sizes.head, sizes.embed
+        self.attention_decoded, self.expert_decoded = sizes.attention_decoded, sizes.expert_decoded
         self.kv_bytes_per_token_layer = 2 * self._kv * b
         measured_here = getattr(profile, "shape_key", None) == s.key()
         self._samples = profile.samples if measured_here else {}
@@ -86,16 +108,16 @@ class CostModel:
         return self.attention_bytes + self.gate_bytes + self.shape.num_experts * self.expert_bytes
 
     def weights_bytes(self) -> int:
-        return self.shape.num_layers * self.layer_bytes() + self.embed_bytes + self.head_bytes + self.norm_bytes
+        return self.shape.num_layers * self.layer_bytes() + self.embed_bytes + self.head_bytes
 
     def kv_bytes(self, tokens: float, layers: int | None = None) -> float:
         """KV cache of `tokens` token positions over `layers` layers (default all)."""
         return tokens * self.kv_bytes_per_token_layer * (self.shape.num_layers if layers is None else layers)
 
     def kv_context(self, ctx: int) -> int:
-        """Positions attended to: a sliding window caps the KV that is kept and read."""
-        w = self.shape.sliding_window
-        return min(ctx, w) if w else ctx
+        """Positions kept and read per sequence: all of them (a sliding window is a mask over
+        the whole cache in the engine, which keeps every slot)."""
+        return ctx
 
     # ---- compute ------------------------------------------------------------------------
     def work(self, kind: str, point: Sequence[float]) -> tuple[float, float]:

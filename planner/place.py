@@ -15,12 +15,10 @@ from dataclasses import dataclass
 
 import pulp
 
-from planner.layer import LayerIO, expert_slots
+from planner.layer import LayerIO
+from planner.workingset import BUFFER_KINDS, device_need, staging_bytes, working_set
 
 TIERS = ("device", "host", "disk")
-DISK_WINDOW_LAYERS = 2      # layers staged in host memory ahead of the disk-resident ones
-ATTENTION_SCORE_CHUNK = 1 << 24  # attention scores alive at once (queries are chunked past it)
-PREFILL_EXPERT_CHUNK = 4096  # tokens per expert call in prefill (bounds the FFN intermediate)
 
 
 @dataclass(frozen=True)
@@ -54,59 +52,28 @@ class Layout:
     head: str
 
 
-def activation_bytes(shape, itemsize: int, *, tokens: int, scores: int, sequences: int) -> int:
-    """Device bytes of one step's activations, shared with the engine's own reservation:
-    hidden state, residual and MoE input/output of all `tokens` of the group (x4), one
-    batch's attention scores and probabilities in fp32 (`scores` query-key pairs per head,
-    at most ATTENTION_SCORE_CHUNK at once),
-    one expert call's FFN intermediates (at most PREFILL_EXPERT_CHUNK tokens), and the
-    fp32 next-token logits of every sequence."""
-    s = shape
-    return (4 * tokens * s.hidden_size * itemsize + 2 * min(s.num_heads * scores, ATTENTION_SCORE_CHUNK) * 4
-            + 3 * min(tokens, PREFILL_EXPERT_CHUNK) * s.intermediate_size * itemsize
-            + sequences * s.vocab_size * 4)
-
-
-def working_set(cost, bs, n, prompt_len, gen_len, schedule, hot) -> dict:
-    """Device bytes needed besides resident weights and KV, assuming every weight group is
-    off-device (the MILP drops a buffer when its whole group is resident)."""
-    s, b = cost.shape, cost.shape.dtype_bytes
-    deq = (s.expert_params + s.attention_params) * b if cost.quant_bits else 0  # dequantized copies
-    ctx = prompt_len + gen_len
-    decode = activation_bytes(s, b, tokens=n * bs, scores=bs * ctx, sequences=n * bs)
-    prefill = activation_bytes(s, b, tokens=n * bs * prompt_len, scores=bs * prompt_len * prompt_len,
-                               sequences=n * bs)
-    kv_ctx = cost.kv_context(prompt_len + gen_len)
-    return {
-        "activations": max(decode, prefill) + deq,
-        "attention_buffers": 2 * cost.attention_bytes,
-        "gate_buffers": 2 * cost.gate_bytes,
-        "expert_buffers": expert_slots(schedule, s.num_experts, hot) * cost.expert_bytes,
-        "kv_buffers": 2 * bs * kv_ctx * cost.kv_bytes_per_token_layer,
-        "head_buffer": cost.head_bytes,
-    }
-
-
-def _inputs(cost, bs, n, P, G, schedule, hot, marg):
+def _inputs(cost, bs, n, P, G, schedule, hot, marg, chunk, buffers):
     """What both placers need: shape, layers, experts, working set, KV bytes per layer (whole
     context, and loaded per decode step on average), share of experts a layer uses."""
     s = cost.shape
     L, E = s.num_layers, s.num_experts
-    ws = working_set(cost, bs, n, P, G, schedule, hot)
+    ws = working_set(cost, bs=bs, n=n, prompt_len=P, gen_len=G, chunk=chunk, schedule=schedule, hot=hot,
+                     buffers=buffers)
     kv_layer = n * bs * cost.kv_context(P + G) * cost.kv_bytes_per_token_layer
     kv_load = n * bs * cost.kv_context(P + G // 2) * cost.kv_bytes_per_token_layer
     used = 1.0 if schedule in ("simple", "multibatch") else sum(1 - (1 - min(1.0, m)) ** (n * bs) for m in marg) / E
     return s, L, E, ws, kv_layer, kv_load, used
 
 
-def place_milp(cost, bs, n, P, G, budgets: Budgets, schedule, hot, marg) -> Layout | None:
+def place_milp(cost, bs, n, P, G, budgets: Budgets, schedule, hot, marg, *, chunk: int,
+               buffers: str = "overlap") -> Layout | None:
     """Small MILP: how many layers' attention / gates, how many experts, how many layers' KV
     on each tier; embeddings and head as single groups. Objective: the busiest link's time
     per decode step (host→device, disk→host, device→host), plus a small weight on the total
     so that idle links are not filled for nothing."""
-    s, L, E, ws, kv_layer, kv_load, used = _inputs(cost, bs, n, P, G, schedule, hot, marg)
+    s, L, E, ws, kv_layer, kv_load, used = _inputs(cost, bs, n, P, G, schedule, hot, marg, chunk, buffers)
     h2d, disk_bw, d2h = (cost.bandwidth(k) for k in ("host_to_device", "disk_to_host", "device_to_host"))
-    staging = DISK_WINDOW_LAYERS * cost.layer_bytes()
+    staging = staging_bytes(cost)
 
     prob = pulp.LpProblem("placement", pulp.LpMinimize)
     iv = lambda name, ub: prob.add_variable(name, 0, ub, cat="Integer")
@@ -126,14 +93,25 @@ def place_milp(cost, bs, n, P, G, budgets: Budgets, schedule, hot, marg) -> Layo
     prob += pulp.lpSum(HD.values()) == 1
     for k, var, total in (("attn", A, L), ("gate", Gt, L), ("exp", X, L * E), ("kv", KV, L)):
         prob += total * full[k] <= var["device"]
+    prob += KV["device"] == L * full["kv"]  # the engine keeps a run's KV cache on one tier
     prob += A["disk"] + Gt["disk"] + X["disk"] + HD["disk"] <= (2 * L + L * E + 1) * anydisk
 
     head_b = cost.head_bytes
-    dev = (cost.attention_bytes * A["device"] + cost.gate_bytes * Gt["device"] + cost.expert_bytes * X["device"]
-           + kv_layer * KV["device"] + head_b * HD["device"] + ws["activations"]
-           + ws["attention_buffers"] * (1 - full["attn"]) + ws["gate_buffers"] * (1 - full["gate"])
-           + ws["expert_buffers"] * (1 - full["exp"]) + ws["kv_buffers"] * (1 - full["kv"])
-           + head_b * (1 - HD["device"]))
+    resident = (cost.attention_bytes * A["device"] + cost.gate_bytes * Gt["device"]
+                + cost.expert_bytes * X["device"] + kv_layer * KV["device"] + head_b * HD["device"])
+    # a kind's buffer is dropped when the whole kind is resident (a quantized one still
+    # needs room to dequantize into, `*_resident`)
+    buf = {"attention": ws["attention_buffers"] * (1 - full["attn"]) + ws.get("attention_resident", 0) * full["attn"],
+           "gate": ws["gate_buffers"] * (1 - full["gate"]),
+           "expert": ws["expert_buffers"] * (1 - full["exp"]) + ws.get("expert_resident", 0) * full["exp"],
+           "kv": ws["kv_buffers"] * (1 - full["kv"]), "head": head_b * (1 - HD["device"])}
+    if buffers == "minimum":  # the pipeline holds one of them at a time (attention with its KV)
+        held = prob.add_variable("held", 0)
+        for term in (buf["attention"] + buf["kv"], buf["gate"], buf["expert"], buf["head"]):
+            prob += held >= term
+        dev = resident + ws["activations"] + held
+    else:
+        dev = resident + ws["activations"] + ws["decoded"] + pulp.lpSum(buf.values())
     host = (cost.attention_bytes * A["host"] + cost.gate_bytes * Gt["host"] + cost.expert_bytes * X["host"]
             + kv_layer * KV["host"] + head_b * HD["host"] + cost.embed_bytes * EMB["host"] + staging * anydisk)
     disk = (cost.attention_bytes * A["disk"] + cost.gate_bytes * Gt["disk"] + cost.expert_bytes * X["disk"]
@@ -168,18 +146,20 @@ def place_milp(cost, bs, n, P, G, budgets: Budgets, schedule, hot, marg) -> Layo
         embed=max(EMB, key=lambda t: EMB[t].value() or 0), head=max(HD, key=lambda t: HD[t].value() or 0))
 
 
-def place_greedy(cost, bs, n, P, G, budgets: Budgets, schedule, hot, marg) -> Layout | None:
+def place_greedy(cost, bs, n, P, G, budgets: Budgets, schedule, hot, marg, *, chunk: int,
+                 buffers: str = "overlap") -> Layout | None:
     """The MILP's problem solved by density: fill the device with the groups that save the
     most transfer seconds per byte, keep the rest on host (KV first: it cannot go to disk),
     spill to disk. Used to search (bs, n) quickly; the final placement is the MILP's."""
-    s, L, E, ws, kv_layer, kv_load, used = _inputs(cost, bs, n, P, G, schedule, hot, marg)
-    everything = cost.weights_bytes() - cost.embed_bytes + L * kv_layer + ws["activations"]
+    s, L, E, ws, kv_layer, kv_load, used = _inputs(cost, bs, n, P, G, schedule, hot, marg, chunk, buffers)
+    everything = (cost.weights_bytes() - cost.embed_bytes + L * kv_layer
+                  + device_need(ws, buffers, {k: True for k in BUFFER_KINDS}))
     if everything <= budgets.device:  # all resident: no transfer buffers needed at all
         embed = "host" if cost.embed_bytes <= budgets.host else "disk"
         return Layout(attn={"device": L, "host": 0, "disk": 0}, gate={"device": L, "host": 0, "disk": 0},
                        experts={"device": L * E, "host": 0, "disk": 0}, kv={"device": L, "host": 0},
                        embed=embed, head="device")
-    room = budgets.device - sum(ws.values())
+    room = budgets.device - device_need(ws, buffers)
     if room < 0:
         return None
     # (seconds saved per byte on device, unit size, kind, units)
@@ -189,6 +169,8 @@ def place_greedy(cost, bs, n, P, G, budgets: Budgets, schedule, hot, marg) -> La
     on_dev = {k: 0 for *_, k, _ in items}
     for _, size, kind, units in sorted(items, key=lambda x: -x[0]):
         take = units if size <= 0 or math.isinf(room) else min(units, int(room // size))
+        if kind == "kv" and take < units:  # the engine keeps a run's KV cache on one tier
+            take = 0
         on_dev[kind], room = take, room - take * size
     kv_host = (L - on_dev["kv"]) * kv_layer
     rest = {"attn": (L - on_dev["attn"], cost.attention_bytes), "gate": (L - on_dev["gate"], cost.gate_bytes),
@@ -196,7 +178,7 @@ def place_greedy(cost, bs, n, P, G, budgets: Budgets, schedule, hot, marg) -> La
             "head": ((1 if cost.head_bytes else 0) - on_dev["head"], cost.head_bytes)}
     off_bytes = sum(u * b for u, b in rest.values()) + cost.embed_bytes
     host_room = budgets.host - kv_host
-    staging = DISK_WINDOW_LAYERS * cost.layer_bytes() if off_bytes > host_room else 0.0
+    staging = staging_bytes(cost) if off_bytes > host_room else 0.0
     host_room -= staging
     if host_room < 0:
         return None

@@ -5,7 +5,8 @@ import json
 from dataclasses import asdict, dataclass, field
 
 from planner.layer import INEQUALITIES, LayerIO, Phase, ineq_terms
-from planner.place import DISK_WINDOW_LAYERS, TIERS, Layout, working_set
+from planner.place import TIERS, Layout
+from planner.workingset import device_need, staging_bytes, working_set
 from planner.units import format_bytes
 
 
@@ -26,6 +27,9 @@ class Plan:
     gen_len: int = 0
     placement_summary: dict = field(default_factory=dict)
     quant_bits: int | None = None
+    longest_prompt: int = 0      # what memory was planned for (prompt_len: what time was)
+    prefill_chunk: int = 0       # prompt tokens per prefill pass
+    buffers: str = "overlap"     # transfer buffers: "overlap", or "minimum" when only that fits
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -34,9 +38,10 @@ class Plan:
         return json.dumps(self.to_dict(), indent=indent)
 
     def group_tiers(self, num_layers: int, num_experts: int) -> tuple[dict, str]:
-        """The placement in the engine's terms (placement/plan.py): {('attn', j), ('gate', j),
-        ('expert', j, e), ('outer',): tier} and one KV tier (host if any layer's KV is)."""
-        tiers = {("outer",): self.placement.get("lm_head", "device")}
+        """The placement in the engine's terms (placement/plan.py): {('embed',), ('head',),
+        ('attn', j), ('gate', j), ('expert', j, e): tier} and one KV tier (host if any
+        layer's KV is)."""
+        tiers = {("embed",): self.placement["embed"], ("head",): self.placement["lm_head"]}
         for j in range(num_layers):
             tiers["attn", j] = self.tier(j, "attention")
             tiers["gate", j] = self.tier(j, "gate")
@@ -68,12 +73,10 @@ def _span(a, b) -> str:
     return f"{a}" if a == b else f"{a}-{b}"
 
 
-def _placement_dict(ios: list[LayerIO], layout: Layout, tied: bool) -> dict:
+def _placement_dict(ios: list[LayerIO], layout: Layout) -> dict:
     """Group → tier with layer and expert ranges compressed: 'layers.0-11.attention',
-    'layers.0-31.experts.0-1', 'layers.4-31.kv', 'embed', 'lm_head', 'norm'."""
-    out = {"embed": layout.embed, "norm": "device"}
-    if not tied:
-        out["lm_head"] = layout.head
+    'layers.0-31.experts.0-1', 'layers.4-31.kv', 'embed', 'lm_head' (with the final norm)."""
+    out = {"embed": layout.embed, "lm_head": layout.head}
     for kind, attr in (("attention", "attn"), ("gate", "gate"), ("kv", "kv")):
         for a, b, tier in _ranges([getattr(io, attr) for io in ios]):
             out[f"layers.{_span(a, b)}.{kind}"] = tier
@@ -100,10 +103,12 @@ def _key_matches(key: str, layer: int, kind: str, expert: int | None) -> bool:
     return int(elo) <= expert <= int(ehi or elo)
 
 
-def make_plan(cost, shape, budgets, pred, bs, n, layout, ios, binding, schedule, K, hot, marg, P, G) -> Plan:
+def make_plan(cost, shape, budgets, pred, bs, n, layout, ios, binding, schedule, K, hot, marg, P, G, *,
+              longest: int, chunk: int, buffers: str) -> Plan:
     L, E = shape.num_layers, shape.num_experts
-    ws = working_set(cost, bs, n, P, G, schedule, K)
-    kv_layer = n * bs * cost.kv_context(P + G) * cost.kv_bytes_per_token_layer
+    ws = working_set(cost, bs=bs, n=n, prompt_len=longest, gen_len=G, chunk=chunk, schedule=schedule, hot=K,
+                     buffers=buffers)
+    kv_layer = n * bs * cost.kv_context(longest + G) * cost.kv_bytes_per_token_layer
     by_tier = {t: 0.0 for t in TIERS}
     for t, c in layout.attn.items():
         by_tier[t] += c * cost.attention_bytes
@@ -115,14 +120,13 @@ def make_plan(cost, shape, budgets, pred, bs, n, layout, ios, binding, schedule,
         by_tier[t] += c * kv_layer
     by_tier[layout.embed] += cost.embed_bytes
     by_tier[layout.head] += cost.head_bytes
-    by_tier["device"] += cost.norm_bytes
     resident = dict(by_tier)
-    full = {"attention_buffers": layout.attn["device"] == L, "gate_buffers": layout.gate["device"] == L,
-            "expert_buffers": layout.experts["device"] == L * E, "kv_buffers": layout.kv["device"] == L,
-            "head_buffer": layout.head == "device"}
-    by_tier["device"] += sum(v for k, v in ws.items() if not full.get(k, False))
+    full = {"attention": layout.attn["device"] == L, "gate": layout.gate["device"] == L,
+            "expert": layout.experts["device"] == L * E, "kv": layout.kv["device"] == L,
+            "head": layout.head == "device"}
+    by_tier["device"] += device_need(ws, buffers, full)
     if layout.attn["disk"] or layout.gate["disk"] or layout.experts["disk"] or layout.head == "disk":
-        by_tier["host"] += DISK_WINDOW_LAYERS * cost.layer_bytes()
+        by_tier["host"] += staging_bytes(cost)
     summary = {}
     for t in TIERS:
         groups = []
@@ -156,10 +160,11 @@ def make_plan(cost, shape, budgets, pred, bs, n, layout, ios, binding, schedule,
         per_layer["inequalities_ms"] = [{"name": nm, "lhs": l * 1e3, "rhs": r * 1e3}
                                         for nm, l, r in zip(INEQUALITIES, lhs, rhs)]
     return Plan(batch_size=bs, num_batches=n, hot_experts=K, schedule=schedule,
-                placement=_placement_dict(ios, layout, cost.head_bytes == 0),
+                placement=_placement_dict(ios, layout),
                 predicted_tokens_per_s=pred["tokens_per_s"], prefill_s=pred["prefill_s"], decode_s=pred["decode_s"],
                 binding=binding, peak_bytes=by_tier, per_layer=per_layer, prompt_len=P, gen_len=G,
-                placement_summary=summary, quant_bits=cost.quant_bits)
+                placement_summary=summary, quant_bits=cost.quant_bits, longest_prompt=longest,
+                prefill_chunk=chunk, buffers=buffers)
 
 
 def format_plan(plan: Plan) -> str:
@@ -169,7 +174,10 @@ def format_plan(plan: Plan) -> str:
         f"schedule {plan.schedule}: batch size {plan.batch_size} x {plan.num_batches} batches "
         f"(= {plan.batch_size * plan.num_batches} sequences per group), {plan.hot_experts} hot experts prefetched",
         f"prompt {plan.prompt_len} + generate {plan.gen_len} tokens"
-        + (f", weights HQQ {plan.quant_bits}-bit" if plan.quant_bits else ""),
+        + (f" (memory for prompts up to {plan.longest_prompt})" if plan.longest_prompt > plan.prompt_len else "")
+        + (f", prefill in chunks of {plan.prefill_chunk} tokens" if plan.prefill_chunk < plan.longest_prompt else "")
+        + (f", weights HQQ {plan.quant_bits}-bit" if plan.quant_bits else "")
+        + ("; transfer buffers at their minimum" if plan.buffers == "minimum" else ""),
         f"predicted {plan.predicted_tokens_per_s:.3g} tokens/s   prefill {plan.prefill_s:.3g} s + "
         f"decode {plan.decode_s:.3g} s per batch group",
         f"binding: {plan.binding}",

@@ -62,11 +62,11 @@ class ModelShape:
     def attention_params(self) -> int:
         q = self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
-        return self.hidden_size * (2 * q + 2 * kv) + 2 * self.hidden_size  # + two RMSNorm weights
+        return self.hidden_size * (2 * q + 2 * kv) + self.hidden_size  # + input norm
 
     @property
     def gate_params(self) -> int:
-        return self.num_experts * self.hidden_size
+        return (self.num_experts + 1) * self.hidden_size  # router + post-attention norm
 
     def kv_bytes_per_token(self, dtype_bytes: int | None = None) -> int:
         """K and V of one token over all layers."""

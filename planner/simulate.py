@@ -28,13 +28,13 @@ from dataclasses import dataclass, field
 from planner.layer import SCHEDULES, LayerIO, expert_slots
 from planner.routing import RoutingSample
 from planner.shapes import as_shape
+from planner.workingset import DISK_WINDOW_LAYERS
 
 # Same lanes, in the same order, as the engine's traces (klotski/trace.py), so that real and
 # simulated runs open side by side; "wait" holds the compute lane's bubbles.
 LANES = ("compute", "wait", "weights", "experts", "kv_load", "kv_store", "disk")
 LINK_OF = {"weights": "host_to_device", "experts": "host_to_device", "kv_load": "host_to_device",
            "kv_store": "device_to_host", "disk": "disk_to_host"}
-DISK_WINDOW_LAYERS = 2
 
 
 @dataclass

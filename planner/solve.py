@@ -18,8 +18,8 @@ from collections import Counter
 from planner.costmodel import popularity_marginals
 from planner.layer import (FLEXGEN_INEQUALITIES, INEQUALITIES, SCHEDULES, Phase, flexgen_terms, ineq_terms,
                            layer_time)
-from planner.place import (DISK_WINDOW_LAYERS, Budgets, layer_ios, place_greedy, place_milp,
-                           working_set)
+from planner.place import Budgets, layer_ios, place_greedy, place_milp
+from planner.workingset import device_need, prefill_chunk, staging_bytes, working_set
 from planner.report import Plan, format_plan, make_plan
 from planner.shapes import as_shape
 from planner.units import format_bytes
@@ -69,9 +69,10 @@ def _required_n(cost, ios, bs, P, G, schedule, hot, marg, max_n):
 
 
 # ---- prediction ------------------------------------------------------------------------------
-def _predict(cost, ios, bs, n, P, G, schedule, hot, marg, layout) -> dict:
-    """Analytic times for one batch group: one prefill pass and G−1 decode steps (decode
-    evaluated at the mean context, attention cost being linear in it)."""
+def _predict(cost, ios, bs, n, P, G, schedule, hot, marg, layout, chunk=None) -> dict:
+    """Analytic times for one batch group: the prefill passes (one per chunk of `chunk`
+    prompt tokens) and G−1 decode steps (decode evaluated at the mean context, attention cost
+    being linear in it)."""
     groups = Counter(ios)  # layers with the same tiers have the same times
 
     def step(ph):
@@ -81,7 +82,10 @@ def _predict(cost, ios, bs, n, P, G, schedule, hot, marg, layout) -> dict:
             t, bubble = t + count * lt, bubble + count * lb
         t += ph.n * cost.t_head(ph.bs) + cost.t_fetch(cost.head_bytes, layout.head)
         return t, bubble
-    prefill, pb = step(Phase(bs, n, P, P))
+    chunk = max(1, min(chunk or P, P))
+    passes = math.ceil(P / chunk)
+    prefill, pb = step(Phase(bs, n, P, chunk))
+    prefill, pb = prefill * passes, pb * passes
     dec, db = step(Phase(bs, n, P + G // 2, 1))
     decode = dec * max(0, G - 1)
     tokens = n * bs * G
@@ -90,77 +94,79 @@ def _predict(cost, ios, bs, n, P, G, schedule, hot, marg, layout) -> dict:
 
 
 # ---- diagnosis of infeasibility ---------------------------------------------------------------
-def _diagnose(cost, bs, n, P, G, budgets: Budgets, schedule, hot) -> Infeasible:
-    ws = working_set(cost, bs, n, P, G, schedule, hot)
-    dev_min = sum(ws.values())
-    what = f"bs={bs}, n={n}"
-    if dev_min > budgets.device:
-        short = dev_min - budgets.device
-        parts = ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in ws.items() if v)
-        return Infeasible(f"device budget {format_bytes(budgets.device)} is {format_bytes(short)} short: "
-                          f"the smallest working set ({what}) needs {format_bytes(dev_min)} ({parts})",
-                          "device", short, dev_min, budgets.device)
-    kv = cost.kv_bytes(n * bs * cost.kv_context(P + G))
-    weights = cost.weights_bytes()
-    room_dev = budgets.device - dev_min
-    staging = DISK_WINDOW_LAYERS * cost.layer_bytes()
-    host_room = budgets.host - (staging if weights > room_dev + budgets.host else 0)
-    if kv > room_dev + host_room:
-        short = kv - room_dev - host_room
-        staged = budgets.host - host_room
-        return Infeasible(f"host budget {format_bytes(budgets.host)} is {format_bytes(short)} short: the KV cache "
-                          f"for {n}×{bs} sequences of {P}+{G} tokens needs {format_bytes(kv)} on host or device"
-                          + (f", beside {format_bytes(staged)} of host staging for weights read from disk"
-                             if staged else "")
-                          + f"; the device has {format_bytes(room_dev)} left after its working set",
-                          "host", short, kv + staged, room_dev + budgets.host)
-    total = weights + kv
-    avail = room_dev + host_room + budgets.disk
-    if total > avail:
-        # Named after the tier that would take the overflow: disk, unless none is allowed.
-        short, name = total - avail, ("disk" if budgets.disk > 0 else "host")
-        return Infeasible(f"{name} budget {format_bytes(getattr(budgets, name))} is {format_bytes(short)} short: "
-                          f"weights {format_bytes(weights)} + KV {format_bytes(kv)} for {n}×{bs} sequences exceed "
-                          f"what device (after its working set), host and disk can hold together",
-                          name, short, total, avail)
-    return _probe(cost, bs, n, P, G, budgets, schedule, hot)
-
-
-def _probe(cost, bs, n, P, G, budgets: Budgets, schedule, hot) -> Infeasible:
-    """The totals fit but whole groups do not pack: find which single budget, raised by how
-    much, makes the greedy placement fit (binary search to a KiB)."""
-    marg = [min(1.0, cost.shape.top_k / cost.shape.num_experts)] * cost.shape.num_experts
-    fits = lambda b: place_greedy(cost, bs, n, P, G, b, schedule, hot, marg) is not None
-    for name in ("host", "device", "disk"):
+def _diagnose(ctx: "_Ctx", bs: int, n: int) -> Infeasible:
+    """Which single budget, raised alone by the least, makes (bs, n) fit, and the smallest
+    value that does: a binary search (to a KiB) over the planner's own feasibility test in its
+    leanest mode, so a rerun with that value is accepted."""
+    budgets, lean = ctx.budgets, ctx.lean()
+    fits = lambda b: lean.with_budgets(b).greedy(bs, n) is not None
+    best = None
+    for name in ("device", "host", "disk"):
         have = getattr(budgets, name)
         if not math.isfinite(have) or not fits(dataclasses.replace(budgets, **{name: math.inf})):
             continue
-        lo, hi = 0.0, max(1024.0, cost.weights_bytes())
-        while not fits(dataclasses.replace(budgets, **{name: have + hi})):
+        lo, hi = have, max(2 * have, have + 2**20)
+        while not fits(dataclasses.replace(budgets, **{name: hi})):
             lo, hi = hi, 2 * hi
         while hi - lo > 1024:
             mid = (lo + hi) / 2
-            lo, hi = (lo, mid) if fits(dataclasses.replace(budgets, **{name: have + mid})) else (mid, hi)
-        return Infeasible(f"{name} budget {format_bytes(have)} is {format_bytes(hi)} short at bs={bs}, n={n}: "
-                          "the totals fit, but whole tensor groups do not pack into what is left",
-                          name, hi, have + hi, have)
-    return Infeasible(f"no single budget increase makes bs={bs}, n={n} fit", "device", math.inf, math.inf,
-                      budgets.device)
+            lo, hi = (lo, mid) if fits(dataclasses.replace(budgets, **{name: mid})) else (mid, hi)
+        if best is None or hi - have < best[2] - best[1]:
+            best = (name, have, hi)
+    if best is None:
+        return Infeasible(f"no single budget increase makes bs={bs}, n={n} fit the device, host and disk budgets",
+                          "device", math.inf, math.inf, budgets.device)
+    name, have, hi = best
+    at = lean.with_budgets(dataclasses.replace(budgets, **{name: hi}))
+    return Infeasible(f"{name} budget {format_bytes(have)} is too small for this job: "
+                      f"{_needs(at, name, bs, n, hi)}", name, hi - have, math.ceil(hi), have)
+
+
+def _short_budget(ctx: "_Ctx", bs: int, n: int) -> str:
+    """The budget that stops (bs, n): host (where a growing KV cache goes) if unlimited host
+    memory would fit it, else the device."""
+    roomy = ctx.with_budgets(dataclasses.replace(ctx.budgets, host=math.inf))
+    return "host" if roomy.greedy(bs, n) is not None else "device"
+
+
+def _needs(ctx: "_Ctx", name: str, bs: int, n: int, minimum: float) -> str:
+    """What (bs, n) needs on tier `name` at its minimum, in words."""
+    cost, P, G = ctx.cost, ctx.P_mem, ctx.G
+    what = f"{n} batch{'es' if n > 1 else ''} of {bs} sequences of up to {P}+{G} tokens"
+    if name == "device":
+        chunk = ctx.chunk(bs, n)
+        ws = ctx.working_set(bs, n)
+        held = device_need(ws, ctx.buffers) - ws["activations"] - ws["decoded"]
+        return (f"{what} need at least {format_bytes(minimum)} on the device (activations "
+                f"{format_bytes(ws['activations'])} with the prompt prefilled in chunks of {chunk} tokens, "
+                f"transfer buffers {format_bytes(held + ws['decoded'])}; the rest holds resident weights)")
+    kv = cost.kv_bytes(n * bs * cost.kv_context(P + G))
+    return (f"{what} need at least {format_bytes(minimum)} of {name} memory (KV cache {format_bytes(kv)}, "
+            f"weights {format_bytes(cost.weights_bytes())} in all, disk staging "
+            f"{format_bytes(staging_bytes(cost))} when weights are read from disk)")
 
 
 # ---- the solver ------------------------------------------------------------------------------
-def solve(shape, cost, budgets, *, prompt_len: int, gen_len: int, batch_sizes=tuple(range(4, 65, 4)),
-          max_n: int = 64, schedule: str = "klotski", K: int | None = None, num_batches: int | None = None,
+BATCH_SIZES = (1, 2) + tuple(range(4, 65, 4))
+
+
+def solve(shape, cost, budgets, *, prompt_len: int, gen_len: int, longest_prompt: int | None = None,
+          batch_sizes=BATCH_SIZES, max_n: int = 64, schedule: str = "klotski", K: int | None = None,
+          num_batches: int | None = None, chunk: int | None = None, max_sequences: int | None = None,
           popularity=None, finalists: int = 3) -> Plan:
     """Best (batch size, n, placement) for generating `gen_len` tokens after `prompt_len`.
 
     `cost` is a CostModel for `shape`; `budgets` a Budgets or {"device", "host"[, "disk"]}
-    in bytes; `K` hot experts prefetched per layer (default top_k); `num_batches` fixes n;
-    `popularity` is routing statistics as accepted by `expected_distinct_experts`.
+    in bytes; `longest_prompt` (default prompt_len) is what memory is planned for, while time
+    is planned for `prompt_len`; `K` hot experts prefetched per layer (default top_k);
+    `num_batches` fixes n and `chunk` the prefill chunk (default: chosen per (bs, n), see
+    workingset.prefill_chunk); `max_sequences` caps n·bs (a group larger than the job is idle); `popularity` is routing statistics as accepted by
+    `expected_distinct_experts`. Transfer buffers are planned for overlap where that fits,
+    else at the minimum the pipeline can run in.
     The search over (bs, n) places tensors greedily (by seconds saved per byte, which is
     what the MILP optimises too); the best `finalists` are then placed by the MILP and
     re-predicted, so the plan's placement is the MILP's. Raises Infeasible naming the short
-    budget when nothing fits.
+    budget and the smallest value of it that works when nothing fits.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule {schedule!r} is not one of {SCHEDULES}")
@@ -171,71 +177,106 @@ def solve(shape, cost, budgets, *, prompt_len: int, gen_len: int, batch_sizes=tu
     hot_n = K if schedule in ("klotski", "hot-prefetch") else 0
     marg = popularity_marginals(E, shape.top_k, popularity)
     hot = _hot_set(marg, hot_n)
-    P, G = prompt_len, gen_len
     if schedule == "simple":
         num_batches = 1
-    ctx = _Ctx(cost, P, G, budgets, schedule, hot_n, hot, marg, max_n)
-
-    found, first_failure = [], None
-    for bs in sorted(batch_sizes):
-        if ctx.greedy(bs, num_batches or 1) is None:
-            first_failure = first_failure or _diagnose(cost, bs, num_batches or 1, P, G, budgets, schedule, hot_n)
-            continue
-        if num_batches is not None:
-            layout = ctx.greedy(bs, num_batches)
-            need = _required_n(cost, ctx.ios(layout), bs, P, G, schedule, hot, marg, num_batches)[1]
-            n, binding = num_batches, _binding(schedule, need, fixed=True)
-        else:
-            n, layout, binding = _choose_n(ctx, bs)
-        found.append((ctx.predict(bs, n, layout)["tokens_per_s"], bs, n, binding))
+    longest = max(prompt_len, longest_prompt or prompt_len)
+    found = []
+    for buffers in ("overlap", "minimum"):
+        ctx = _Ctx(cost, prompt_len, longest, gen_len, budgets, schedule, hot_n, hot, marg, max_n, buffers, chunk,
+                   max_sequences)
+        for bs in sorted(batch_sizes):
+            if ctx.greedy(bs, num_batches or 1) is None:
+                continue
+            if num_batches is not None:
+                layout = ctx.greedy(bs, num_batches)
+                need = ctx.required(bs, layout, num_batches)[1]
+                n, binding = num_batches, _binding(schedule, need, fixed=True)
+            else:
+                n, layout, binding = _choose_n(ctx, bs)
+            if buffers == "minimum":
+                binding = f"{binding}; memory: transfer buffers at their minimum (little overlap)"
+            found.append((ctx.predict(bs, n, layout)["tokens_per_s"], bs, n, binding))
+        if found:
+            break
     if not found:
-        # The greedy search keeps every transfer buffer; the MILP may still pack the smallest
-        # batch by keeping whole groups resident. Last resort before giving up.
-        bs, n = min(batch_sizes), num_batches or 1
-        layout = place_milp(cost, bs, n, P, G, budgets, schedule, hot_n, marg)
-        if layout is None:
-            raise first_failure
-        found.append((ctx.predict(bs, n, layout)["tokens_per_s"], bs, n, "memory: only the smallest batch fits"))
+        raise _diagnose(ctx, min(batch_sizes), num_batches or 1)
     best = None
     for _, bs, n, binding in sorted(found, reverse=True)[:max(1, finalists)]:
-        layout = place_milp(cost, bs, n, P, G, budgets, schedule, hot_n, marg)
-        if layout is None:
-            continue
+        # the MILP packs at least as well as the greedy search; keep the greedy layout if it fails
+        layout = ctx.milp(bs, n) or ctx.greedy(bs, n)
         pred = ctx.predict(bs, n, layout)
         if best is None or pred["tokens_per_s"] > best[0]["tokens_per_s"] * (1 + 1e-9):
             best = (pred, bs, n, layout, binding)
-    if best is None:
-        raise _diagnose(cost, found[0][1], found[0][2], P, G, budgets, schedule, hot_n)
     pred, bs, n, layout, binding = best
     return make_plan(cost, shape, budgets, pred, bs, n, layout, ctx.ios(layout), binding, schedule, hot_n,
-                      hot, marg, P, G)
+                     hot, marg, prompt_len, gen_len, longest=longest, chunk=ctx.chunk(bs, n), buffers=ctx.buffers)
 
 
 class _Ctx:
-    """The fixed inputs of one solve, with memoised greedy placements."""
+    """The fixed inputs of one solve, with memoised greedy placements. `P` is the prompt
+    length time is planned for, `P_mem` the one memory is planned for."""
 
-    def __init__(self, cost, P, G, budgets, schedule, hot_n, hot, marg, max_n):
-        self.cost, self.P, self.G, self.budgets = cost, P, G, budgets
+    def __init__(self, cost, P, P_mem, G, budgets, schedule, hot_n, hot, marg, max_n, buffers, chunk=None,
+                 max_sequences=None):
+        self.cost, self.P, self.P_mem, self.G, self.budgets = cost, P, P_mem, G, budgets
         self.schedule, self.hot_n, self.hot, self.marg, self.max_n = schedule, hot_n, hot, marg, max_n
-        self._placed = {}
+        self.buffers, self.fixed_chunk, self.max_sequences = buffers, chunk, max_sequences
+        self._placed, self._chunks = {}, {}
+
+    def _like(self, **changes) -> "_Ctx":
+        args = dict(cost=self.cost, P=self.P, P_mem=self.P_mem, G=self.G, budgets=self.budgets,
+                    schedule=self.schedule, hot_n=self.hot_n, hot=self.hot, marg=self.marg, max_n=self.max_n,
+                    buffers=self.buffers, chunk=self.fixed_chunk, max_sequences=self.max_sequences)
+        return _Ctx(**{**args, **changes})
+
+    def with_budgets(self, budgets) -> "_Ctx":
+        return self._like(budgets=budgets)
+
+    def lean(self) -> "_Ctx":
+        """The same problem with transfer buffers at their minimum."""
+        return self._like(buffers="minimum")
+
+    def cap(self, bs) -> int:
+        """The largest n tried at batch size `bs`."""
+        if self.max_sequences is None:
+            return self.max_n
+        return max(1, min(self.max_n, self.max_sequences // bs))
+
+    def working_set(self, bs, n, chunk=None) -> dict:
+        return working_set(self.cost, bs=bs, n=n, prompt_len=self.P_mem, gen_len=self.G,
+                           chunk=self.chunk(bs, n) if chunk is None else chunk, schedule=self.schedule,
+                           hot=self.hot_n, buffers=self.buffers)
+
+    def chunk(self, bs, n) -> int:
+        if self.fixed_chunk:
+            return max(1, min(self.fixed_chunk, self.P_mem))
+        if (bs, n) not in self._chunks:
+            ws = self.working_set(bs, n, chunk=1)
+            rest = device_need(ws, self.buffers) - ws["activations"]
+            self._chunks[bs, n] = prefill_chunk(self.cost, bs, n, self.P_mem, self.G, self.budgets.device, rest)
+        return self._chunks[bs, n]
 
     def greedy(self, bs, n):
         if (bs, n) not in self._placed:
-            self._placed[bs, n] = place_greedy(self.cost, bs, n, self.P, self.G, self.budgets,
-                                                self.schedule, self.hot_n, self.marg)
+            self._placed[bs, n] = place_greedy(self.cost, bs, n, self.P_mem, self.G, self.budgets, self.schedule,
+                                               self.hot_n, self.marg, chunk=self.chunk(bs, n), buffers=self.buffers)
         return self._placed[bs, n]
+
+    def milp(self, bs, n):
+        return place_milp(self.cost, bs, n, self.P_mem, self.G, self.budgets, self.schedule, self.hot_n,
+                          self.marg, chunk=self.chunk(bs, n), buffers=self.buffers)
 
     def ios(self, layout):
         s = self.cost.shape
         return layer_ios(layout, s.num_layers, s.num_experts, self.marg)
 
-    def required(self, bs, layout):
+    def required(self, bs, layout, max_n=None):
         return _required_n(self.cost, self.ios(layout), bs, self.P, self.G, self.schedule, self.hot,
-                           self.marg, self.max_n)
+                           self.marg, max_n or self.cap(bs))
 
     def predict(self, bs, n, layout):
         return _predict(self.cost, self.ios(layout), bs, n, self.P, self.G, self.schedule, self.hot,
-                        self.marg, layout)
+                        self.marg, layout, self.chunk(bs, n))
 
 
 def _choose_n(ctx: _Ctx, bs):
@@ -251,7 +292,7 @@ def _choose_n(ctx: _Ctx, bs):
         if req is None or ctx.greedy(bs, req) is None:
             break
         n, layout = req, ctx.greedy(bs, req)
-    cands, cap = _candidates(ctx.max_n), None
+    cands, cap = _candidates(ctx.cap(bs)), None
     for i, cand in enumerate(cands):
         if ctx.greedy(bs, cand) is None:
             lo, hi = cands[i - 1], cand  # refine: the largest n that fits
@@ -259,7 +300,7 @@ def _choose_n(ctx: _Ctx, bs):
                 mid = (lo + hi) // 2
                 lo, hi = (mid, hi) if ctx.greedy(bs, mid) is not None else (lo, mid)
             cands = cands[:i] + ([lo] if lo != cands[i - 1] else [])
-            cap = (hi, _diagnose(ctx.cost, bs, hi, ctx.P, ctx.G, ctx.budgets, ctx.schedule, ctx.hot_n).budget)
+            cap = (hi, _short_budget(ctx, bs, hi))
             break
     n = max(cands, key=lambda c: ctx.predict(bs, c, ctx.greedy(bs, c))["tokens_per_s"])
     last = _binding(ctx.schedule, need)
@@ -268,7 +309,7 @@ def _choose_n(ctx: _Ctx, bs):
     elif cap:
         why = f"none: inequalities unmet for every n that fits the {cap[1]} budget (n<{cap[0]}; last: {last})"
     else:
-        why = f"none: inequalities unmet up to n={ctx.max_n} (last: {last})"
+        why = f"none: inequalities unmet up to n={ctx.cap(bs)} (last: {last})"
     return n, ctx.greedy(bs, n), f"{why}; n={n} maximises predicted throughput"
 
 

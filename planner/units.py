@@ -1,12 +1,13 @@
 """Byte sizes as people write them ("20GiB", "512MB") and as people read them."""
 from __future__ import annotations
 
+import math
 import re
 
 _UNITS = {
     "": 1, "b": 1,
     "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
 
 
@@ -18,6 +19,16 @@ def parse_size(text: str | int | float) -> int:
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"size {text!r} is not like '20GiB', '512MB' or a byte count")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def format_size_flag(n: float) -> str:
+    """A size to pass back on the command line that parses to at least `n` bytes: MiB with two
+    decimals, rounded up ("3.88MiB"), or GiB for sizes of 10 GiB and more."""
+    unit, scale = ("GiB", 2**30) if n >= 10 * 2**30 else ("MiB", 2**20)
+    value = math.ceil((n + 1) / scale * 100) / 100
+    while parse_size(f"{value:.2f}{unit}") < n:  # float rounding of the product
+        value += 0.01
+    return f"{value:.2f}{unit}"
 
 
 def format_bytes(n: float) -> str:

@@ -4,7 +4,7 @@ import torch
 
 from klotski import tiny
 from klotski.config import RunConfig
-from klotski.engine import Engine
+from klotski.assemble import open_engine
 from klotski.jobs import Request
 
 PROMPTS = [
@@ -72,10 +72,11 @@ def reference_tokens(model_dir, prompts=PROMPTS, max_new_tokens=10):
     return result
 
 
-def engine_tokens(model_dir, placement=None, prompts=PROMPTS, max_new_tokens=10, **config):
+def engine_tokens(model_dir, placement=None, prompts=PROMPTS, max_new_tokens=10, close=True, **config):
     cfg = RunConfig(model=str(model_dir), progress=False, dtype="float32", **config)
-    engine = Engine(cfg, placement=placement)
-    seqs, errors = engine.prepare(requests(prompts, max_new_tokens))
+    engine, seqs, errors = open_engine(cfg, requests(prompts, max_new_tokens), placement=placement)
     assert not errors
     done = {s.request.id: s.out for s in engine.run(seqs)}
+    if close:
+        engine.close()
     return [done[f"r{i}"] for i in range(len(prompts))], engine

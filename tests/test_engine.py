@@ -1,14 +1,15 @@
 """Sampling, stop conditions and chat rendering of the engine."""
 from conftest import PROMPTS, requests
 from klotski.config import RunConfig
-from klotski.engine import Engine
+from klotski.assemble import open_engine
 from klotski.jobs import Request
 
 
 def _run(path, reqs, **config):
-    engine = Engine(RunConfig(model=str(path), progress=False, **config))
-    seqs, errors = engine.prepare(reqs)
-    return {s.request.id: s for s in engine.run(seqs)}, errors, engine
+    engine, seqs, errors = open_engine(RunConfig(model=str(path), progress=False, **config), reqs)
+    done = {s.request.id: s for s in engine.run(seqs)}
+    engine.close()
+    return done, errors, engine
 
 
 def test_sampling_is_deterministic_per_seed_and_independent_of_batching(checkpoints):

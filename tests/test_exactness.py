@@ -4,7 +4,8 @@ import torch
 
 from conftest import PROMPTS, VARIANTS, engine_tokens, reference_tokens
 from klotski.config import RunConfig
-from klotski.engine import Engine, _prefill_input
+from klotski.assemble import open_engine
+from klotski.engine import _prefill_input
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -27,9 +28,8 @@ def test_hidden_states_match_per_layer(checkpoints, variant):
         position_ids = (enc["attention_mask"].cumsum(-1) - 1).clamp(min=0)
         ref = model(**enc, position_ids=position_ids, output_hidden_states=True).hidden_states
 
-    engine = Engine(RunConfig(model=str(path), progress=False, dtype="float32", batch_size=3))
-    seqs, _ = engine.prepare([r for r in __import__("conftest").requests(PROMPTS[:3])])
-    engine._start(seqs)
+    engine, seqs, _ = open_engine(RunConfig(model=str(path), progress=False, dtype="float32", batch_size=3),
+                                  __import__("conftest").requests(PROMPTS[:3]))
     ours = {}
     engine.pipeline.on_layer = lambda layer, hs: ours.__setitem__(layer, hs[0].clone())
     from klotski.kvcache import BatchKV

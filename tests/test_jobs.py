@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from klotski import jobs
-from klotski.jobs import (JobFileError, LineError, OutputWriter, Request, batches,
-                          prompt_too_long, read_jobs, sort_for_batching)
+from klotski import jobs, output
+from klotski.jobs import JobFileError, LineError, Request, prompt_too_long, read_jobs
+from klotski.output import OutputWriter, error_record
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -176,7 +176,7 @@ def test_bad_line_is_reported_and_others_survive(tmp_path, bad, expected):
     assert expected in err.message
     assert "\n" not in err.message
     assert err.id not in {"before", "after"}
-    assert err.record() == {"id": err.id, "error": {"line": 2, "message": err.message}}
+    assert error_record(err, fmt="klotski") == {"id": err.id, "error": {"line": 2, "message": err.message}}
 
 
 def test_error_keeps_the_id_it_could_read(tmp_path):
@@ -239,34 +239,19 @@ def test_prompt_too_long_helper():
     assert "5000 tokens" in err.message and "4096" in err.message
     err = prompt_too_long(req, 4000, 4096, max_new_tokens=200)
     assert "max_new_tokens is 200" in err.message
-    assert err.record()["error"] == {"line": 4, "message": err.message}
+    assert error_record(err, fmt="klotski")["error"] == {"line": 4, "message": err.message}
 
 
-def test_jobs_module_uses_only_the_standard_library():
-    tree = ast.parse(Path(jobs.__file__).read_text())
+@pytest.mark.parametrize("module", [jobs, output])
+def test_job_and_output_modules_use_only_the_standard_library(module):
+    tree = ast.parse(Path(module.__file__).read_text())
     imported = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             imported |= {a.name.split(".")[0] for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module:
             imported.add(node.module.split(".")[0])
-    assert imported and imported <= set(sys.stdlib_module_names), imported
-
-
-# ---------------------------------------------------------------- batching
-
-
-def test_sort_for_batching_is_longest_first_and_stable():
-    reqs = [Request(i, n, "p", None) for n, i in enumerate("abcde", 1)]
-    lengths = {"a": 3, "b": 9, "c": 3, "d": 9, "e": 1}
-    assert [r.id for r in sort_for_batching(reqs, lengths)] == ["b", "d", "a", "c", "e"]
-
-
-def test_batches():
-    assert list(batches(range(7), 3)) == [[0, 1, 2], [3, 4, 5], [6]]
-    assert list(batches([], 3)) == []
-    with pytest.raises(ValueError):
-        list(batches([1], 0))
+    assert imported and imported <= set(sys.stdlib_module_names) | {"klotski"}, imported
 
 
 # ---------------------------------------------------------------- writing
@@ -282,7 +267,7 @@ def test_writer_writes_one_utf8_line_per_record(tmp_path):
     with OutputWriter(out) as w:
         assert w.done_ids == set()
         assert w.write(ok("a", "héllo ✓\nline"))
-        assert w.write(LineError("b", 2, "bad").record())
+        assert w.write(error_record(LineError("b", 2, "bad"), fmt="klotski"))
     raw = out.read_bytes()
     assert raw.count(b"\n") == 2 and raw.endswith(b"\n")
     assert "héllo ✓".encode() in raw  # ensure_ascii=False
@@ -295,7 +280,7 @@ def test_writer_never_writes_an_id_twice(tmp_path):
     with OutputWriter(out) as w:
         assert w.write(ok("a")) is True
         assert w.write(ok("a", "again")) is False
-        assert w.write(LineError("a", 1, "late error").record()) is False
+        assert w.write(error_record(LineError("a", 1, "late error"), fmt="klotski")) is False
         assert w.duplicates == 2 and "a" in w
     with OutputWriter(out) as w:
         assert w.write(ok("a", "third")) is False  # also across runs
@@ -330,10 +315,10 @@ def test_failed_write_leaves_no_half_line(tmp_path, monkeypatch):
             real_write(fd, bytes(data[: len(data) // 2]))
             raise OSError(28, "No space left on device")
 
-        monkeypatch.setattr(jobs.os, "write", disk_full)
+        monkeypatch.setattr(output.os, "write", disk_full)
         with pytest.raises(OSError):
             w.write(ok("b"))
-        monkeypatch.setattr(jobs.os, "write", real_write)
+        monkeypatch.setattr(output.os, "write", real_write)
         assert "b" not in w
         assert w.write(ok("c"))
     assert read_records(out) == [ok("a"), ok("c")]
@@ -343,7 +328,7 @@ def test_resume_skips_done_ids_and_retries_errors(tmp_path):
     out = tmp_path / "out.jsonl"
     with OutputWriter(out) as w:
         w.write(ok("a"))
-        w.write(LineError("b", 2, "temperature must be ...").record())
+        w.write(error_record(LineError("b", 2, "temperature must be ..."), fmt="klotski"))
         w.write(ok("c"))
     with OutputWriter(out) as w:
         assert w.done_ids == {"a", "c"}
@@ -434,7 +419,7 @@ def test_output_errors_are_one_line(tmp_path):
         OutputWriter(tmp_path)
 
 
-@pytest.mark.skipif(jobs.fcntl is None, reason="no flock on this platform")
+@pytest.mark.skipif(output.fcntl is None, reason="no flock on this platform")
 def test_second_writer_on_same_output_is_refused(tmp_path):
     out = tmp_path / "out.jsonl"
     with OutputWriter(out) as w:
@@ -447,7 +432,7 @@ def test_second_writer_on_same_output_is_refused(tmp_path):
 
 CRASH_SCRIPT = textwrap.dedent("""
     import sys
-    from klotski.jobs import OutputWriter
+    from klotski.output import OutputWriter
     w = OutputWriter(sys.argv[1])
     for i in range(int(sys.argv[2])):
         # Big records: SIGKILL can then land inside write() and leave half a line.

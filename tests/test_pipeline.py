@@ -2,7 +2,7 @@
 import pytest
 
 from conftest import PROMPTS, engine_tokens, reference_tokens
-from planner.place import activation_bytes
+from planner.workingset import KV_BUFFERS, Step, activation_bytes
 from placement.plan import Placement
 
 
@@ -22,13 +22,15 @@ def test_every_schedule_and_n_gives_identical_tokens(checkpoints, ref, schedule,
 
 
 def _tight(engine):
-    """Device room for the embeddings, one layer's attention and gate, a few experts, and the
-    activation reserve of the largest possible prefill step."""
+    """Device room for the LM head, one layer's attention and gate, a few experts, the KV
+    buffers and the activation reserve of the largest possible prefill step."""
     size = engine.cache.full.__getitem__
     longest = max(len(engine.tokenizer(p)["input_ids"]) for p in PROMPTS)
-    tokens = len(PROMPTS) * longest
-    act = activation_bytes(engine.spec, 4, tokens=tokens, scores=tokens * longest, sequences=len(PROMPTS))
-    return size(("outer",)) + size(("attn", 0)) + size(("gate", 0)) + 4 * size(("expert", 0, 0)) + act
+    spec, n = engine.spec, len(PROMPTS)
+    act = activation_bytes(spec, 4, Step(tokens=n * longest, sequences=n, batch=n, queries=longest,
+                                         keys=longest + 10))
+    kv = KV_BUFFERS * n * (longest + 10) * 2 * spec.num_kv_heads * spec.head_dim * 4
+    return size(("head",)) + size(("attn", 0)) + size(("gate", 0)) + 4 * size(("expert", 0, 0)) + act + kv
 
 
 @pytest.mark.parametrize("schedule", ["klotski", "hot-prefetch", "multibatch", "simple"])
@@ -36,7 +38,8 @@ def _tight(engine):
 def test_tight_budget_kv_on_host_experts_on_disk(checkpoints, ref, schedule, n):
     _, probe = engine_tokens(checkpoints["gqa"], prompts=["x"], max_new_tokens=1)
     keys = probe.spec.group_keys()
-    placement = Placement.by_kind(keys, kv="host", outer="device", attn="host", gate="host", expert="disk")
+    placement = Placement.by_kind(keys, kv="host", embed="host", head="device", attn="host", gate="host",
+                                  expert="disk")
     budget = _tight(probe)
     ours, engine = engine_tokens(checkpoints["gqa"], placement=placement, device_memory=budget,
                                  batch_size=max(1, 6 // n), num_batches=n, schedule=schedule)
@@ -98,7 +101,7 @@ def test_disk_reads_ride_the_disk_lane_and_are_handed_over_without_a_copy(checkp
     buffer becomes the device copy itself on CPU, while a host-tier group is copied."""
     _, probe = engine_tokens(checkpoints["gqa"], prompts=["x"], max_new_tokens=1)
     placement = Placement.by_kind(probe.spec.group_keys(), kv="host", attn="host", expert="disk")
-    ours, engine = engine_tokens(checkpoints["gqa"], placement=placement, batch_size=3, num_batches=2)
+    ours, engine = engine_tokens(checkpoints["gqa"], placement=placement, batch_size=3, num_batches=2, close=False)
     assert ours == ref
     cache, disk_keys = engine.cache, [k for k, t in placement.tiers.items() if t == "disk"]
     assert engine.trace.bytes["disk_to_host"] >= sum(cache.moved[k] for k in disk_keys)
@@ -122,3 +125,4 @@ def test_disk_reads_ride_the_disk_lane_and_are_handed_over_without_a_copy(checkp
     copied = cache.get(attn)
     assert all(copied[n].data_ptr() != cache.host[attn][n].data_ptr() for n in copied)
     cache.release(attn)
+    engine.close()

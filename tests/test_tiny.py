@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from klotski import tiny
+from klotski import cachedir, tiny
 
 
 def _tensors(d):
@@ -97,7 +97,10 @@ def test_both_layouts_load_in_transformers_with_equal_logits(hub, fused):
         emb = _tensors(d)["model.embed_tokens.weight"]
         assert torch.equal(model.model.embed_tokens.weight.detach(), emb)
         outs.append(_logits(model))
-    assert torch.equal(outs[0], outs[1])
+    # Two layouts are two code paths (fused vs per-expert tensors, different strides), so the
+    # kernels may round differently: equal greedy decisions, logits equal to fp32 rounding.
+    assert torch.equal(outs[0].argmax(-1), outs[1].argmax(-1))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
     # crisp greedy decisions: the top-1/top-2 gap is far above fp32 noise
     top2 = outs[0][0].topk(2, dim=-1).values
     gap = (top2[:, 0] - top2[:, 1]) / top2[:, 0].abs()
@@ -173,7 +176,7 @@ def test_shard_split_is_balanced_and_non_empty():
 
 def test_ensure_builtin_builds_once(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert tiny.default_cache_dir() == tmp_path / "klotski"
+    assert cachedir.root() == tmp_path / "klotski"
     d = tiny.ensure_builtin("tiny-mixtral")
     assert d == tmp_path / "klotski" / "models" / "tiny-mixtral"
     assert "building tiny-mixtral" in capsys.readouterr().err

@@ -151,18 +151,18 @@ class ModelSpec:
         p = f"model.layers.{layer}.block_sparse_moe.experts.{expert}."
         return {w: TensorRef(p + f"{w}.weight") for w in ("w1", "w2", "w3")}
 
-    def outer_refs(self) -> dict[str, TensorRef]:
+    def embed_refs(self) -> dict[str, TensorRef]:
+        return {"embed": TensorRef("model.embed_tokens.weight")}
+
+    def head_refs(self) -> dict[str, TensorRef]:
+        # A tied head reads the embedding tensor: on the device it is a copy of its own.
         head = "model.embed_tokens.weight" if self.tie_word_embeddings else "lm_head.weight"
-        return {
-            "embed": TensorRef("model.embed_tokens.weight"),
-            "norm": TensorRef("model.norm.weight"),
-            "lm_head": TensorRef(head),
-        }
+        return {"norm": TensorRef("model.norm.weight"), "lm_head": TensorRef(head)}
 
     # ---- tensor groups: the unit that placement assigns to a tier and channels move -----
     def group_keys(self) -> list[tuple]:
-        """('outer',), then per layer ('attn', j), ('gate', j), ('expert', j, e)."""
-        keys: list[tuple] = [("outer",)]
+        """('embed',), ('head',), then per layer ('attn', j), ('gate', j), ('expert', j, e)."""
+        keys: list[tuple] = [("embed",), ("head",)]
         for j in range(self.num_layers):
             keys += [("attn", j), ("gate", j)] + [("expert", j, e) for e in range(self.num_experts)]
         return keys
@@ -175,8 +175,10 @@ class ModelSpec:
             return self.gate_refs(key[1])
         if kind == "expert":
             return self.expert_refs(key[1], key[2])
-        if kind == "outer":
-            return self.outer_refs()
+        if kind == "embed":
+            return self.embed_refs()
+        if kind == "head":
+            return self.head_refs()
         raise KeyError(key)
 
     def expected_shapes(self) -> dict[TensorRef, tuple[int, ...]]:
@@ -184,7 +186,7 @@ class ModelSpec:
         H, I, E = self.hidden_size, self.intermediate_size, self.num_experts
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         shapes: dict[TensorRef, tuple[int, ...]] = {}
-        o = self.outer_refs()
+        o = {**self.embed_refs(), **self.head_refs()}
         shapes[o["embed"]] = (self.vocab_size, H)
         shapes[o["norm"]] = (H,)
         shapes[o["lm_head"]] = (self.vocab_size, H)

@@ -1,0 +1,114 @@
+"""The composition root: the one place that builds a run's pieces, in order, and hands them
+over. Nothing else constructs a cache, a pipeline or an engine.
+
+    Checkpoint.open   files, shapes, tokenizer, fingerprint           nothing loaded
+    prepare           the job's sequences (tokenized)
+    plan_run          bs, n, prefill chunk, placement                 a refusal happens here
+    build_engine      codec (the quantized copy, made once) -> predictor -> channels and
+                      memory accounts -> cache (tiers filled) -> pipeline -> Engine
+
+`open_engine` does all of it for the Python API and the tests.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from klotski import planning
+from klotski.channels import make_channels, pin
+from klotski.checkpoint import Checkpoint
+from klotski.engine import Engine
+from klotski.pipeline import Pipeline
+from klotski.prefetch import FrequencyPredictor, NextGatePredictor
+from klotski.sequences import prepare
+from klotski.trace import Trace
+from placement.cache import WeightCache
+from placement.plan import Placement
+from placement.tiers import Budgets, Memory, detect_budgets
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What the run does, decided before anything is loaded."""
+    batch_size: int
+    num_batches: int
+    prefill_chunk: int | None   # prompt tokens per prefill pass; None = the whole prompt
+    placement: Placement
+    budgets: Budgets
+    device: torch.device
+    dtype: torch.dtype
+    plan: object | None = None  # the planner's Plan, when it decided
+
+
+def device_for(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def plan_run(config, ckpt: Checkpoint, seqs, *, placement: Placement | None = None) -> RunPlan:
+    """Budgets from the flags or the machine; bs, n, prefill chunk and placement from the
+    planner wherever the user left them open. Raises planning.BudgetRefused (one line, with
+    the minimum that works) when nothing fits."""
+    device, dtype = device_for(config.device), ckpt.compute_dtype(config.dtype)
+    budgets = detect_budgets(device.type, config.device_memory, config.host_memory)
+    simple = config.schedule == "simple"
+    bs, n, chunk, plan = config.batch_size or 8, 1 if simple else (config.num_batches or 1), config.prefill_chunk, None
+    if config.batch_size is None or (config.num_batches is None and not simple) or placement is None:
+        plan = planning.plan_job(config, ckpt, dtype, device, budgets, seqs)
+        bs = config.batch_size or plan.batch_size
+        n = 1 if simple else (config.num_batches or plan.num_batches)
+        chunk = plan.prefill_chunk if plan.prefill_chunk < plan.longest_prompt else None
+        placement = placement or planning.engine_placement(plan, ckpt.spec)
+    return RunPlan(bs, n, chunk, placement, budgets, device, dtype, plan)
+
+
+def make_predictor(config, ckpt: Checkpoint):
+    spec, how = ckpt.spec, config.prefetch
+    if how == "correlation":
+        from klotski.correlate import learning_predictor
+        return learning_predictor(ckpt)
+    if how == "next-gate":
+        return NextGatePredictor(spec.num_layers, spec.num_experts)
+    return FrequencyPredictor(spec.num_layers, spec.num_experts)
+
+
+def build_engine(config, ckpt: Checkpoint, run_plan: RunPlan, *, predictor=None) -> Engine:
+    """Fill the tiers as planned and wire the pipeline; the only step that reads weights."""
+    device, dtype = run_plan.device, run_plan.dtype
+    codec = None
+    if config.quantize == "hqq4":
+        from klotski.quantized import QuantCodec, ensure_quantized
+        codec = QuantCodec(ensure_quantized(ckpt, dtype, config.offload_dir, optimize=config.quantize_optimize),
+                           dtype)
+    predictor = predictor or make_predictor(config, ckpt)
+    trace = Trace(keep_events=bool(config.trace))
+    channels = make_channels(device, trace, config.emulate_link_gbps)
+    memory = Memory(run_plan.budgets.device, "device")
+    host_memory = Memory(run_plan.budgets.host, "host")
+    cache = WeightCache(ckpt.store, run_plan.placement, ckpt.spec.group_refs, dtype, memory,
+                        to_device=lambda t: t.to(device), pin=lambda t: pin(t, device),
+                        disk_channel=channels["disk"], codec=codec, host_memory=host_memory)
+    _check_sizes(cache, ckpt, dtype, config)
+    pipeline = Pipeline(ckpt.spec, cache, channels, config, trace, predictor, memory, device)
+    return Engine(config, ckpt, run_plan, pipeline=pipeline, cache=cache, predictor=predictor, channels=channels,
+                  memory=memory, host_memory=host_memory, trace=trace, device=device, dtype=dtype)
+
+
+def _check_sizes(cache: WeightCache, ckpt: Checkpoint, dtype, config) -> None:
+    """The planner sized every group from the checkpoint's headers (and the quantized layout);
+    the cache measured the real thing. They must agree, or a budget could be broken."""
+    from klotski.quant import QuantSpec
+    quant = QuantSpec(optimize=config.quantize_optimize) if config.quantize == "hqq4" else None
+    for key in cache.moved:
+        planned = ckpt.group_nbytes(key, dtype, quant)[0]
+        assert cache.moved[key] == planned, f"{key}: planned {planned} bytes, the cache holds {cache.moved[key]}"
+
+
+def open_engine(config, requests, *, placement: Placement | None = None, predictor=None):
+    """Checkpoint, sequences, plan and engine for `requests`: (engine, sequences, line errors)."""
+    ckpt = Checkpoint.open(config.model, direct_io=config.direct_io)
+    seqs, errors = prepare(requests, ckpt.tokenizer, ckpt.spec, config)
+    run_plan = plan_run(config, ckpt, seqs, placement=placement)
+    return build_engine(config, ckpt, run_plan, predictor=predictor), seqs, errors

@@ -1,0 +1,82 @@
+"""A checkpoint opened for a run: its files, shapes, tokenizer and identity, and the exact
+bytes of every tensor group. Nothing is loaded: everything the planner needs to accept or
+refuse a run is known here, before a single weight is read.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from klotski import cachedir
+from klotski.models import registry
+from klotski.models.spec import DTYPES, ModelSpec
+from placement.store import TensorStore
+from planner.costmodel import GroupBytes
+
+QUANTIZED_KINDS = ("attn", "expert")  # what --quantize hqq4 packs (the paper's preset)
+
+
+@dataclass
+class Checkpoint:
+    directory: Path
+    store: TensorStore
+    spec: ModelSpec
+    tokenizer: object
+    key: str  # fingerprint: names this checkpoint's entries in the cache
+
+    @classmethod
+    def open(cls, model: str, *, direct_io: bool = True) -> "Checkpoint":
+        from transformers import AutoTokenizer
+        directory = registry.resolve(model)
+        store = TensorStore(directory, direct=direct_io)
+        spec = ModelSpec.from_dir(directory, store.names())
+        store.validate(spec.expected_shapes())
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+        return cls(directory, store, spec, tokenizer, cachedir.fingerprint(directory, store))
+
+    def compute_dtype(self, name: str) -> torch.dtype:
+        """`--dtype`: the checkpoint's own for 'auto'."""
+        return self.spec.dtype if name == "auto" else DTYPES[name]
+
+    def eos_ids(self) -> set[int]:
+        eos = set(self.spec.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        return eos
+
+    def group_nbytes(self, key, dtype: torch.dtype, quant=None) -> tuple[int, int]:
+        """(bytes of `key` in a tier and on a link, bytes of its dequantized copy or 0) in the
+        compute dtype; `quant` (a klotski.quant.QuantSpec) packs attention and experts."""
+        from klotski import quant as Q
+        full = packed = 0
+        for name, ref in self.spec.group_refs(key).items():
+            shape = self.store.entries[ref.name].span(ref.index, ref.rows)[2]
+            nbytes = _numel(shape) * dtype.itemsize
+            full += nbytes
+            coded = quant is not None and key[0] in QUANTIZED_KINDS and name in Q.PROJECTIONS
+            packed += Q.packed_weight_nbytes(*shape, quant) if coded else nbytes
+        coded = quant is not None and key[0] in QUANTIZED_KINDS
+        return packed, (full if coded else 0)
+
+    def group_bytes(self, dtype: torch.dtype, quant=None) -> GroupBytes:
+        """The planner's sizes of each group kind: the largest group of each kind."""
+        sizes: dict = {}
+        for key in self.spec.group_keys():
+            moved, decoded = self.group_nbytes(key, dtype, quant)
+            kind = {"attn": "attention"}.get(key[0], key[0])
+            sizes[kind] = max(sizes.get(kind, 0), moved)
+            if decoded:
+                sizes[f"{kind}_decoded"] = max(sizes.get(f"{kind}_decoded", 0), decoded)
+        return GroupBytes(**sizes)
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

@@ -1,0 +1,319 @@
+"""Output records, written durably, and resuming an interrupted run.
+
+Two record forms (``--output-format``; ``auto`` answers each line in its own form):
+
+* klotski: ``{"id", "completion", "finish_reason", "prompt_tokens", "completion_tokens"}``
+  (+ ``token_ids``); a line that cannot be served: ``{"id", "error": {"line", "message"}}``.
+* openai: an OpenAI Batch output line, ``{"id": "batch_req_…", "custom_id", "response":
+  {"status_code": 200, "request_id", "body": <chat.completion | text_completion>}, "error":
+  null}``; a line that cannot be served: ``"response": null, "error": {"code", "message"}``.
+
+A record's key is its ``custom_id`` in the OpenAI form, its ``id`` otherwise: that is what
+resume skips and what is never written twice.
+
+Output and resume semantics (``OutputWriter``):
+
+* Each record is one JSON line written with a single ``write`` call, then
+  flushed and fsync'ed, so a crash loses at most the record being written.
+* Successful records are *done*: a rerun skips their ids.
+* Error records are *not* done. On resume they are removed from the file and
+  their jobs are tried again, because the usual fix for an error is to edit the
+  job file (or raise a limit) and rerun; an unfixed job simply gets the same
+  error record again, at the end of the file. Removing them keeps every id
+  unique once the retried job succeeds. If an id somehow has both kinds of
+  record, the success wins.
+* A last line cut short by a crash (or anything after the last valid record)
+  is cut off. In-place truncation is enough for that: it only removes bytes
+  that are garbage anyway, so a crash during repair leaves a file that the
+  next repair handles the same way. Dropping error records from the middle
+  needs a rewrite, done into a temporary file that atomically replaces the
+  output, so a crash leaves either the old or the new file, never a mix.
+* A corrupt line followed by valid ones is kept verbatim (it might be
+  something a user wants to inspect) but its id, if any, is not done.
+* An existing file with lines but no valid record is refused rather than
+  truncated: it is probably not a Klotski output (a typo in ``-o``).
+* The output is locked (flock) while a writer is open, so two runs writing the
+  same file fail fast instead of duplicating ids.
+* ``resume=False`` (``--no-resume``) truncates an existing output.
+
+This module only uses the standard library.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+
+try:
+    import fcntl
+except ImportError:  # not on Windows; the lock is a safety net, not a requirement
+    fcntl = None
+
+from klotski.jobs import CHAT_URL, COMPLETIONS_URL, JobFileError
+
+FORMATS = ("auto", "klotski", "openai")
+
+
+# ---------------------------------------------------------------- records
+
+
+def record_form(fmt: str, openai_endpoint: str | None) -> str:
+    """'klotski' or 'openai' for one line: `fmt` unless it is auto, then the line's own form."""
+    if fmt == "auto":
+        return "openai" if openai_endpoint else "klotski"
+    return fmt
+
+
+def result_record(seq, *, fmt: str, model: str, include_token_ids: bool = False) -> dict:
+    """The output line of a finished sequence."""
+    req = seq.request
+    if record_form(fmt, req.openai) == "klotski":
+        rec = {"id": req.id, "completion": seq.text, "finish_reason": seq.finish_reason,
+               "prompt_tokens": len(seq.prompt_ids), "completion_tokens": len(seq.out)}
+        if include_token_ids:
+            rec["token_ids"] = list(seq.out)
+        return rec
+    endpoint = req.openai or (CHAT_URL if req.messages is not None else COMPLETIONS_URL)
+    usage = {"prompt_tokens": len(seq.prompt_ids), "completion_tokens": len(seq.out),
+             "total_tokens": len(seq.prompt_ids) + len(seq.out)}
+    if endpoint == CHAT_URL:
+        body = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": seq.text},
+                             "finish_reason": seq.finish_reason, "logprobs": None}]}
+    else:
+        body = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+                "choices": [{"index": 0, "text": seq.text, "finish_reason": seq.finish_reason, "logprobs": None}]}
+    body.update(created=int(time.time()), model=model, usage=usage)
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": req.id,
+            "response": {"status_code": 200, "request_id": uuid.uuid4().hex, "body": body}, "error": None}
+
+
+def error_record(err, *, fmt: str) -> dict:
+    """The output line of a job that cannot be served (a klotski.jobs.LineError)."""
+    if record_form(fmt, err.openai) == "klotski":
+        return {"id": err.id, "error": {"line": err.line, "message": err.message}}
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": err.id, "response": None,
+            "error": {"code": err.code, "message": f"line {err.line}: {err.message}"}}
+
+
+def record_key(obj) -> str | None:
+    """The id a record answers for: custom_id in the OpenAI form, id otherwise."""
+    if not isinstance(obj, dict):
+        return None
+    key = obj.get("custom_id") if "custom_id" in obj else obj.get("id")
+    return key if isinstance(key, str) else None
+
+
+def is_error(obj: dict) -> bool:
+    return bool(obj.get("error")) if "custom_id" in obj else "error" in obj
+
+
+def finished_ids(path) -> set[str]:
+    """Keys of the successful records already in `path`, read without creating, locking or
+    repairing it (the writer does that later): what a run still has to do, known before it
+    plans or loads anything."""
+    try:
+        with open(path, "rb") as f:
+            return {key for kind, key in map(_classify, f) if kind == "ok"}
+    except OSError:
+        return set()
+
+
+# ---------------------------------------------------------------- writing
+
+
+class OutputWriter:
+    """Appends one JSON record per line, durably, never writing an id twice.
+
+    After opening: ``done_ids`` holds the ids of successful records from earlier
+    runs (empty with ``resume=False``); ``retried`` counts error records that
+    were removed so their jobs run again; ``corrupt_lines`` counts unreadable
+    lines kept in the middle of the file; ``repaired_bytes`` counts bytes cut
+    off the end. ``duplicates`` counts ``write`` calls ignored because their id
+    was already in the file.
+    """
+
+    def __init__(self, path, *, resume: bool = True):
+        self.path = os.fspath(path)
+        self.done_ids: set[str] = set()
+        self.retried = 0
+        self.corrupt_lines = 0
+        self.repaired_bytes = 0
+        self.duplicates = 0
+        self._present: set[str] = set()
+        if os.path.isdir(self.path):
+            raise JobFileError(f"output {self.path} is a directory; give a file name")
+        parent = os.path.dirname(os.path.abspath(self.path))
+        try:
+            os.makedirs(parent, exist_ok=True)
+        except OSError as e:
+            raise JobFileError(f"cannot create directory {parent} for the output: {e.strerror}") from None
+        self._fd = self._open_locked()
+        try:
+            if resume:
+                self._recover()
+            else:
+                os.ftruncate(self._fd, 0)
+                os.fsync(self._fd)
+            self._present |= self.done_ids
+        except BaseException:
+            self.close()
+            raise
+
+    # -- public
+
+    def write(self, record: dict) -> bool:
+        """Append ``record``; False (and ``duplicates`` += 1) if its id is already in the file."""
+        if self._fd is None:
+            raise ValueError("OutputWriter is closed")
+        rid = record_key(record)
+        if rid is None:
+            raise ValueError(f"record needs a string id (or custom_id), got {record!r}")
+        if rid in self._present:
+            self.duplicates += 1
+            return False
+        # allow_nan=False: NaN is not JSON, and the file must stay readable by any parser.
+        text = json.dumps(record, ensure_ascii=False, allow_nan=False) + "\n"
+        try:
+            data = text.encode("utf-8")
+        except UnicodeEncodeError:  # lone surrogates from a tokenizer: escape them
+            data = (json.dumps(record, allow_nan=False) + "\n").encode("ascii")
+        size = os.fstat(self._fd).st_size
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._fd, view):]
+            os.fsync(self._fd)
+        except OSError:
+            # Cut a half-written line (disk full...) so later records stay on their own lines.
+            try:
+                os.ftruncate(self._fd, size)
+            except OSError:
+                pass
+            raise
+        self._present.add(rid)
+        return True
+
+    def __contains__(self, rid: str) -> bool:
+        return rid in self._present
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # also releases the lock
+            self._fd = None
+
+    def __enter__(self) -> OutputWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- opening and repair
+
+    def _open_locked(self) -> int:
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+        except OSError as e:
+            raise JobFileError(f"cannot open output {self.path}: {e.strerror}") from None
+        if fcntl is None:
+            return fd
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            # A run that replaced the file while we waited leaves us holding a dead inode.
+            if os.fstat(fd).st_ino != os.stat(self.path).st_ino:
+                raise BlockingIOError
+        except OSError:
+            os.close(fd)
+            raise JobFileError(f"output {self.path} is in use by another klotski run; "
+                               f"wait for it or choose another -o") from None
+        return fd
+
+    def _scan(self):
+        """Classify every line: returns (entries, end of the last valid record).
+
+        entries: (start, end, kind, id) with kind "ok", "error", "blank" or
+        "corrupt"; ``foreign`` is True when a complete line is corrupt.
+        """
+        entries, good_end, offset, foreign = [], 0, 0, False
+        os.lseek(self._fd, 0, os.SEEK_SET)
+        with open(self._fd, "rb", closefd=False) as f:
+            for raw in f:
+                start, offset = offset, offset + len(raw)
+                kind, rid = _classify(raw)
+                entries.append((start, offset, kind, rid))
+                if kind in ("ok", "error"):
+                    good_end = offset
+                foreign |= kind == "corrupt" and raw.endswith(b"\n")
+        return entries, good_end, foreign
+
+    def _recover(self) -> None:
+        entries, good_end, foreign = self._scan()
+        if not entries:
+            return
+        # A crash leaves at most one unterminated line; whole corrupt lines and
+        # no record at all mean this file was never ours.
+        if good_end == 0 and foreign:
+            raise JobFileError(f"output {self.path} exists but no line in it is a result record; "
+                               f"choose another -o, or pass --no-resume to overwrite it")
+        kept = [e for e in entries if e[1] <= good_end]
+        self.repaired_bytes = entries[-1][1] - good_end
+        ok_ids = {rid for _, _, kind, rid in kept if kind == "ok"}
+        self.corrupt_lines = sum(kind == "corrupt" for _, _, kind, _ in kept)
+        self.retried = len({rid for _, _, kind, rid in kept if kind == "error"} - ok_ids)
+        if any(kind == "error" for _, _, kind, _ in kept):
+            self._rewrite([e for e in kept if e[2] != "error"])
+        elif self.repaired_bytes:
+            os.ftruncate(self._fd, good_end)
+            os.fsync(self._fd)
+        self.done_ids = ok_ids
+        self._terminate_last_line()
+
+    def _rewrite(self, keep) -> None:
+        tmp = self.path + ".klotski-tmp"
+        with open(self._fd, "rb", closefd=False) as src, open(tmp, "wb") as dst:
+            for start, end, _, _ in keep:
+                src.seek(start)
+                dst.write(src.read(end - start))
+            dst.flush()
+            os.fsync(dst.fileno())
+        os.chmod(tmp, os.fstat(self._fd).st_mode & 0o7777)
+        os.replace(tmp, self.path)
+        _fsync_dir(os.path.dirname(os.path.abspath(self.path)))
+        # Lock the new file before letting go of the old one, so no other run slips in.
+        old, self._fd = self._fd, self._open_locked()
+        os.close(old)
+
+    def _terminate_last_line(self) -> None:
+        # A complete record missing only its newline (hand-edited file): finish the line.
+        size = os.fstat(self._fd).st_size
+        if size and os.pread(self._fd, 1, size - 1) != b"\n":
+            os.write(self._fd, b"\n")
+            os.fsync(self._fd)
+
+
+def _classify(raw: bytes) -> tuple[str, str | None]:
+    if not raw.strip():
+        return "blank", None
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return "corrupt", None
+    key = record_key(obj)
+    if key is None:
+        return "corrupt", None
+    return ("error" if is_error(obj) else "ok"), key
+
+
+def _fsync_dir(path: str) -> None:
+    # Makes the rename itself durable; not possible (nor needed) on every platform.
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

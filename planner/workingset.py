@@ -1,0 +1,159 @@
+"""The device working set of a batch group: the one estimate of the device bytes a run needs
+besides its resident weights and resident KV cache.
+
+The planner places weights around it, its refusals name a minimum computed from it, and
+the pipeline reserves its activations with `activation_bytes` and its KV buffers with
+`KV_BUFFERS`, so no second estimate exists anywhere.
+
+Two sizes of weight buffers:
+
+* `overlap`: double buffers for attention and gates, the schedule's expert slots, the LM
+  head: room for the next transfer while the current group computes (what makes the
+  pipeline bubble-free). The planner uses this whenever it fits.
+* `minimum`: the largest single group the pipeline holds while computing with it (plus,
+  during attention, the KV buffers). The pipeline pins exactly the group it computes with
+  and evicts anything else to make room, so it always runs in this; it just waits for
+  each transfer. The planner falls back to it when `overlap` does not fit.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DISK_WINDOW_LAYERS = 2          # layers staged in host memory ahead of the disk-resident ones
+KV_BUFFERS = 3                  # host-KV batches on the device at once: storing, computing, loading
+ATTENTION_SCORE_CHUNK = 1 << 24  # attention scores alive at once (queries are chunked past it)
+PREFILL_EXPERT_CHUNK = 4096     # tokens per expert call (bounds the FFN intermediate)
+PREFILL_SHARE = 0.25            # a prefill chunk's activations may take this much of the device
+
+
+@dataclass(frozen=True)
+class Step:
+    """The shape of one forward step of a group, as activations see it: `tokens` new tokens
+    over all batches, `sequences` sequences (one logits row each), and the largest single
+    batch's attention: `batch` sequences x `queries` new tokens x `keys` cache slots."""
+    tokens: int
+    sequences: int
+    batch: int
+    queries: int
+    keys: int
+
+    @classmethod
+    def prefill(cls, bs: int, n: int, chunk: int, context: int) -> "Step":
+        # keys = the whole context: a step may mix one batch's prefill chunk with another
+        # batch's decode at the end of its context
+        return cls(tokens=n * bs * chunk, sequences=n * bs, batch=bs, queries=chunk, keys=context)
+
+    @classmethod
+    def decode(cls, bs: int, n: int, context: int) -> "Step":
+        return cls(tokens=n * bs, sequences=n * bs, batch=bs, queries=1, keys=context)
+
+
+def activation_bytes(shape, itemsize: int, step: Step) -> int:
+    """Device bytes of one forward step's activations.
+
+    Alive for the whole step: the hidden states of every batch (residual, MoE input and
+    output, their sum), each batch's attention mask and rotary tables. On top, the largest
+    of three phases: one batch's attention (normed input, q/k/v, keys/values gathered or
+    expanded for grouped queries, scores in fp32 in chunks, context, output), the routing
+    and one expert call over all tokens (gathered inputs, outputs, FFN intermediates in
+    chunks), and the fp32 logits of every sequence."""
+    s, t = shape, step
+    q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    base = (4 * t.tokens * s.hidden_size * itemsize + t.tokens * t.keys
+            + 2 * t.tokens * s.head_dim * itemsize)
+    rows = t.batch * t.queries
+    attention = (rows * (2 * s.hidden_size + 2 * q + 2 * kv) * itemsize
+                 + 2 * t.batch * t.keys * q * itemsize
+                 + min(s.num_heads * rows * t.keys, ATTENTION_SCORE_CHUNK) * (3 * 4 + itemsize))
+    moe = (t.tokens * (2 * s.num_experts * 4 + s.top_k * 12)
+           + 3 * t.tokens * s.hidden_size * itemsize
+           + 3 * min(t.tokens, PREFILL_EXPERT_CHUNK) * s.intermediate_size * itemsize)
+    head = t.sequences * (s.vocab_size * 4 + s.hidden_size * itemsize)
+    return base + max(attention, moe, head)
+
+
+def staging_bytes(cost) -> int:
+    """Host buffers of the disk window: the layer being computed and DISK_WINDOW_LAYERS ahead
+    (each layer is staged before the current one is let go)."""
+    return (DISK_WINDOW_LAYERS + 1) * cost.layer_bytes()
+
+
+def kv_buffer_bytes(cost, bs: int, context: int) -> int:
+    """Device buffers for a KV cache kept on the host: KV_BUFFERS batches of one layer."""
+    return int(KV_BUFFERS * bs * context * cost.kv_bytes_per_token_layer)
+
+
+def chunk_candidates(prompt_len: int) -> list[int]:
+    """Prefill chunk sizes tried, largest first: the whole prompt, then powers of two."""
+    out, c = [prompt_len], 1
+    while c < prompt_len:
+        out.append(c)
+        c *= 2
+    return sorted(set(out), reverse=True)
+
+
+def prefill_chunk(cost, bs: int, n: int, prompt_len: int, gen_len: int, device_budget: float,
+                  rest: float) -> int:
+    """The prefill chunk for a group: the whole prompt where its activations take at most
+    PREFILL_SHARE of the device (or no more than a decode step's), else the largest power of
+    two that does; and never so large that the activations plus `rest` (the rest of the
+    minimum working set) exceed the budget. One token per chunk always qualifies."""
+    s, b = cost.shape, cost.shape.dtype_bytes
+    context = prompt_len + gen_len
+    decode = activation_bytes(s, b, Step.decode(bs, n, context))
+    for c in chunk_candidates(prompt_len):
+        act = activation_bytes(s, b, Step.prefill(bs, n, c, context))
+        if act <= max(decode, PREFILL_SHARE * device_budget) and act + rest <= device_budget:
+            return c
+    return 1
+
+
+def working_set(cost, *, bs: int, n: int, prompt_len: int, gen_len: int, chunk: int, schedule: str,
+                hot: int, buffers: str = "overlap") -> dict:
+    """Device bytes needed besides resident weights and a device-resident KV cache, assuming
+    every weight group is off the device (placement drops a group kind's buffer when the whole
+    kind is resident). Keys: activations, decoded (dequantized copies), then the buffers:
+    attention, gate, expert, head, kv (host-resident KV). With buffers="minimum" the buffer
+    entries are what the pipeline holds at once; the caller takes their max, not their sum
+    (attention and KV buffers are held together)."""
+    from planner.layer import expert_slots
+    s, b = cost.shape, cost.shape.dtype_bytes
+    context = prompt_len + gen_len
+    chunk = max(1, min(chunk, prompt_len))
+    act = max(activation_bytes(s, b, Step.prefill(bs, n, chunk, context)),
+              activation_bytes(s, b, Step.decode(bs, n, context)))
+    kv = kv_buffer_bytes(cost, bs, context)
+    if buffers == "minimum":
+        return {"activations": act, "decoded": 0,
+                "attention_buffers": cost.attention_bytes + cost.attention_decoded,
+                "gate_buffers": cost.gate_bytes,
+                "expert_buffers": cost.expert_bytes + cost.expert_decoded,
+                "head_buffer": cost.head_bytes, "kv_buffers": kv,
+                # a resident quantized group is still dequantized into a transient copy per use
+                "attention_resident": cost.attention_decoded, "expert_resident": cost.expert_decoded}
+    return {"activations": act, "decoded": cost.attention_decoded + cost.expert_decoded,
+            "attention_buffers": 2 * cost.attention_bytes, "gate_buffers": 2 * cost.gate_bytes,
+            "expert_buffers": expert_slots(schedule, s.num_experts, hot) * cost.expert_bytes,
+            "head_buffer": cost.head_bytes, "kv_buffers": kv}
+
+
+BUFFER_KINDS = ("attention", "gate", "expert", "head", "kv")
+
+
+def buffer_key(kind: str) -> str:
+    return "head_buffer" if kind == "head" else f"{kind}_buffers"
+
+
+def device_need(ws: dict, buffers: str, resident: dict | None = None) -> float:
+    """Total device bytes of a working set `ws`, without the buffers of kinds that are wholly
+    resident (`resident` maps a kind of BUFFER_KINDS to True)."""
+    r = resident or {}
+
+    def keep(kind):
+        if r.get(kind):
+            return ws.get(f"{kind}_resident", 0) if buffers == "minimum" else 0
+        return ws[buffer_key(kind)]
+    if buffers == "minimum":
+        weights = max(keep("attention") + keep("kv"), keep("gate"), keep("expert"), keep("head"))
+        return ws["activations"] + weights
+    return ws["activations"] + ws["decoded"] + sum(keep(k) for k in BUFFER_KINDS)
