@@ -22,6 +22,10 @@ def fingerprint(model_dir: Path, store) -> str:
     return h.hexdigest()[:16]
 
 
+def profiles() -> Path:
+    return root() / "profiles"
+
+
 def models() -> Path:
     return root() / "models"
 

@@ -59,7 +59,8 @@ def simulate(a) -> int:
 def profile(a) -> int:
     from planner.profile import measure
     shape = planning.model_shape(a.model)
-    result = measure(shape, link_gbps=a.emulate_link_gbps, refresh=a.refresh)
+    from klotski import cachedir
+    result = measure(shape, link_gbps=a.emulate_link_gbps, refresh=a.refresh, cache_dir=cachedir.profiles())
     print(result.to_json())
     return 0
 

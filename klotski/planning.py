@@ -29,7 +29,8 @@ def model_shape(model: str):
 def profile_for(hardware: str, shape, *, device: str = "cpu", link_gbps: float | None = None):
     """`auto` measures this machine (cached); otherwise a built-in profile name or a JSON path."""
     if hardware == "auto":
-        return measure(shape, device=device, link_gbps=link_gbps)
+        from klotski import cachedir
+        return measure(shape, device=device, link_gbps=link_gbps, cache_dir=cachedir.profiles())
     if hardware not in builtin_profiles() and not Path(hardware).exists():
         from klotski.config import ConfigError
         raise ConfigError(f"--hardware {hardware!r}: not 'auto', a built-in profile "

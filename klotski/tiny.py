@@ -155,9 +155,9 @@ def _save_tokenizer(out_dir: Path, vocab_size: int, max_len: int):
         model_max_length=max_len,
     )
     fast.save_pretrained(out_dir)
-    # transformers 5 records its own backend class name, which 4.x (still
-    # allowed by pyproject) cannot resolve, and puts the template in a .jinja
-    # file that older 4.x releases ignore; both major versions read these.
+    # transformers 5 records its own backend class name, which tools built on
+    # 4.x cannot resolve, and puts the template in a .jinja file that older 4.x
+    # releases ignore; both major versions read these.
     cfg_path = out_dir / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["tokenizer_class"] = "PreTrainedTokenizerFast"

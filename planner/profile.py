@@ -3,7 +3,8 @@
 A `Profile` is plain data (JSON round-trip). `measure()` times the ops of one Mixtral layer
 with torch in the model's dtype — attention (decode and prefill), router, one expert FFN,
 HQQ-style dequantization, LM head — and the bandwidth of disk→host, host→device and
-device→host, and caches the result under $XDG_CACHE_HOME/klotski/profiles/. Built-in
+device→host, and caches the result in the directory the caller names (klotski's user cache,
+klotski/cachedir.py). Built-in
 profiles (`planner/profiles/*.json`) describe hardware that is not here, from published
 peak figures × stated efficiency factors; `load_profile` resolves them to effective values.
 
@@ -114,11 +115,6 @@ def machine_fingerprint(device: str = "cpu") -> dict:
     return fp
 
 
-def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "klotski" / "profiles"
-
-
 def profile_key(shape, device: str, link_gbps: float | None, grid: dict) -> str:
     text = json.dumps({"machine": machine_fingerprint(device), "shape": as_shape(shape).key(),
                        "link_gbps": link_gbps, "grid": grid}, sort_keys=True)
@@ -127,9 +123,11 @@ def profile_key(shape, device: str, link_gbps: float | None, grid: dict) -> str:
 
 # ---- measuring ------------------------------------------------------------------------------
 def measure(shape, *, batch_sizes=(1, 4, 16), context_lengths=(128, 512), token_counts=(1, 8, 64, 512),
-            device: str = "cpu", link_gbps: float | None = None, refresh: bool = False, cache: bool = True,
-            reps: int = 5, io_bytes: int = 64 << 20, io_dir: str | os.PathLike | None = None) -> Profile:
-    """Time one layer's ops for `shape` on this machine (cached unless `refresh`).
+            device: str = "cpu", link_gbps: float | None = None, refresh: bool = False,
+            cache_dir: str | os.PathLike | None = None, reps: int = 5, io_bytes: int = 64 << 20,
+            io_dir: str | os.PathLike | None = None) -> Profile:
+    """Time one layer's ops for `shape` on this machine, kept in `cache_dir` (the caller's;
+    none: measured every time) unless `refresh`.
 
     Attention is measured for decode at every (batch size, context) and for prefill at
     every context with the two smallest batch sizes (prefill is costly and scales plainly
@@ -140,13 +138,14 @@ def measure(shape, *, batch_sizes=(1, 4, 16), context_lengths=(128, 512), token_
     grid = {"bs": list(batch_sizes), "ctx": list(context_lengths), "tokens": list(token_counts),
             "io_bytes": io_bytes}
     key = profile_key(shape, device, link_gbps, grid)
-    path = cache_dir() / f"{key}.json"
+    cache = cache_dir is not None
+    path = Path(cache_dir or ".") / f"{key}.json"
     if cache and not refresh and path.exists():
         try:
             return Profile.from_json(path.read_text())
         except (ValueError, TypeError):
             pass  # a damaged cache file is re-measured
-    prof = _measure(shape, grid, device, link_gbps, reps, io_bytes, io_dir or (cache_dir() if cache else None))
+    prof = _measure(shape, grid, device, link_gbps, reps, io_bytes, io_dir or cache_dir)
     prof.name = f"measured-{key}"
     if cache:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -138,7 +138,8 @@ def _needs(ctx: "_Ctx", name: str, bs: int, n: int, minimum: float) -> str:
         ws = ctx.working_set(bs, n)
         held = device_need(ws, ctx.buffers) - ws["activations"] - ws["decoded"]
         return (f"{what} need at least {format_bytes(minimum)} on the device (activations "
-                f"{format_bytes(ws['activations'])} with the prompt prefilled in chunks of {chunk} tokens, "
+                f"{format_bytes(ws['activations'])} with the prompt prefilled {chunk} token{'s' if chunk > 1 else ''} "
+                f"at a time, "
                 f"transfer buffers {format_bytes(held + ws['decoded'])}; the rest holds resident weights)")
     kv = cost.kv_bytes(n * bs * cost.kv_context(P + G))
     return (f"{what} need at least {format_bytes(minimum)} of {name} memory (KV cache {format_bytes(kv)}, "

@@ -91,3 +91,40 @@ def test_sigkill_then_resume_yields_every_id_once(checkpoints, tmp_path):
     assert sorted(ids) == sorted(f"q{i}" for i in range(len(prompts)))  # each exactly once
     expected = {rec["id"]: rec for rec in read_lines(full)}
     assert {rec["id"]: rec for rec in read_lines(out)} == expected
+
+
+@pytest.mark.parametrize("failure", ["budget", "bug"])
+def test_a_run_that_stops_midway_says_so_in_one_line_and_resumes(checkpoints, tmp_path, monkeypatch, capsys,
+                                                                 failure):
+    """An exhausted budget (a planning or accounting bug, never a user's) or any other failure
+    mid-run: one line naming the records kept, exit 3, and the rerun completes the rest."""
+    from klotski import cli
+    from klotski.pipeline import Pipeline
+    from placement.tiers import OverBudget
+    jobs = tmp_path / "jobs.jsonl"
+    jobs.write_text("".join(json.dumps({"id": f"q{i}", "prompt": p}) + "\n" for i, p in enumerate(PROMPTS)))
+    args = ["generate", str(jobs), "--model", str(checkpoints["gqa"]), "--batch-size", "1", "--max-new-tokens", "4",
+            "--no-progress"]
+    full = tmp_path / "full.jsonl"
+    assert cli.main(args + ["-o", str(full)]) == 0
+    real, calls = Pipeline.forward, []
+
+    def failing(self, kvs, inputs):
+        calls.append(1)
+        if len(calls) > 12:  # a few sequences in
+            raise OverBudget("device budget exceeded (injected)") if failure == "budget" else KeyError("injected")
+        return real(self, kvs, inputs)
+
+    monkeypatch.setattr(Pipeline, "forward", failing)
+    out = tmp_path / "out.jsonl"
+    capsys.readouterr()
+    assert cli.main(args + ["-o", str(out)]) == cli.EXIT_STOPPED
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0] and "rerun the same command to resume" in err[0]
+    assert ("injected" in err[0]) and (failure == "budget" or "details in" in err[0])
+    kept = read_lines(out)
+    assert 1 <= len(kept) < len(PROMPTS)
+    monkeypatch.setattr(Pipeline, "forward", real)
+    assert cli.main(args + ["-o", str(out)]) == 0
+    assert sorted(r["id"] for r in read_lines(out)) == sorted(r["id"] for r in read_lines(full))
+    assert {r["id"]: r for r in read_lines(out)} == {r["id"]: r for r in read_lines(full)}

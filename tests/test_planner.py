@@ -271,11 +271,11 @@ def test_simulator_agrees_with_solver_prediction():
 
 
 # ---- profile ---------------------------------------------------------------------------------
-def test_profile_cache_roundtrip(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    kw = dict(batch_sizes=(1, 4), context_lengths=(16, 32), token_counts=(1, 8), reps=2, io_bytes=4 << 20)
+def test_profile_cache_roundtrip(tmp_path):
+    kw = dict(batch_sizes=(1, 4), context_lengths=(16, 32), token_counts=(1, 8), reps=2, io_bytes=4 << 20,
+              cache_dir=tmp_path / "profiles")
     p1 = measure(TINY, **kw)
-    files = list((tmp_path / "klotski" / "profiles").glob("*.json"))
+    files = list((tmp_path / "profiles").glob("*.json"))
     assert len(files) == 1
     assert {"attention", "gate", "expert"} <= set(p1.samples) and p1.links["disk_to_host"] > 0
     p2 = measure(TINY, **kw)

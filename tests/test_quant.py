@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from klotski.quant import (MANIFEST_FILE, WEIGHTS_FILE, QuantSpec, dequantize_group, dequantize_tensor,
-                           load_quantized, manifest_matches, packed_nbytes, quantize_checkpoint,
+                           load_quantized, manifest_matches, packed_nbytes, packed_weight_nbytes, quantize_checkpoint,
                            quantize_group, quantize_tensor, read_manifest, should_quantize)
 
 H, I = 256, 768  # the `small` preset's hidden and intermediate sizes
@@ -73,6 +73,14 @@ def test_packed_bytes_are_a_quarter_of_bf16_plus_scales():
     ratio = w.numel() * 2 / packed_nbytes(parts)
     assert ratio == pytest.approx(2 / (0.5 + 2 / 64 + 16 / 8192))  # 3.7509x smaller than bf16
     assert 3.7 < ratio < 4.0
+
+
+@pytest.mark.parametrize("spec", [QuantSpec(), QuantSpec(bits=8, meta_group_size=None), QuantSpec(bits=3),
+                                  QuantSpec(bits=2, group_size=32)])
+@pytest.mark.parametrize("shape", [(64, 100), (96, 256), (7, 33), (160, 96)])
+def test_packed_size_is_known_before_quantizing(spec, shape):
+    """The planner sizes a quantized group before its copy exists; the formula is exact."""
+    assert packed_weight_nbytes(*shape, spec) == packed_nbytes(quantize_tensor(normal(*shape), spec))
 
 
 def test_parts_are_plain_tensors_that_save_move_and_clone():

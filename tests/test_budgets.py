@@ -1,0 +1,147 @@
+"""Budgets are promises: from an eighth of the model to all of it, every device budget either
+runs to the end token-identical to transformers with peak device (and host) bytes within the
+budgets, or is refused before a weight is read, naming a minimum with which the job then
+runs. Long prompts are prefilled in chunks rather than refused."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import reference_tokens
+from klotski import tiny
+from klotski.assemble import open_engine
+from klotski.config import RunConfig
+from klotski.jobs import Request
+from klotski.planning import BudgetRefused
+from placement.store import TensorStore
+from planner.units import format_size_flag, parse_size
+
+# The configuration of the budgets issue: hidden 96, 5 layers, 6 experts top-2, 6 query heads
+# on 2 KV heads (~6.4 MB in fp32), 24 prompts of 10-60 tokens, batch size 4.
+SHAPE = dict(hidden_size=96, intermediate_size=160, num_hidden_layers=5, num_local_experts=6,
+             num_experts_per_tok=2, num_attention_heads=6, num_key_value_heads=2, head_dim=16)
+NEW = 5
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return tiny.build_checkpoint(tmp_path_factory.mktemp("budget") / "m", "tiny", **SHAPE)
+
+
+@pytest.fixture(scope="module")
+def prompts(model):
+    return budget_prompts(model)
+
+
+def budget_prompts(model, count=24) -> list[str]:
+    """Encyclopedic prompts of 10, 12, ... 56 tokens (under the model's tokenizer)."""
+    from transformers import AutoTokenizer
+
+    from klotski.correlate import warmup_prompts
+    tok = AutoTokenizer.from_pretrained(model)
+    out = []
+    for text in warmup_prompts(64, 48):
+        words = text.split()
+        for n in range(len(words), 0, -1):  # the longest prefix within the length wanted next
+            cut = " ".join(words[:n])
+            if len(tok(cut)["input_ids"]) <= 10 + 2 * len(out):
+                out.append(cut)
+                break
+        if len(out) == count:
+            return out
+    raise AssertionError("corpus too short")
+
+
+@pytest.fixture(scope="module")
+def ref(model, prompts):
+    return reference_tokens(model, prompts, NEW)
+
+
+def _requests(prompts):
+    return [Request(id=f"r{i}", line=i + 1, prompt=p, messages=None) for i, p in enumerate(prompts)]
+
+
+def _run(model, prompts, budget, **config):
+    cfg = RunConfig(model=str(model), dtype="float32", batch_size=4, max_new_tokens=NEW, device_memory=budget,
+                    progress=False, **config)
+    engine, seqs, _ = open_engine(cfg, _requests(prompts))
+    done = {s.request.id: s.out for s in engine.run(seqs)}
+    engine.close()
+    return [done[f"r{i}"] for i in range(len(prompts))], engine
+
+
+def _model_bytes(model) -> int:
+    store = TensorStore(model)
+    return sum(e.nbytes for e in store.entries.values())
+
+
+def test_prompts_span_the_lengths_wanted(model, prompts):
+    from transformers import AutoTokenizer
+    lengths = [len(AutoTokenizer.from_pretrained(model)(p)["input_ids"]) for p in prompts]
+    assert min(lengths) <= 12 and 50 <= max(lengths) <= 60
+
+
+@pytest.mark.parametrize("schedule", ["klotski", "multibatch"])
+def test_every_budget_runs_exactly_within_it_or_names_a_minimum_that_does(model, prompts, ref, schedule,
+                                                                          monkeypatch):
+    total = _model_bytes(model)
+    reads = []
+    real_read = TensorStore.read
+    monkeypatch.setattr(TensorStore, "read", lambda self, *a, **k: reads.append(a) or real_read(self, *a, **k))
+    outcomes = []
+    for eighths in (1, 2, 3, 4, 6, 8):
+        budget = total * eighths // 8
+        reads.clear()
+        try:
+            ours, engine = _run(model, prompts, budget, schedule=schedule)
+        except BudgetRefused as e:
+            assert not reads, "refused after reading weights"
+            assert e.budget == "device" and budget < e.needed
+            budget = parse_size(format_size_flag(e.needed))  # what the user types, from the message
+            assert f"--device-memory {format_size_flag(e.needed)}" in str(e)
+            ours, engine = _run(model, prompts, budget, schedule=schedule)
+            outcomes.append(("refused", eighths))
+        else:
+            outcomes.append(("ran", eighths))
+        assert ours == ref, (eighths, budget)
+        assert engine.memory.peak <= budget
+        assert engine.host_memory.peak <= engine.host_memory.budget
+    assert ("ran", 1) in outcomes or ("refused", 1) in outcomes
+    assert sum(kind == "ran" for kind, _ in outcomes) >= 4
+
+
+def test_a_tight_budget_prefills_long_prompts_in_chunks(model, prompts, ref):
+    total = _model_bytes(model)
+    ours, engine = _run(model, prompts, total // 4)
+    assert ours == ref
+    chunk = engine.run_plan.prefill_chunk
+    assert chunk is not None and chunk < max(len(s) for s in engine.tokenizer(prompts)["input_ids"])
+    groups = -(-len(prompts) // (engine.batch_size * engine.num_batches))
+    assert engine.stats.prefill_passes > groups  # more than one pass per group
+    assert engine.memory.peak <= total // 4
+    roomy = _run(model, prompts[:4], None)[1]  # the machine's own budget: whole prompts, one pass each
+    assert roomy.run_plan.prefill_chunk is None and roomy.stats.prefill_passes == 1
+
+
+def test_forced_prefill_chunks_give_identical_tokens(model, prompts, ref):
+    for chunk in (1, 7):
+        ours, engine = _run(model, prompts[:8], None, prefill_chunk=chunk, num_batches=2)
+        assert ours == ref[:8]
+        assert engine.run_plan.prefill_chunk == chunk
+
+
+def test_refusal_is_one_line_before_the_output_exists_and_its_minimum_runs(model, prompts, tmp_path):
+    jobs = tmp_path / "jobs.jsonl"
+    jobs.write_text("".join(json.dumps({"id": f"q{i}", "prompt": p}) + "\n" for i, p in enumerate(prompts[:8])))
+    out = tmp_path / "out.jsonl"
+    base = [sys.executable, "-m", "klotski.cli", "generate", str(jobs), "--model", str(model), "-o", str(out),
+            "--batch-size", "4", "--dtype", "float32", "--max-new-tokens", str(NEW), "--no-progress"]
+    r = subprocess.run(base + ["--device-memory", "64KiB"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "device budget" in lines[0] and not out.exists()
+    minimum = lines[0].split("--device-memory ")[1].split()[0]
+    r = subprocess.run(base + ["--device-memory", minimum], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert len(out.read_text().splitlines()) == 8
