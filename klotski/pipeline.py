@@ -217,6 +217,7 @@ class Pipeline:
                     # index_put_ rather than index_add_: same sum (a token meets an expert once),
                     # but index_add_ on CPU costs milliseconds per call here
                     out.index_put_((tok,), M.weighted(y_k, r.weights[tok, slot]), accumulate=True)
+            del w, x, y  # no reference outlives the group's reservation
             if self.schedule == "klotski":
                 self.cache.release(key)  # early release: room for the next transfer now
                 self._pump()

@@ -253,7 +253,7 @@ def source_hash(src_dir: str | Path) -> str:
 
 
 def quantize_checkpoint(src_dir: str | Path, out_dir: str | Path, spec: QuantSpec,
-                        groups: Iterable[tuple[str, dict[str, torch.Tensor]]]) -> Path:
+                        groups: Iterable[tuple[str, dict[str, torch.Tensor]]], *, dtype: str | None = None) -> Path:
     """Quantize every (label, {name: tensor}) group into `out_dir`.
 
     Writes `quantized.safetensors` (keys f"{label}/{name}.{part}", or f"{label}/{name}" for
@@ -281,7 +281,7 @@ def quantize_checkpoint(src_dir: str | Path, out_dir: str | Path, spec: QuantSpe
                     "group_size": spec.group_size, "meta_group_size": spec.meta_group_size,
                     "optimize": spec.optimize, "source": str(Path(src_dir).resolve()),
                     "source_hash": digest, "hqq_version": _hqq_version(),
-                    "groups": len(labels), "bytes": nbytes}
+                    "groups": len(labels), "bytes": nbytes, "dtype": dtype}
         _write_synced(tmp / MANIFEST_FILE, json.dumps(manifest, indent=1).encode())
         _fsync_dir(tmp)
         old = out.parent / f".{out.name}.old-{os.getpid()}"
@@ -332,13 +332,16 @@ def read_manifest(out_dir: str | Path) -> dict | None:
         return None
 
 
-def manifest_matches(out_dir: str | Path, src_dir: str | Path, spec: QuantSpec) -> bool:
-    """Whether `out_dir` holds a complete quantization of `src_dir` with `spec`."""
+def manifest_matches(out_dir: str | Path, src_dir: str | Path, spec: QuantSpec, dtype: str | None = None) -> bool:
+    """Whether `out_dir` holds a complete quantization of `src_dir` with `spec` (made from
+    weights in `dtype`, when given: the dtype its unquantized parts are stored in)."""
     m = read_manifest(out_dir)
     if not m or not (Path(out_dir) / WEIGHTS_FILE).is_file():
         return False
     wanted = {"klotski_format": FORMAT, "method": "hqq", "bits": spec.bits, "group_size": spec.group_size,
               "meta_group_size": spec.meta_group_size, "optimize": spec.optimize}
+    if dtype is not None:
+        wanted["dtype"] = dtype
     if any(m.get(k) != v for k, v in wanted.items()):
         return False
     try:

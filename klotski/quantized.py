@@ -54,12 +54,13 @@ def ensure_quantized(ckpt, dtype, offload_dir: str | None, *, optimize: bool = F
     first use in `offload_dir` or the user cache."""
     from klotski import cachedir
     qspec = quant.QuantSpec(optimize=optimize)
-    out = Path(offload_dir) if offload_dir else cachedir.quantized_copy(ckpt.key, qspec.tag())
-    if not quant.manifest_matches(out, ckpt.directory, qspec):
+    dtype_name = str(dtype).removeprefix("torch.")  # unquantized parts are kept in the compute dtype
+    out = Path(offload_dir) if offload_dir else cachedir.quantized_copy(ckpt.key, f"{qspec.tag()}-{dtype_name}")
+    if not quant.manifest_matches(out, ckpt.directory, qspec, dtype_name):
         print(f"klotski: quantizing attention and experts with HQQ ({qspec.tag()}) into {out} (first use)",
               file=sys.stderr)
         store, spec = ckpt.store, ckpt.spec
         groups = ((label(k), {n: store.read(r.name, r.index, r.rows).to(dtype) for n, r in spec.group_refs(k).items()})
                   for k in spec.group_keys() if k[0] in QUANTIZED_KINDS)
-        quant.quantize_checkpoint(ckpt.directory, out, qspec, groups)
+        quant.quantize_checkpoint(ckpt.directory, out, qspec, groups, dtype=dtype_name)
     return out

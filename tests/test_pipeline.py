@@ -1,7 +1,9 @@
 """Output invariance of the offloading pipeline: every schedule, every n, tight budgets."""
 import pytest
 
-from conftest import PROMPTS, engine_tokens, reference_tokens
+from conftest import PROMPTS, engine_tokens, reference_tokens, requests
+from klotski.assemble import open_engine
+from klotski.config import RunConfig
 from planner.workingset import KV_BUFFERS, Step, activation_bytes
 from placement.plan import Placement
 
@@ -126,3 +128,18 @@ def test_disk_reads_ride_the_disk_lane_and_are_handed_over_without_a_copy(checkp
     assert all(copied[n].data_ptr() != cache.host[attn][n].data_ptr() for n in copied)
     cache.release(attn)
     engine.close()
+
+
+def test_quantized_copy_is_made_per_compute_dtype(checkpoints):
+    """Unquantized parts (norms) are stored in the compute dtype, which the planner sized:
+    a copy made for one dtype is never reused for another."""
+    from klotski import cachedir
+    for dtype in ("float32", "bfloat16"):
+        cfg = RunConfig(model=str(checkpoints["gqa"]), progress=False, dtype=dtype, quantize="hqq4",
+                        batch_size=6, num_batches=1)
+        engine, seqs, _ = open_engine(cfg, requests(PROMPTS[:2], 2))
+        assert len(list(engine.run(seqs))) == 2
+        engine.close()
+    names = sorted(p.name.split("-", 1)[1] for p in (cachedir.root() / "quantized").iterdir()
+                   if p.name.startswith(engine.ckpt.key))
+    assert names == ["hqq4-g64-m128-bfloat16", "hqq4-g64-m128-float32"]
