@@ -19,7 +19,7 @@ from planner.costmodel import popularity_marginals
 from planner.layer import (FLEXGEN_INEQUALITIES, INEQUALITIES, SCHEDULES, Phase, flexgen_terms, ineq_terms,
                            layer_time)
 from planner.place import Budgets, layer_ios, place_greedy, place_milp
-from planner.workingset import device_need, prefill_chunk, staging_bytes, working_set
+from planner.workingset import chunk_candidates, device_need, prefill_chunk, staging_bytes, working_set
 from planner.report import Plan, format_plan, make_plan
 from planner.shapes import as_shape
 from planner.units import format_bytes
@@ -203,14 +203,32 @@ def solve(shape, cost, budgets, *, prompt_len: int, gen_len: int, longest_prompt
         raise _diagnose(ctx, min(batch_sizes), num_batches or 1)
     best = None
     for _, bs, n, binding in sorted(found, reverse=True)[:max(1, finalists)]:
+        at = _best_chunk(ctx, bs, n)
         # the MILP packs at least as well as the greedy search; keep the greedy layout if it fails
-        layout = ctx.milp(bs, n) or ctx.greedy(bs, n)
-        pred = ctx.predict(bs, n, layout)
+        layout = at.milp(bs, n) or at.greedy(bs, n)
+        pred = at.predict(bs, n, layout)
         if best is None or pred["tokens_per_s"] > best[0]["tokens_per_s"] * (1 + 1e-9):
-            best = (pred, bs, n, layout, binding)
-    pred, bs, n, layout, binding = best
-    return make_plan(cost, shape, budgets, pred, bs, n, layout, ctx.ios(layout), binding, schedule, hot_n,
-                     hot, marg, prompt_len, gen_len, longest=longest, chunk=ctx.chunk(bs, n), buffers=ctx.buffers)
+            best = (pred, bs, n, layout, binding, at)
+    pred, bs, n, layout, binding, at = best
+    return make_plan(cost, shape, budgets, pred, bs, n, layout, at.ios(layout), binding, schedule, hot_n,
+                     hot, marg, prompt_len, gen_len, longest=longest, chunk=at.chunk(bs, n), buffers=at.buffers)
+
+
+def _best_chunk(ctx: "_Ctx", bs: int, n: int) -> "_Ctx":
+    """The search used the largest chunk whose activations take at most PREFILL_SHARE of the
+    device; a larger one means fewer prefill passes (each streams every off-device weight)
+    but less room for resident weights. Take the chunk with the best predicted throughput."""
+    if ctx.fixed_chunk:
+        return ctx
+    best, best_tps = ctx, ctx.predict(bs, n, ctx.greedy(bs, n))["tokens_per_s"]
+    for c in chunk_candidates(ctx.P_mem):
+        if c <= ctx.chunk(bs, n):
+            continue
+        other = ctx._like(chunk=c)
+        layout = other.greedy(bs, n)
+        if layout is not None and (tps := other.predict(bs, n, layout)["tokens_per_s"]) > best_tps * (1 + 1e-9):
+            best, best_tps = other, tps
+    return best
 
 
 class _Ctx:
