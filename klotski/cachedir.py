@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
+import sys
+import tempfile
 from pathlib import Path
+from typing import Callable
 
 
 def root() -> Path:
@@ -36,3 +40,33 @@ def correlation_table(key: str) -> Path:
 
 def quantized_copy(key: str, tag: str) -> Path:
     return root() / "quantized" / f"{key}-{tag}"
+
+
+def build_once(name: str, current: Callable[[Path], bool], build: Callable[[Path], object]) -> Path:
+    """models()/`name`, made by `build(directory)` unless `current(path)` says it is there.
+
+    The build goes to a temporary sibling directory that is renamed into place, so an
+    interrupted build never leaves a half-written model behind, and two processes racing to
+    build simply keep whichever finished first."""
+    root = models()
+    final = root / name
+    if current(final):
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    why = "out of date" if final.exists() else "first use"
+    print(f"building {name} into {final} ({why})", file=sys.stderr, flush=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.building-", dir=root))
+    try:
+        build(tmp)
+        if final.exists() and not current(final):
+            old = Path(tempfile.mkdtemp(prefix=f".{name}.old-", dir=root))
+            os.replace(final, old / name)
+            shutil.rmtree(old, ignore_errors=True)
+        try:
+            os.replace(tmp, final)
+        except OSError:
+            if not current(final):  # not a lost race: a real failure
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final

@@ -151,6 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
     from klotski import bench
     bench.add_parser(sub)
 
+    sh = sub.add_parser("show", help="print some results of an output file beside their prompts")
+    sh.add_argument("output", metavar="OUT.jsonl")
+    sh.add_argument("--jobs", metavar="JOBS.jsonl", help="the job file, to print each prompt's start")
+    sh.add_argument("--count", type=int, default=5, help="records to print (default 5)")
+
     j = sub.add_parser("jobs", help="export example job files")
     j.add_argument("dataset", choices=("wikitext",))
     j.add_argument("-o", "--output", default="wikitext103.jsonl")
@@ -183,7 +188,7 @@ def main(argv=None) -> int:
         if args.command == "generate":
             from klotski.run import generate
             return generate(config_from_args(args), Path(args.jobs), args.output)
-        if args.command in ("plan", "simulate", "profile", "correlate", "quantize"):
+        if args.command in ("plan", "simulate", "profile", "correlate", "quantize", "show"):
             from klotski import commands
             return getattr(commands, args.command)(args)
         if args.command == "bench":

@@ -1,5 +1,6 @@
-"""`klotski plan | simulate | profile | correlate`: the planner and the prefetch table from the
-command line. Each returns an exit status; errors are raised as user errors."""
+"""`klotski plan | simulate | profile | correlate | quantize | show`: the planner, the prefetch
+table, the quantized copy and a look at results from the command line. Each returns an exit
+status; errors are raised as user errors."""
 from __future__ import annotations
 
 import json
@@ -106,4 +107,39 @@ def quantize(a) -> int:
     out = ensure_quantized(ckpt, ckpt.spec.dtype, a.output, optimize=a.optimize)
     ckpt.close()
     print(f"quantized checkpoint: {out}")
+    return 0
+
+
+def show(a) -> int:
+    """A few output records, in file order, each under the start of its prompt."""
+    import shutil
+    import textwrap
+
+    from klotski.output import is_error, record_key
+    prompts = {}
+    if a.jobs:
+        from klotski.jobs import read_jobs
+        requests, _ = read_jobs(Path(a.jobs))
+        # the last paragraph of the prompt (or of the last message): where a passage to label is
+        prompts = {r.id: (r.prompt if r.prompt is not None else r.messages[-1][1]).split("\n\n")[-1]
+                   for r in requests}
+    width = min(100, shutil.get_terminal_size().columns)
+    try:
+        lines = Path(a.output).read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        from klotski.errors import UserError
+        raise UserError(f"{a.output}: cannot read ({e.strerror})") from None
+    for line in lines[: a.count]:
+        rec = json.loads(line)
+        key = record_key(rec)
+        if is_error(rec):
+            text = "error: " + (rec["error"].get("message", "") if isinstance(rec["error"], dict) else "")
+        elif "custom_id" in rec:
+            choice = rec["response"]["body"]["choices"][0]
+            text = choice["message"]["content"] if "message" in choice else choice["text"]
+        else:
+            text = rec["completion"]
+        prompt = " ".join(prompts.get(key, "").split())
+        print(f"[{key}] " + textwrap.shorten(prompt, width - len(key) - 3) if prompt else f"[{key}]")
+        print(textwrap.fill(text.strip() or "(empty)", width, initial_indent="  -> ", subsequent_indent="     "))
     return 0

@@ -529,35 +529,10 @@ def _is_current(path: Path, preset: str) -> bool:
 
 
 def ensure_builtin(name: str) -> Path:
-    """Directory of built-in model `name`, building it on first use.
-
-    The build goes to a temporary sibling directory that is renamed into place,
-    so an interrupted build never leaves a half-written model behind, and two
-    processes racing to build simply keep whichever finished first.
-    """
+    """Directory of built-in model `name`, building it on first use (klotski.cachedir.build_once)."""
+    from klotski import cachedir
     if name not in BUILTIN_MODELS:
         raise ValueError(f"unknown built-in model {name!r}; choose from {sorted(BUILTIN_MODELS)}")
     preset = BUILTIN_MODELS[name]
-    from klotski import cachedir
-    root = cachedir.models()
-    final = root / name
-    if _is_current(final, preset):
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    why = "out of date" if final.exists() else "first use"
-    print(f"building {name} into {final} ({why})", file=sys.stderr, flush=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.building-", dir=root))
-    try:
-        build_checkpoint(tmp, preset)
-        if final.exists() and not _is_current(final, preset):
-            old = Path(tempfile.mkdtemp(prefix=f".{name}.old-", dir=root))
-            os.replace(final, old / name)
-            shutil.rmtree(old, ignore_errors=True)
-        try:
-            os.replace(tmp, final)
-        except OSError:
-            if not _is_current(final, preset):  # not a lost race: a real failure
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return cachedir.build_once(name, lambda path: _is_current(path, preset),
+                               lambda tmp: build_checkpoint(tmp, preset))

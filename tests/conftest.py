@@ -51,24 +51,29 @@ def requests(prompts=PROMPTS, max_new_tokens=10):
 
 def reference_tokens(model_dir, prompts=PROMPTS, max_new_tokens=10):
     """transformers' own batched greedy generate, left-padded, fp32: token ids per prompt up to EOS."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    return reference_tokens_of(model_dir, [tok(p)["input_ids"] for p in prompts], max_new_tokens)
+
+
+def reference_tokens_of(model_dir, id_lists, max_new_tokens=10):
+    """The same for prompts given as token ids (chat prompts rendered by the engine's own path)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    width = max(map(len, id_lists))
+    ids = torch.tensor([[pad] * (width - len(x)) + list(x) for x in id_lists])
+    mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in id_lists])
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    enc = tok(prompts, return_tensors="pt", padding=True)
     with torch.no_grad():
-        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
-    eos = set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list)
-              else [model.generation_config.eos_token_id])
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=pad)
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
     result = []
-    for row in out[:, enc["input_ids"].shape[1]:].tolist():
-        ids = []
-        for t in row:
-            if t in eos:
-                break
-            ids.append(t)
-        result.append(ids)
+    for row in out[:, width:].tolist():
+        cut = next((i for i, t in enumerate(row) if t in eos), len(row))
+        result.append(row[:cut])
     return result
 
 

@@ -17,17 +17,20 @@ class ModelNotFound(Exception):
 
 
 def resolve(model: str) -> Path:
-    from klotski import tiny
+    from klotski import smollm, tiny
 
     path = Path(model).expanduser()
     if path.is_dir():
         return path
     if model in tiny.BUILTIN_MODELS:
         return tiny.ensure_builtin(model)
+    if model in smollm.BUILTINS:
+        return smollm.ensure(model)
     repo = ALIASES.get(model.lower(), model)
     if "/" not in repo or path.exists():
         raise ModelNotFound(
-            f"--model {model!r}: not a directory, a built-in model ({', '.join(tiny.BUILTIN_MODELS)}) "
+            f"--model {model!r}: not a directory, a built-in model "
+            f"({', '.join([*tiny.BUILTIN_MODELS, *smollm.BUILTINS])}) "
             f"or a known alias ({', '.join(ALIASES)})")
     try:
         from huggingface_hub import snapshot_download

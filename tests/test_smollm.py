@@ -1,0 +1,76 @@
+"""A trained model in the box: smollm2-moe (SmolLM2-135M-Instruct upcycled into a 30-layer,
+8-expert Mixtral). It speaks like the trained model, and the engine runs it token-identical
+to transformers at every device budget from an eighth of it to all of it."""
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import reference_tokens_of
+from klotski import smollm
+from klotski.assemble import open_engine
+from klotski.config import RunConfig
+from klotski.jobs import read_jobs
+from klotski.sequences import tokenize
+from placement.store import TensorStore
+
+ROOT = Path(__file__).resolve().parents[1]
+NEW = 8
+
+
+@pytest.fixture(scope="module")
+def model():
+    from klotski.models import registry
+    return registry.resolve("smollm2-moe")  # built once per test session, in its cache
+
+
+@pytest.fixture(scope="module")
+def chat():
+    """Six labelling requests of the demo's job, with a shorter answer."""
+    requests, _ = read_jobs(ROOT / "jobs" / "labels.jsonl")
+    return [dataclasses.replace(r, max_new_tokens=NEW) for r in requests[:6]]
+
+
+@pytest.fixture(scope="module")
+def ref(model, chat):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model)
+    return reference_tokens_of(model, [tokenize(tok, r) for r in chat], NEW)
+
+
+def test_the_upcycled_model_speaks_like_the_trained_one(model):
+    from transformers import AutoModelForCausalLM
+    dense, tok = smollm.dense_model()
+    moe = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        a = dense.generate(**ids, max_new_tokens=24, do_sample=False)
+        b = moe.generate(**ids, max_new_tokens=24, do_sample=False)
+        routers = moe(**ids, output_router_logits=True).router_logits
+    assert torch.equal(a, b)
+    assert "Paris" in tok.decode(b[0, ids["input_ids"].shape[1]:])
+    picks = {tuple(sorted(r.topk(2, dim=-1).indices[t].tolist())) for r in routers for t in range(r.shape[0])}
+    assert len(picks) > 10  # routing follows the tokens: every expert pair shows up, not one fixed route
+    cfg = json.loads((model / "config.json").read_text())
+    assert (cfg["model_type"], cfg["num_hidden_layers"], cfg["num_local_experts"]) == ("mixtral", 30, 8)
+
+
+@pytest.mark.parametrize("schedule,shares", [("klotski", (8, 3, 1)), ("multibatch", (8, 3))])
+def test_every_budget_runs_token_identical_within_it(model, chat, ref, schedule, shares):
+    total = sum(e.nbytes for e in TensorStore(model).entries.values())
+    for share in shares:
+        budget = total // share
+        cfg = RunConfig(model="smollm2-moe", dtype="float32", max_new_tokens=NEW, device_memory=budget,
+                        schedule=schedule, progress=False)
+        engine, seqs, errors = open_engine(cfg, chat)
+        assert not errors
+        done = {s.request.id: s.out for s in engine.run(seqs)}
+        engine.close()
+        assert [done[r.id] for r in chat] == ref, (schedule, share)
+        assert engine.memory.peak <= budget and engine.host_memory.peak <= engine.host_memory.budget
+        if share > 1:  # offloaded: experts really streamed in
+            assert engine.pipeline.experts_loaded > 0
+            assert engine.placement.summary()["expert"].get("device", 0) < 30 * 8
