@@ -23,11 +23,7 @@ import functools
 import hashlib
 import json
 import math
-import os
-import shutil
 import struct
-import sys
-import tempfile
 from pathlib import Path
 from typing import Callable
 

@@ -140,7 +140,6 @@ def make_plan(cost, shape, budgets, pred, bs, n, layout, ios, binding, schedule,
     ctx = P + G // 2
     io = max(ios, key=lambda x: sum(cost.t_fetch(cost.expert_bytes, t) for t in x.experts))
     dec = Phase(bs, n, ctx, 1)
-    pre = Phase(bs, n, P, P)
     per_layer = {
         "t_attn_ms": {"decode": cost.t_attn(bs, ctx) * 1e3, "prefill": cost.t_attn(bs, P, P) * 1e3},
         "t_gate_ms": {"decode": cost.t_gate(bs) * 1e3, "prefill": cost.t_gate(bs * P) * 1e3},

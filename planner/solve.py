@@ -173,7 +173,7 @@ def solve(shape, cost, budgets, *, prompt_len: int, gen_len: int, longest_prompt
         raise ValueError(f"schedule {schedule!r} is not one of {SCHEDULES}")
     shape = as_shape(shape)
     budgets = Budgets.of(budgets)
-    L, E = shape.num_layers, shape.num_experts
+    E = shape.num_experts
     K = shape.top_k if K is None else max(0, min(K, E))
     hot_n = K if schedule in ("klotski", "hot-prefetch") else 0
     marg = popularity_marginals(E, shape.top_k, popularity)
