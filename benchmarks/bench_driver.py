@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-import math
 import statistics
 import sys
 import time
