@@ -1,8 +1,11 @@
 """The exceptions that mean "the user has something to fix": the CLI prints them as one
 line (what, where, how to fix) instead of a traceback. Anything else is our bug."""
 from klotski.config import ConfigError
-from klotski.models.registry import ModelNotFound
 from placement.store import CheckpointError
+
+
+class ModelNotFound(Exception):
+    """`--model` names nothing that can be opened (or built); the message says what to do."""
 
 
 class UserError(Exception):

