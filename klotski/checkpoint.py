@@ -12,7 +12,7 @@ import torch
 from klotski import cachedir
 from klotski.models import registry
 from klotski.models.spec import DTYPES, ModelSpec
-from placement.store import TensorStore
+from placement.store import CheckpointError, TensorStore
 from planner.costmodel import GroupBytes
 
 QUANTIZED_KINDS = ("attn", "expert")  # what --quantize hqq4 packs (the paper's preset)
@@ -28,12 +28,11 @@ class Checkpoint:
 
     @classmethod
     def open(cls, model: str, *, direct_io: bool = True) -> "Checkpoint":
-        from transformers import AutoTokenizer
         directory = registry.resolve(model)
         store = TensorStore(directory, direct=direct_io)
         spec = ModelSpec.from_dir(directory, store.names())
         store.validate(spec.expected_shapes())
-        tokenizer = AutoTokenizer.from_pretrained(directory)
+        tokenizer = load_tokenizer(directory, spec)
         return cls(directory, store, spec, tokenizer, cachedir.fingerprint(directory, store))
 
     def compute_dtype(self, name: str) -> torch.dtype:
@@ -73,6 +72,26 @@ class Checkpoint:
 
     def close(self) -> None:
         self.store.close()
+
+
+def load_tokenizer(directory: Path, spec: ModelSpec):
+    """The checkpoint's tokenizer, or one line saying which files were expected and how to get
+    them; a tokenizer with more tokens than the model has embeddings is refused too."""
+    from transformers import AutoTokenizer
+    found = [f for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json") if (directory / f).exists()]
+    how = ("a Hugging Face checkpoint needs tokenizer.json (or tokenizer.model with the sentencepiece package "
+           "installed); copy the tokenizer files from the model's repository into the folder")
+    if not {"tokenizer.json", "tokenizer.model"} & set(found):
+        raise CheckpointError(f"{directory}: no tokenizer files (found {', '.join(found) or 'none'}); {how}")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+    except Exception as e:  # transformers raises many kinds here (ValueError, OSError, JSON errors, ...)
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise CheckpointError(f"{directory}: cannot load the tokenizer ({reason}); {how}") from None
+    if len(tokenizer) > spec.vocab_size:
+        raise CheckpointError(f"{directory}: the tokenizer has {len(tokenizer)} tokens but config.json's "
+                              f"vocab_size is {spec.vocab_size}; the tokenizer belongs to another model")
+    return tokenizer
 
 
 def _numel(shape) -> int:

@@ -156,6 +156,15 @@ def build_parser() -> argparse.ArgumentParser:
     sh.add_argument("--jobs", metavar="JOBS.jsonl", help="the job file, to print each prompt's start")
     sh.add_argument("--count", type=int, default=5, help="records to print (default 5)")
 
+    ck = sub.add_parser("check", help="check a checkpoint: headers, config, tokenizer, NaN/Inf in every tensor",
+                        description="Print one line per problem of a checkpoint (exit status 1 if any): "
+                                    "safetensors headers, config.json fields, the tokenizer, shapes, and every "
+                                    "tensor scanned for NaN and infinite values in pieces within --host-memory.")
+    ck.add_argument("--model", default="tiny-mixtral", help="checkpoint directory, alias or built-in model")
+    ck.add_argument("--host-memory", "--cpu-memory", type=_size, metavar="SIZE",
+                    help="memory the scan may use (default: 1 GiB)")
+    ck.add_argument("--no-progress", action="store_true", help="no progress bar")
+
     j = sub.add_parser("jobs", help="export example job files")
     j.add_argument("dataset", choices=("wikitext",))
     j.add_argument("-o", "--output", default="wikitext103.jsonl")
@@ -191,6 +200,9 @@ def main(argv=None) -> int:
         if args.command in ("plan", "simulate", "profile", "correlate", "quantize", "show"):
             from klotski import commands
             return getattr(commands, args.command)(args)
+        if args.command == "check":
+            from klotski import check
+            return check.main(args)
         if args.command == "bench":
             from klotski import bench
             return bench.main(args)

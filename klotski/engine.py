@@ -103,6 +103,7 @@ class Engine:
         inputs = {k: parts.pop(0) for k, parts in prompts.items()}
         self.stats.prompt_tokens += sum(len(s.prompt_ids) for b in group for s in b)
         prefilling = set(inputs)
+        broken = {k: torch.full((len(b),), -1) for k, b in enumerate(group)}
         while inputs:
             active = list(inputs)
             t0, disk0 = time.perf_counter(), self.trace.bytes[DISK_TO_HOST]
@@ -115,12 +116,18 @@ class Engine:
                 self.stats.decode_s += elapsed
                 self.stats.decode_disk_bytes += self.trace.bytes[DISK_TO_HOST] - disk0
             inputs = {}
-            for k, lg in zip(active, logits):
+            for k, out in zip(active, logits):
+                broken[k] = torch.where(broken[k] < 0, out.broken_at, broken[k])
                 if prompts[k]:  # more of the prompt to prefill: its logits mean nothing yet
                     inputs[k] = prompts[k].pop(0)
                     continue
                 prefilling.discard(k)
-                batch = group[k]
+                batch, lg = group[k], out.logits
+                # a sequence whose numbers went non-finite fails alone; the batch carries on
+                for s, finite, layer in zip(batch, torch.isfinite(lg).all(dim=-1).tolist(), broken[k].tolist()):
+                    if not finite and not s.done:
+                        S.fail(s, _non_finite(layer, self.spec.num_layers))
+                        yield s
                 tokens = S.pick(batch, lg)
                 for s, t in zip(batch, tokens):
                     if not s.done:
@@ -141,6 +148,11 @@ class Engine:
         for channel in self.channels.values():
             channel.close()
         self.ckpt.close()
+
+
+def _non_finite(layer: int, num_layers: int) -> str:
+    where = f"at layer {layer} of {num_layers}" if layer >= 0 else "in the final norm or lm_head"
+    return f"non-finite values {where}; the checkpoint's weights or config may be corrupt (klotski check --model DIR)"
 
 
 def _prefill_input(batch: list[S.Sequence], length: int, pad: int) -> StepInput:

@@ -99,6 +99,12 @@ def prompt_too_long(request: Request, prompt_tokens: int, context: int,
     return LineError(request.id, request.line, message, openai=request.openai, code="context_length_exceeded")
 
 
+def model_error(seq) -> LineError:
+    """The error of a sequence the model could not produce (e.g. non-finite logits)."""
+    req = seq.request
+    return LineError(req.id, req.line, seq.error, openai=req.openai, code="model_error")
+
+
 # ---------------------------------------------------------------- reading
 
 

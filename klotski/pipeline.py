@@ -43,6 +43,14 @@ class StepInput:
 
 
 @dataclass
+class StepOutput:
+    """One batch's result of a step: next-token logits [B, V] (fp32, on the host) and, per
+    sequence, the first layer whose output was not finite (-1: none)."""
+    logits: torch.Tensor
+    broken_at: torch.Tensor
+
+
+@dataclass
 class _Routed:
     """Router decisions of one batch at one layer, flattened over its B*T tokens."""
     x: torch.Tensor        # normalised MoE input [N, H]
@@ -66,8 +74,9 @@ class Pipeline:
         self.on_layer = None     # optional callback(layer, hidden states per batch), for tests
 
     # ---- one step -----------------------------------------------------------------------
-    def forward(self, kvs: list[BatchKV], inputs: list[StepInput]) -> list[torch.Tensor]:
-        """Run one step for the group; return each batch's next-token logits [B, V] (fp32)."""
+    def forward(self, kvs: list[BatchKV], inputs: list[StepInput]) -> list[StepOutput]:
+        """Run one step for the group; return each batch's next-token logits and where, if
+        anywhere, its hidden states stopped being finite."""
         spec = self.spec
         self.predictor.begin_step()
         act = self._activation_bytes(kvs, inputs)
@@ -88,6 +97,7 @@ class Pipeline:
                     mask = mask.index_select(-1, columns)
             hs.append(h)
             ctx.append((cos.to(self.device), sin.to(self.device), mask.to(self.device)))
+        broken = [torch.full((h.shape[0],), -1, device=h.device) for h in hs]
         for layer in range(self.window):  # already staged by the previous step, except on the first
             self.cache.stage(self._layer_keys(layer))
         for layer in range(spec.num_layers):
@@ -98,6 +108,7 @@ class Pipeline:
             self._attention(layer, hs, ctx, kvs)
             routed, hot = self._gates(layer, hs)
             hs = self._experts(layer, hs, routed, hot)
+            broken = [_first_broken(b, layer, h) for b, h in zip(broken, hs)]
             if self.on_layer:
                 self.on_layer(layer, hs)
             self.cache.unstage(self._layer_keys(layer))
@@ -105,7 +116,8 @@ class Pipeline:
             kv.end_step()
         head = self._get(("head",))
         with self.trace.span("compute", "lm_head"):
-            out = [M.logits(h[:, -1], head["norm"], head["lm_head"], spec.rms_norm_eps).cpu() for h in hs]
+            out = [StepOutput(M.logits(h[:, -1], head["norm"], head["lm_head"], spec.rms_norm_eps).cpu(), b.cpu())
+                   for h, b in zip(hs, broken)]
         self.cache.release(("head",))
         self.memory.free(act)
         return out
@@ -343,3 +355,10 @@ class Pipeline:
                     batch=max(i.ids.shape[0] for i in inputs), queries=max(i.ids.shape[1] for i in inputs),
                     keys=max(kv.filled + i.ids.shape[1] for kv, i in zip(kvs, inputs)))
         return activation_bytes(self.spec, self.cache.dtype.itemsize, step)
+
+
+def _first_broken(broken: torch.Tensor, layer: int, h: torch.Tensor) -> torch.Tensor:
+    """Record `layer` for sequences whose hidden states [B, T, H] turned non-finite here. It
+    stays on the device and travels with the logits, so the check adds no host sync."""
+    bad = ~torch.isfinite(h).flatten(1).all(dim=1)
+    return torch.where((broken < 0) & bad, layer, broken)

@@ -23,7 +23,8 @@ def model_shape(model: str):
     if model.lower() in KNOWN_MODELS:
         return as_shape(model.lower())
     from klotski.models import registry
-    return as_shape(json.loads((Path(registry.resolve(model)) / "config.json").read_text()))
+    from klotski.models.spec import ModelSpec
+    return as_shape(ModelSpec.from_dir(registry.resolve(model)))
 
 
 def profile_for(hardware: str, shape, *, device: str = "cpu", link_gbps: float | None = None):

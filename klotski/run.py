@@ -28,7 +28,7 @@ def generate(config: RunConfig, jobs: Path, output: str | None) -> int:
 
     from klotski.assemble import build_engine, plan_run
     from klotski.checkpoint import Checkpoint
-    from klotski.jobs import read_jobs
+    from klotski.jobs import model_error, read_jobs
     from klotski.output import OutputWriter, error_record, finished_ids, result_record
     from klotski.sequences import prepare
 
@@ -55,13 +55,16 @@ def generate(config: RunConfig, jobs: Path, output: str | None) -> int:
         # disable=None: tqdm turns itself off when stderr is not a terminal (logs, CI)
         bar = tqdm(total=len(seqs), unit="req", desc="generate", disable=None if config.progress else True,
                    file=sys.stderr, mininterval=0.5)
-        engine = None
+        engine, errored = None, 0
         try:
             engine = build_engine(config, ckpt, run_plan) if seqs else None
             with bar:
                 for seq in engine.run(seqs) if engine else ():
-                    writer.write(result_record(seq, fmt=config.output_format, model=model_name,
-                                               include_token_ids=config.include_token_ids))
+                    if seq.error:
+                        errored += writer.write(error_record(model_error(seq), fmt=config.output_format))
+                    else:
+                        writer.write(result_record(seq, fmt=config.output_format, model=model_name,
+                                                   include_token_ids=config.include_token_ids))
                     bar.update(1)
                     gen_s = engine.stats.prefill_s + engine.stats.decode_s
                     if gen_s > 0:
@@ -73,7 +76,7 @@ def generate(config: RunConfig, jobs: Path, output: str | None) -> int:
         finally:
             if engine:
                 engine.close()
-        report = build_report(engine, run_plan, ok=len(seqs), failed=failed, skipped=skipped,
+        report = build_report(engine, run_plan, ok=len(seqs) - errored, failed=failed + errored, skipped=skipped,
                               wall_s=time.perf_counter() - t_start, config=config, model_dir=ckpt.directory)
     print(summary(report, out_path), file=sys.stderr)
     if config.trace and engine:
@@ -81,7 +84,7 @@ def generate(config: RunConfig, jobs: Path, output: str | None) -> int:
     if config.report:
         Path(config.report).parent.mkdir(parents=True, exist_ok=True)
         Path(config.report).write_text(json.dumps(report, indent=2) + "\n")
-    return 1 if failed else 0
+    return 1 if failed or errored else 0
 
 
 def _stopped(e: Exception, out_path: Path, written: int) -> str:

@@ -25,6 +25,7 @@ class Sequence:
     out: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     text: str = ""
+    error: str | None = None  # why the model could not produce this sequence (an error record)
 
     @property
     def done(self) -> bool:
@@ -94,6 +95,10 @@ def append(s: Sequence, token: int, tokenizer, eos: set[int]) -> None:
             s.finish_reason = "length"
     if s.done:
         s.text = tokenizer.decode(s.out, skip_special_tokens=True)
+
+
+def fail(s: Sequence, message: str) -> None:
+    s.finish_reason, s.error = "error", message
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> int:

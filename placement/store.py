@@ -140,6 +140,14 @@ class TensorStore:
         buf = self._pread(entry.file, offset, nbytes)
         return torch.frombuffer(buf, dtype=entry.dtype, count=_numel(shape)).view(shape)
 
+    def read_flat(self, name: str, start: int, count: int) -> torch.Tensor:
+        """Elements [start, start + count) of `name` in storage order, as a 1-D CPU tensor: for
+        scanning a tensor of any shape in pieces of bounded size."""
+        entry = self._entry(name)
+        item = entry.dtype.itemsize
+        buf = self._pread(entry.file, entry.offset + start * item, count * item)
+        return torch.frombuffer(buf, dtype=entry.dtype, count=count)
+
     def _entry(self, name: str) -> TensorEntry:
         try:
             return self.entries[name]

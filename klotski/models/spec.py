@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from klotski.models import fields as F
 from placement.store import CheckpointError
 from planner.shapes import ModelShape
 
@@ -62,6 +63,7 @@ class ModelSpec:
         mt = cfg.get("model_type", "mixtral")
         if mt != "mixtral":
             raise ValueError(f"model_type {mt!r} is not supported (Klotski runs the Mixtral family)")
+        check_config(cfg)
         # shapes are read once, by the planner's ModelShape; the engine adds what it computes with
         shape = ModelShape.from_config(cfg)
         rope = cfg.get("rope_parameters") or {}
@@ -96,8 +98,6 @@ class ModelSpec:
             return cls.from_config(cfg, fused_experts=fused)
         except ValueError as e:
             raise CheckpointError(f"{cfg_file}: {e}") from None
-        except KeyError as e:
-            raise CheckpointError(f"{cfg_file}: missing field {e.args[0]!r}") from None
 
     # ---- sizes --------------------------------------------------------------------------
     @property
@@ -199,3 +199,48 @@ class ModelSpec:
                 x = self.expert_refs(i, e)
                 shapes.update({x["w1"]: (I, H), x["w3"]: (I, H), x["w2"]: (H, I)})
         return shapes
+
+
+def check_config(cfg: dict) -> None:
+    """Every config field the Mixtral math reads, checked before anything is loaded; raises
+    fields.BadField naming the field, its value and what is allowed."""
+    if not isinstance(cfg, dict):
+        raise F.BadField("config.json must hold a JSON object")
+    for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_local_experts", "vocab_size"):
+        F.integer(cfg, name)
+    heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
+    kv_heads = F.integer(cfg, "num_key_value_heads", default=None, optional=True) or heads
+    F.divisible(cfg, "num_attention_heads", heads, "num_key_value_heads", kv_heads)
+    head_dim = F.integer(cfg, "head_dim", default=None, optional=True)
+    if head_dim is None:
+        F.divisible(cfg, "hidden_size", hidden, "num_attention_heads", heads)
+        head_dim = hidden // heads
+    if head_dim % 2:
+        raise F.BadField(f"field 'head_dim' is {head_dim}; must be even (RoPE rotates pairs of dimensions)")
+    F.integer(cfg, "num_experts_per_tok", high=cfg["num_local_experts"], high_name="num_local_experts")
+    F.integer(cfg, "sliding_window", default=None, optional=True)
+    F.integer(cfg, "max_position_embeddings", default=32768)
+    F.positive_number(cfg, "rms_norm_eps", default=1e-5)
+    F.boolean(cfg, "tie_word_embeddings", default=False)
+    F.choice(cfg, "hidden_act", ("silu",), default="silu", why=" (Mixtral's experts are SwiGLU)")
+    dtype_field = "dtype" if cfg.get("dtype") is not None else "torch_dtype"
+    F.choice(cfg, dtype_field, tuple(DTYPES), default="bfloat16")
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        F.token_ids(cfg, name, cfg["vocab_size"])
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise F.BadField(f"field 'rope_parameters' is {rope!r}; must be an object such as "
+                         "{\"rope_type\": \"default\", \"rope_theta\": 1000000.0}")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    F.choice({"rope_type": rope_type}, "rope_type", ("default",), where="rope_parameters.",
+             why=" (Klotski computes Mixtral's unscaled RoPE only)")
+    if "rope_theta" in cfg:
+        F.positive_number(cfg, "rope_theta")
+    if "rope_theta" in rope:
+        F.positive_number(rope, "rope_theta", where="rope_parameters.")
+    quant = cfg.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+        raise F.BadField(f"field 'quantization_config' is present (quant_method {method!r}); Klotski reads "
+                         "unquantized bf16/fp16/fp32 weights: use the original checkpoint (and --quantize hqq4)")
