@@ -61,6 +61,9 @@ def plan_run(config, ckpt: Checkpoint, seqs, *, placement: Placement | None = No
         n = 1 if simple else (config.num_batches or plan.num_batches)
         chunk = plan.prefill_chunk if plan.prefill_chunk < plan.longest_prompt else None
         placement = placement or planning.engine_placement(plan, ckpt.spec)
+    if config.quantize == "hqq4":  # a copy that cannot fit is refused now, not halfway through writing it
+        from klotski.quantized import check_room
+        check_room(ckpt, dtype, config.offload_dir, optimize=config.quantize_optimize)
     return RunPlan(bs, n, chunk, placement, budgets, device, dtype, plan)
 
 

@@ -42,7 +42,8 @@ def quantized_copy(key: str, tag: str) -> Path:
     return root() / "quantized" / f"{key}-{tag}"
 
 
-def build_once(name: str, current: Callable[[Path], bool], build: Callable[[Path], object]) -> Path:
+def build_once(name: str, current: Callable[[Path], bool], build: Callable[[Path], object],
+               need: int | None = None) -> Path:
     """models()/`name`, made by `build(directory)` unless `current(path)` says it is there.
 
     The build goes to a temporary sibling directory that is renamed into place, so an
@@ -52,7 +53,18 @@ def build_once(name: str, current: Callable[[Path], bool], build: Callable[[Path
     final = root / name
     if current(final):
         return final
-    root.mkdir(parents=True, exist_ok=True)
+    from klotski.writes import require_space, writing
+    what = f"the built-in model {name}"
+    if need:
+        require_space(root, need, what, "free some space or point XDG_CACHE_HOME at a bigger disk")
+    with writing(root, what, need=need, then="the partial build was removed; free some space or point "
+                 "XDG_CACHE_HOME at a bigger disk, then rerun the same command"):
+        root.mkdir(parents=True, exist_ok=True)
+        _build(name, root, final, current, build)
+    return final
+
+
+def _build(name: str, root: Path, final: Path, current, build) -> None:
     why = "out of date" if final.exists() else "first use"
     print(f"building {name} into {final} ({why})", file=sys.stderr, flush=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.building-", dir=root))
@@ -69,4 +81,3 @@ def build_once(name: str, current: Callable[[Path], bool], build: Callable[[Path
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return final

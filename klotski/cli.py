@@ -8,7 +8,16 @@ from pathlib import Path
 
 from klotski.config import OUTPUT_FORMATS, PREFETCH, SCHEDULES, RunConfig, parse_size
 
-EXIT_OK, EXIT_FAILED_LINES, EXIT_USAGE, EXIT_STOPPED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_OK, EXIT_FAILED_LINES, EXIT_USAGE, EXIT_STOPPED, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 3, 130, 143
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what `timeout`, `kill` and schedulers send), handled exactly as Ctrl-C is:
+    the batch in flight is dropped, every record written stays, a rerun resumes."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
 
 
 def _size(text: str) -> int:
@@ -192,31 +201,17 @@ def main(argv=None) -> int:
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE
+    import signal
+    import threading
+
     from klotski import errors
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
     try:
-        if args.command == "generate":
-            from klotski.run import generate
-            return generate(config_from_args(args), Path(args.jobs), args.output)
-        if args.command in ("plan", "simulate", "profile", "correlate", "quantize", "show"):
-            from klotski import commands
-            return getattr(commands, args.command)(args)
-        if args.command == "check":
-            from klotski import check
-            return check.main(args)
-        if args.command == "bench":
-            from klotski import bench
-            return bench.main(args)
-        if args.command == "make-tiny":
-            from klotski import tiny
-            path = tiny.build_checkpoint(args.output, args.preset, seed=args.seed, num_shards=args.shards,
-                                         fused_experts=args.fused_experts, routing=args.routing)
-            print(f"wrote {args.preset} checkpoint to {path}")
-            return EXIT_OK
-        if args.command == "jobs":
-            from klotski.jobs_export import export_wikitext
-            n = export_wikitext(args.output, args.count, args.seed)
-            print(f"wrote {n} prompts to {args.output}")
-            return EXIT_OK
+        return _run(args)
+    except Terminated:
+        print("klotski: terminated; rerun the same command to resume", file=sys.stderr)
+        return EXIT_TERMINATED
     except KeyboardInterrupt:
         print("klotski: interrupted; rerun the same command to resume", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -226,6 +221,39 @@ def main(argv=None) -> int:
     except errors.RunStopped as e:
         print(f"klotski: error: {e}", file=sys.stderr)
         return EXIT_STOPPED
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args) -> int:
+    if args.command == "generate":
+        from klotski.run import generate
+        return generate(config_from_args(args), Path(args.jobs), args.output)
+    if args.command in ("plan", "simulate", "profile", "correlate", "quantize", "show"):
+        from klotski import commands
+        return getattr(commands, args.command)(args)
+    if args.command == "check":
+        from klotski import check
+        return check.main(args)
+    if args.command == "bench":
+        from klotski import bench
+        return bench.main(args)
+    if args.command == "make-tiny":
+        from klotski import tiny
+        from klotski.writes import writing
+        with writing(args.output, "the checkpoint"):
+            path = tiny.build_checkpoint(args.output, args.preset, seed=args.seed, num_shards=args.shards,
+                                         fused_experts=args.fused_experts, routing=args.routing)
+        print(f"wrote {args.preset} checkpoint to {path}")
+        return EXIT_OK
+    if args.command == "jobs":
+        from klotski.jobs_export import export_wikitext
+        from klotski.writes import writing
+        with writing(args.output, "the job file"):
+            n = export_wikitext(args.output, args.count, args.seed)
+        print(f"wrote {n} prompts to {args.output}")
+        return EXIT_OK
     return EXIT_USAGE
 
 

@@ -94,7 +94,9 @@ def correlate(a) -> int:
     for _ in tqdm(engine.run(seqs), total=len(seqs), unit="req", desc="correlate", file=sys.stderr, disable=None):
         pass
     engine.close()
-    table.save(out, ckpt.key)
+    from klotski.writes import writing
+    with writing(out, "the expert-correlation table", then="make room and rerun (or pass -o on another disk)"):
+        table.save(out, ckpt.key)
     print(f"wrote the expert-correlation table ({len(seqs)} prompts, path length {table.path}) to {out}",
           file=sys.stderr)
     return 0
@@ -102,8 +104,9 @@ def correlate(a) -> int:
 
 def quantize(a) -> int:
     from klotski.checkpoint import Checkpoint
-    from klotski.quantized import ensure_quantized
+    from klotski.quantized import check_room, ensure_quantized
     ckpt = Checkpoint.open(a.model)
+    check_room(ckpt, ckpt.spec.dtype, a.output, optimize=a.optimize)
     out = ensure_quantized(ckpt, ckpt.spec.dtype, a.output, optimize=a.optimize)
     ckpt.close()
     print(f"quantized checkpoint: {out}")

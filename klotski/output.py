@@ -149,6 +149,7 @@ class OutputWriter:
             os.makedirs(parent, exist_ok=True)
         except OSError as e:
             raise JobFileError(f"cannot create directory {parent} for the output: {e.strerror}") from None
+        self._created = not os.path.exists(self.path)
         self._fd = self._open_locked()
         try:
             if resume:
@@ -198,8 +199,14 @@ class OutputWriter:
     def __contains__(self, rid: str) -> bool:
         return rid in self._present
 
+    def __len__(self) -> int:
+        """Records in the file (successes kept from earlier runs and everything written since)."""
+        return len(self._present)
+
     def close(self) -> None:
         if self._fd is not None:
+            if self._created and os.fstat(self._fd).st_size == 0:
+                os.unlink(self.path)  # a run that wrote nothing leaves no empty file behind
             os.close(self._fd)  # also releases the lock
             self._fd = None
 

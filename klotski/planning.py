@@ -4,7 +4,6 @@ decides; this module only asks it, and words its refusals as the flags to change
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 from klotski.errors import UserError
@@ -31,7 +30,9 @@ def profile_for(hardware: str, shape, *, device: str = "cpu", link_gbps: float |
     """`auto` measures this machine (cached); otherwise a built-in profile name or a JSON path."""
     if hardware == "auto":
         from klotski import cachedir
-        return measure(shape, device=device, link_gbps=link_gbps, cache_dir=cachedir.profiles())
+        from klotski.writes import writing
+        with writing(cachedir.profiles(), "the disk-speed probe of the hardware profile"):
+            return measure(shape, device=device, link_gbps=link_gbps, cache_dir=cachedir.profiles())
     if hardware not in builtin_profiles() and not Path(hardware).exists():
         from klotski.config import ConfigError
         raise ConfigError(f"--hardware {hardware!r}: not 'auto', a built-in profile "

@@ -17,11 +17,13 @@ so outputs are exact whatever they say. Ties go to the lower expert id, so runs 
 from __future__ import annotations
 
 import json
-import os
+import sys
 from itertools import combinations
 from pathlib import Path
 
 import torch
+
+from klotski.writes import describe, replace_atomically
 
 TABLE_VERSION = 1
 
@@ -154,10 +156,7 @@ class CorrelationTable:
 
     def save(self, path: Path, model_key: str) -> None:
         """Atomically: a reader (or a run killed mid-write) sees the old table or the new one."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.to_json(model_key)))
-        tmp.replace(path)
+        replace_atomically(path, json.dumps(self.to_json(model_key)).encode())
 
     @classmethod
     def load(cls, path: Path, spec) -> "CorrelationTable":
@@ -203,8 +202,17 @@ class CorrelationPredictor(FrequencyPredictor):
         self.history.append(self.table.codes(flat))
 
     def persist(self) -> None:
-        if self.save_to:
+        """Save what was learned; a cache that cannot be written costs the next run a warm
+        start, never this run: say so once and go on."""
+        if not self.save_to:
+            return
+        try:
             self.table.save(*self.save_to)
+        except OSError as e:
+            then = "the run goes on; the next run learns the table again"
+            print(f"klotski: warning: {describe(e, self.save_to[0], 'the expert-correlation table', then=then)}",
+                  file=sys.stderr)
+            self.save_to = None
 
 
 class NextGatePredictor(FrequencyPredictor):

@@ -49,18 +49,49 @@ def _itemsize(dtype: str) -> int:
     return {"F64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "U8": 1, "I8": 1, "BOOL": 1}.get(dtype, 4)
 
 
-def ensure_quantized(ckpt, dtype, offload_dir: str | None, *, optimize: bool = False) -> Path:
-    """The quantized copy of checkpoint `ckpt` (a klotski.checkpoint.Checkpoint), built on
-    first use in `offload_dir` or the user cache."""
+def copy_path(ckpt, dtype, offload_dir: str | None, optimize: bool) -> tuple[Path, "quant.QuantSpec", str]:
+    """Where the quantized copy of `ckpt` lives: `offload_dir`, or the user cache."""
     from klotski import cachedir
     qspec = quant.QuantSpec(optimize=optimize)
     dtype_name = str(dtype).removeprefix("torch.")  # unquantized parts are kept in the compute dtype
     out = Path(offload_dir) if offload_dir else cachedir.quantized_copy(ckpt.key, f"{qspec.tag()}-{dtype_name}")
+    return out, qspec, dtype_name
+
+
+def room_needed(ckpt, dtype, offload_dir: str | None, *, optimize: bool = False) -> int:
+    """Disk bytes that building the copy needs (0 if it is there already): the packed groups
+    twice, as the streaming writer stages tensor bytes beside the file it assembles."""
+    out, qspec, dtype_name = copy_path(ckpt, dtype, offload_dir, optimize)
+    if quant.manifest_matches(out, ckpt.directory, qspec, dtype_name):
+        return 0
+    packed = sum(ckpt.group_nbytes(k, dtype, qspec)[0] for k in ckpt.spec.group_keys() if k[0] in QUANTIZED_KINDS)
+    return 2 * packed + (1 << 20)
+
+
+def check_room(ckpt, dtype, offload_dir: str | None, *, optimize: bool = False) -> None:
+    """Refuse, before the output exists, a quantized copy that cannot fit on its disk."""
+    from klotski.writes import require_space
+    need = room_needed(ckpt, dtype, offload_dir, optimize=optimize)
+    if need:
+        out = copy_path(ckpt, dtype, offload_dir, optimize)[0]
+        require_space(out.parent, need, "the HQQ 4-bit copy of the model",
+                      "free some space or pass --offload-dir on a bigger disk")
+
+
+def ensure_quantized(ckpt, dtype, offload_dir: str | None, *, optimize: bool = False) -> Path:
+    """The quantized copy of checkpoint `ckpt` (a klotski.checkpoint.Checkpoint), built on
+    first use in `offload_dir` or the user cache."""
+    from klotski.writes import writing
+    out, qspec, dtype_name = copy_path(ckpt, dtype, offload_dir, optimize)
     if not quant.manifest_matches(out, ckpt.directory, qspec, dtype_name):
         print(f"klotski: quantizing attention and experts with HQQ ({qspec.tag()}) into {out} (first use)",
               file=sys.stderr)
         store, spec = ckpt.store, ckpt.spec
         groups = ((label(k), {n: store.read(r.name, r.index, r.rows).to(dtype) for n, r in spec.group_refs(k).items()})
                   for k in spec.group_keys() if k[0] in QUANTIZED_KINDS)
-        quant.quantize_checkpoint(ckpt.directory, out, qspec, groups, dtype=dtype_name)
+        need = room_needed(ckpt, dtype, offload_dir, optimize=optimize)
+        with writing(out, "the HQQ 4-bit copy of the model", need=need,
+                     then="the partial copy was removed; free some space or pass --offload-dir on a bigger disk, "
+                          "then rerun the same command"):
+            quant.quantize_checkpoint(ckpt.directory, out, qspec, groups, dtype=dtype_name)
     return out

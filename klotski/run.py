@@ -17,6 +17,7 @@ from pathlib import Path
 
 from klotski.config import RunConfig
 from klotski.errors import RunStopped, UserError
+from klotski.writes import replace_atomically, writing
 
 
 def default_output(jobs: Path) -> Path:
@@ -46,10 +47,17 @@ def generate(config: RunConfig, jobs: Path, output: str | None) -> int:
     except OSError as e:
         raise UserError(f"{out_path}: cannot open the output file ({e.strerror}); choose another -o path") from None
     model_name = config.model
+
+    def emit(record) -> bool:
+        then = (f"{len(writer)} whole records are in it; make room and rerun the same command to resume "
+                "(or move the file to a bigger disk first and pass its new path with -o)")
+        with writing(out_path, "the output", then=then):
+            return writer.write(record)
+
     with writer:
         skipped = sum(r.id in writer.done_ids for r in requests)
         seqs = [s for s in seqs if s.request.id not in writer.done_ids]
-        failed = sum(writer.write(error_record(err, fmt=config.output_format)) for err in bad_lines + too_long)
+        failed = sum(emit(error_record(err, fmt=config.output_format)) for err in bad_lines + too_long)
         if skipped:
             print(f"klotski: resuming {out_path}: {skipped} requests already done", file=sys.stderr)
         # disable=None: tqdm turns itself off when stderr is not a terminal (logs, CI)
@@ -61,29 +69,31 @@ def generate(config: RunConfig, jobs: Path, output: str | None) -> int:
             with bar:
                 for seq in engine.run(seqs) if engine else ():
                     if seq.error:
-                        errored += writer.write(error_record(model_error(seq), fmt=config.output_format))
+                        errored += emit(error_record(model_error(seq), fmt=config.output_format))
                     else:
-                        writer.write(result_record(seq, fmt=config.output_format, model=model_name,
-                                                   include_token_ids=config.include_token_ids))
+                        emit(result_record(seq, fmt=config.output_format, model=model_name,
+                                           include_token_ids=config.include_token_ids))
                     bar.update(1)
                     gen_s = engine.stats.prefill_s + engine.stats.decode_s
                     if gen_s > 0:
                         bar.set_postfix_str(f"{engine.stats.generated_tokens / gen_s:.1f} tok/s")
-        except (KeyboardInterrupt, UserError):
+        except (KeyboardInterrupt, UserError, RunStopped):
             raise
         except Exception as e:  # the run stopped: say so in one line; what is written stays
-            raise RunStopped(_stopped(e, out_path, len(writer.done_ids) + bar.n)) from None
+            raise RunStopped(_stopped(e, out_path, len(writer))) from None
         finally:
             if engine:
                 engine.close()
         report = build_report(engine, run_plan, ok=len(seqs) - errored, failed=failed + errored, skipped=skipped,
                               wall_s=time.perf_counter() - t_start, config=config, model_dir=ckpt.directory)
     print(summary(report, out_path), file=sys.stderr)
+    done = f"every record is in {out_path}; only this file is missing"
     if config.trace and engine:
-        Path(config.trace).write_text(json.dumps(engine.trace.to_chrome()))
+        with writing(config.trace, "the trace", then=done):
+            replace_atomically(Path(config.trace), json.dumps(engine.trace.to_chrome()).encode())
     if config.report:
-        Path(config.report).parent.mkdir(parents=True, exist_ok=True)
-        Path(config.report).write_text(json.dumps(report, indent=2) + "\n")
+        with writing(config.report, "the run report", then=done):
+            replace_atomically(Path(config.report), (json.dumps(report, indent=2) + "\n").encode())
     return 1 if failed or errored else 0
 
 
@@ -93,9 +103,13 @@ def _stopped(e: Exception, out_path: Path, written: int) -> str:
     keep = f"{written} records are in {out_path}; rerun the same command to resume"
     if isinstance(e, OverBudget):
         return f"the run stopped: {e}; {keep}"
-    with tempfile.NamedTemporaryFile("w", prefix="klotski-crash-", suffix=".txt", delete=False) as f:
-        traceback.print_exception(e, file=f)
-    return f"internal error ({type(e).__name__}: {e}); {keep}; details in {f.name}"
+    try:
+        with tempfile.NamedTemporaryFile("w", prefix="klotski-crash-", suffix=".txt", delete=False) as f:
+            traceback.print_exception(e, file=f)
+        details = f"details in {f.name}"
+    except OSError as why:  # the temp directory may be on the disk that is full
+        details = f"the details could not be saved ({why.strerror})"
+    return f"internal error ({type(e).__name__}: {e}); {keep}; {details}"
 
 
 def build_report(engine, run_plan, *, ok: int, failed: int, skipped: int, wall_s: float, config,

@@ -114,4 +114,15 @@ def ensure(name: str) -> Path:
     from klotski import cachedir
     dtype = BUILTINS[name]
     gguf_dir()  # without the package: one line saying what to install, before any work
-    return cachedir.build_once(name, lambda path: _is_current(path, dtype), lambda tmp: build(tmp, dtype))
+    return cachedir.build_once(name, lambda path: _is_current(path, dtype), lambda tmp: build(tmp, dtype),
+                               need=built_nbytes(dtype))
+
+
+def built_nbytes(dtype: str) -> int:
+    """Bytes of the built checkpoint from the shapes above, with room for the tokenizer files
+    (for the free-space check)."""
+    from planner.shapes import ModelShape, total_params
+    shape = ModelShape(hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3,
+                       head_dim=64, num_experts=EXPERTS, top_k=TOP_K, vocab_size=49152, dtype=dtype,
+                       tie_word_embeddings=True)
+    return total_params(shape) * shape.dtype_bytes + (16 << 20)  # + tokenizer and config files

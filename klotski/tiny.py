@@ -530,5 +530,8 @@ def ensure_builtin(name: str) -> Path:
     if name not in BUILTIN_MODELS:
         raise ValueError(f"unknown built-in model {name!r}; choose from {sorted(BUILTIN_MODELS)}")
     preset = BUILTIN_MODELS[name]
+    from planner.shapes import ModelShape, total_params
+    shape = ModelShape.from_config(PRESETS[preset])
     return cachedir.build_once(name, lambda path: _is_current(path, preset),
-                               lambda tmp: build_checkpoint(tmp, preset))
+                               lambda tmp: build_checkpoint(tmp, preset),
+                               need=total_params(shape) * shape.dtype_bytes)

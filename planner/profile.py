@@ -20,6 +20,7 @@ import mmap
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -148,11 +149,22 @@ def measure(shape, *, batch_sizes=(1, 4, 16), context_lengths=(128, 512), token_
     prof = _measure(shape, grid, device, link_gbps, reps, io_bytes, io_dir or cache_dir)
     prof.name = f"measured-{key}"
     if cache:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(prof.to_json())
-        tmp.replace(path)
+        _save(path, prof.to_json())
     return prof
+
+
+def _save(path: Path, text: str) -> None:
+    """Cache a profile (whole or not at all); a cache that cannot be written only means
+    measuring again next time, so it is said once and the run goes on."""
+    tmp = path.with_suffix(".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(text)
+        tmp.replace(path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        print(f"klotski: warning: {path}: cannot save the hardware profile ({e.strerror}); "
+              "the run goes on and the next run measures again", file=sys.stderr)
 
 
 def _measure(shape, grid, device, link_gbps, reps, io_bytes, io_dir) -> Profile:
