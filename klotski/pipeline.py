@@ -88,7 +88,7 @@ class Pipeline:
                 # gathered where the table lives; only the rows travel
                 rows, index = self.cache.embedding_rows(inp.ids)
                 h = M.embed(index.to(rows.device), rows).to(self.device)
-                cos, sin = M.rope_tables(inp.positions, spec.head_dim, spec.rope_theta, h.dtype)
+                cos, sin = M.rope_tables(inp.positions, spec.rope_inv_freq, spec.rope_attention_scaling, h.dtype)
                 sink, recent = self.config.attention_sink, self.config.attention_recent
                 mask = M.attention_mask(kv.begin_step(inp.valid, sink, recent), inp.ids.shape[1],
                                         spec.sliding_window, sink, recent)

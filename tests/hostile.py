@@ -96,7 +96,7 @@ KINDS = {
     # more of our own
     "heads not divisible": (_config(num_key_value_heads=3), ("refused", "multiple of 'num_key_value_heads'")),
     "zero epsilon": (_config(rms_norm_eps=0), ("refused", "'rms_norm_eps' is 0")),
-    "unknown rope type": (_rope(rope_type="yarn", factor=4.0), ("refused", "'rope_parameters.rope_type' is 'yarn'")),
+    "unknown rope type": (_rope(rope_type="dynamic", factor=4.0), ("refused", "'rope_parameters.rope_type' is 'dynamic'")),
     "unknown dtype": (_config(dtype="float8_e4m3fn", torch_dtype=...), ("refused", "'dtype' is 'float8_e4m3fn'")),
     "gelu experts": (_config(hidden_act="gelu"), ("refused", "'hidden_act' is 'gelu'")),
     "vocab size as text": (_config(vocab_size="512"), ("refused", "'vocab_size' is '512'")),

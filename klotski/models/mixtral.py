@@ -21,12 +21,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
-def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """cos, sin of shape [B, T, head_dim] for integer `positions` [B, T]."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype):
+    """cos, sin of shape [B, T, head_dim] for integer `positions` [B, T], from the inverse
+    frequencies [head_dim / 2] and attention scaling of the checkpoint's RoPE type (ModelSpec)."""
     freqs = positions[..., None].float() * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -56,6 +56,9 @@ class ModelSpec:
     fused_experts: bool = False
     model_type: str = "mixtral"
     config: dict = field(default_factory=dict, compare=False, repr=False)
+    # RoPE inverse frequencies [head_dim / 2] (fp32) and the factor cos/sin are scaled by
+    rope_inv_freq: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    rope_attention_scaling: float = 1.0
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
@@ -69,8 +72,11 @@ class ModelSpec:
         rope = cfg.get("rope_parameters") or {}
         eos = cfg.get("eos_token_id")
         eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+        inv_freq, scaling = rope_frequencies(cfg, shape.head_dim)
         return cls(
             **{f: getattr(shape, f) for f in _SHAPE_FIELDS},
+            rope_inv_freq=inv_freq,
+            rope_attention_scaling=scaling,
             dtype=DTYPES[shape.dtype],
             rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 1e6))),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
@@ -228,19 +234,51 @@ def check_config(cfg: dict) -> None:
     F.choice(cfg, dtype_field, tuple(DTYPES), default="bfloat16")
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
         F.token_ids(cfg, name, cfg["vocab_size"])
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    if not isinstance(rope, dict):
-        raise F.BadField(f"field 'rope_parameters' is {rope!r}; must be an object such as "
-                         "{\"rope_type\": \"default\", \"rope_theta\": 1000000.0}")
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    F.choice({"rope_type": rope_type}, "rope_type", ("default",), where="rope_parameters.",
-             why=" (Klotski computes Mixtral's unscaled RoPE only)")
+    rope = _rope_parameters(cfg)
+    F.choice(rope, "rope_type", ROPE_TYPES, default="default", where="rope_parameters.",
+             why=" (types whose frequencies change with the sequence length are not supported)")
     if "rope_theta" in cfg:
         F.positive_number(cfg, "rope_theta")
     if "rope_theta" in rope:
         F.positive_number(rope, "rope_theta", where="rope_parameters.")
+    if "factor" in rope:
+        F.positive_number(rope, "factor", where="rope_parameters.")
     quant = cfg.get("quantization_config")
     if quant:
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
         raise F.BadField(f"field 'quantization_config' is present (quant_method {method!r}); Klotski reads "
                          "unquantized bf16/fp16/fp32 weights: use the original checkpoint (and --quantize hqq4)")
+
+
+# RoPE types whose frequencies are fixed once (transformers computes them, see rope_frequencies)
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def _rope_parameters(cfg: dict) -> dict:
+    """`rope_parameters` (transformers 5), else the legacy `rope_scaling`; rope_type named as such."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise F.BadField(f"field 'rope_parameters' is {rope!r}; must be an object such as "
+                         "{\"rope_type\": \"default\", \"rope_theta\": 1000000.0}")
+    if "rope_type" not in rope and "type" in rope:
+        rope = {**rope, "rope_type": rope["type"]}
+    return rope
+
+
+def rope_frequencies(cfg: dict, head_dim: int) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [head_dim / 2] fp32, attention scaling) of a checked config. The
+    unscaled kind is computed here as transformers' Mixtral does; scaled kinds by transformers'
+    own RoPE utilities on its own config object, which also checks their required fields."""
+    rope = _rope_parameters(cfg)
+    kind = rope.get("rope_type", "default")
+    if kind == "default":
+        theta = float(rope.get("rope_theta", cfg.get("rope_theta", 1e6)))
+        return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)), 1.0
+    from transformers import MixtralConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    try:
+        config = MixtralConfig.from_dict(cfg)
+    except (KeyError, ValueError, TypeError) as e:
+        raise F.BadField(f"field 'rope_parameters' ({kind}): {str(e).strip(chr(34))}") from None
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[kind](config)
+    return inv_freq.float(), float(scaling)
