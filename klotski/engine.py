@@ -69,6 +69,7 @@ class Engine:
         """Generate for every sequence; yield each one as soon as it finishes."""
         for group in self.groups(seqs):
             yield from self._run_group(group)
+            self.predictor.end_group()
             self.predictor.persist()  # what this group taught the predictor survives a crash
 
     def _run_group(self, group: list[list[S.Sequence]]):

@@ -39,6 +39,18 @@ class _Metrics:
     def __init__(self, num_layers: int):
         self.rows = [{"predicted": 0, "used": 0, "hot_hits": 0, "served": 0, "assignments": 0}
                      for _ in range(num_layers)]
+        self.groups: list[dict] = []  # per finished batch group: its counts and how the predictor stood
+        self._at_group_start = self._total()
+
+    def _total(self) -> dict:
+        return {k: sum(r[k] for r in self.rows) for k in self.rows[0]}
+
+    def end_group(self, predictor: str) -> None:
+        """Close a batch group: its own precision, so a report shows the statistics warming up."""
+        total = self._total()
+        self.groups.append({"predictor": predictor,
+                            **self._summary({k: total[k] - self._at_group_start[k] for k in total})})
+        self._at_group_start = total
 
     def score(self, layer: int, predicted: list[int], per_expert: torch.Tensor) -> None:
         row = self.rows[layer]
@@ -58,8 +70,8 @@ class _Metrics:
                 "served_share": round(row["served"] / a, 4) if a else None}
 
     def report(self) -> dict:
-        total = {k: sum(r[k] for r in self.rows) for k in self.rows[0]}
-        return {**self._summary(total), "per_layer": [self._summary(r) for r in self.rows]}
+        return {**self._summary(self._total()), "per_layer": [self._summary(r) for r in self.rows],
+                "per_group": self.groups}
 
 
 class FrequencyPredictor:
@@ -67,9 +79,12 @@ class FrequencyPredictor:
         self.counts = torch.zeros(num_layers, num_experts, dtype=torch.long)
         self.metrics = _Metrics(num_layers)
         self.predicted: dict[int, list[int]] = {}
+        self.group_state: str | None = None  # state() when the current group began
 
     def begin_step(self) -> None:
         self.predicted = {}
+        if self.group_state is None:
+            self.group_state = self.state()
 
     def predict(self, layer: int, k: int) -> list[int]:
         if layer not in self.predicted:
@@ -84,6 +99,16 @@ class FrequencyPredictor:
 
     def report(self) -> dict:
         return self.metrics.report()
+
+    def state(self) -> str:
+        """What predicts, and from how much history (for the per-group report)."""
+        seen = int(self.counts[0].sum())
+        return f"running counts of {seen} routing decisions" if seen else "cold running counts"
+
+    def end_group(self) -> None:
+        """Called after every batch group: score it, with the state it started in."""
+        self.metrics.end_group(self.group_state or self.state())
+        self.group_state = None
 
     def persist(self) -> None:
         """Save what was learned, where that is kept (called after every batch group)."""
@@ -201,6 +226,10 @@ class CorrelationPredictor(FrequencyPredictor):
         self.table.update(layer, paths, flat)
         self.history.append(self.table.codes(flat))
 
+    def state(self) -> str:
+        seen = int(self.table.first.sum()) // max(1, self.table.top_k)
+        return f"correlation table learned from {seen} tokens" if seen else "cold correlation table"
+
     def persist(self) -> None:
         """Save what was learned; a cache that cannot be written costs the next run a warm
         start, never this run: say so once and go on."""
@@ -225,6 +254,9 @@ class NextGatePredictor(FrequencyPredictor):
     def begin_step(self) -> None:
         super().begin_step()
         self.speculated = {}
+
+    def state(self) -> str:
+        return f"next-gate speculation ({super().state()} for layer 0)"
 
     def speculate(self, layer: int, experts: list[torch.Tensor]) -> None:
         """Experts the next layer's router picks for the current hidden states (computed by the pipeline)."""

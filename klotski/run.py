@@ -161,8 +161,21 @@ def summary(report: dict, out_path: Path) -> str:
             f"plan      batch size {plan['batch_size']} x {plan['num_batches']} batches"
             + (f", prefill in chunks of {plan['prefill_chunk']} tokens" if plan["prefill_chunk"] else ""),
             f"bubble    {report['bubble']['share']:.1%} of compute time waiting on transfers",
+            *_prefetch_line(report["prefetch"]),
             f"memory    peak device {mem['peak_device_bytes'] / 2**20:.1f} of {mem['budget_device_bytes'] / 2**20:.1f} MiB, "
             f"host {mem['peak_host_bytes'] / 2**20:.1f} of {mem['budget_host_bytes'] / 2**20:.1f} MiB",
         ]
     lines += [f"wall      {report['wall_s']:.1f} s", f"output    {out_path}"]
     return "\n".join(lines)
+
+
+def _prefetch_line(prefetch: dict) -> list[str]:
+    """How well hot experts were predicted, first group (perhaps cold) against the others."""
+    groups = [g for g in prefetch.get("per_group", []) if g["precision"] is not None]
+    if not groups:
+        return []
+    line = f"prefetch  {prefetch['precision']:.0%} of prefetched experts were used"
+    if len(groups) > 1:
+        later = sum(g["precision"] for g in groups[1:]) / (len(groups) - 1)
+        line += f"; first group {groups[0]['precision']:.0%} ({groups[0]['predictor']}), later groups {later:.0%}"
+    return [line]

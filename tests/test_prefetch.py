@@ -64,3 +64,18 @@ def test_correlation_prediction_beats_chance_on_skewed_routing(tmp_path):
     report = engine.predictor.report()
     assert report["precision"] >= 0.75      # measured 0.84-0.93
     assert report["hot_accuracy"] >= 0.5    # measured 0.65
+
+
+def test_report_scores_each_group_with_the_state_it_started_in(checkpoints):
+    """The first group of a cold run is scored as cold; every later group, and the first
+    group of the next run, as learned from the tokens seen before it began."""
+    run = lambda: engine_tokens(checkpoints["gqa"], prefetch="correlation", batch_size=2, num_batches=1)[1]
+    table_path(run().ckpt).unlink()
+    groups = run().predictor.report()["per_group"]
+    assert len(groups) == 3  # 6 prompts, 2 per group
+    assert groups[0]["predictor"] == "cold correlation table"
+    seen = [int(g["predictor"].split("from ")[1].split()[0]) for g in groups[1:]]
+    assert 0 < seen[0] < seen[1]
+    assert all(0 <= g["precision"] <= 1 for g in groups)
+    again = run().predictor.report()["per_group"]
+    assert again[0]["predictor"].startswith("correlation table learned from ")
