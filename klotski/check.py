@@ -31,7 +31,10 @@ def scan(model: str, *, host_memory: int | None = None, progress: bool = False):
         try:
             spec = ModelSpec.from_dir(directory, store.names())
             store.validate(spec.expected_shapes())
-            load_tokenizer(directory, spec)
+            tokenizer = load_tokenizer(directory, spec)
+            if len(tokenizer) > spec.vocab_size:
+                yield (f"{directory}: the tokenizer has {len(tokenizer)} tokens but config.json's vocab_size is "
+                       f"{spec.vocab_size}; prompts that use the extra tokens will fail")
         except CheckpointError as e:
             yield str(e)
         piece = max(1, min(MAX_PIECE_BYTES, (host_memory or MAX_PIECE_BYTES * 4) // 4))

@@ -46,9 +46,20 @@ def dense_model():
     """SmolLM2-135M-Instruct as transformers reads it: (LlamaForCausalLM in fp32, tokenizer)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     folder = gguf_dir()
+    _give_gguf_a_version()
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_FILE, dtype=torch.float32)
     return model.eval(), tok
+
+
+def _give_gguf_a_version() -> None:
+    """transformers finds gguf's version through importlib.metadata.packages_distributions(),
+    which on Python 3.10 reads only top_level.txt (gguf's wheels have none), then falls back
+    to the module's __version__ (gguf defines none) and fails to parse 'N/A'. Give it one."""
+    import gguf
+    if not hasattr(gguf, "__version__"):
+        from importlib.metadata import version
+        gguf.__version__ = version("gguf")
 
 
 def build(out_dir, dtype: str = "float32", *, experts: int = EXPERTS, top_k: int = TOP_K,

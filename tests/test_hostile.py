@@ -37,7 +37,7 @@ RECORDS = [k for k, (_, (what, _)) in hostile.KINDS.items() if what == "records"
 
 def test_the_generator_breaks_what_it_says(good, tmp_path):
     """Guard against a mutation that silently does nothing."""
-    assert len(REFUSED) >= 11 and len(RECORDS) >= 2
+    assert len(REFUSED) >= 10 and len(RECORDS) >= 2
     d = hostile.broken_copy(good, tmp_path / "x", "nan expert")
     assert hostile.tensor_has_non_finite(d, hostile.EXPERT)
     assert not hostile.tensor_has_non_finite(good, hostile.EXPERT)
@@ -116,3 +116,21 @@ def test_check_passes_a_good_checkpoint_reading_in_bounded_pieces(good, capsys, 
     assert cli.main(["check", "--model", str(good), "--host-memory", "64KiB", "--no-progress"]) == 0
     assert "0 problems" in capsys.readouterr().out
     assert 0 < largest[0] <= 16 << 10  # a quarter of the budget, though tensors are bigger
+
+
+def test_a_prompt_using_a_token_beyond_the_vocabulary_fails_alone(good, tmp_path, capsys):
+    """A tokenizer with more tokens than embedding rows (a few added special tokens, or another
+    model's tokenizer): the prompts that use them become error records, the others run."""
+    model = tmp_path / "model"
+    shutil.copytree(good, model)
+    hostile.add_tokens(3)(model)
+    jobs = tmp_path / "jobs.jsonl"
+    jobs.write_text('{"id": "a", "prompt": "Paris <extra_1>"}\n{"id": "b", "prompt": "Paris"}\n')
+    out = tmp_path / "out.jsonl"
+    assert cli.main(["generate", str(jobs), "--model", str(model), "-o", str(out), "--no-progress"]) == 1
+    records = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert "outside the model's vocabulary (vocab_size 512" in records["a"]["error"]["message"]
+    assert records["b"]["completion_tokens"] > 0
+    capsys.readouterr()
+    assert cli.main(["check", "--model", str(model), "--no-progress"]) == 1
+    assert "the tokenizer has 515 tokens" in capsys.readouterr().out
