@@ -60,7 +60,8 @@ def test_query_chunking_bounds_scores_and_keeps_results():
     w = {"input_norm": torch.ones(H), "q": torch.randn(64, H) / 8, "k": torch.randn(32, H) / 8,
          "v": torch.randn(32, H) / 8, "o": torch.randn(H, 64) / 8}
     h = torch.randn(2, 50, H)
-    cos, sin = M.rope_tables(torch.arange(50).expand(2, 50), 16, 1e4, h.dtype)
+    inv_freq = 1.0 / (1e4 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
+    cos, sin = M.rope_tables(torch.arange(50).expand(2, 50), inv_freq, 1.0, h.dtype)
     mask = M.attention_mask(torch.ones(2, 50, dtype=torch.bool), 50, None)
     whole = M.attention_block(h, w, cos, sin, mask, lambda k, v: (k, v), spec)
     chunked = M.attention_block(h, w, cos, sin, mask, lambda k, v: (k, v), spec, max_scores=2 * 4 * 50 * 7)
