@@ -33,6 +33,14 @@ class Stats:
     generated_tokens: int = 0
     prefill_passes: int = 0     # forward steps that carried prompt tokens (more than one per group when chunked)
     decode_disk_bytes: int = 0  # read from disk while decode steps ran: the bigger-than-RAM bound
+    decode_rows: int = 0        # sequence slots computed by decode steps
+    decode_useful_rows: int = 0  # of those, slots whose sequence was still generating
+
+    @property
+    def slot_utilisation(self) -> float | None:
+        """Useful share of decode work: a static batch computes every slot until its longest
+        sequence ends, so finished sequences' slots are work for nothing."""
+        return self.decode_useful_rows / self.decode_rows if self.decode_rows else None
 
 
 class Engine:
@@ -116,6 +124,8 @@ class Engine:
             else:
                 self.stats.decode_s += elapsed
                 self.stats.decode_disk_bytes += self.trace.bytes[DISK_TO_HOST] - disk0
+                self.stats.decode_rows += sum(len(group[k]) for k in active)
+                self.stats.decode_useful_rows += sum(not s.done for k in active for s in group[k])
             inputs = {}
             for k, out in zip(active, logits):
                 broken[k] = torch.where(broken[k] < 0, out.broken_at, broken[k])

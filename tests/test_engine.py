@@ -63,3 +63,19 @@ def test_batches_with_different_lengths_in_one_group(checkpoints):
     ref = reference_tokens(checkpoints["gqa"], max_new_tokens=12)
     for i, r in enumerate(reqs):
         assert got[r.id].out == ref[i][: r.max_new_tokens]
+
+
+def test_decode_slot_utilisation_counts_slots_of_finished_sequences_as_waste(checkpoints):
+    """Two sequences in one static batch, limits 1 and 8: after the prefill gives each its first
+    token, seven decode steps compute both slots for the one sequence still generating."""
+    reqs = [Request(id="short", line=1, prompt=PROMPTS[0], messages=None, max_new_tokens=1),
+            Request(id="long", line=2, prompt=PROMPTS[1], messages=None, max_new_tokens=8)]
+    engine, seqs, _ = open_engine(RunConfig(model=str(checkpoints["gqa"]), batch_size=2, num_batches=1,
+                                            progress=False), reqs)
+    done = {s.request.id: s for s in engine.run(seqs)}
+    engine.close()
+    long = done["long"]
+    steps = len(long.out) - 1 + (long.finish_reason == "stop")  # decode steps the long one needed
+    assert steps >= 1
+    assert (engine.stats.decode_rows, engine.stats.decode_useful_rows) == (2 * steps, steps)
+    assert engine.stats.slot_utilisation == 0.5
