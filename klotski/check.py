@@ -27,7 +27,6 @@ def scan(model: str, *, host_memory: int | None = None, progress: bool = False):
         yield str(e)  # no readable tensor index: nothing more can be checked
         return
     try:
-        spec = None
         try:
             spec = ModelSpec.from_dir(directory, store.names())
             store.validate(spec.expected_shapes())

@@ -58,23 +58,19 @@ def copy_path(ckpt, dtype, offload_dir: str | None, optimize: bool) -> tuple[Pat
     return out, qspec, dtype_name
 
 
-def room_needed(ckpt, dtype, offload_dir: str | None, *, optimize: bool = False) -> int:
-    """Disk bytes that building the copy needs (0 if it is there already): the packed groups
-    twice, as the streaming writer stages tensor bytes beside the file it assembles."""
-    out, qspec, dtype_name = copy_path(ckpt, dtype, offload_dir, optimize)
-    if quant.manifest_matches(out, ckpt.directory, qspec, dtype_name):
-        return 0
+def _room_needed(ckpt, dtype, qspec) -> int:
+    """Disk bytes that building the copy needs: the packed groups twice, as the streaming
+    writer stages tensor bytes beside the file it assembles."""
     packed = sum(ckpt.group_nbytes(k, dtype, qspec)[0] for k in ckpt.spec.group_keys() if k[0] in QUANTIZED_KINDS)
     return 2 * packed + (1 << 20)
 
 
 def check_room(ckpt, dtype, offload_dir: str | None, *, optimize: bool = False) -> None:
-    """Refuse, before the output exists, a quantized copy that cannot fit on its disk."""
+    """Refuse, before the output exists, a quantized copy that is not there and cannot fit."""
     from klotski.writes import require_space
-    need = room_needed(ckpt, dtype, offload_dir, optimize=optimize)
-    if need:
-        out = copy_path(ckpt, dtype, offload_dir, optimize)[0]
-        require_space(out.parent, need, "the HQQ 4-bit copy of the model",
+    out, qspec, dtype_name = copy_path(ckpt, dtype, offload_dir, optimize)
+    if not quant.manifest_matches(out, ckpt.directory, qspec, dtype_name):
+        require_space(out.parent, _room_needed(ckpt, dtype, qspec), "the HQQ 4-bit copy of the model",
                       "free some space or pass --offload-dir on a bigger disk")
 
 
@@ -89,8 +85,7 @@ def ensure_quantized(ckpt, dtype, offload_dir: str | None, *, optimize: bool = F
         store, spec = ckpt.store, ckpt.spec
         groups = ((label(k), {n: store.read(r.name, r.index, r.rows).to(dtype) for n, r in spec.group_refs(k).items()})
                   for k in spec.group_keys() if k[0] in QUANTIZED_KINDS)
-        need = room_needed(ckpt, dtype, offload_dir, optimize=optimize)
-        with writing(out, "the HQQ 4-bit copy of the model", need=need,
+        with writing(out, "the HQQ 4-bit copy of the model", need=_room_needed(ckpt, dtype, qspec),
                      then="the partial copy was removed; free some space or pass --offload-dir on a bigger disk, "
                           "then rerun the same command"):
             quant.quantize_checkpoint(ckpt.directory, out, qspec, groups, dtype=dtype_name)

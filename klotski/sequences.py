@@ -50,8 +50,8 @@ def prepare(requests, tokenizer, spec, config):
         if not ids:
             errors.append(LineError(req.id, req.line, "prompt is empty after tokenization", openai=req.openai))
             continue
-        if max(ids) >= spec.vocab_size:
-            errors.append(LineError(req.id, req.line, f"the prompt has token id {max(ids)}, outside the model's "
+        if (top := max(ids)) >= spec.vocab_size:
+            errors.append(LineError(req.id, req.line, f"the prompt has token id {top}, outside the model's "
                                     f"vocabulary (vocab_size {spec.vocab_size} in config.json): the tokenizer "
                                     "does not match the checkpoint", openai=req.openai))
             continue

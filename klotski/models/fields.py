@@ -67,6 +67,6 @@ def token_ids(cfg: dict, name: str, vocab_size: int) -> tuple[int, ...]:
     return ids
 
 
-def divisible(cfg: dict, name: str, value: int, by_name: str, by: int) -> None:
+def divisible(name: str, value: int, by_name: str, by: int) -> None:
     if value % by:
         raise BadField(f"field {name!r} is {value}; must be a multiple of {by_name!r} ({by})")

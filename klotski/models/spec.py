@@ -45,7 +45,6 @@ class ModelSpec:
     num_experts: int
     top_k: int
     vocab_size: int
-    rope_theta: float
     rms_norm_eps: float
     sliding_window: int | None
     max_position_embeddings: int
@@ -69,20 +68,16 @@ class ModelSpec:
         check_config(cfg)
         # shapes are read once, by the planner's ModelShape; the engine adds what it computes with
         shape = ModelShape.from_config(cfg)
-        rope = cfg.get("rope_parameters") or {}
-        eos = cfg.get("eos_token_id")
-        eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
         inv_freq, scaling = rope_frequencies(cfg, shape.head_dim)
         return cls(
             **{f: getattr(shape, f) for f in _SHAPE_FIELDS},
             rope_inv_freq=inv_freq,
             rope_attention_scaling=scaling,
             dtype=DTYPES[shape.dtype],
-            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 1e6))),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
             max_position_embeddings=cfg.get("max_position_embeddings", 32768),
             bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos,
+            eos_token_ids=F.token_ids(cfg, "eos_token_id", shape.vocab_size),
             fused_experts=fused_experts,
             model_type=mt,
             config=cfg,
@@ -217,10 +212,10 @@ def check_config(cfg: dict) -> None:
         F.integer(cfg, name)
     heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
     kv_heads = F.integer(cfg, "num_key_value_heads", default=None, optional=True) or heads
-    F.divisible(cfg, "num_attention_heads", heads, "num_key_value_heads", kv_heads)
+    F.divisible("num_attention_heads", heads, "num_key_value_heads", kv_heads)
     head_dim = F.integer(cfg, "head_dim", default=None, optional=True)
     if head_dim is None:
-        F.divisible(cfg, "hidden_size", hidden, "num_attention_heads", heads)
+        F.divisible("hidden_size", hidden, "num_attention_heads", heads)
         head_dim = hidden // heads
     if head_dim % 2:
         raise F.BadField(f"field 'head_dim' is {head_dim}; must be even (RoPE rotates pairs of dimensions)")
