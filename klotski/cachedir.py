@@ -4,6 +4,7 @@ keyed by a checkpoint's fingerprint so a changed checkpoint never reuses a stale
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import sys
@@ -40,6 +41,16 @@ def correlation_table(key: str) -> Path:
 
 def quantized_copy(key: str, tag: str) -> Path:
     return root() / "quantized" / f"{key}-{tag}"
+
+
+def stamp_matches(stamp_file: Path, **expected) -> bool:
+    """Whether a built model's stamp (JSON) records exactly the `expected` values: a model
+    built by other code or from other settings is rebuilt, never reused."""
+    try:
+        stamp = json.loads(stamp_file.read_text())
+    except (OSError, ValueError):
+        return False
+    return all(stamp.get(k) == v for k, v in expected.items())
 
 
 def build_once(name: str, current: Callable[[Path], bool], build: Callable[[Path], object],

@@ -113,11 +113,8 @@ def _upcycled_state(dense: dict, config, seed: int) -> dict:
 
 
 def _is_current(path: Path, dtype: str) -> bool:
-    try:
-        stamp = json.loads((path / STAMP_FILE).read_text())
-    except (OSError, ValueError):
-        return False
-    return stamp.get("build_version") == BUILD_VERSION and stamp.get("dtype") == dtype
+    from klotski.cachedir import stamp_matches
+    return stamp_matches(path / STAMP_FILE, build_version=BUILD_VERSION, dtype=dtype)
 
 
 def ensure(name: str) -> Path:

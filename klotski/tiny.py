@@ -517,11 +517,8 @@ def build_checkpoint(out_dir, preset: str = "tiny", *, seed: int = 0, dtype=None
 # --------------------------------------------------------------------------- built-ins
 
 def _is_current(path: Path, preset: str) -> bool:
-    try:
-        stamp = json.loads((path / STAMP_FILE).read_text())
-    except (OSError, ValueError):
-        return False
-    return stamp.get("build_version") == BUILD_VERSION and stamp.get("preset") == preset
+    from klotski.cachedir import stamp_matches
+    return stamp_matches(path / STAMP_FILE, build_version=BUILD_VERSION, preset=preset)
 
 
 def ensure_builtin(name: str) -> Path:
