@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from klotski.config import OUTPUT_FORMATS, PREFETCH, SCHEDULES, RunConfig, parse_size
+from planner.shapes import FAMILY_FIELDS
 
 EXIT_OK, EXIT_FAILED_LINES, EXIT_USAGE, EXIT_STOPPED, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 3, 130, 143
 
@@ -148,9 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("-o", "--output", metavar="DIR", help="default: the user cache, where generate looks")
     q.add_argument("--optimize", action="store_true", help="HQQ half-quadratic optimisation (slow on CPU)")
 
-    t = sub.add_parser("make-tiny", help="write a deterministic small Mixtral checkpoint (HF format)")
+    t = sub.add_parser("make-tiny", help="write a deterministic small checkpoint (HF format)")
     t.add_argument("output", metavar="DIR")
     t.add_argument("--preset", default="tiny", help="tiny, small or medium (default: tiny)")
+    t.add_argument("--family", default="mixtral", choices=tuple(FAMILY_FIELDS),
+                   help="model family; other than mixtral, built with transformers' own classes (random)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--shards", type=int, default=1, help="number of safetensors files")
     t.add_argument("--fused-experts", action="store_true", help="write transformers-v5 fused expert tensors")
@@ -243,9 +246,13 @@ def _run(args) -> int:
         from klotski import tiny
         from klotski.writes import writing
         with writing(args.output, "the checkpoint"):
-            path = tiny.build_checkpoint(args.output, args.preset, seed=args.seed, num_shards=args.shards,
-                                         fused_experts=args.fused_experts, routing=args.routing)
-        print(f"wrote {args.preset} checkpoint to {path}")
+            if args.family != "mixtral":
+                from klotski.tiny_family import build_family
+                path, what = build_family(args.output, args.family, seed=args.seed), args.family
+            else:
+                path, what = tiny.build_checkpoint(args.output, args.preset, seed=args.seed, num_shards=args.shards,
+                                                   fused_experts=args.fused_experts, routing=args.routing), args.preset
+        print(f"wrote {what} checkpoint to {path}")
         return EXIT_OK
     if args.command == "jobs":
         from klotski.jobs_export import export_wikitext

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from klotski.kvcache import BatchKV
-from klotski.models import mixtral as M
+from klotski.models import layers as L
 from placement.tiers import OverBudget
 from planner.workingset import (ATTENTION_SCORE_CHUNK, DISK_WINDOW_LAYERS, KV_BUFFERS, PREFILL_EXPERT_CHUNK, Step,
                                 activation_bytes)
@@ -54,13 +54,15 @@ class StepOutput:
 class _Routed:
     """Router decisions of one batch at one layer, flattened over its B*T tokens."""
     x: torch.Tensor        # normalised MoE input [N, H]
-    weights: torch.Tensor  # [N, k] fp32
+    weights: torch.Tensor  # [N, k] (fp32 or the activation dtype, as the family routes)
     experts: torch.Tensor  # [N, k]
+    shared: torch.Tensor | None  # the shared expert's output [N, H], for families with one
 
 
 class Pipeline:
     def __init__(self, spec, cache, channels, config, trace, predictor, memory, device):
         self.spec, self.cache, self.ch, self.config = spec, cache, channels, config
+        self.M = spec.family  # the model's layer functions
         self.trace, self.predictor, self.memory, self.device = trace, predictor, memory, device
         self.schedule = config.schedule
         self.whole_layer = self.schedule in ("simple", "multibatch")
@@ -87,10 +89,10 @@ class Pipeline:
             with self.trace.span("compute", "embed"):
                 # gathered where the table lives; only the rows travel
                 rows, index = self.cache.embedding_rows(inp.ids)
-                h = M.embed(index.to(rows.device), rows).to(self.device)
-                cos, sin = M.rope_tables(inp.positions, spec.rope_inv_freq, spec.rope_attention_scaling, h.dtype)
+                h = L.embed(index.to(rows.device), rows).to(self.device)
+                cos, sin = L.rope_tables(inp.positions, spec.rope_inv_freq, spec.rope_attention_scaling, h.dtype)
                 sink, recent = self.config.attention_sink, self.config.attention_recent
-                mask = M.attention_mask(kv.begin_step(inp.valid, sink, recent), inp.ids.shape[1],
+                mask = L.attention_mask(kv.begin_step(inp.valid, sink, recent), inp.ids.shape[1],
                                         spec.sliding_window, sink, recent)
                 columns = kv.step_columns()
                 if columns is not None:  # attend over the kept slots only
@@ -116,7 +118,7 @@ class Pipeline:
             kv.end_step()
         head = self._get(("head",))
         with self.trace.span("compute", "lm_head"):
-            out = [StepOutput(M.logits(h[:, -1], head["norm"], head["lm_head"], spec.rms_norm_eps).cpu(), b.cpu())
+            out = [StepOutput(L.logits(h[:, -1], head["norm"], head["lm_head"], spec.rms_norm_eps).cpu(), b.cpu())
                    for h, b in zip(hs, broken)]
         self.cache.release(("head",))
         self.memory.free(act)
@@ -148,7 +150,7 @@ class Pipeline:
                 buf = self._wait(loads[k][0], f"kv.{layer}.{k}")
             cos, sin, mask = ctx[k]
             with self.trace.span("compute", f"attn.{layer}.b{k}"):
-                hs[k] = M.attention_block(hs[k], w, cos, sin, mask,
+                hs[k] = self.M.attention_block(hs[k], w, cos, sin, mask,
                                           lambda kk, vv, kv=kv, buf=buf: kv.write(layer, kk, vv, buf), self.spec,
                                           max_scores=ATTENTION_SCORE_CHUNK)
             if kv.on_host:
@@ -198,18 +200,20 @@ class Pipeline:
             return
         gate = self.cache.get(key)
         with self.trace.span("compute", f"speculate.{layer}"):
-            picks = [self._route(h, gate).experts for h in hs]
+            picks = [self._route(h, gate, shared=False).experts for h in hs]
         self.predictor.speculate(layer, picks)
 
-    def _route(self, h, gate) -> _Routed:
-        x = M.rms_norm(h, gate["post_norm"], self.spec.rms_norm_eps).reshape(-1, h.shape[-1])
-        return _Routed(x, *M.route(x, gate["router"], self.spec.top_k))
+    def _route(self, h, gate, shared: bool = True) -> _Routed:
+        """The router's choice for one batch and, where the family has one, the shared expert's
+        output (it lives in the gate group, so it computes while that is held)."""
+        x = L.rms_norm(h, gate["post_norm"], self.spec.rms_norm_eps).reshape(-1, h.shape[-1])
+        return _Routed(x, *self.M.route(x, gate, self.spec), self.M.shared_ffn(x, gate, self.spec) if shared else None)
 
     # ---- experts ------------------------------------------------------------------------
     def _experts(self, layer, hs, routed, hot):
         if not self.whole_layer:
             self._want(self._next_layer_prefetch(layer), "weights")
-        outs = [torch.zeros_like(r.x) for r in routed]
+        outs = [L.slots(len(r.x), self.spec.top_k, r.x, r.weights) for r in routed]
         chosen = sorted(set(torch.cat([r.experts.flatten() for r in routed]).tolist()))
         # expected compute order, for choosing what to evict (needed last goes first)
         first = [e for e in chosen if self.schedule != "klotski" or e in hot]
@@ -224,11 +228,11 @@ class Pipeline:
                 # One matmul over the tokens of all batches: the weight is shared n*bs ways
                 # (in chunks, so a long prefill does not blow the activation reserve).
                 x = torch.cat([r.x[tok] for r, (tok, _) in zip(routed, picks)])
-                y = torch.cat([M.expert_ffn(c, w) for c in x.split(PREFILL_EXPERT_CHUNK)])
+                y = torch.cat([self.M.expert_ffn(c, w) for c in x.split(PREFILL_EXPERT_CHUNK)])
                 for r, out, (tok, slot), y_k in zip(routed, outs, picks, y.split([len(p[0]) for p in picks])):
-                    # index_put_ rather than index_add_: same sum (a token meets an expert once),
-                    # but index_add_ on CPU costs milliseconds per call here
-                    out.index_put_((tok,), M.weighted(y_k, r.weights[tok, slot]), accumulate=True)
+                    # each token's output waits in its top-k slot, summed in slot order at the
+                    # end, so the order experts compute in never changes a bit of the result
+                    L.put_weighted(out, tok, slot, y_k, r.weights)
             del w, x, y  # no reference outlives the group's reservation
             if self.schedule == "klotski":
                 self.cache.release(key)  # early release: room for the next transfer now
@@ -239,7 +243,7 @@ class Pipeline:
         for key in done + self._expert_keys(layer):  # end of layer: free the rest, incl. unused prefetches
             self.cache.release(key)
         self._pump()
-        return [h + out.view_as(h) for h, out in zip(hs, outs)]
+        return [h + L.combine(out, h.dtype, r.shared).view_as(h) for h, out, r in zip(hs, outs, routed)]
 
     def _next_layer_prefetch(self, layer) -> list:
         """While this layer's experts compute, the link moves what the next layer needs first:

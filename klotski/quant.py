@@ -195,18 +195,15 @@ def _dequantize_meta(q, s, z, count: int) -> torch.Tensor:
 
 
 # ---- tensor groups ------------------------------------------------------------------------
-# Group-local names (klotski.models.spec) and their Hugging Face spellings. An allow-list:
-# norms, router, embeddings and lm_head are small or precision-critical, and anything we do
-# not recognise is safer left alone.
+# Group-local names (ModelSpec.group_refs: the same in every family, whatever the tensor is
+# called on disk). An allow-list: norms, biases, routers, shared experts, embeddings and
+# lm_head are small or precision-critical, and anything we do not recognise is safer left alone.
 PROJECTIONS = {"q", "k", "v", "o", "w1", "w2", "w3"}
-_HF_PROJECTION = re.compile(r"(self_attn\.[qkvo]_proj|block_sparse_moe\.experts\.\d+\.w[123])\.weight$")
 
 
 def should_quantize(name: str, tensor: torch.Tensor) -> bool:
-    """True for 2-D expert and attention projection weights, by group-local or HF name."""
-    if tensor.ndim != 2 or not tensor.is_floating_point():
-        return False
-    return name in PROJECTIONS or bool(_HF_PROJECTION.search(name))
+    """True for 2-D expert and attention projection weights, by group-local name."""
+    return tensor.ndim == 2 and tensor.is_floating_point() and name in PROJECTIONS
 
 
 def quantize_group(tensors: dict[str, torch.Tensor], spec: QuantSpec = QuantSpec()) -> dict[str, torch.Tensor]:

@@ -133,8 +133,9 @@ class CostModel:
             return flops, (s.attention_params * b + bs * keys * self.kv_bytes_per_token_layer
                            + 4 * toks * s.hidden_size * b)
         (n,) = point
-        if kind == "gate":
-            return 2 * n * s.hidden_size * s.num_experts, s.gate_params * b + n * s.hidden_size * b
+        if kind == "gate":  # the router, and a shared expert where the family has one
+            return (2 * n * s.hidden_size * (s.num_experts + 3 * s.shared_intermediate_size),
+                    s.gate_params * b + n * (s.hidden_size + 3 * s.shared_intermediate_size) * b)
         if kind == "expert":
             return (6 * n * s.hidden_size * s.intermediate_size,
                     s.expert_params * b + n * (2 * s.hidden_size + 3 * s.intermediate_size) * b)

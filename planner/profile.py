@@ -232,7 +232,7 @@ def _timeit(fn, reps: int, sync) -> float:
 
 
 class _LayerOps:
-    """Random weights of one Mixtral layer and closures running each op as the engine would."""
+    """Random weights of one MoE layer and closures running each op as the engine would."""
 
     def __init__(self, shape, dt, dev):
         import torch
@@ -248,6 +248,8 @@ class _LayerOps:
         self.wq, self.wk, self.wv, self.wo = w(q, H), w(kv, H), w(kv, H), w(H, q)
         self.norm = torch.ones(H, dtype=dt, device=dev)
         self.wg = w(shape.num_experts, H)
+        Is = shape.shared_intermediate_size  # a shared expert runs with the router (Qwen2-MoE)
+        self.shared = (w(Is, H), w(Is, H), w(H, Is)) if Is else None
         self.w1, self.w3, self.w2 = w(I, H), w(I, H), w(H, I)
         self._head = None
 
@@ -292,7 +294,11 @@ class _LayerOps:
         x = self._x(n, self.s.hidden_size)
 
         def run():
-            probs = torch.softmax(torch.nn.functional.linear(x, self.wg).float(), -1)
+            F = torch.nn.functional
+            probs = torch.softmax(F.linear(x, self.wg).float(), -1)
+            if self.shared:
+                w1, w3, w2 = self.shared
+                F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
             return torch.topk(probs, self.s.top_k, -1)
         return run
 

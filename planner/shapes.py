@@ -1,8 +1,12 @@
 """Model shapes the planner reasons about, without weights and without the engine.
 
-The engine's `ModelSpec` carries the same attributes; everything in `planner` accepts either
-by duck typing (`as_shape` copies what it needs), so `klotski plan --model mixtral-8x22b`
-answers on a laptop with no checkpoint and the planner never imports `klotski`.
+This is the one shape type: the engine's `ModelSpec` holds a `ModelShape` and adds only
+what it computes with, so `klotski plan --model qwen3-30b-a3b` answers on a laptop with no
+checkpoint and the planner never imports `klotski` (nor torch).
+
+Families name the same sizes differently (Mixtral's `num_local_experts` is Qwen's
+`num_experts`; Qwen's experts are `moe_intermediate_size` wide); `FAMILY_FIELDS` is the one
+place that knows, and `intermediate_size` here is always one routed expert's width.
 """
 from __future__ import annotations
 
@@ -26,28 +30,40 @@ class ModelShape:
     tie_word_embeddings: bool = False
     sliding_window: int | None = None
     name: str = ""
+    model_type: str = "mixtral"
+    shared_intermediate_size: int = 0  # a shared expert beside the routed ones (Qwen2-MoE), 0: none
+    attention_bias: str = ""           # projections with a bias: "" none, "qkv", "qkvo"
+    qk_norm: str = ""                  # RMSNorm of q and k: "" none, "head" (per head), "projection" (whole)
 
     @classmethod
     def from_config(cls, cfg: dict, name: str = "") -> "ModelShape":
-        """Read a Hugging Face Mixtral `config.json` dict."""
+        """Read a Hugging Face `config.json` dict of a supported family."""
+        mt = cfg.get("model_type", "mixtral")
+        if mt not in FAMILY_FIELDS:
+            raise ValueError(f"model_type {mt!r} is not supported (supported: {', '.join(FAMILY_FIELDS)})")
+        names = family_fields(cfg)
         heads = cfg["num_attention_heads"]
         dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"
         if dtype not in _DTYPE_BYTES:
             raise ValueError(f"config dtype {dtype!r} is not one of {sorted(_DTYPE_BYTES)}")
         return cls(
             hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
+            intermediate_size=cfg[names["intermediate_size"]],
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            num_experts=cfg["num_local_experts"],
+            num_experts=cfg[names["num_experts"]],
             top_k=cfg["num_experts_per_tok"],
             vocab_size=cfg["vocab_size"],
             dtype=dtype,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            sliding_window=cfg.get("sliding_window"),
+            sliding_window=sliding_window(cfg),
             name=name or cfg.get("_name_or_path", ""),
+            model_type=mt,
+            shared_intermediate_size=int(cfg.get(names.get("shared", ""), 0) or 0),
+            attention_bias=attention_bias(cfg),
+            qk_norm=names.get("qk_norm", ""),
         )
 
     @property
@@ -60,13 +76,20 @@ class ModelShape:
 
     @property
     def attention_params(self) -> int:
+        """q/k/v/o projections, their biases and q/k norms, and the input norm."""
         q = self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
-        return self.hidden_size * (2 * q + 2 * kv) + self.hidden_size  # + input norm
+        bias = {"": 0, "qkv": q + 2 * kv, "qkvo": q + 2 * kv + self.hidden_size}[self.attention_bias]
+        norms = {"": 0, "head": 2 * self.head_dim, "projection": q + kv}[self.qk_norm]
+        return self.hidden_size * (2 * q + 2 * kv) + bias + norms + self.hidden_size
 
     @property
     def gate_params(self) -> int:
-        return (self.num_experts + 1) * self.hidden_size  # router + post-attention norm
+        """Everything of a MoE layer used by every token: the post-attention norm and the
+        router, and a shared expert with its sigmoid gate where the family has one."""
+        shared = 3 * self.hidden_size * self.shared_intermediate_size + self.hidden_size \
+            if self.shared_intermediate_size else 0
+        return (self.num_experts + 1) * self.hidden_size + shared
 
     def kv_bytes_per_token(self, dtype_bytes: int | None = None) -> int:
         """K and V of one token over all layers."""
@@ -85,10 +108,49 @@ def dtype_name(obj) -> str:
     return name
 
 
+# Per family: the config field of one routed expert's width and of the expert count, the
+# shared expert's width, and the kind of q/k norm (fields checked against transformers 5.23).
+FAMILY_FIELDS: dict[str, dict[str, str]] = {
+    "mixtral": {"intermediate_size": "intermediate_size", "num_experts": "num_local_experts"},
+    "qwen3_moe": {"intermediate_size": "moe_intermediate_size", "num_experts": "num_experts", "qk_norm": "head"},
+    "qwen2_moe": {"intermediate_size": "moe_intermediate_size", "num_experts": "num_experts",
+                  "shared": "shared_expert_intermediate_size"},
+    "olmoe": {"intermediate_size": "intermediate_size", "num_experts": "num_experts", "qk_norm": "projection"},
+}
+
+
+def family_fields(cfg: dict) -> dict[str, str]:
+    """FAMILY_FIELDS of the config's family, with the expert count under the spelling this
+    file uses: transformers 5 saves Qwen's `num_experts` as `num_local_experts`."""
+    names = dict(FAMILY_FIELDS[cfg.get("model_type", "mixtral")])
+    if names["num_experts"] not in cfg and "num_local_experts" in cfg:
+        names["num_experts"] = "num_local_experts"
+    return names
+
+
+def sliding_window(cfg: dict) -> int | None:
+    """The attention window of every layer, or None. Qwen configs carry a `sliding_window`
+    that applies only with `use_sliding_window` (Qwen1.5-MoE ships 32768 with it false)."""
+    if cfg.get("model_type") in ("qwen2_moe", "qwen3_moe") and not cfg.get("use_sliding_window", False):
+        return None
+    return cfg.get("sliding_window") or None
+
+
+def attention_bias(cfg: dict) -> str:
+    """Which attention projections carry a bias, per family: Qwen2-MoE's q/k/v by `qkv_bias`
+    (default true, absent from the hub configs); elsewhere all four by `attention_bias`."""
+    if cfg.get("model_type") == "qwen2_moe":
+        return "qkv" if cfg.get("qkv_bias", True) else ""
+    return "qkvo" if cfg.get("attention_bias", False) else ""
+
+
 def as_shape(model) -> ModelShape:
-    """A ModelShape from a ModelShape, an engine ModelSpec, a config dict or a known alias."""
+    """A ModelShape from a ModelShape, an engine ModelSpec (its `shape`), a config dict or a
+    known alias."""
     if isinstance(model, ModelShape):
         return model
+    if isinstance(getattr(model, "shape", None), ModelShape):
+        return model.shape
     if isinstance(model, str):
         try:
             return KNOWN_MODELS[model.lower()]
@@ -115,6 +177,29 @@ KNOWN_MODELS: dict[str, ModelShape] = {
     "mixtral-8x22b": ModelShape(
         hidden_size=6144, intermediate_size=16384, num_layers=56, num_heads=48, num_kv_heads=8,
         head_dim=128, num_experts=8, top_k=2, vocab_size=32768, dtype="bfloat16", name="mixtral-8x22b"),
+    # Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B: 128 experts top-8, q/k norm per head
+    "qwen3-30b-a3b": ModelShape(
+        hidden_size=2048, intermediate_size=768, num_layers=48, num_heads=32, num_kv_heads=4,
+        head_dim=128, num_experts=128, top_k=8, vocab_size=151936, dtype="bfloat16", name="qwen3-30b-a3b",
+        model_type="qwen3_moe", qk_norm="head"),
+    "qwen3-235b-a22b": ModelShape(
+        hidden_size=4096, intermediate_size=1536, num_layers=94, num_heads=64, num_kv_heads=4,
+        head_dim=128, num_experts=128, top_k=8, vocab_size=151936, dtype="bfloat16", name="qwen3-235b-a22b",
+        model_type="qwen3_moe", qk_norm="head"),
+    # Qwen/Qwen1.5-MoE-A2.7B and Qwen/Qwen2-57B-A14B: a shared expert, q/k/v bias
+    "qwen1.5-moe-a2.7b": ModelShape(
+        hidden_size=2048, intermediate_size=1408, num_layers=24, num_heads=16, num_kv_heads=16,
+        head_dim=128, num_experts=60, top_k=4, vocab_size=151936, dtype="bfloat16", name="qwen1.5-moe-a2.7b",
+        model_type="qwen2_moe", shared_intermediate_size=5632, attention_bias="qkv"),
+    "qwen2-57b-a14b": ModelShape(
+        hidden_size=3584, intermediate_size=2560, num_layers=28, num_heads=28, num_kv_heads=4,
+        head_dim=128, num_experts=64, top_k=8, vocab_size=151936, dtype="bfloat16", name="qwen2-57b-a14b",
+        model_type="qwen2_moe", shared_intermediate_size=20480, attention_bias="qkv"),
+    # allenai/OLMoE-1B-7B-0924: 64 experts top-8, q/k norm over the whole projection
+    "olmoe-1b-7b": ModelShape(
+        hidden_size=2048, intermediate_size=1024, num_layers=16, num_heads=16, num_kv_heads=16,
+        head_dim=128, num_experts=64, top_k=8, vocab_size=50304, dtype="bfloat16", name="olmoe-1b-7b",
+        model_type="olmoe", qk_norm="projection"),
 }
 
 

@@ -56,7 +56,8 @@ def activation_bytes(shape, itemsize: int, step: Step) -> int:
     of three phases: one batch's attention (normed input, q/k/v, keys/values gathered or
     expanded for grouped queries, scores in fp32 in chunks, context, output), the routing
     and one expert call over all tokens (gathered inputs, outputs, FFN intermediates in
-    chunks), and the fp32 logits of every sequence."""
+    chunks; the top-k slots of weighted outputs in fp32; a shared expert's output and its
+    intermediates over the largest batch), and the fp32 logits of every sequence."""
     s, t = shape, step
     q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
     base = (4 * t.tokens * s.hidden_size * itemsize + t.tokens * t.keys
@@ -67,7 +68,11 @@ def activation_bytes(shape, itemsize: int, step: Step) -> int:
                  + min(s.num_heads * rows * t.keys, ATTENTION_SCORE_CHUNK) * (3 * 4 + itemsize))
     moe = (t.tokens * (2 * s.num_experts * 4 + s.top_k * 12)
            + 3 * t.tokens * s.hidden_size * itemsize
-           + 3 * min(t.tokens, PREFILL_EXPERT_CHUNK) * s.intermediate_size * itemsize)
+           + 3 * min(t.tokens, PREFILL_EXPERT_CHUNK) * s.intermediate_size * itemsize
+           + t.tokens * s.top_k * s.hidden_size * 4)
+    shared = s.shared_intermediate_size
+    if shared:
+        moe += t.tokens * s.hidden_size * itemsize + 3 * rows * shared * itemsize
     head = t.sequences * (s.vocab_size * 4 + s.hidden_size * itemsize)
     return base + max(attention, moe, head)
 

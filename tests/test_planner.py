@@ -299,3 +299,32 @@ def test_builtin_profiles_state_sources():
         for key in ("flops", "mem_bw"):
             assert "source" in p.sources[key] and 0 < p.sources[key]["efficiency"] <= 1
         assert all("source" in v for v in p.sources["links"].values())
+
+
+@pytest.mark.parametrize("name, total, active", [
+    ("qwen3-30b-a3b", 30.5e9, 3.3e9), ("qwen3-235b-a22b", 235e9, 22e9), ("qwen1.5-moe-a2.7b", 14.3e9, 2.7e9),
+    ("qwen2-57b-a14b", 57.4e9, 14e9), ("olmoe-1b-7b", 6.9e9, 1.3e9), ("mixtral-8x7b", 46.7e9, 12.9e9)])
+def test_known_shapes_have_the_published_parameter_counts(name, total, active):
+    """Total and active (top-k experts) parameters as their model cards state them, within 2%:
+    a wrong expert width, shared expert or q/k norm would miss."""
+    s = KNOWN_MODELS[name]
+    used = s.num_layers * (s.attention_params + s.gate_params + s.top_k * s.expert_params) \
+        + s.vocab_size * s.hidden_size * (1 if s.tie_word_embeddings else 2)
+    assert total_params(s) == pytest.approx(total, rel=0.02)
+    assert used == pytest.approx(active, rel=0.03)
+
+
+def test_qwen_configs_read_their_own_field_names():
+    """A hub Qwen3-MoE config (num_experts, moe_intermediate_size, sliding_window ignored while
+    use_sliding_window is false) and transformers 5's spelling (num_local_experts) agree."""
+    hub = {"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+           "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+           "num_experts": 128, "num_experts_per_tok": 8, "vocab_size": 151936, "torch_dtype": "bfloat16",
+           "tie_word_embeddings": False, "use_sliding_window": False, "sliding_window": None}
+    shape = dataclasses.replace(ModelShape.from_config(hub), name="qwen3-30b-a3b")
+    assert shape == KNOWN_MODELS["qwen3-30b-a3b"]
+    v5 = {**{k: v for k, v in hub.items() if k != "num_experts"}, "num_local_experts": 128, "sliding_window": 4096}
+    assert dataclasses.replace(ModelShape.from_config(v5), name="qwen3-30b-a3b") == shape
+    qwen15 = {**hub, "model_type": "qwen2_moe", "shared_expert_intermediate_size": 5632, "sliding_window": 32768}
+    assert ModelShape.from_config(qwen15).sliding_window is None
+    assert ModelShape.from_config(qwen15).attention_bias == "qkv"  # qkv_bias defaults to true, absent from hub files

@@ -8,7 +8,7 @@ import torch
 
 from conftest import reference_tokens
 from klotski import cli, tiny
-from klotski.models import mixtral as M
+from klotski.models import layers as M
 from klotski.models.spec import ModelSpec
 
 SCALED = {

@@ -3,7 +3,7 @@ import torch
 
 from conftest import engine_tokens, reference_tokens
 from klotski.kvcache import BatchKV
-from klotski.models.mixtral import attention_mask
+from klotski.models.layers import attention_mask
 from placement.plan import Placement
 
 
@@ -53,7 +53,8 @@ def test_query_chunking_bounds_scores_and_keeps_results():
     """A long prefill attends in query chunks (bounded score memory); rows agree to float rounding."""
     from types import SimpleNamespace
 
-    from klotski.models import mixtral as M
+    from klotski.models import layers as M
+    from klotski.models.mixtral import attention_block
     torch.manual_seed(0)
     spec = SimpleNamespace(rms_norm_eps=1e-5, num_heads=4, num_kv_heads=2, head_dim=16)
     H = 64
@@ -63,6 +64,6 @@ def test_query_chunking_bounds_scores_and_keeps_results():
     inv_freq = 1.0 / (1e4 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
     cos, sin = M.rope_tables(torch.arange(50).expand(2, 50), inv_freq, 1.0, h.dtype)
     mask = M.attention_mask(torch.ones(2, 50, dtype=torch.bool), 50, None)
-    whole = M.attention_block(h, w, cos, sin, mask, lambda k, v: (k, v), spec)
-    chunked = M.attention_block(h, w, cos, sin, mask, lambda k, v: (k, v), spec, max_scores=2 * 4 * 50 * 7)
+    whole = attention_block(h, w, cos, sin, mask, lambda k, v: (k, v), spec)
+    chunked = attention_block(h, w, cos, sin, mask, lambda k, v: (k, v), spec, max_scores=2 * 4 * 50 * 7)
     torch.testing.assert_close(chunked, whole, atol=1e-6, rtol=1e-6)

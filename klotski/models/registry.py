@@ -11,6 +11,12 @@ ALIASES = {
     "mixtral-8x7b-instruct": "mistralai/Mixtral-8x7B-Instruct-v0.1",
     "mixtral-8x22b": "mistralai/Mixtral-8x22B-v0.1",
     "mixtral-8x22b-instruct": "mistralai/Mixtral-8x22B-Instruct-v0.1",
+    "qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B",
+    "qwen3-30b-a3b-instruct": "Qwen/Qwen3-30B-A3B-Instruct-2507",
+    "qwen3-235b-a22b": "Qwen/Qwen3-235B-A22B",
+    "qwen1.5-moe-a2.7b": "Qwen/Qwen1.5-MoE-A2.7B",
+    "qwen2-57b-a14b": "Qwen/Qwen2-57B-A14B",
+    "olmoe-1b-7b": "allenai/OLMoE-1B-7B-0924",
 }
 
 

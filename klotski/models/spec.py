@@ -1,28 +1,35 @@
-"""ModelSpec: everything the engine, placement and planner need to know about a checkpoint's
-shapes and tensor names, read from its `config.json` (no weights touched).
+"""ModelSpec: everything the engine, placement and planner need to know about a checkpoint,
+read from its `config.json` (no weights touched): its shape (the planner's `ModelShape`,
+the one shape type), the family whose math runs it, the options that math reads, and the
+tensor behind every weight.
+
+A family is a module under klotski/models/ (mixtral.py, qwen3_moe.py, qwen2_moe.py,
+olmoe.py): config checks, tensor names in the hub layout, and its layer functions. Nothing
+outside klotski/models names one; the pipeline calls `spec.family`.
 
 Experts come in two on-disk layouts. Hub checkpoints store one tensor per expert matrix
-(`block_sparse_moe.experts.{e}.w1.weight`); transformers v5 may save fused 3-D tensors
-(`mlp.experts.gate_up_proj` = cat(w1, w3), `mlp.experts.down_proj` = w2). `TensorRef`
-hides the difference: a name plus, for fused tensors, the index along dim 0 and the row
-range within it.
+(`...experts.{e}.w1.weight` or `...experts.{e}.gate_proj.weight`); transformers v5 may save
+fused 3-D tensors (`mlp.experts.gate_up_proj` = cat(gate, up), `mlp.experts.down_proj`),
+named alike in every family. `TensorRef` hides the difference: a name plus, for fused
+tensors, the index along dim 0 and the row range within it.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
 from klotski.models import fields as F
+from klotski.models import mixtral, olmoe, qwen2_moe, qwen3_moe
 from placement.store import CheckpointError
-from planner.shapes import ModelShape
-
-_SHAPE_FIELDS = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                 "num_experts", "top_k", "vocab_size", "tie_word_embeddings", "sliding_window")
+from planner.shapes import FAMILY_FIELDS, ModelShape, family_fields
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+FAMILIES: dict[str, ModuleType] = {m.MODEL_TYPE: m for m in (mixtral, qwen3_moe, qwen2_moe, olmoe)}
+assert set(FAMILIES) == set(FAMILY_FIELDS)
 
 
 @dataclass(frozen=True)
@@ -36,41 +43,42 @@ class TensorRef:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    num_experts: int
-    top_k: int
-    vocab_size: int
-    rms_norm_eps: float
-    sliding_window: int | None
-    max_position_embeddings: int
-    tie_word_embeddings: bool
+    """The shape (its fields read through: spec.hidden_size is spec.shape.hidden_size) plus
+    what the engine computes with."""
+    shape: ModelShape
     dtype: torch.dtype
+    rms_norm_eps: float
+    max_position_embeddings: int
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     fused_experts: bool = False
-    model_type: str = "mixtral"
+    norm_topk_prob: bool = True        # renormalise the top-k router weights
+    router_weights_fp32: bool = True   # keep router weights in fp32 (Mixtral) or cast them (the rest)
+    clip_qkv: float | None = None      # clamp q/k/v to ±clip_qkv (OLMoE)
     config: dict = field(default_factory=dict, compare=False, repr=False)
     # RoPE inverse frequencies [head_dim / 2] (fp32) and the factor cos/sin are scaled by
     rope_inv_freq: torch.Tensor | None = field(default=None, compare=False, repr=False)
     rope_attention_scaling: float = 1.0
 
+    def __getattr__(self, name):
+        if name.startswith("__") or name == "shape":
+            raise AttributeError(name)
+        return getattr(self.shape, name)
+
+    @property
+    def family(self) -> ModuleType:
+        """The module with this checkpoint's layer functions and tensor names."""
+        return FAMILIES[self.shape.model_type]
+
     # ---- construction -------------------------------------------------------------------
     @classmethod
     def from_config(cls, cfg: dict, *, fused_experts: bool = False) -> "ModelSpec":
-        mt = cfg.get("model_type", "mixtral")
-        if mt != "mixtral":
-            raise ValueError(f"model_type {mt!r} is not supported (Klotski runs the Mixtral family)")
         check_config(cfg)
-        # shapes are read once, by the planner's ModelShape; the engine adds what it computes with
+        family = FAMILIES[cfg.get("model_type", "mixtral")]
         shape = ModelShape.from_config(cfg)
         inv_freq, scaling = rope_frequencies(cfg, shape.head_dim)
         return cls(
-            **{f: getattr(shape, f) for f in _SHAPE_FIELDS},
+            shape=shape,
             rope_inv_freq=inv_freq,
             rope_attention_scaling=scaling,
             dtype=DTYPES[shape.dtype],
@@ -79,8 +87,9 @@ class ModelSpec:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=F.token_ids(cfg, "eos_token_id", shape.vocab_size),
             fused_experts=fused_experts,
-            model_type=mt,
+            clip_qkv=cfg.get("clip_qkv"),
             config=cfg,
+            **family.options(cfg),
         )
 
     @classmethod
@@ -100,46 +109,16 @@ class ModelSpec:
         except ValueError as e:
             raise CheckpointError(f"{cfg_file}: {e}") from None
 
-    # ---- sizes --------------------------------------------------------------------------
-    @property
-    def dtype_bytes(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
-
-    @property
-    def expert_params(self) -> int:
-        return 3 * self.hidden_size * self.intermediate_size
-
-    @property
-    def attention_params(self) -> int:
-        q = self.num_heads * self.head_dim
-        kv = self.num_kv_heads * self.head_dim
-        return self.hidden_size * (2 * q + 2 * kv) + self.hidden_size  # + input norm
-
-    @property
-    def gate_params(self) -> int:
-        return (self.num_experts + 1) * self.hidden_size  # router + post-attention norm
-
-    def kv_bytes_per_token(self, dtype_bytes: int | None = None) -> int:
-        """K and V of one token over all layers."""
-        b = dtype_bytes or self.dtype_bytes
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * b
 
     # ---- tensor names -------------------------------------------------------------------
     def attention_refs(self, layer: int) -> dict[str, TensorRef]:
-        p = f"model.layers.{layer}."
-        return {
-            "input_norm": TensorRef(p + "input_layernorm.weight"),
-            "q": TensorRef(p + "self_attn.q_proj.weight"),
-            "k": TensorRef(p + "self_attn.k_proj.weight"),
-            "v": TensorRef(p + "self_attn.v_proj.weight"),
-            "o": TensorRef(p + "self_attn.o_proj.weight"),
-        }
+        names = self.family.attention_names(layer)
+        # every family names its projections self_attn.{q,k,v,o}_proj; biases where configured
+        names.update({f"{n}_bias": f"model.layers.{layer}.self_attn.{n}_proj.bias" for n in self.attention_bias})
+        return {k: TensorRef(v) for k, v in names.items()}
 
     def gate_refs(self, layer: int) -> dict[str, TensorRef]:
-        # The post-attention norm travels with the router: both are used exactly at the gate.
-        part = "mlp" if self.fused_experts else "block_sparse_moe"
-        return {"post_norm": TensorRef(f"model.layers.{layer}.post_attention_layernorm.weight"),
-                "router": TensorRef(f"model.layers.{layer}.{part}.gate.weight")}
+        return {k: TensorRef(v) for k, v in self.family.gate_names(layer, self.fused_experts).items()}
 
     def expert_refs(self, layer: int, expert: int) -> dict[str, TensorRef]:
         if self.fused_experts:
@@ -149,8 +128,7 @@ class ModelSpec:
                 "w3": TensorRef(p + "gate_up_proj", expert, (inter, 2 * inter)),
                 "w2": TensorRef(p + "down_proj", expert),
             }
-        p = f"model.layers.{layer}.block_sparse_moe.experts.{expert}."
-        return {w: TensorRef(p + f"{w}.weight") for w in ("w1", "w2", "w3")}
+        return {k: TensorRef(v) for k, v in self.family.expert_names(layer, expert).items()}
 
     def embed_refs(self) -> dict[str, TensorRef]:
         return {"embed": TensorRef("model.embed_tokens.weight")}
@@ -182,33 +160,38 @@ class ModelSpec:
             return self.head_refs()
         raise KeyError(key)
 
+    def local_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shape of every group-local weight name any family uses."""
+        H, I, Is, D = self.hidden_size, self.intermediate_size, self.shared_intermediate_size, self.head_dim
+        q, kv = self.num_heads * D, self.num_kv_heads * D
+        per_head = self.qk_norm == "head"
+        return {"input_norm": (H,), "q": (q, H), "k": (kv, H), "v": (kv, H), "o": (H, q),
+                "q_bias": (q,), "k_bias": (kv,), "v_bias": (kv,), "o_bias": (H,),
+                "q_norm": (D,) if per_head else (q,), "k_norm": (D,) if per_head else (kv,),
+                "post_norm": (H,), "router": (self.num_experts, H),
+                "shared_w1": (Is, H), "shared_w3": (Is, H), "shared_w2": (H, Is), "shared_gate": (1, H),
+                "w1": (I, H), "w3": (I, H), "w2": (H, I),
+                "embed": (self.vocab_size, H), "norm": (H,), "lm_head": (self.vocab_size, H)}
+
     def expected_shapes(self) -> dict[TensorRef, tuple[int, ...]]:
         """Shape of every logical weight, for validating a checkpoint before generation."""
-        H, I, E = self.hidden_size, self.intermediate_size, self.num_experts
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        shapes: dict[TensorRef, tuple[int, ...]] = {}
-        o = {**self.embed_refs(), **self.head_refs()}
-        shapes[o["embed"]] = (self.vocab_size, H)
-        shapes[o["norm"]] = (H,)
-        shapes[o["lm_head"]] = (self.vocab_size, H)
-        for i in range(self.num_layers):
-            a = self.attention_refs(i)
-            shapes.update({a["input_norm"]: (H,), a["q"]: (q, H), a["k"]: (kv, H), a["v"]: (kv, H), a["o"]: (H, q)})
-            g = self.gate_refs(i)
-            shapes.update({g["post_norm"]: (H,), g["router"]: (E, H)})
-            for e in range(E):
-                x = self.expert_refs(i, e)
-                shapes.update({x["w1"]: (I, H), x["w3"]: (I, H), x["w2"]: (H, I)})
-        return shapes
+        local = self.local_shapes()
+        return {ref: local[name] for key in self.group_keys() for name, ref in self.group_refs(key).items()}
 
 
 def check_config(cfg: dict) -> None:
-    """Every config field the Mixtral math reads, checked before anything is loaded; raises
-    fields.BadField naming the field, its value and what is allowed."""
+    """Every config field the math reads, checked before anything is loaded: the fields all
+    families share here, the family's own in its module; raises fields.BadField naming the
+    field, its value and what is allowed."""
     if not isinstance(cfg, dict):
         raise F.BadField("config.json must hold a JSON object")
-    for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                 "num_local_experts", "vocab_size"):
+    mt = cfg.get("model_type", "mixtral")
+    if mt not in FAMILIES:
+        raise F.BadField(f"field 'model_type' is {mt!r}; supported: {', '.join(FAMILIES)}")
+    names = family_fields(cfg)
+    experts = names["num_experts"]
+    for name in ("hidden_size", names["intermediate_size"], "num_hidden_layers", "num_attention_heads",
+                 experts, "vocab_size"):
         F.integer(cfg, name)
     heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
     kv_heads = F.integer(cfg, "num_key_value_heads", default=None, optional=True) or heads
@@ -219,12 +202,12 @@ def check_config(cfg: dict) -> None:
         head_dim = hidden // heads
     if head_dim % 2:
         raise F.BadField(f"field 'head_dim' is {head_dim}; must be even (RoPE rotates pairs of dimensions)")
-    F.integer(cfg, "num_experts_per_tok", high=cfg["num_local_experts"], high_name="num_local_experts")
-    F.integer(cfg, "sliding_window", default=None, optional=True)
+    F.integer(cfg, "num_experts_per_tok", high=cfg[experts], high_name=experts)
+    if mt not in ("qwen2_moe", "qwen3_moe") or cfg.get("use_sliding_window"):  # else Qwen ignores the field
+        F.integer(cfg, "sliding_window", default=None, optional=True)
     F.integer(cfg, "max_position_embeddings", default=32768)
     F.positive_number(cfg, "rms_norm_eps", default=1e-5)
     F.boolean(cfg, "tie_word_embeddings", default=False)
-    F.choice(cfg, "hidden_act", ("silu",), default="silu", why=" (Mixtral's experts are SwiGLU)")
     dtype_field = "dtype" if cfg.get("dtype") is not None else "torch_dtype"
     F.choice(cfg, dtype_field, tuple(DTYPES), default="bfloat16")
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -243,6 +226,7 @@ def check_config(cfg: dict) -> None:
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
         raise F.BadField(f"field 'quantization_config' is present (quant_method {method!r}); Klotski reads "
                          "unquantized bf16/fp16/fp32 weights: use the original checkpoint (and --quantize hqq4)")
+    FAMILIES[mt].check_config(cfg)
 
 
 # RoPE types whose frequencies are fixed once (transformers computes them, see rope_frequencies)
@@ -262,17 +246,17 @@ def _rope_parameters(cfg: dict) -> dict:
 
 def rope_frequencies(cfg: dict, head_dim: int) -> tuple[torch.Tensor, float]:
     """(inverse frequencies [head_dim / 2] fp32, attention scaling) of a checked config. The
-    unscaled kind is computed here as transformers' Mixtral does; scaled kinds by transformers'
+    unscaled kind is computed here as transformers does; scaled kinds by transformers'
     own RoPE utilities on its own config object, which also checks their required fields."""
     rope = _rope_parameters(cfg)
     kind = rope.get("rope_type", "default")
     if kind == "default":
         theta = float(rope.get("rope_theta", cfg.get("rope_theta", 1e6)))
         return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)), 1.0
-    from transformers import MixtralConfig
+    from transformers import CONFIG_MAPPING
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     try:
-        config = MixtralConfig.from_dict(cfg)
+        config = CONFIG_MAPPING[cfg.get("model_type", "mixtral")].from_dict(cfg)
     except (KeyError, ValueError, TypeError) as e:
         raise F.BadField(f"field 'rope_parameters' ({kind}): {str(e).strip(chr(34))}") from None
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[kind](config)

@@ -1,0 +1,144 @@
+"""The pieces every supported family's decoder layer is built from, as pure functions over
+tensors. A family file (mixtral.py, qwen3_moe.py, ...) composes them into its own
+`attention_block`, `route` and `shared_ffn`; the pipeline calls the family piecewise:
+attention per batch, the router per batch, each expert over tokens gathered from every
+batch of a group. No module state, no device or tier logic: weights come in as tensors
+(dicts keyed by the group-local names of `ModelSpec.group_refs`).
+
+Numerics follow transformers where it matters for greedy equality: RMSNorm in fp32 then
+cast; router softmax in fp32 over all experts, then top-k; each expert output times its
+router weight in the promoted dtype, summed over the top-k slots in slot order and cast
+once (what transformers' default `grouped_mm` experts do).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype):
+    """cos, sin of shape [B, T, head_dim] for integer `positions` [B, T], from the inverse
+    frequencies [head_dim / 2] and attention scaling of the checkpoint's RoPE type (ModelSpec)."""
+    freqs = positions[..., None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, heads, T, D]; cos/sin: [B, T, D]."""
+    cos, sin = cos[:, None], sin[:, None]
+    return x * cos + _rotate_half(x) * sin
+
+
+def attention_mask(valid: torch.Tensor, new_tokens: int, window: int | None,
+                   sink: int | None = None, recent: int | None = None) -> torch.Tensor:
+    """Boolean [B, 1, new, total] mask: query i sees key j iff j <= i, key j is a real token
+    (not left padding) and, with a sliding window W, i - W < j. Indices are slots in the
+    padded cache, as transformers counts them. StreamingLLM sparsity (`sink`, `recent`)
+    further keeps only a sequence's first `sink` tokens and keys with i - recent < j."""
+    total = valid.shape[1]
+    i = torch.arange(total - new_tokens, total)[:, None]
+    j = torch.arange(total)[None, :]
+    allowed = j <= i
+    if window is not None:
+        allowed &= j > i - window
+    allowed = allowed[None] & valid[:, None, :]
+    if recent is not None:
+        rank = valid.long().cumsum(-1) - 1  # position of key j within its own sequence
+        allowed &= (rank < sink)[:, None, :] | (j > i - recent)[None]
+    return allowed[:, None]
+
+
+def split_heads(x: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    """[B, T, heads * D] -> [B, T, heads, D]."""
+    return x.view(*x.shape[:2], heads, head_dim)
+
+
+def linear(x: torch.Tensor, w: dict, name: str) -> torch.Tensor:
+    """Projection `name` of the group, with its bias where the checkpoint has one."""
+    return F.linear(x, w[name], w.get(name + "_bias"))
+
+
+def attend(q, keys, values, mask) -> torch.Tensor:
+    """Scaled dot-product attention of q [B, h, T, D] over keys/values [B, kvh, S, D] -> [B, T, h * D]."""
+    B, heads, T, D = q.shape
+    rep = heads // keys.shape[1]
+    if rep > 1:  # grouped-query attention: each kv head serves `rep` query heads
+        keys = keys[:, :, None].expand(-1, -1, rep, -1, -1).reshape(B, heads, -1, D)
+        values = values[:, :, None].expand(-1, -1, rep, -1, -1).reshape(B, heads, -1, D)
+    scores = torch.matmul(q, keys.transpose(2, 3)) * D ** -0.5
+    # A finite minimum rather than -inf: rows that are all padding stay finite, so no NaN
+    # reaches a cache slot that real tokens later attend past.
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, values).transpose(1, 2).reshape(B, T, heads * D)
+
+
+def route(x: torch.Tensor, router: torch.Tensor, top_k: int, *, renormalise: bool, cast: bool):
+    """Router over normalised tokens x [N, H]: (weights [N, k], experts [N, k]). Softmax in
+    fp32 over all experts, top-k, optionally renormalised over the k; `cast` brings the
+    weights to the activation dtype (Qwen, OLMoE) instead of keeping fp32 (Mixtral)."""
+    scores = F.linear(x, router)
+    weights, experts = torch.topk(torch.softmax(scores.float(), dim=-1), top_k, dim=-1)
+    if renormalise:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return (weights.to(scores.dtype) if cast else weights), experts
+
+
+def swiglu(x: torch.Tensor, w: dict, prefix: str = "") -> torch.Tensor:
+    """SwiGLU FFN over tokens x [N, H]: w2(silu(w1 x) * w3 x), weights named prefix + w1/w2/w3."""
+    return F.linear(F.silu(F.linear(x, w[prefix + "w1"])) * F.linear(x, w[prefix + "w3"]), w[prefix + "w2"])
+
+
+def slots(tokens: int, top_k: int, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The [tokens, k, H] buffer of weighted expert outputs of a MoE layer, in the dtype the
+    product of an output and its router weight promotes to."""
+    dtype = torch.promote_types(x.dtype, weights.dtype)
+    return torch.zeros(tokens, top_k, x.shape[-1], dtype=dtype, device=x.device)
+
+
+def put_weighted(buffer: torch.Tensor, tokens, slot, y: torch.Tensor, weights: torch.Tensor) -> None:
+    """Expert outputs y [n, H] of `tokens` at their top-k `slot`, times their router weight."""
+    buffer.index_put_((tokens, slot), y * weights[tokens, slot][:, None])
+
+
+def combine(buffer: torch.Tensor, dtype: torch.dtype, shared: torch.Tensor | None = None) -> torch.Tensor:
+    """Sum the slots in top-k order, cast once; then add the shared expert's output, if any."""
+    out = buffer.sum(dim=1).to(dtype)
+    return out if shared is None else out + shared
+
+
+def attention_block(h, w: dict, cos, sin, mask, cache_write, spec, qkv, max_scores: int | None = None):
+    """Residual attention sub-layer for one batch. `qkv(x, w, spec)` is the family's projection
+    to q [B, T, h, D], k, v [B, T, kvh, D] before RoPE. `cache_write(k, v)` stores this step's
+    keys/values and returns every key/value the batch has so far. Queries are taken in
+    chunks so that at most `max_scores` attention scores exist at once (a long prefill
+    would otherwise hold B x heads x T x S of them); each query row's result is unchanged."""
+    x = rms_norm(h, w["input_norm"], spec.rms_norm_eps)
+    q, k, v = (t.transpose(1, 2) for t in qkv(x, w, spec))
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    keys, values = cache_write(k, v)
+    B, heads, T, _ = q.shape
+    step = T if max_scores is None else max(1, max_scores // (B * heads * keys.shape[2]))
+    out = torch.cat([attend(q[:, :, i:i + step], keys, values, mask[:, :, i:i + step]) for i in range(0, T, step)],
+                    dim=1)
+    return h + linear(out, w, "o")
+
+
+def embed(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    return F.embedding(ids, table)
+
+
+def logits(h: torch.Tensor, norm: torch.Tensor, head: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.linear(rms_norm(h, norm, eps), head).float()

@@ -1,0 +1,42 @@
+"""OLMoE (allenai/OLMoE-1B-7B): RMSNorm of q and k over the whole projection before the
+head split, optional clamping of q/k/v to ±clip_qkv, 64 SwiGLU experts top-8 (not
+renormalised by default), router weights cast to the activation dtype."""
+from __future__ import annotations
+
+from klotski.models import fields as F
+from klotski.models import layers as L
+from klotski.models import qwen3_moe
+
+MODEL_TYPE = "olmoe"
+options = qwen3_moe.options
+route = qwen3_moe.route
+expert_names = qwen3_moe.expert_names
+gate_names = qwen3_moe.gate_names
+attention_names = qwen3_moe.attention_names
+shared_ffn = qwen3_moe.shared_ffn
+expert_ffn = L.swiglu
+
+
+def check_config(cfg: dict) -> None:
+    """OLMoE's own fields (the shared ones are checked by spec.check_config)."""
+    F.choice(cfg, "hidden_act", ("silu",), default="silu", why=" (OLMoE's experts are SwiGLU)")
+    F.boolean(cfg, "norm_topk_prob", default=False)
+    if cfg.get("clip_qkv") is not None:
+        F.positive_number(cfg, "clip_qkv")
+    if cfg.get("head_dim") not in (None, cfg["hidden_size"] // cfg["num_attention_heads"]):
+        raise F.BadField(f"field 'head_dim' is {cfg['head_dim']!r}; OLMoE normalises q over hidden_size, so "
+                         "head_dim must be hidden_size / num_attention_heads (or absent)")
+
+
+def qkv(x, w: dict, spec):
+    eps, clip = spec.rms_norm_eps, spec.clip_qkv
+    q, k, v = L.rms_norm(L.linear(x, w, "q"), w["q_norm"], eps), L.rms_norm(L.linear(x, w, "k"), w["k_norm"], eps), \
+        L.linear(x, w, "v")
+    if clip is not None:
+        q, k, v = (t.clamp(-clip, clip) for t in (q, k, v))
+    return (L.split_heads(q, spec.num_heads, spec.head_dim), L.split_heads(k, spec.num_kv_heads, spec.head_dim),
+            L.split_heads(v, spec.num_kv_heads, spec.head_dim))
+
+
+def attention_block(h, w, cos, sin, mask, cache_write, spec, max_scores=None):
+    return L.attention_block(h, w, cos, sin, mask, cache_write, spec, qkv, max_scores)

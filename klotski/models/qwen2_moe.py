@@ -1,0 +1,43 @@
+"""Qwen2-MoE (Qwen/Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): biases on q/k/v, routed SwiGLU
+experts (not renormalised by default, weights cast to the activation dtype) plus a shared
+expert scaled by sigmoid(shared_expert_gate x), used by every token."""
+from __future__ import annotations
+
+import torch
+
+from klotski.models import fields as F
+from klotski.models import layers as L
+from klotski.models import mixtral, qwen3_moe
+
+MODEL_TYPE = "qwen2_moe"
+options = qwen3_moe.options
+route = qwen3_moe.route
+expert_names = qwen3_moe.expert_names
+attention_names = mixtral.attention_names  # plain projections; their biases are added by the spec
+qkv = mixtral.qkv
+expert_ffn = L.swiglu
+
+
+def check_config(cfg: dict) -> None:
+    qwen3_moe.check_config(cfg)  # the same routing, window and dense-layer fields
+    F.integer(cfg, "shared_expert_intermediate_size")
+    F.boolean(cfg, "qkv_bias", default=True)
+
+
+# ---- tensor names (hub layout)
+def gate_names(layer: int, fused: bool) -> dict[str, str]:
+    # The shared expert is used by every token, like the router: it travels with it.
+    p = f"model.layers.{layer}.mlp."
+    return {**qwen3_moe.gate_names(layer, fused), "shared_gate": p + "shared_expert_gate.weight",
+            "shared_w1": p + "shared_expert.gate_proj.weight", "shared_w3": p + "shared_expert.up_proj.weight",
+            "shared_w2": p + "shared_expert.down_proj.weight"}
+
+
+# ---- math ------------------------------------------------------------------------------
+def attention_block(h, w, cos, sin, mask, cache_write, spec, max_scores=None):
+    return L.attention_block(h, w, cos, sin, mask, cache_write, spec, qkv, max_scores)
+
+
+def shared_ffn(x, gate: dict, spec):
+    """The shared expert over tokens x [N, H], scaled by its sigmoid gate."""
+    return torch.sigmoid(torch.nn.functional.linear(x, gate["shared_gate"])) * L.swiglu(x, gate, "shared_")

@@ -1,0 +1,59 @@
+"""Small test checkpoints of every non-Mixtral family, built with transformers' own config
+and model classes and saved by its `save_pretrained` (the hub layout: per-expert tensors),
+with the byte-level tokenizer of klotski.tiny. `klotski make-tiny --family qwen3_moe`.
+
+transformers initialises weights with std `initializer_range`; 0.2 (instead of 0.02)
+gives decisive routers and logits, so greedy tokens are not decided by rounding noise, and
+varied generations rather than one token repeated."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+_COMMON = dict(vocab_size=512, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+               max_position_embeddings=1024, rms_norm_eps=1e-6, initializer_range=0.2, tie_word_embeddings=False)
+
+# Each exercises what sets its family apart: Qwen3 an explicit head_dim (32, not 64 / 4) and
+# 32 experts top-8 renormalised; Qwen2 q/k/v biases, a shared expert and no renormalisation;
+# OLMoE full-width q/k norms and clip_qkv.
+PRESETS: dict[str, dict] = {
+    "qwen3_moe": dict(_COMMON, num_key_value_heads=2, head_dim=32, num_experts=32, num_experts_per_tok=8,
+                      moe_intermediate_size=128, intermediate_size=128, norm_topk_prob=True,
+                      rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    "qwen2_moe": dict(_COMMON, num_key_value_heads=2, num_experts=8, num_experts_per_tok=4,
+                      moe_intermediate_size=256, shared_expert_intermediate_size=96, intermediate_size=128,
+                      norm_topk_prob=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    "olmoe": dict(_COMMON, num_key_value_heads=4, num_experts=16, num_experts_per_tok=4, intermediate_size=128,
+                  norm_topk_prob=False, clip_qkv=1.5, rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+}
+FAMILIES = tuple(PRESETS)
+
+
+def build_family(out_dir, family: str, *, seed: int = 0, dtype: str = "float32", **overrides) -> Path:
+    """Write a random `family` checkpoint (config, weights in the hub layout, tokenizer)."""
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM, GenerationConfig
+
+    from klotski.tiny import _save_tokenizer
+
+    if family not in PRESETS:
+        raise ValueError(f"unknown family {family!r}; choose from {', '.join(FAMILIES)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    kwargs = {**PRESETS[family], **overrides}
+    tok = _save_tokenizer(out, kwargs["vocab_size"], kwargs["max_position_embeddings"])
+    ids = {name: tok.token_to_id(t) for name, t in (("bos", "<s>"), ("eos", "</s>"), ("pad", "<pad>"))}
+    config = CONFIG_MAPPING[family](**kwargs, bos_token_id=ids["bos"], eos_token_id=ids["eos"],
+                                    pad_token_id=ids["pad"])
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # norms and biases too: a test that reads the wrong one must fail
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p) if name.endswith("norm.weight") else 0.1 * torch.randn_like(p))
+    model.to(getattr(torch, dtype)).save_pretrained(out)
+    GenerationConfig(bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"]).save_pretrained(out)
+    (out / "klotski-build.json").write_text(json.dumps({"family": family, "seed": seed, "dtype": dtype,
+                                                      "overrides": overrides}, default=str) + "\n")
+    return out
