@@ -3,9 +3,9 @@ Qwen3-style model (128 experts top-8) bigger than the device budget, over an emu
 
     python benchmarks/families.py [--prompts 24] [--reps 3] [--link 2] [--parts agreement,schedules]
 
-Agreement: each family's small random checkpoint (klotski.tiny_family) saved in bf16; the
-same left-padded prompts through transformers' greedy generate in bf16 and through Klotski
-in bf16 (one batch, defaults). Reported: prompts whose tokens are all identical, and the
+Agreement: each family's small random checkpoint (klotski.tiny_family) saved in fp32 and in
+bf16; the same left-padded prompts through transformers' greedy generate and through Klotski
+in that dtype (one batch, defaults). Reported: prompts whose tokens are all identical, and the
 share of generated tokens before each prompt's first difference (bf16 sums in other orders
 round differently, so a difference may appear; in fp32 the tests demand none).
 
@@ -33,7 +33,7 @@ QWEN3_STYLE = dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, 
                    num_experts=128, num_experts_per_tok=8, moe_intermediate_size=384, initializer_range=0.05)
 
 
-def agreement(family: str, prompts: list[str], new_tokens: int, tmp: Path) -> dict:
+def agreement(family: str, prompts: list[str], new_tokens: int, tmp: Path, dtype: str) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from klotski.assemble import open_engine
@@ -41,16 +41,16 @@ def agreement(family: str, prompts: list[str], new_tokens: int, tmp: Path) -> di
     from klotski.jobs import Request
     from klotski.tiny_family import build_family
 
-    path = build_family(tmp / f"{family}-bf16", family, dtype="bfloat16")
+    path = build_family(tmp / f"{family}-{dtype}", family, dtype=dtype)
     tok = AutoTokenizer.from_pretrained(path, padding_side="left")
     enc = tok(prompts, return_tensors="pt", padding=True)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
     with torch.no_grad():
         out = model.generate(**enc, max_new_tokens=new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
     eos = tok.eos_token_id
     ref = [[t for t in row[:next((i for i, t in enumerate(row) if t == eos), len(row))]]
            for row in out[:, enc["input_ids"].shape[1]:].tolist()]
-    cfg = RunConfig(model=str(path), progress=False, dtype="bfloat16", batch_size=len(prompts))
+    cfg = RunConfig(model=str(path), progress=False, dtype=dtype, batch_size=len(prompts))
     reqs = [Request(id=str(i), line=i + 1, prompt=p, messages=None, max_new_tokens=new_tokens)
             for i, p in enumerate(prompts)]
     engine, seqs, _ = open_engine(cfg, reqs)
@@ -58,7 +58,7 @@ def agreement(family: str, prompts: list[str], new_tokens: int, tmp: Path) -> di
     engine.close()
     prefix = [next((i for i, (a, b) in enumerate(zip(r, ours[k])) if a != b), min(len(r), len(ours[k])))
               for k, r in enumerate(ref)]
-    return {"family": family, "prompts": len(prompts), "identical": sum(r == ours[k] for k, r in enumerate(ref)),
+    return {"family": family, "dtype": dtype, "prompts": len(prompts), "identical": sum(r == ours[k] for k, r in enumerate(ref)),
             "tokens_before_first_difference": round(sum(prefix) / max(1, sum(map(len, ref))), 4)}
 
 
@@ -103,11 +103,13 @@ def main():
         from klotski.tiny_family import FAMILIES
         lines = (ROOT / "jobs/wikitext.jsonl").read_text().splitlines()[:a.prompts]
         prompts = [json.loads(l)["prompt"] for l in lines]
-        result["agreement"] = [agreement(f, prompts, a.new_tokens, tmp) for f in FAMILIES]
-        print("| family | prompts identical (bf16) | generated tokens before the first difference |")
-        print("|---|---|---|")
+        result["agreement"] = [agreement(f, prompts, a.new_tokens, tmp, d) for f in FAMILIES
+                               for d in ("float32", "bfloat16")]
+        print("| family | dtype | prompts identical | generated tokens before the first difference |")
+        print("|---|---|---|---|")
         for r in result["agreement"]:
-            print(f"| {r['family']} | {r['identical']}/{r['prompts']} | {r['tokens_before_first_difference']:.1%} |")
+            print(f"| {r['family']} | {r['dtype']} | {r['identical']}/{r['prompts']} | "
+                  f"{r['tokens_before_first_difference']:.1%} |")
     if "schedules" in a.parts:
         result["schedules"] = schedules(a, tmp)
         print(f"\n| schedule | n | tokens/s (median of {a.reps}) | decode tokens/s | bubble |")

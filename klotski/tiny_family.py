@@ -1,4 +1,4 @@
-"""Small test checkpoints of every non-Mixtral family, built with transformers' own config
+"""Small test checkpoints of every family, built with transformers' own config
 and model classes and saved by its `save_pretrained` (the hub layout: per-expert tensors),
 with the byte-level tokenizer of klotski.tiny. `klotski make-tiny --family qwen3_moe`.
 
@@ -15,10 +15,13 @@ import torch
 _COMMON = dict(vocab_size=512, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
                max_position_embeddings=1024, rms_norm_eps=1e-6, initializer_range=0.2, tie_word_embeddings=False)
 
-# Each exercises what sets its family apart: Qwen3 an explicit head_dim (32, not 64 / 4) and
+# Mixtral here is built like the others (klotski.tiny builds the routing-shaped ones). Each
+# exercises what sets its family apart: Qwen3 an explicit head_dim (32, not 64 / 4) and
 # 32 experts top-8 renormalised; Qwen2 q/k/v biases, a shared expert and no renormalisation;
 # OLMoE full-width q/k norms and clip_qkv.
 PRESETS: dict[str, dict] = {
+    "mixtral": dict(_COMMON, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, intermediate_size=256,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
     "qwen3_moe": dict(_COMMON, num_key_value_heads=2, head_dim=32, num_experts=32, num_experts_per_tok=8,
                       moe_intermediate_size=128, intermediate_size=128, norm_topk_prob=True,
                       rope_parameters={"rope_type": "default", "rope_theta": 1e6}),

@@ -71,3 +71,25 @@ def test_a_checkpoint_that_disagrees_with_its_config_is_refused_naming_what(fami
         Checkpoint.open(broken)
     assert "\n" not in str(e.value)
 
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "olmoe"])
+def test_hqq4_packs_each_familys_projections_and_keeps_the_rest(family_models, tmp_path, family):
+    """--quantize hqq4 by group-local names: q/k/v/o and the routed experts are packed, biases,
+    q/k norms, the router and the shared expert stay in dtype; tokens do not depend on where
+    the packed bytes live."""
+    from klotski.quant import load_quantized
+    resident, engine = engine_tokens(family_models[family], quantize="hqq4", offload_dir=str(tmp_path / "q"),
+                                     batch_size=6, num_batches=1)
+    copy = tmp_path / "q"
+    attn = load_quantized(copy, "attn.0")
+    assert {"q.header", "o.header"} <= set(attn) and "q" not in attn
+    kept = {"q_norm", "k_norm"} if family == "olmoe" else {"q_bias", "k_bias", "v_bias"}
+    assert kept <= set(attn)
+    with pytest.raises(KeyError):  # router and shared expert are read from the checkpoint as they are
+        load_quantized(copy, "gate.0")
+    quarter = sum(engine.cache.full.values()) // 4
+    moved, engine = engine_tokens(family_models[family], quantize="hqq4", offload_dir=str(tmp_path / "q"),
+                                  device_memory=quarter, batch_size=2, num_batches=3)
+    assert moved == resident
+    assert engine.pipeline.experts_loaded > 0
