@@ -74,7 +74,7 @@ def make_predictor(config, ckpt: Checkpoint):
         return learning_predictor(ckpt)
     if how == "next-gate":
         return NextGatePredictor(spec.num_layers, spec.num_experts)
-    return FrequencyPredictor(spec.num_layers, spec.num_experts)
+    return FrequencyPredictor(spec.num_layers, spec.num_experts, name="none")  # K = 0: nothing is predicted
 
 
 def build_engine(config, ckpt: Checkpoint, run_plan: RunPlan, *, predictor=None) -> Engine:

@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     co.add_argument("jobs", nargs="?", metavar="JOBS.jsonl", help="prompts (default: the bundled corpus)")
     co.add_argument("--model", default="tiny-mixtral")
     co.add_argument("-o", "--output", metavar="TABLE.json", help="default: the user cache, where generate looks")
-    co.add_argument("--path-length", type=int, default=1, help="layers of expert history per lookup (default 1)")
+    co.add_argument("--path-length", type=int, default=1, help="layers of expert history per lookup, for exact-path tables (default 1)")
     co.add_argument("--batch-size", type=int, help="default: the planner's choice")
     co.add_argument("--count", type=int, default=64, help="prompts to sample (default 64)")
     co.add_argument("--max-new-tokens", type=int, default=16)

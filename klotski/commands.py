@@ -71,9 +71,9 @@ def correlate(a) -> int:
     planner of `generate`, the table learned as it runs and saved where `generate` looks."""
     from klotski.assemble import build_engine, plan_run
     from klotski.checkpoint import Checkpoint
-    from klotski.correlate import table_path, warmup_prompts
+    from klotski.correlate import new_table, table_path, warmup_prompts
     from klotski.jobs import Request, read_jobs
-    from klotski.prefetch import CorrelationPredictor, CorrelationTable
+    from klotski.prefetch import CorrelationPredictor
     from klotski.sequences import prepare
     if a.jobs:
         requests, _ = read_jobs(Path(a.jobs))
@@ -86,7 +86,7 @@ def correlate(a) -> int:
     ckpt = Checkpoint.open(config.model)
     out = Path(a.output) if a.output else table_path(ckpt)
     spec = ckpt.spec
-    table = CorrelationTable(spec.num_layers, spec.num_experts, spec.top_k, path=a.path_length)
+    table = new_table(spec, path=a.path_length)
     seqs, _ = prepare(requests, ckpt.tokenizer, spec, config)
     engine = build_engine(config, ckpt, plan_run(config, ckpt, seqs),
                           predictor=CorrelationPredictor(table, save_to=(out, ckpt.key)))
@@ -97,7 +97,7 @@ def correlate(a) -> int:
     from klotski.writes import writing
     with writing(out, "the expert-correlation table", then="make room and rerun (or pass -o on another disk)"):
         table.save(out, ckpt.key)
-    print(f"wrote the expert-correlation table ({len(seqs)} prompts, path length {table.path}) to {out}",
+    print(f"wrote the {table.describe()} ({len(seqs)} prompts) to {out}",
           file=sys.stderr)
     return 0
 

@@ -6,7 +6,10 @@ Three predictors share one interface (`begin_step`, `predict`, `observe`, `repor
   `path` layers -> expert chosen at this layer", learned online from real gate decisions
   (and saved back to the cache as the job goes: klotski/correlate.py). For layer j it
   looks up every token of the group by its own expert path, sums the tendencies over all
-  tokens of all batches and returns the top K.
+  tokens of all batches and returns the top K. The table is keyed by whole expert sets
+  (`CorrelationTable`) for coarse MoE, or by single experts (`CooccurrenceTable`,
+  klotski/cooccurrence.py) for fine-grained MoE, whose sets rarely repeat;
+  klotski.correlate.table_class picks one from the model's shape.
 * `NextGatePredictor` (AdapMoE / ProMoE-style speculation, training-free): layer j's router
   applied to the hidden state entering layer j-1's MoE.
 * `FrequencyPredictor`: how often each expert was chosen at that layer so far.
@@ -18,19 +21,18 @@ from __future__ import annotations
 
 import json
 import sys
-from itertools import combinations
 from pathlib import Path
 
 import torch
 
 from klotski.writes import describe, replace_atomically
 
-TABLE_VERSION = 1
+TABLE_VERSION = 2  # 2: a set is keyed by its expert ids (1: by its index among C(E, k)); files carry a kind
 
 
 def _top(scores: torch.Tensor, k: int) -> list[int]:
-    order = sorted(range(len(scores)), key=lambda e: (-float(scores[e]), e))
-    return order[:k]
+    # a stable sort keeps equal scores in id order: ties go to the lower id
+    return torch.sort(scores, descending=True, stable=True).indices[:k].tolist()
 
 
 class _Metrics:
@@ -54,12 +56,11 @@ class _Metrics:
 
     def score(self, layer: int, predicted: list[int], per_expert: torch.Tensor) -> None:
         row = self.rows[layer]
-        used = {e for e in range(len(per_expert)) if per_expert[e] > 0}
-        true_top = set(_top(per_expert, len(predicted)))
+        mine = per_expert[torch.tensor(predicted, dtype=torch.long)]
         row["predicted"] += len(predicted)
-        row["used"] += sum(e in used for e in predicted)
-        row["hot_hits"] += sum(e in true_top for e in predicted)
-        row["served"] += int(sum(per_expert[e] for e in predicted))
+        row["used"] += int((mine > 0).sum())
+        row["hot_hits"] += len(set(predicted) & set(_top(per_expert, len(predicted))))
+        row["served"] += int(mine.sum())
         row["assignments"] += int(per_expert.sum())
 
     @staticmethod
@@ -75,7 +76,8 @@ class _Metrics:
 
 
 class FrequencyPredictor:
-    def __init__(self, num_layers: int, num_experts: int):
+    def __init__(self, num_layers: int, num_experts: int, name: str = "frequency"):
+        self.name = name  # what predicts, for the report
         self.counts = torch.zeros(num_layers, num_experts, dtype=torch.long)
         self.metrics = _Metrics(num_layers)
         self.predicted: dict[int, list[int]] = {}
@@ -98,7 +100,7 @@ class FrequencyPredictor:
         self.counts[layer] += per_expert
 
     def report(self) -> dict:
-        return self.metrics.report()
+        return {"predictor": self.name, **self.metrics.report()}
 
     def state(self) -> str:
         """What predicts, and from how much history (for the per-group report)."""
@@ -114,37 +116,87 @@ class FrequencyPredictor:
         """Save what was learned, where that is kept (called after every batch group)."""
 
 
-class CorrelationTable:
-    """counts[layer][path code] -> [E] expert counts; layer 0 keeps plain popularity.
+class SavedTable:
+    """What every correlation table shares: its shape, and its JSON file (versioned, tagged
+    with its kind, replaced atomically). A subclass adds `kind`, `name`, `update`, `tendency`,
+    `_body` and `_from_body`."""
 
-    A token's path at layer j is its expert sets at layers j-path..j-1; each set of top-k
-    experts is coded as its index among the C(E, k) combinations, so a path is a tuple of
-    small ints and the whole group collapses to a few unique paths before any lookup."""
+    kind = name = ""
+
+    def __init__(self, num_layers: int, num_experts: int, top_k: int):
+        self.num_layers, self.num_experts, self.top_k = num_layers, num_experts, top_k
+
+    def describe(self) -> str:
+        return self.name
+
+    def tokens_seen(self) -> int:
+        return int(self.first.sum()) // max(1, self.top_k)
+
+    def to_json(self, model_key: str) -> dict:
+        return {"version": TABLE_VERSION, "kind": self.kind, "model": model_key, "num_layers": self.num_layers,
+                "num_experts": self.num_experts, "top_k": self.top_k, **self._body()}
+
+    def save(self, path: Path, model_key: str) -> None:
+        """Atomically: a reader (or a run killed mid-write) sees the old table or the new one."""
+        replace_atomically(path, json.dumps(self.to_json(model_key)).encode())
+
+    @classmethod
+    def load(cls, path: Path, spec) -> "SavedTable":
+        """The table saved at `path`; ValueError when it is of another version, kind or shape."""
+        data = json.loads(Path(path).read_text())
+        if data.get("version") != TABLE_VERSION:
+            raise ValueError(f"{path}: correlation table version {data.get('version')}, expected {TABLE_VERSION}")
+        if data.get("kind") != cls.kind:
+            raise ValueError(f"{path}: table kind {data.get('kind')!r}, this model uses {cls.kind!r}")
+        shape = (data["num_layers"], data["num_experts"], data["top_k"])
+        if shape != (spec.num_layers, spec.num_experts, spec.top_k):
+            raise ValueError(f"{path}: table is for layers/experts/top-k {shape}, the model has "
+                             f"{(spec.num_layers, spec.num_experts, spec.top_k)}; rebuild it with `klotski correlate`")
+        return cls._from_body(shape, data)
+
+
+class CorrelationTable(SavedTable):
+    """counts[layer][path] -> [E] expert counts; layer 0 keeps plain popularity.
+
+    A token's path at layer j is its expert sets at layers j-path..j-1, each set as its
+    sorted expert ids, so the key is a tuple of tuples and nothing is enumerated up front.
+    A whole group collapses to its few unique paths before any lookup (for 8 experts top-2
+    there are only 28 sets); with fine-grained experts nearly every token's set is new, which
+    is what `CooccurrenceTable` is for."""
+
+    kind, name = "exact-path", "correlation table"
 
     def __init__(self, num_layers: int, num_experts: int, top_k: int, path: int = 1):
-        self.num_layers, self.num_experts, self.top_k, self.path = num_layers, num_experts, top_k, path
-        self.combo = {c: i for i, c in enumerate(combinations(range(num_experts), top_k))}
+        super().__init__(num_layers, num_experts, top_k)
+        self.path = path
         self.first = torch.zeros(num_experts)
         self.counts: list[dict[tuple, torch.Tensor]] = [dict() for _ in range(num_layers)]
 
-    def codes(self, experts: torch.Tensor) -> torch.Tensor:
-        """[N, k] expert ids -> [N] combination codes."""
-        return torch.tensor([self.combo[tuple(sorted(r))] for r in experts.tolist()], dtype=torch.long)
+    def describe(self) -> str:
+        return f"exact-path correlation table (expert sets of the previous {self.path} layer(s))"
 
-    def paths(self, history: list[torch.Tensor], layer: int) -> torch.Tensor:
-        """[N, p] path codes of every token at `layer` (p = path layers available)."""
-        start = max(0, layer - self.path)
-        return torch.stack(history[start:layer], dim=1)
+    def paths(self, history: list[torch.Tensor], layer: int) -> torch.Tensor | None:
+        """[N, p*k]: every token's sorted expert sets at the p previous layers, side by side."""
+        if layer == 0 or len(history) < layer:
+            return None
+        return torch.cat(history[max(0, layer - self.path):layer], dim=1)
+
+    def _keys(self, rows: torch.Tensor) -> list[tuple]:
+        k = self.top_k
+        return [tuple(tuple(r[i:i + k]) for i in range(0, len(r), k)) for r in rows.tolist()]
 
     def update(self, layer: int, paths: torch.Tensor | None, experts: torch.Tensor) -> None:
+        E = self.num_experts
         if layer == 0 or paths is None:
-            self.first += torch.bincount(experts.flatten(), minlength=self.num_experts)
+            self.first += torch.bincount(experts.flatten(), minlength=E)
             return
         unique, inverse = torch.unique(paths, dim=0, return_inverse=True)
-        for i, key in enumerate(map(tuple, unique.tolist())):
-            chosen = experts[inverse == i].flatten()
-            row = self.counts[layer].setdefault(key, torch.zeros(self.num_experts))
-            row += torch.bincount(chosen, minlength=self.num_experts)
+        # one bincount over (path, expert) pairs instead of a mask per unique path
+        pairs = (inverse[:, None] * E + experts).flatten()
+        rows = torch.bincount(pairs, minlength=len(unique) * E).view(len(unique), E).float()
+        for key, row in zip(self._keys(unique), rows):
+            have = self.counts[layer].get(key)
+            self.counts[layer][key] = row if have is None else have + row
 
     def tendency(self, layer: int, paths: torch.Tensor | None) -> torch.Tensor:
         """Sum over tokens of each token's normalised expert tendency at `layer`."""
@@ -152,7 +204,7 @@ class CorrelationTable:
             return self.first.clone()
         unique, counts = torch.unique(paths, dim=0, return_counts=True)
         total = torch.zeros(self.num_experts)
-        for key, n in zip(map(tuple, unique.tolist()), counts.tolist()):
+        for key, n in zip(self._keys(unique), counts.tolist()):
             row = self._lookup(layer, key)
             if row is not None and row.sum() > 0:
                 total += n * row / row.sum()
@@ -172,41 +224,31 @@ class CorrelationTable:
                 return sum(matches)
         return None
 
-    # ---- persistence -------------------------------------------------------------------
-    def to_json(self, model_key: str) -> dict:
-        return {"version": TABLE_VERSION, "model": model_key, "num_layers": self.num_layers,
-                "num_experts": self.num_experts, "top_k": self.top_k, "path": self.path,
-                "first_layer": self.first.tolist(),
-                "layers": [{",".join(map(str, k)): v.tolist() for k, v in layer.items()} for layer in self.counts]}
-
-    def save(self, path: Path, model_key: str) -> None:
-        """Atomically: a reader (or a run killed mid-write) sees the old table or the new one."""
-        replace_atomically(path, json.dumps(self.to_json(model_key)).encode())
+    # A key in the file: "1,5/0,3" is sets {1,5} then {0,3} (oldest layer first).
+    def _body(self) -> dict:
+        text = lambda key: "/".join(",".join(map(str, s)) for s in key)
+        return {"path": self.path, "first_layer": self.first.tolist(),
+                "layers": [{text(k): v.tolist() for k, v in layer.items()} for layer in self.counts]}
 
     @classmethod
-    def load(cls, path: Path, spec) -> "CorrelationTable":
-        data = json.loads(Path(path).read_text())
-        if data.get("version") != TABLE_VERSION:
-            raise ValueError(f"{path}: correlation table version {data.get('version')}, expected {TABLE_VERSION}")
-        shape = (data["num_layers"], data["num_experts"], data["top_k"])
-        if shape != (spec.num_layers, spec.num_experts, spec.top_k):
-            raise ValueError(f"{path}: table is for layers/experts/top-k {shape}, the model has "
-                             f"{(spec.num_layers, spec.num_experts, spec.top_k)}; rebuild it with `klotski correlate`")
+    def _from_body(cls, shape, data) -> "CorrelationTable":
         table = cls(*shape, path=data["path"])
-        table.first = torch.tensor(data["first_layer"])
+        table.first = torch.tensor(data["first_layer"], dtype=torch.float32)
+        parse = lambda text: tuple(tuple(int(x) for x in s.split(",")) for s in text.split("/"))
         for layer, rows in enumerate(data["layers"]):
-            table.counts[layer] = {tuple(int(x) for x in k.split(",")): torch.tensor(v) for k, v in rows.items()}
+            table.counts[layer] = {parse(k): torch.tensor(v, dtype=torch.float32) for k, v in rows.items()}
         return table
 
 
 class CorrelationPredictor(FrequencyPredictor):
-    """Predicts from the token paths of the current step; learns online from every gate.
-    `save_to` = (path, model key) saves the table there on `persist`."""
+    """Predicts from the routing of the current step's earlier layers with either table;
+    learns online from every gate. `save_to` = (path, model key) saves the table there on
+    `persist`."""
 
-    def __init__(self, table: CorrelationTable, save_to: tuple[Path, str] | None = None):
-        super().__init__(table.num_layers, table.num_experts)
+    def __init__(self, table: SavedTable, save_to: tuple[Path, str] | None = None):
+        super().__init__(table.num_layers, table.num_experts, name=table.describe())
         self.table, self.save_to = table, save_to
-        self.history: list[torch.Tensor] = []  # per layer: [N_group] combination codes this step
+        self.history: list[torch.Tensor] = []  # per layer: [N_group, k] sorted expert ids this step
 
     def begin_step(self) -> None:
         super().begin_step()
@@ -214,21 +256,19 @@ class CorrelationPredictor(FrequencyPredictor):
 
     def predict(self, layer: int, k: int) -> list[int]:
         if layer not in self.predicted:
-            paths = self.table.paths(self.history, layer) if layer > 0 and len(self.history) >= layer else None
-            scores = self.table.tendency(layer, paths)
+            scores = self.table.tendency(layer, self.table.paths(self.history, layer))
             self.predicted[layer] = _top(scores, k) if k > 0 else []
         return self.predicted[layer]
 
     def observe(self, layer: int, experts: list[torch.Tensor], **kw) -> None:
         super().observe(layer, experts)
-        flat = torch.cat(experts)
-        paths = self.table.paths(self.history, layer) if layer > 0 and len(self.history) >= layer else None
-        self.table.update(layer, paths, flat)
-        self.history.append(self.table.codes(flat))
+        flat = torch.cat(experts).sort(dim=1).values
+        self.table.update(layer, self.table.paths(self.history, layer), flat)
+        self.history.append(flat)
 
     def state(self) -> str:
-        seen = int(self.table.first.sum()) // max(1, self.table.top_k)
-        return f"correlation table learned from {seen} tokens" if seen else "cold correlation table"
+        seen = self.table.tokens_seen()
+        return f"{self.table.name} learned from {seen} tokens" if seen else f"cold {self.table.name}"
 
     def persist(self) -> None:
         """Save what was learned; a cache that cannot be written costs the next run a warm
@@ -248,7 +288,7 @@ class NextGatePredictor(FrequencyPredictor):
     """Layer j's router on the hidden state entering layer j-1's MoE; frequency for layer 0."""
 
     def __init__(self, num_layers: int, num_experts: int):
-        super().__init__(num_layers, num_experts)
+        super().__init__(num_layers, num_experts, name="next-gate")
         self.speculated: dict[int, torch.Tensor] = {}
 
     def begin_step(self) -> None:

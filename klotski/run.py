@@ -178,7 +178,7 @@ def _prefetch_line(prefetch: dict) -> list[str]:
     groups = [g for g in prefetch.get("per_group", []) if g["precision"] is not None]
     if not groups:
         return []
-    line = f"prefetch  {prefetch['precision']:.0%} of prefetched experts were used"
+    line = f"prefetch  {prefetch['precision']:.0%} of prefetched experts were used ({prefetch['predictor']})"
     if len(groups) > 1:
         later = sum(g["precision"] for g in groups[1:]) / (len(groups) - 1)
         line += f"; first group {groups[0]['precision']:.0%} ({groups[0]['predictor']}), later groups {later:.0%}"

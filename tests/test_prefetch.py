@@ -1,12 +1,15 @@
 """Hot-expert predictors: exactness under every predictor, the table's life cycle, metrics."""
 import json
+import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from conftest import engine_tokens, reference_tokens
-from klotski.correlate import table_path, warmup_prompts
-from klotski.prefetch import CorrelationPredictor, CorrelationTable
+from klotski.cooccurrence import CooccurrenceTable
+from klotski.correlate import new_table, table_path, warmup_prompts
+from klotski.prefetch import TABLE_VERSION, CorrelationPredictor, CorrelationTable
 
 
 @pytest.mark.parametrize("prefetch", ["correlation", "next-gate", "none"])
@@ -46,7 +49,8 @@ def test_table_is_learned_from_the_job_and_saved_for_the_next_run(checkpoints):
     path.unlink()
     engine = run()
     data = json.loads(path.read_text())
-    assert data["version"] == 1 and data["path"] == 1 and data["num_experts"] == engine.spec.num_experts
+    assert data["version"] == 2 and data["kind"] == "exact-path" and data["path"] == 1
+    assert data["num_experts"] == engine.spec.num_experts
     first = sum(data["first_layer"])  # every token's top-k at layer 0, over every step of the job
     assert first >= engine.spec.top_k * (engine.stats.prompt_tokens + engine.stats.generated_tokens - 6)
     run()
@@ -79,3 +83,151 @@ def test_report_scores_each_group_with_the_state_it_started_in(checkpoints):
     assert all(0 <= g["precision"] <= 1 for g in groups)
     again = run().predictor.report()["per_group"]
     assert again[0]["predictor"].startswith("correlation table learned from ")
+
+
+# ---- fine-grained MoE: 128 experts top-8 --------------------------------------------------
+
+def _blocks(ids, width=8, experts=128):
+    """[N, width] rows: token t chooses the block of `width` experts starting at ids[t] * width."""
+    return torch.stack([torch.arange(width) + (b * width) % experts for b in ids])
+
+
+def test_exact_path_table_for_128_experts_top_8_constructs_at_once_and_predicts():
+    """Version 1 enumerated C(128, 8) ~ 1.4e12 sets at construction and never finished."""
+    start = time.perf_counter()
+    table = CorrelationTable(num_layers=2, num_experts=128, top_k=8, path=1)
+    assert time.perf_counter() - start < 1.0
+    learner = CorrelationPredictor(table)
+    learner.begin_step()
+    learner.observe(0, [_blocks([3, 3, 5])[:, torch.randperm(8)]])  # the order within a set does not matter
+    learner.observe(1, [_blocks([4, 4, 9])])
+    predictor = CorrelationPredictor(table)
+    predictor.begin_step()
+    assert predictor.predict(0, 8) == list(range(24, 32))      # the most popular block at layer 0
+    predictor.observe(0, [_blocks([5])])
+    assert predictor.predict(1, 8) == list(range(72, 80))      # block 5 was followed by block 9
+    assert len(table.counts[1]) == 2
+
+
+def test_cooccurrence_learns_which_experts_follow_which():
+    """Hand-made rule: a token on block b at layer 0 takes block b + 1 at layer 1, so every
+    expert of block b is followed by every expert of block b + 1 and by no other."""
+    table = CooccurrenceTable(num_layers=2, num_experts=128, top_k=8)
+    learner = CorrelationPredictor(table)
+    for _ in range(3):
+        learner.begin_step()
+        blocks = [0, 3, 3, 5, 7, 15]
+        learner.observe(0, [_blocks(blocks[:4]), _blocks(blocks[4:])])  # two batches of one group
+        learner.observe(1, [_blocks([b + 1 for b in blocks[:4]]), _blocks([b + 1 for b in blocks[4:]])])
+    assert int(table.counts[1, 24, 32]) == 3 * 2 and int(table.counts[1, 24, 40]) == 0
+    predictor = CorrelationPredictor(table)
+    predictor.begin_step()
+    assert predictor.predict(0, 8) == list(range(24, 32))               # popularity: block 3 (x2)
+    predictor.observe(0, [_blocks([3, 15, 3])])
+    assert predictor.predict(1, 16) == list(range(32, 40)) + list(range(0, 8))  # block 4 (x2), then 16 -> 0
+    assert predictor.state() == "co-occurrence table learned from 21 tokens"  # 3 x 6, and the 3 just seen
+    assert predictor.report()["predictor"].startswith("co-occurrence table")
+
+
+def test_cooccurrence_with_one_expert_per_token_is_the_exact_table():
+    """With top-1 routing a set is one expert, so both tables must predict alike."""
+    tables = [CorrelationTable(2, 4, 1), CooccurrenceTable(2, 4, 1)]
+    for table in tables:
+        learner = CorrelationPredictor(table)
+        for first in ([[0], [0], [2], [1]], [[3], [2], [2], [0]]):
+            learner.begin_step()
+            first = torch.tensor(first)
+            learner.observe(0, [first])
+            learner.observe(1, [(first + 1) % 4])
+    predictions = []
+    for table in tables:
+        predictor = CorrelationPredictor(table)
+        predictor.begin_step()
+        predictions.append(predictor.predict(0, 2))
+        predictor.observe(0, [torch.tensor([[2], [2], [1]])])
+        predictions.append(predictor.predict(1, 2))
+    assert predictions[:2] == predictions[2:] == [[0, 2], [3, 2]]
+
+
+@pytest.mark.parametrize("make", [lambda: CorrelationTable(3, 128, 8, path=2), lambda: CooccurrenceTable(3, 128, 8)])
+def test_tables_survive_a_save_and_load(tmp_path, make):
+    table = make()
+    learner = CorrelationPredictor(table)
+    for step in range(2):
+        learner.begin_step()
+        for layer in range(3):
+            learner.observe(layer, [_blocks([step, layer + step, 7, 12])])
+    path = tmp_path / "table.json"
+    table.save(path, "model-key")
+    spec = SimpleNamespace(num_layers=3, num_experts=128, top_k=8)
+    loaded = type(table).load(path, spec)
+    assert json.loads(path.read_text())["version"] == TABLE_VERSION == 2
+    assert loaded.to_json("model-key") == table.to_json("model-key")
+    before, after = CorrelationPredictor(table), CorrelationPredictor(loaded)
+    for p in (before, after):
+        p.begin_step()
+        p.observe(0, [_blocks([1, 7])])
+        p.observe(1, [_blocks([1, 7])])
+    # block 1 was followed by block 1 (and, at one layer of history, also by block 2); block 7 by itself
+    assert before.predict(2, 16) == after.predict(2, 16)
+    assert sorted(before.predict(2, 16)) == list(range(8, 16)) + list(range(56, 64))
+    other = CooccurrenceTable if isinstance(table, CorrelationTable) else CorrelationTable
+    with pytest.raises(ValueError, match="table kind"):
+        other.load(path, spec)
+    with pytest.raises(ValueError, match="layers/experts/top-k"):
+        type(table).load(path, SimpleNamespace(num_layers=3, num_experts=64, top_k=8))
+
+
+def test_the_table_kind_follows_the_number_of_expert_sets():
+    shape = lambda e, k: SimpleNamespace(num_layers=48, num_experts=e, top_k=k)
+    assert type(new_table(shape(8, 2))) is CorrelationTable      # Mixtral: 28 sets
+    assert type(new_table(shape(16, 4))) is CorrelationTable     # 1820 sets
+    assert type(new_table(shape(64, 6))) is CooccurrenceTable
+    start = time.perf_counter()
+    assert type(new_table(shape(128, 8))) is CooccurrenceTable   # Qwen3-MoE
+    assert time.perf_counter() - start < 1.0
+
+
+def test_an_old_version_table_is_ignored_with_a_warning_and_replaced(checkpoints, capsys):
+    from klotski.checkpoint import Checkpoint
+    ckpt = Checkpoint.open(checkpoints["gqa"])
+    path = table_path(ckpt)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"version": 1, "model": ckpt.key, "num_layers": ckpt.spec.num_layers,
+                                "num_experts": ckpt.spec.num_experts, "top_k": ckpt.spec.top_k, "path": 1,
+                                "first_layer": [5.0] * ckpt.spec.num_experts,
+                                "layers": [{"27": [1.0] * ckpt.spec.num_experts}] * ckpt.spec.num_layers}))
+    _, engine = engine_tokens(checkpoints["gqa"], prefetch="correlation", batch_size=3, num_batches=1)
+    err = capsys.readouterr().err
+    assert "ignoring the expert-correlation table" in err and "version 1, expected 2" in err
+    assert engine.predictor.report()["per_group"][0]["predictor"] == "cold correlation table"
+    data = json.loads(path.read_text())
+    assert data["version"] == 2 and data["kind"] == "exact-path"
+
+
+def test_a_fine_grained_model_runs_the_cooccurrence_table_and_stays_exact(tmp_path):
+    from klotski.tiny import build_checkpoint
+    model = build_checkpoint(tmp_path / "fine", "tiny", routing="skewed", num_local_experts=128,
+                             num_experts_per_tok=8, intermediate_size=16, num_hidden_layers=2)
+    prompts = warmup_prompts(4, 12)
+    run = lambda prefetch: engine_tokens(model, prompts=prompts, max_new_tokens=4, batch_size=2, num_batches=1,
+                                         prefetch=prefetch)
+    plain, _ = run("none")
+    ours, engine = run("correlation")
+    assert ours == plain
+    report = engine.predictor.report()
+    assert report["predictor"].startswith("co-occurrence table")
+    assert [g["predictor"] for g in report["per_group"]][0] == "cold co-occurrence table"
+    assert report["per_group"][1]["predictor"].startswith("co-occurrence table learned from ")
+    assert 0 < report["precision"] <= 1
+    data = json.loads(table_path(engine.ckpt).read_text())
+    assert data["kind"] == "co-occurrence" and len(data["counts"][1]) == 128
+
+
+def test_a_cooccurrence_file_of_the_wrong_size_is_refused(tmp_path):
+    table = CooccurrenceTable(2, 16, 4)
+    data = table.to_json("model-key")
+    data["counts"] = data["counts"][:1]
+    (tmp_path / "t.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="co-occurrence counts of shape"):
+        CooccurrenceTable.load(tmp_path / "t.json", SimpleNamespace(num_layers=2, num_experts=16, top_k=4))
