@@ -10,7 +10,7 @@ share of generated tokens before each prompt's first difference (bf16 sums in ot
 round differently, so a difference may appear; in fp32 the tests demand none).
 
 Schedules: a Qwen3-MoE-shaped model (hidden 512, 4 layers, 128 experts of width 384, top-8,
-bf16, ~0.4 GB) with the device budget at a third of it, each schedule in its own process in
+bf16, 0.61 GB) with the device budget at a third of it, each schedule in its own process in
 A/B/A/B order after a warm-up (benchmarks/pipeline.py's runner); decode tokens/s is the
 median over reps. Results: benchmarks/results/families.json and a Markdown table on stdout.
 """
@@ -118,7 +118,8 @@ def main():
             print(f"| {r['schedule']} | {r['n']} | {r['tokens_per_s']:.2f} | {r['decode_tokens_per_s']} | "
                   f"{r['bubble']:.2f} |")
     out = ROOT / "benchmarks/results/families.json"
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    kept = json.loads(out.read_text()) if out.exists() else {}  # a part run alone keeps the other's figures
+    out.write_text(json.dumps({**kept, **result}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
