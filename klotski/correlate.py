@@ -70,11 +70,13 @@ def load_table(ckpt) -> SavedTable | None:
 def learning_predictor(ckpt) -> CorrelationPredictor:
     """A correlation predictor that starts from the saved table (or an empty one) and saves
     what it learns back to the cache after every group."""
+    existed = table_path(ckpt).exists()  # an unusable one was already reported by load_table
     table = load_table(ckpt)
     if table is None:
         table = new_table(ckpt.spec)
-        print(f"klotski: no expert-correlation table for this model yet; learning it from this job "
-              f"(saved to {table_path(ckpt)})", file=sys.stderr)
+        if not existed:
+            print(f"klotski: no expert-correlation table for this model yet; learning it from this job "
+                  f"(saved to {table_path(ckpt)})", file=sys.stderr)
     return CorrelationPredictor(table, save_to=(table_path(ckpt), ckpt.key))
 
 

@@ -200,6 +200,7 @@ def test_an_old_version_table_is_ignored_with_a_warning_and_replaced(checkpoints
     _, engine = engine_tokens(checkpoints["gqa"], prefetch="correlation", batch_size=3, num_batches=1)
     err = capsys.readouterr().err
     assert "ignoring the expert-correlation table" in err and "version 1, expected 2" in err
+    assert "no expert-correlation table for this model yet" not in err  # one line, not two
     assert engine.predictor.report()["per_group"][0]["predictor"] == "cold correlation table"
     data = json.loads(path.read_text())
     assert data["version"] == 2 and data["kind"] == "exact-path"
