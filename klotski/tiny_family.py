@@ -7,7 +7,6 @@ gives decisive routers and logits, so greedy tokens are not decided by rounding 
 varied generations rather than one token repeated."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -53,10 +52,10 @@ def build_family(out_dir, family: str, *, seed: int = 0, dtype: str = "float32",
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # norms and biases too: a test that reads the wrong one must fail
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith(".bias"):
-                p.copy_(1.0 + 0.1 * torch.randn_like(p) if name.endswith("norm.weight") else 0.1 * torch.randn_like(p))
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn_like(p))
     model.to(getattr(torch, dtype)).save_pretrained(out)
     GenerationConfig(bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"]).save_pretrained(out)
-    (out / "klotski-build.json").write_text(json.dumps({"family": family, "seed": seed, "dtype": dtype,
-                                                      "overrides": overrides}, default=str) + "\n")
     return out

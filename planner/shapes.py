@@ -100,14 +100,6 @@ class ModelShape:
         return ",".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self) if f.name != "name")
 
 
-def dtype_name(obj) -> str:
-    """'bfloat16' from a string or a torch.dtype (whose str is 'torch.bfloat16'), no torch import."""
-    name = str(getattr(obj, "dtype", obj)).removeprefix("torch.")
-    if name not in _DTYPE_BYTES:
-        raise ValueError(f"dtype {name!r} is not one of {sorted(_DTYPE_BYTES)}")
-    return name
-
-
 # Per family: the config field of one routed expert's width and of the expert count, the
 # shared expert's width, and the kind of q/k norm (fields checked against transformers 5.23).
 FAMILY_FIELDS: dict[str, dict[str, str]] = {
@@ -128,12 +120,15 @@ def family_fields(cfg: dict) -> dict[str, str]:
     return names
 
 
+def window_applies(cfg: dict) -> bool:
+    """Whether the config's `sliding_window` means anything: Qwen configs carry one that
+    applies only with `use_sliding_window` (Qwen1.5-MoE ships 32768 with it false)."""
+    return cfg.get("model_type") not in ("qwen2_moe", "qwen3_moe") or bool(cfg.get("use_sliding_window"))
+
+
 def sliding_window(cfg: dict) -> int | None:
-    """The attention window of every layer, or None. Qwen configs carry a `sliding_window`
-    that applies only with `use_sliding_window` (Qwen1.5-MoE ships 32768 with it false)."""
-    if cfg.get("model_type") in ("qwen2_moe", "qwen3_moe") and not cfg.get("use_sliding_window", False):
-        return None
-    return cfg.get("sliding_window") or None
+    """The attention window of every layer, or None."""
+    return (cfg.get("sliding_window") or None) if window_applies(cfg) else None
 
 
 def attention_bias(cfg: dict) -> str:
@@ -158,14 +153,7 @@ def as_shape(model) -> ModelShape:
             raise KeyError(f"unknown model alias {model!r}; known: {', '.join(sorted(KNOWN_MODELS))}") from None
     if isinstance(model, dict):
         return ModelShape.from_config(model)
-    return ModelShape(
-        hidden_size=model.hidden_size, intermediate_size=model.intermediate_size,
-        num_layers=model.num_layers, num_heads=model.num_heads, num_kv_heads=model.num_kv_heads,
-        head_dim=model.head_dim, num_experts=model.num_experts, top_k=model.top_k,
-        vocab_size=model.vocab_size, dtype=dtype_name(model),
-        tie_word_embeddings=bool(model.tie_word_embeddings), sliding_window=model.sliding_window,
-        name=getattr(model, "name", "") or getattr(model, "model_type", ""),
-    )
+    raise TypeError(f"not a model shape: {model!r}")
 
 
 # Published configs (config.json of mistralai/Mixtral-8x7B-v0.1 and Mixtral-8x22B-v0.1).

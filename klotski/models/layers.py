@@ -131,8 +131,11 @@ def attention_block(h, w: dict, cos, sin, mask, cache_write, spec, qkv, max_scor
     keys, values = cache_write(k, v)
     B, heads, T, _ = q.shape
     step = T if max_scores is None else max(1, max_scores // (B * heads * keys.shape[2]))
-    out = torch.cat([attend(q[:, :, i:i + step], keys, values, mask[:, :, i:i + step]) for i in range(0, T, step)],
-                    dim=1)
+    if step >= T:
+        out = attend(q, keys, values, mask)
+    else:
+        out = torch.cat([attend(q[:, :, i:i + step], keys, values, mask[:, :, i:i + step])
+                         for i in range(0, T, step)], dim=1)
     return h + linear(out, w, "o")
 
 

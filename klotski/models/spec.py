@@ -25,7 +25,7 @@ import torch
 from klotski.models import fields as F
 from klotski.models import mixtral, olmoe, qwen2_moe, qwen3_moe
 from placement.store import CheckpointError
-from planner.shapes import FAMILY_FIELDS, ModelShape, family_fields
+from planner.shapes import FAMILY_FIELDS, ModelShape, family_fields, window_applies
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FAMILIES: dict[str, ModuleType] = {m.MODEL_TYPE: m for m in (mixtral, qwen3_moe, qwen2_moe, olmoe)}
@@ -203,7 +203,7 @@ def check_config(cfg: dict) -> None:
     if head_dim % 2:
         raise F.BadField(f"field 'head_dim' is {head_dim}; must be even (RoPE rotates pairs of dimensions)")
     F.integer(cfg, "num_experts_per_tok", high=cfg[experts], high_name=experts)
-    if mt not in ("qwen2_moe", "qwen3_moe") or cfg.get("use_sliding_window"):  # else Qwen ignores the field
+    if window_applies(cfg):
         F.integer(cfg, "sliding_window", default=None, optional=True)
     F.integer(cfg, "max_position_embeddings", default=32768)
     F.positive_number(cfg, "rms_norm_eps", default=1e-5)
