@@ -1,6 +1,5 @@
 """Hot-expert predictors: exactness under every predictor, the table's life cycle, metrics."""
 import json
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -93,10 +92,10 @@ def _blocks(ids, width=8, experts=128):
 
 
 def test_exact_path_table_for_128_experts_top_8_constructs_at_once_and_predicts():
-    """Version 1 enumerated C(128, 8) ~ 1.4e12 sets at construction and never finished."""
-    start = time.perf_counter()
+    """Version 1 enumerated C(128, 8) ~ 1.4e12 sets at construction and never finished; now a
+    table holds only the sets it has seen."""
     table = CorrelationTable(num_layers=2, num_experts=128, top_k=8, path=1)
-    assert time.perf_counter() - start < 1.0
+    assert not any(table.counts) and not hasattr(table, "combo")
     learner = CorrelationPredictor(table)
     learner.begin_step()
     learner.observe(0, [_blocks([3, 3, 5])[:, torch.randperm(8)]])  # the order within a set does not matter
@@ -183,9 +182,7 @@ def test_the_table_kind_follows_the_number_of_expert_sets():
     assert type(new_table(shape(8, 2))) is CorrelationTable      # Mixtral: 28 sets
     assert type(new_table(shape(16, 4))) is CorrelationTable     # 1820 sets
     assert type(new_table(shape(64, 6))) is CooccurrenceTable
-    start = time.perf_counter()
     assert type(new_table(shape(128, 8))) is CooccurrenceTable   # Qwen3-MoE
-    assert time.perf_counter() - start < 1.0
 
 
 def test_an_old_version_table_is_ignored_with_a_warning_and_replaced(checkpoints, capsys):
