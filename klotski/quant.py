@@ -49,6 +49,8 @@ from typing import Iterable
 
 import torch
 
+from klotski.writes import alive
+
 FORMAT = 1
 WEIGHTS_FILE = "quantized.safetensors"
 MANIFEST_FILE = "manifest.json"
@@ -297,18 +299,8 @@ def _remove_abandoned(out: Path) -> None:
     as big as the checkpoint, and a user who kills a long quantization never sees them."""
     for p in out.parent.glob(f".{out.name}.*-*"):
         kind, _, pid = p.name[len(out.name) + 2:].rpartition("-")
-        if kind in ("tmp", "old") and pid.isdigit() and not _alive(int(pid)):
+        if kind in ("tmp", "old") and pid.isdigit() and not alive(int(pid)):
             shutil.rmtree(p, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def load_quantized(out_dir: str | Path, label: str) -> dict[str, torch.Tensor]:

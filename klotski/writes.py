@@ -81,10 +81,26 @@ def require_space(directory, need: int, what: str, fix: str) -> None:
                         f"{size_text(free)} is free; {fix}")
 
 
+def alive(pid: int) -> bool:
+    """Whether process `pid` still runs (so its temporary files are still being written)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def replace_atomically(path: Path, data: bytes) -> None:
     """Write `data` to a temporary sibling and rename it over `path`: a reader, or a run
-    killed midway, sees the old file or the new one, never a part; no temporary is left."""
+    killed midway, sees the old file or the new one, never a part. A temporary left by a
+    killed run (its pid gone) is removed by the next write of the same file."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in path.parent.glob(f".{path.name}.*.tmp"):
+        pid = stale.name[len(path.name) + 2:-len(".tmp")]
+        if pid.isdigit() and not alive(int(pid)):
+            stale.unlink(missing_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:

@@ -200,3 +200,20 @@ def test_sigterm_mid_run_says_so_and_the_rerun_resumes(job, checkpoints, tmp_pat
     assert r.returncode == 0, r.stderr
     assert sorted(_ids(out)) == sorted(uninterrupted)
     assert _records(out) == uninterrupted
+
+
+def test_a_temporary_left_by_a_killed_run_is_removed_by_the_next_write(tmp_path):
+    """A run SIGKILLed while saving (the correlation table, the report) leaves its temporary;
+    the next save of that file removes it, and leaves a live process's alone."""
+    import subprocess
+    import sys
+    from klotski.writes import replace_atomically
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    target = tmp_path / "table.json"
+    stale, live = tmp_path / f".table.json.{dead}.tmp", tmp_path / f".table.json.{os.getppid()}.tmp"
+    stale.write_text("half")
+    live.write_text("being written")
+    replace_atomically(target, b"{}")
+    assert target.read_bytes() == b"{}"
+    assert not stale.exists() and live.exists()
