@@ -2,14 +2,25 @@
 
 Each channel is one FIFO worker thread: work submitted to it runs in order, overlapping the
 scheduling thread's compute, and returns a `Ticket`. This is the ONLY place where CPU and
-CUDA differ:
+CUDA differ, and both follow one discipline for every buffer a transfer touches:
+
+  1. A transfer's destination is fresh memory, allocated by the transfer itself.
+  2. A consumer waits on its producer: `Ticket.wait` makes the waiting (compute) stream wait
+     on the transfer's event. On CPU the worker's future is that event.
+  3. A transfer that reads device memory the compute stream wrote (a KV store) waits on an
+     event recorded on the compute stream when it was submitted (`after_compute`), and on any
+     ticket it is ordered behind (`after`), e.g. the store a KV load re-reads.
+  4. Release happens after the last reader: `Ticket.wait` tags what arrived with the waiting
+     stream (`record_stream`), and a transfer tags what it reads (`reads`) with its own, so
+     the caching allocator reuses a block only once every stream that used it is past it.
+  5. `Ticket.done()` means the data has arrived (the worker ran and, on CUDA, its event
+     completed), so the ready-first expert order and speculation see arrivals, not queueing.
 
   * CPU: `to_device` is a memory copy into a fresh tensor (the device tier is a budgeted
-    working set in RAM), or no copy for a fresh disk read only that transfer holds; a
-    ticket is ready when the worker's future is.
+    working set in RAM), or no copy for a fresh disk read only that transfer holds.
   * CUDA: the worker issues non-blocking copies from pinned memory on the channel's own
-    `torch.cuda.Stream` and records an event; `Ticket.wait` makes the compute stream wait
-    on that event, so the copy overlaps kernels exactly as in the paper's four streams.
+    `torch.cuda.Stream` and records an event, so copies overlap kernels as in the paper's
+    four streams; their timings come from CUDA events (trace.py).
 
 `link_gbps` (from `--emulate-link`) makes every host->device transfer take bytes /
 bandwidth on ONE link shared by all channels (as streams share a PCIe link), so a CPU run
@@ -31,13 +42,26 @@ class Ticket:
         self.future, self.event = future, event
 
     def done(self) -> bool:
-        return self.future.done()
+        """The data has arrived (not merely been queued)."""
+        return self.future.done() and (self.event is None or self.event.query())
 
     def wait(self):
+        """The result, usable on the calling thread's current stream."""
         result = self.future.result()
         if self.event is not None:
-            torch.cuda.current_stream().wait_event(self.event)
+            stream = torch.cuda.current_stream()
+            stream.wait_event(self.event)
+            for t in device_tensors(result):
+                t.record_stream(stream)
         return result
+
+
+def device_tensors(value):
+    """The CUDA tensors in a transfer's result (a tensor, or dicts/tuples/lists of them)."""
+    if isinstance(value, torch.Tensor):
+        return [value] if value.is_cuda else []
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (tuple, list)) else ()
+    return [t for v in items for t in device_tensors(v)]
 
 
 class EmulatedLink:
@@ -63,22 +87,43 @@ class Channel:
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"klotski-{name}")
 
-    def submit(self, fn, *, name: str, nbytes: int = 0, link: str | None = HOST_TO_DEVICE) -> Ticket:
-        """Run `fn()` on this channel after everything submitted before it."""
-        event = torch.cuda.Event() if self.cuda else None
+    def submit(self, fn, *, name: str, nbytes: int = 0, link: str | None = HOST_TO_DEVICE,
+               after: list[Ticket] = (), after_compute: bool = False, reads=()) -> Ticket:
+        """Run `fn()` on this channel after everything submitted before it, after the tickets
+        in `after` and, with `after_compute`, after the compute queued so far; `reads` are
+        device tensors `fn` reads (kept from reuse until this transfer is past them)."""
+        if not self.cuda:
+            after = [t for t in after if not t.done()]
+
+            def work():
+                for t in after:
+                    t.wait()
+                start = time.perf_counter()
+                done_at = self.link.occupy(nbytes, start) if self.link and link == HOST_TO_DEVICE else None
+                result = fn()
+                if done_at is not None:
+                    time.sleep(max(0.0, done_at - time.perf_counter()))
+                self.trace.add(self.name, name, start, time.perf_counter(), nbytes, link)
+                return result
+
+            return Ticket(self._pool.submit(work))
+        event = torch.cuda.Event()
+        computed = torch.cuda.Event() if after_compute else None
+        if computed is not None:
+            computed.record()  # the scheduling thread's current stream: compute
+        waits = [t.event for t in after if t.event is not None] + ([computed] if computed else [])
 
         def work():
-            start = time.perf_counter()
-            done_at = self.link.occupy(nbytes, start) if self.link and link == HOST_TO_DEVICE else None
-            if self.cuda:
-                with torch.cuda.stream(self.stream):
+            for t in after:
+                t.future.result()  # its event is recorded once its work has been issued
+            with torch.cuda.stream(self.stream):
+                for e in waits:
+                    self.stream.wait_event(e)
+                for t in reads:
+                    t.record_stream(self.stream)
+                with self.trace.gpu_span(self.name, name, nbytes, link):
                     result = fn()
-                    event.record(self.stream)
-            else:
-                result = fn()
-            if done_at is not None:
-                time.sleep(max(0.0, done_at - time.perf_counter()))
-            self.trace.add(self.name, name, start, time.perf_counter(), nbytes, link)
+                event.record(self.stream)
             return result
 
         return Ticket(self._pool.submit(work), event)

@@ -3,6 +3,7 @@ stderr (what, where, how to fix) and an exit status, never a traceback."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -199,6 +200,9 @@ def config_from_args(a: argparse.Namespace) -> RunConfig:
 
 
 def main(argv=None) -> int:
+    # Before CUDA starts: segments that grow in place, so fragmentation cannot push the
+    # allocator's footprint past what the budget accounts for (a user's own setting wins).
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

@@ -21,7 +21,9 @@ import torch
 from klotski import sequences as S
 from klotski.kvcache import BatchKV
 from klotski.pipeline import StepInput
+from placement import pinned
 from placement.cache import DISK_TO_HOST
+from placement.pinned import PinnedBlocks
 from placement.tiers import HOST
 
 
@@ -79,22 +81,30 @@ class Engine:
             yield from self._run_group(group)
             self.predictor.end_group()
             self.predictor.persist()  # what this group taught the predictor survives a crash
+        self.trace.resolve(everything=True)
 
     def _run_group(self, group: list[list[S.Sequence]]):
         spec = self.spec
         prompt_len = [max(len(s.prompt_ids) for s in b) for b in group]
         on_host = self.placement.kv == HOST
-        kvs = [BatchKV(spec.num_layers, len(b), spec.num_kv_heads, spec.head_dim,
-                       p + max(s.max_new_tokens for s in b), self.dtype, device=self.device, on_host=on_host,
-                       pin=self._pin) for b, p in zip(group, prompt_len)]
-        kv_bytes = sum(kv.nbytes() for kv in kvs)
+        shapes = [(spec.num_layers, len(b), spec.num_kv_heads, spec.head_dim, p + max(s.max_new_tokens for s in b))
+                  for b, p in zip(group, prompt_len)]
+        kv_bytes = sum(BatchKV.nbytes_for(*shape, self.dtype) for shape in shapes)
         account = self.host_memory if on_host else self.memory
-        if not on_host:
+        blocks = PinnedBlocks(pinned=True) if on_host and self.device.type == "cuda" else None
+        if blocks:  # one locked block per layer's keys or values, charged what it takes
+            kv_bytes = sum(2 * s[0] * pinned.charge(BatchKV.nbytes_for(1, *s[1:], self.dtype) // 2) for s in shapes)
+        if not on_host:  # room first, then the allocation: the allocator never holds more than the accounts
             self.pipeline.make_room(kv_bytes, "KV cache")
         account.reserve(kv_bytes, "KV cache")
+        kvs = [BatchKV(*shape, self.dtype, device=self.device, on_host=on_host, pin=self._pin,
+                       host_zeros=blocks.zeros if blocks else None) for shape in shapes]
         try:
             yield from self._steps(group, kvs, prompt_len)
         finally:
+            if blocks:
+                torch.cuda.synchronize(self.device)  # the last stores into the blocks have landed
+                blocks.close()
             account.free(kv_bytes)
 
     def _pin(self, t):
@@ -117,7 +127,8 @@ class Engine:
             active = list(inputs)
             t0, disk0 = time.perf_counter(), self.trace.bytes[DISK_TO_HOST]
             logits = self.pipeline.forward([kvs[k] for k in active], [inputs[k] for k in active])
-            elapsed = time.perf_counter() - t0
+            elapsed = time.perf_counter() - t0  # the logits reached the host: the step's compute is done
+            self.trace.resolve()
             if prefilling:
                 self.stats.prefill_s += elapsed
                 self.stats.prefill_passes += 1
@@ -158,6 +169,9 @@ class Engine:
     def close(self) -> None:
         for channel in self.channels.values():
             channel.close()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # nothing still reads the host blocks
+        self.cache.close()
         self.ckpt.close()
 
 

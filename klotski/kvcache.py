@@ -1,32 +1,53 @@
 """Per-batch KV cache, on the device or offloaded to host.
 
-One `BatchKV` per batch of a group: keys/values per layer [B, kv_heads, capacity, head_dim],
-a validity mask over cache slots (False = left padding) and the number of slots filled.
-Sequences in a batch share slot indices; left padding keeps every sequence's newest token
-in the same slot.
+One `BatchKV` per batch of a group: keys/values per layer, slot-major
+[capacity, B, kv_heads, head_dim], so that a batch's prefix and a step's new slots are each
+one contiguous block (one copy per direction, from and into pinned host memory); attention
+reads them as [B, kv_heads, slots, head_dim] views. A validity mask over cache slots
+(False = left padding; kept on the host, where masks are built) and the number of slots
+filled. Sequences in a batch share slot indices; left padding keeps every sequence's newest
+token in the same slot.
 
 On the device tier attention writes straight into the cache. On the host tier the
 pipeline asks for `load(layer)` (on `kv_load`: a device buffer holding the prefix plus room
 for this step) ahead of the batch's attention, and `store(layer, buf)` (on `kv_store`:
-only this step's new slots go back) after it.
+only this step's new slots go back) after it. `stored[layer]` is the last store's ticket,
+which the next load of that layer waits for.
 """
 from __future__ import annotations
 
 import torch
 
 
+def _heads(slot_major: torch.Tensor) -> torch.Tensor:
+    """[slots, B, kvh, D] -> the [B, kvh, slots, D] view attention reads."""
+    return slot_major.permute(1, 2, 0, 3)
+
+
 class BatchKV:
     def __init__(self, num_layers: int, batch: int, kv_heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype, *, device="cpu", on_host: bool = False, pin=lambda t: t):
-        shape = (batch, kv_heads, capacity, head_dim)
-        home = "cpu" if on_host else device
-        self.keys = [pin(torch.zeros(shape, dtype=dtype, device=home)) for _ in range(num_layers)]
-        self.values = [pin(torch.zeros(shape, dtype=dtype, device=home)) for _ in range(num_layers)]
-        self.valid = torch.zeros(batch, capacity, dtype=torch.bool, device=device)
-        self.on_host = on_host
+                 dtype: torch.dtype, *, device="cpu", on_host: bool = False, pin=lambda t: t,
+                 host_zeros=None):
+        shape = (capacity, batch, kv_heads, head_dim)
+        # host copies live in exact page-locked blocks on CUDA (`host_zeros`: placement/pinned.py)
+        zeros = host_zeros if on_host and host_zeros else \
+            lambda shape, dtype: torch.zeros(shape, dtype=dtype, device="cpu" if on_host else device)
+        self.keys = [zeros(shape, dtype) for _ in range(num_layers)]
+        self.values = [zeros(shape, dtype) for _ in range(num_layers)]
+        self.valid = torch.zeros(batch, capacity, dtype=torch.bool)
+        self.on_host, self.pin = on_host, pin
         self.filled = 0
         self.new = 0
         self.capacity = capacity
+        self.old_slots = None
+        self._columns = {}  # device -> this step's columns there
+        self.stored: dict = {}
+
+    @staticmethod
+    def nbytes_for(num_layers: int, batch: int, kv_heads: int, head_dim: int, capacity: int,
+                   dtype: torch.dtype) -> int:
+        """The whole cache of a batch, every layer, at full capacity (known before allocating)."""
+        return 2 * num_layers * capacity * batch * kv_heads * head_dim * dtype.itemsize
 
     def begin_step(self, valid_new: torch.Tensor, sink: int | None = None, recent: int | None = None):
         """Reserve slots for this step's tokens ([B, T] validity); return the validity of
@@ -39,20 +60,24 @@ class BatchKV:
         self.valid[:, self.filled:self.filled + t] = valid_new
         self.new = t
         self.old_slots = None
+        self._columns = {}
         if recent is not None:
             old = self.valid[:, :self.filled]
             rank = old.long().cumsum(-1) - 1
             last_query = self.filled + t - 1
-            keep = old & ((rank < sink) | (torch.arange(self.filled, device=old.device) > last_query - recent))
+            keep = old & ((rank < sink) | (torch.arange(self.filled) > last_query - recent))
             self.old_slots = torch.nonzero(keep.any(0)).flatten()
         return self.valid[:, :self.filled + t]
 
-    def step_columns(self) -> torch.Tensor | None:
+    def step_columns(self, device="cpu") -> torch.Tensor | None:
         """Cache slots this step attends over, in buffer order (None = all of them)."""
         if self.old_slots is None:
             return None
-        return torch.cat([self.old_slots, torch.arange(self.filled, self.filled + self.new,
-                                                         device=self.old_slots.device)])
+        key = str(device)
+        if key not in self._columns:
+            cols = torch.cat([self.old_slots, torch.arange(self.filled, self.filled + self.new)])
+            self._columns[key] = cols.to(device)
+        return self._columns[key]
 
     def _old_count(self) -> int:
         return self.filled if self.old_slots is None else len(self.old_slots)
@@ -63,24 +88,25 @@ class BatchKV:
 
     # ---- device-resident use ------------------------------------------------------------
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, buf=None):
-        """Store this step's k, v [B, kvh, T, D]; return every key/value attended over. `buf` is
-        the (keys, values, offset) device buffer from `load` when the cache lives on the host."""
+        """Store this step's k, v [B, kvh, T, D]; return every key/value attended over, as
+        [B, kvh, slots, D]. `buf` is the (keys, values, offset) slot-major device buffer from
+        `load` when the cache lives on the host."""
         if buf is None:
             keys, values, offset = self.keys[layer], self.values[layer], self.filled
         else:
             keys, values, offset = buf
         end = offset + k.shape[2]
-        keys[:, :, offset:end] = k
-        values[:, :, offset:end] = v
+        keys[offset:end] = k.permute(2, 0, 1, 3)
+        values[offset:end] = v.permute(2, 0, 1, 3)
         if buf is None and self.old_slots is not None:
-            cols = self.step_columns()
-            return keys.index_select(2, cols), values.index_select(2, cols)
-        return keys[:, :, :end], values[:, :, :end]
+            cols = self.step_columns(keys.device)
+            return _heads(keys.index_select(0, cols)), _heads(values.index_select(0, cols))
+        return _heads(keys[:end]), _heads(values[:end])
 
     # ---- host-tier moves (run on channels) ----------------------------------------------
     def _bytes(self, slots: int) -> int:
         k = self.keys[0]
-        return 2 * k.shape[0] * k.shape[1] * slots * k.shape[3] * k.element_size()
+        return 2 * slots * k[0].numel() * k.element_size()
 
     def step_nbytes(self) -> int:
         """Device bytes of one layer's loaded buffer for this step."""
@@ -98,24 +124,24 @@ class BatchKV:
         return 2 * len(self.keys) * self.keys[0].numel() * self.keys[0].element_size()
 
     def load(self, layer: int, device):
-        """Device buffer with the visible old slots of `layer`, and room for this step's tokens.
-        `copy_` with non_blocking works for both a CPU working set and a CUDA stream."""
+        """Slot-major device buffer with the visible old slots of `layer`, and room for this
+        step's tokens: one contiguous copy from pinned memory per tensor (the kept slots of a
+        sparse cache are gathered into a pinned block first)."""
         old = self._old_count()
         k, v = self.keys[layer], self.values[layer]
-        keys = torch.empty(k.shape[0], k.shape[1], old + self.new, k.shape[3], dtype=k.dtype, device=device)
+        keys = torch.empty((old + self.new, *k.shape[1:]), dtype=k.dtype, device=device)
         values = torch.empty_like(keys)
         if self.old_slots is None:
-            keys[:, :, :old].copy_(k[:, :, :old], non_blocking=True)
-            values[:, :, :old].copy_(v[:, :, :old], non_blocking=True)
+            src_k, src_v = k[:old], v[:old]
         else:
-            slots = self.old_slots.to(k.device)
-            keys[:, :, :old].copy_(k.index_select(2, slots), non_blocking=True)
-            values[:, :, :old].copy_(v.index_select(2, slots), non_blocking=True)
+            src_k, src_v = self.pin(k.index_select(0, self.old_slots)), self.pin(v.index_select(0, self.old_slots))
+        keys[:old].copy_(src_k, non_blocking=True)
+        values[:old].copy_(src_v, non_blocking=True)
         return keys, values, old
 
     def store(self, layer: int, buf) -> None:
-        """Copy this step's new slots of `layer` from the device buffer back home."""
+        """Copy this step's new slots of `layer` from the device buffer back home (contiguous)."""
         keys, values, offset = buf
         new, src = slice(self.filled, self.filled + self.new), slice(offset, offset + self.new)
-        self.keys[layer][:, :, new].copy_(keys[:, :, src], non_blocking=True)
-        self.values[layer][:, :, new].copy_(values[:, :, src], non_blocking=True)
+        self.keys[layer][new].copy_(keys[src], non_blocking=True)
+        self.values[layer][new].copy_(values[src], non_blocking=True)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from klotski.channels import pin
 from klotski.kvcache import BatchKV
 from klotski.models import layers as L
 from placement.tiers import OverBudget
@@ -57,6 +58,7 @@ class _Routed:
     weights: torch.Tensor  # [N, k] (fp32 or the activation dtype, as the family routes)
     experts: torch.Tensor  # [N, k]
     shared: torch.Tensor | None  # the shared expert's output [N, H], for families with one
+    chosen: torch.Tensor | None = None  # `experts` on the host (one copy per layer for all batches)
 
 
 class Pipeline:
@@ -76,6 +78,7 @@ class Pipeline:
         self.on_layer = None     # optional callback(layer, hidden states per batch), for tests
 
     # ---- one step -----------------------------------------------------------------------
+    @torch.inference_mode()
     def forward(self, kvs: list[BatchKV], inputs: list[StepInput]) -> list[StepOutput]:
         """Run one step for the group; return each batch's next-token logits and where, if
         anywhere, its hidden states stopped being finite."""
@@ -89,16 +92,16 @@ class Pipeline:
             with self.trace.span("compute", "embed"):
                 # gathered where the table lives; only the rows travel
                 rows, index = self.cache.embedding_rows(inp.ids)
-                h = L.embed(index.to(rows.device), rows).to(self.device)
+                h = self._upload(L.embed(self._upload(index) if rows.is_cuda else index, rows))
                 cos, sin = L.rope_tables(inp.positions, spec.rope_inv_freq, spec.rope_attention_scaling, h.dtype)
                 sink, recent = self.config.attention_sink, self.config.attention_recent
                 mask = L.attention_mask(kv.begin_step(inp.valid, sink, recent), inp.ids.shape[1],
                                         spec.sliding_window, sink, recent)
-                columns = kv.step_columns()
+                columns = kv.step_columns()  # masks are built on the host, moved once
                 if columns is not None:  # attend over the kept slots only
                     mask = mask.index_select(-1, columns)
             hs.append(h)
-            ctx.append((cos.to(self.device), sin.to(self.device), mask.to(self.device)))
+            ctx.append((self._upload(cos), self._upload(sin), self._upload(mask)))
         broken = [torch.full((h.shape[0],), -1, device=h.device) for h in hs]
         for layer in range(self.window):  # already staged by the previous step, except on the first
             self.cache.stage(self._layer_keys(layer))
@@ -154,9 +157,11 @@ class Pipeline:
                                           lambda kk, vv, kv=kv, buf=buf: kv.write(layer, kk, vv, buf), self.spec,
                                           max_scores=ATTENTION_SCORE_CHUNK)
             if kv.on_host:
-                stores.append((self.ch["kv_store"].submit(lambda kv=kv, buf=buf: kv.store(layer, buf),
-                                                          name=f"kv.{layer}.{k}", nbytes=kv.new_nbytes(),
-                                                          link="device_to_host"), loads[k][1]))
+                # a device->host copy of what this attention just wrote: after the compute queued so far
+                kv.stored[layer] = self.ch["kv_store"].submit(
+                    lambda kv=kv, buf=buf: kv.store(layer, buf), name=f"kv.{layer}.{k}", nbytes=kv.new_nbytes(),
+                    link="device_to_host", after_compute=True, reads=buf[:2])
+                stores.append((kv.stored[layer], loads[k][1]))
         for ticket, nbytes in stores:  # sync(store_cache_stream) before the buffers go
             self._kv_stored(ticket, nbytes)
         self.cache.release(("attn", layer))
@@ -170,8 +175,10 @@ class Pipeline:
         nbytes = kv.step_nbytes()
         self.make_room(nbytes, "kv")
         self.memory.reserve(nbytes, f"kv layer {layer}")
+        # it re-reads host slots the last step's store of this layer wrote
+        previous = [kv.stored[layer]] if layer in kv.stored else []
         ticket = self.ch["kv_load"].submit(lambda: kv.load(layer, self.device), name=f"kv.{layer}",
-                                           nbytes=kv.prefix_nbytes())
+                                           nbytes=kv.prefix_nbytes(), after=previous)
         return ticket, nbytes
 
     # ---- gate ---------------------------------------------------------------------------
@@ -182,12 +189,14 @@ class Pipeline:
         for k, h in enumerate(hs):
             with self.trace.span("compute", f"gate.{layer}.b{k}"):
                 routed.append(self._route(h, gate))
-            experts = routed[-1].experts
-            # every newly selected expert goes on the experts channel at once
-            new = sorted(set(experts.flatten().tolist()))
-            self._want([("expert", layer, e) for e in new], "experts", front=True)
+        # The layer's one host sync for routing: every batch's expert ids at once; then every
+        # selected expert not on the device goes on the experts channel.
+        for r, chosen in zip(routed, _to_host([r.experts for r in routed])):
+            r.chosen = chosen
+        new = sorted(set(torch.cat([r.chosen.flatten() for r in routed]).tolist()))
+        self._want([("expert", layer, e) for e in new], "experts", front=True)
         self.cache.release(("gate", layer))
-        self.predictor.observe(layer, [r.experts for r in routed])
+        self.predictor.observe(layer, [r.chosen for r in routed])
         if self.next_gate:
             self._speculate(layer + 1, hs)
         return routed, hot
@@ -201,7 +210,7 @@ class Pipeline:
         gate = self.cache.get(key)
         with self.trace.span("compute", f"speculate.{layer}"):
             picks = [self._route(h, gate, shared=False).experts for h in hs]
-        self.predictor.speculate(layer, picks)
+        self.predictor.speculate(layer, _to_host(picks))
 
     def _route(self, h, gate, shared: bool = True) -> _Routed:
         """The router's choice for one batch and, where the family has one, the shared expert's
@@ -214,7 +223,8 @@ class Pipeline:
         if not self.whole_layer:
             self._want(self._next_layer_prefetch(layer), "weights")
         outs = [L.slots(len(r.x), self.spec.top_k, r.x, r.weights) for r in routed]
-        chosen = sorted(set(torch.cat([r.experts.flatten() for r in routed]).tolist()))
+        chosen = sorted(set(torch.cat([r.chosen.flatten() for r in routed]).tolist()))
+        tokens_of = [_by_expert(r, self.spec.num_experts) for r in routed]
         # expected compute order, for choosing what to evict (needed last goes first)
         first = [e for e in chosen if self.schedule != "klotski" or e in hot]
         self.upcoming = [("expert", layer, e) for e in first + [e for e in chosen if e not in first]]
@@ -223,7 +233,7 @@ class Pipeline:
             key = ("expert", layer, e)
             w = self._get(key)
             self.upcoming.remove(key)
-            picks = [torch.where(r.experts == e) for r in routed]
+            picks = [pick(e) for pick in tokens_of]
             with self.trace.span("compute", f"expert.{layer}.{e}"):
                 # One matmul over the tokens of all batches: the weight is shared n*bs ways
                 # (in chunks, so a long prefill does not blow the activation reserve).
@@ -320,8 +330,13 @@ class Pipeline:
             return fetch()
         start = time.perf_counter()
         out = fetch()
-        self.trace.add("wait", name, start, time.perf_counter())
+        self.trace.waited(name, start, time.perf_counter())
         return out
+
+    def _upload(self, t: torch.Tensor) -> torch.Tensor:
+        """A small host tensor of this step (ids, mask, RoPE tables) on the device, through
+        pinned memory so the copy never blocks the host."""
+        return pin(t, self.device).to(self.device, non_blocking=True) if t.device.type != self.device.type else t
 
     def _submitted(self, key) -> int:
         """Position of `key` in the order its transfer was submitted (pending is insertion-ordered)."""
@@ -359,6 +374,30 @@ class Pipeline:
                     batch=max(i.ids.shape[0] for i in inputs), queries=max(i.ids.shape[1] for i in inputs),
                     keys=max(kv.filled + i.ids.shape[1] for kv, i in zip(kvs, inputs)))
         return activation_bytes(self.spec, self.cache.dtype.itemsize, step)
+
+
+def _to_host(experts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Expert ids of several batches on the host, in one copy (one sync on CUDA)."""
+    flat = torch.cat([e.flatten() for e in experts]).cpu()
+    return [part.view(e.shape) for part, e in zip(flat.split([e.numel() for e in experts]), experts)]
+
+
+def _by_expert(r: _Routed, num_experts: int):
+    """`pick(e)`: the (token, slot) pairs of one batch routed to expert `e`, in token order,
+    as device indices (what `torch.where(experts == e)` gives) without a host sync per
+    expert: one stable sort on the device, counts from the host copy of the ids."""
+    k = r.experts.shape[1]
+    order = torch.argsort(r.experts.flatten(), stable=True)
+    counts = torch.bincount(r.chosen.flatten(), minlength=num_experts).tolist()
+    starts = [0]
+    for c in counts:
+        starts.append(starts[-1] + c)
+
+    def pick(e: int):
+        flat = order[starts[e]:starts[e + 1]]
+        return flat // k, flat % k
+
+    return pick
 
 
 def _first_broken(broken: torch.Tensor, layer: int, h: torch.Tensor) -> torch.Tensor:

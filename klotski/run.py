@@ -133,7 +133,8 @@ def build_report(engine, run_plan, *, ok: int, failed: int, skipped: int, wall_s
                  "placement": run_plan.placement.summary(),
                  "buffers": plan.buffers if plan else None, "binding": plan.binding if plan else None},
         "memory": {"peak_device_bytes": engine.memory.peak, "budget_device_bytes": engine.memory.budget,
-                   "peak_host_bytes": engine.host_memory.peak, "budget_host_bytes": engine.host_memory.budget},
+                   "peak_host_bytes": engine.host_memory.peak, "budget_host_bytes": engine.host_memory.budget,
+                   **_allocator(engine)},
         "io": {"bytes": dict(engine.trace.bytes),
                "busy_s": {k: round(v, 4) for k, v in engine.trace.busy.items()},
                "experts_loaded": engine.pipeline.experts_loaded,
@@ -145,6 +146,20 @@ def build_report(engine, run_plan, *, ok: int, failed: int, skipped: int, wall_s
         "prefetch": engine.predictor.report(),
     })
     return report
+
+
+def _allocator(engine) -> dict:
+    """On CUDA, what the caching allocator itself saw since the engine was built: its peak
+    above the baseline (the accounts promise this stays within the device budget) and
+    whether it ever had to free cached blocks and retry (fragmentation)."""
+    if engine.device.type != "cuda":
+        return {}
+    import torch
+    stats = torch.cuda.memory_stats(engine.device)
+    return {"allocator_peak_device_bytes": stats["allocated_bytes.all.peak"] - engine.memory.allocator_baseline,
+            "cuda_runtime_bytes": engine.memory.runtime_bytes,
+            "allocator_reserved_peak_bytes": stats["reserved_bytes.all.peak"],
+            "allocator_retries": stats["num_alloc_retries"]}
 
 
 def summary(report: dict, out_path: Path) -> str:

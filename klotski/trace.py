@@ -1,7 +1,14 @@
 """Timeline of a run: every compute and transfer as an event (lane, name, start, end, bytes).
 
-Lanes: `compute` (the scheduling thread), `wait` (compute blocked on a transfer: the bubble),
-and one per channel. `to_chrome()` gives the Chrome-trace JSON that Perfetto opens.
+Lanes: `compute`, `wait` (compute idle: the bubble), and one per channel. `to_chrome()` gives
+the Chrome-trace JSON that Perfetto opens.
+
+On CPU a span is timed by the thread that runs it, and `wait` is the scheduling thread
+blocked on a transfer. On CUDA the host only queues work, so host clocks time queueing:
+compute and transfer spans are timed by CUDA events on the stream that runs them, turned
+into times once they have completed (`resolve`), and `wait` is every gap in the compute
+stream between two compute spans of one step, whatever its cause (a transfer not yet
+arrived, a host sync, launch overhead): time the GPU's compute stream stood idle.
 """
 from __future__ import annotations
 
@@ -11,7 +18,7 @@ from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-LANES = ("compute", "wait", "weights", "experts", "kv_load", "kv_store", "disk")
+LANES = ("compute", "wait", "weights", "experts", "kv_load", "kv_store", "disk", "host_wait")
 
 
 @dataclass(frozen=True)
@@ -24,13 +31,19 @@ class Event:
 
 
 class Trace:
-    def __init__(self, keep_events: bool = False):
-        self.t0 = time.perf_counter()
-        self.keep_events = keep_events
+    def __init__(self, keep_events: bool = False, cuda: bool = False):
+        self.keep_events, self.cuda = keep_events, cuda
         self.events: list[Event] = []
         self.busy = defaultdict(float)     # lane -> seconds
         self.bytes = defaultdict(int)      # link -> bytes
         self._lock = threading.Lock()
+        self._gpu: list = []               # (lane, name, start event, end event, bytes) not yet resolved
+        if cuda:
+            import torch
+            self._ref = torch.cuda.Event(enable_timing=True)
+            self._ref.record()
+            self._ref.synchronize()
+        self.t0 = time.perf_counter()
 
     def add(self, lane: str, name: str, start: float, end: float, nbytes: int = 0, link: str | None = None):
         with self._lock:
@@ -42,11 +55,61 @@ class Trace:
 
     @contextmanager
     def span(self, lane: str, name: str, nbytes: int = 0, link: str | None = None):
+        """Time the work queued inside: by the host clock on CPU, by CUDA events on the
+        current stream on CUDA."""
+        if self.cuda:
+            with self.gpu_span(lane, name, nbytes, link):
+                yield
+            return
         start = time.perf_counter()
         try:
             yield
         finally:
             self.add(lane, name, start, time.perf_counter(), nbytes, link)
+
+    @contextmanager
+    def gpu_span(self, lane: str, name: str, nbytes: int = 0, link: str | None = None):
+        import torch
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        try:
+            yield
+        finally:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            with self._lock:
+                self._gpu.append((lane, name, start, end, nbytes))
+                if link:
+                    self.bytes[link] += nbytes
+
+    def waited(self, name: str, start: float, end: float) -> None:
+        """The scheduling thread blocked on a transfer: the bubble on CPU. On CUDA the bubble
+        is read from the compute stream instead, and host blocking is its own lane."""
+        self.add("host_wait" if self.cuda else "wait", name, start, end)
+
+    def resolve(self, everything: bool = False) -> None:
+        """Turn completed GPU spans into events (all of them, waiting, with `everything`);
+        gaps between the compute spans resolved together become `wait`."""
+        if not self.cuda:
+            return
+        with self._lock:
+            if everything:
+                done, self._gpu = self._gpu, []
+            else:
+                done = [g for g in self._gpu if g[3].query()]
+                self._gpu = [g for g in self._gpu if g not in done]
+        compute = []
+        for lane, name, start, end, nbytes in done:
+            end.synchronize()
+            a = self.t0 + self._ref.elapsed_time(start) / 1e3
+            b = self.t0 + self._ref.elapsed_time(end) / 1e3
+            self.add(lane, name, a, b, nbytes)
+            if lane == "compute":
+                compute.append((a, b))
+        compute.sort()
+        for (_, end0), (start1, _) in zip(compute, compute[1:]):
+            if start1 > end0:
+                self.add("wait", "idle", end0, start1)
 
     @property
     def bubble_s(self) -> float:

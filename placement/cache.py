@@ -1,7 +1,7 @@
 """WeightCache: the device-side view of every tensor group, and the moves that feed it.
 
 A group placed on `device` is read once and stays. A group placed on `host` is read into
-host RAM once (pinned on CUDA) and copied to the device per use. A group placed on `disk`
+host RAM once (into an exact page-locked block on CUDA: pinned.py) and copied to the device per use. A group placed on `disk`
 is read per use, through a sliding window of host buffers that the pipeline fills ahead
 (paper §6.1), or directly when the window has not reached it. The embedding table is only
 gathered from: its rows are looked up where it lives, and only those rows move.
@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import torch
 
+from placement import pinned
 from placement.tiers import DEVICE, DISK, HOST, Memory
 
 DISK_TO_HOST = "disk_to_host"
 
 
 class WeightCache:
-    def __init__(self, store, placement, refs_for, dtype, memory: Memory, *, to_device, pin=lambda t: t,
+    def __init__(self, store, placement, refs_for, dtype, memory: Memory, *, to_device, host_blocks=None,
                  disk_channel=None, codec=None, host_memory: Memory | None = None):
         self.store, self.placement, self.refs_for, self.dtype = store, placement, refs_for, dtype
         self.memory, self.disk_channel, self.codec = memory, disk_channel, codec
@@ -48,8 +49,19 @@ class WeightCache:
                 memory.reserve(self.moved[key], f"resident {key}")
                 self.resident[key] = {n: to_device(t) for n, t in self._read(key).items()}
             elif tier == HOST:
-                self.host_memory.reserve(self.moved[key], f"host copy of {key}")
-                self.host[key] = {n: pin(t) for n, t in self._read(key).items()}
+                tensors = self._read(key)
+                if host_blocks is None:
+                    self.host_memory.reserve(self.moved[key], f"host copy of {key}")
+                    self.host[key] = tensors
+                else:  # charged what the locked block really takes
+                    self.host_memory.reserve(pinned.charge(pinned.group_nbytes(tensors.values())), f"host copy of {key}")
+                    self.host[key] = host_blocks.copy(tensors)
+        self.host_blocks = host_blocks
+
+    def close(self) -> None:
+        """Unlock the host tier's blocks (every copy reading them has finished)."""
+        if self.host_blocks is not None:
+            self.host_blocks.close()
 
     def _nbytes(self, key) -> int:
         item = self.dtype.itemsize

@@ -63,6 +63,8 @@ class Memory:
         self.budget, self.tier = budget, tier
         self.used = 0
         self.peak = 0
+        self.allocator_baseline = 0  # CUDA: allocated bytes before the engine's first allocation
+        self.runtime_bytes = 0       # CUDA: the cuBLAS workspace, made before that baseline
         self._lock = threading.Lock()
 
     def fits(self, nbytes: int) -> bool:

@@ -46,7 +46,7 @@ def test_host_loads_only_the_kept_slots():
     assert kv.old_slots.tolist() == [0, 1, 2] + list(range(33, 40))  # 3 sinks + the 7 old in the window
     assert kv.prefix_nbytes() == 2 * 10 * 2 * 4
     keys, values, offset = kv.load(0, "cpu")
-    assert offset == 10 and keys.shape[2] == 11
+    assert offset == 10 and keys.shape[0] == 11  # slot-major: the kept slots and this step's
 
 
 def test_query_chunking_bounds_scores_and_keeps_results():
