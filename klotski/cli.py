@@ -88,6 +88,12 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schedule", default="klotski", choices=SCHEDULES)
     p.add_argument("--quantize", default="none", choices=("none", "hqq4"))
     p.add_argument("--emulate-link", type=float, metavar="GBPS", dest="emulate_link_gbps")
+    _add_profile_device_flag(p)
+
+
+def _add_profile_device_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="compute device a measured profile times (default: auto, the GPU where there is one)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -133,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     pf.add_argument("--model", default="tiny-mixtral")
     pf.add_argument("--emulate-link", type=float, metavar="GBPS", dest="emulate_link_gbps")
     pf.add_argument("--refresh", action="store_true", help="measure again instead of using the cache")
+    _add_profile_device_flag(pf)
 
     co = sub.add_parser("correlate", help="build the expert-correlation table from a warm-up run")
     co.add_argument("jobs", nargs="?", metavar="JOBS.jsonl", help="prompts (default: the bundled corpus)")

@@ -14,15 +14,15 @@ from klotski.config import RunConfig
 def _config(a) -> RunConfig:
     return RunConfig(model=a.model, batch_size=a.batch_size, num_batches=a.num_batches, schedule=a.schedule,
                      quantize=a.quantize, emulate_link_gbps=a.emulate_link_gbps, max_new_tokens=a.gen_len,
-                     prefill_chunk=a.prefill_chunk)
+                     prefill_chunk=a.prefill_chunk, device=a.device)
 
 
 def plan(a) -> int:
     from planner.solve import format_plan
-    shape = planning.model_shape(a.model)
-    profile = planning.profile_for(a.hardware, shape, link_gbps=a.emulate_link_gbps)
+    shape, config = planning.model_shape(a.model), _config(a)
+    profile = planning.profile_for(a.hardware, shape, device=config.device, link_gbps=config.emulate_link_gbps)
     result = planning.make_plan(shape, profile, device_memory=a.device_memory, host_memory=a.host_memory,
-                                prompt_len=a.prompt_len, gen_len=a.gen_len, config=_config(a))
+                                prompt_len=a.prompt_len, gen_len=a.gen_len, config=config)
     print(result.to_json() if a.json else format_plan(result))
     return 0
 
@@ -31,9 +31,8 @@ def simulate(a) -> int:
     from planner.costmodel import CostModel
     from planner.routing import RoutingSample
     from planner.simulate import simulate as replay
-    shape = planning.model_shape(a.model)
-    profile = planning.profile_for(a.hardware, shape, link_gbps=a.emulate_link_gbps)
-    config = _config(a)
+    shape, config = planning.model_shape(a.model), _config(a)
+    profile = planning.profile_for(a.hardware, shape, device=config.device, link_gbps=config.emulate_link_gbps)
     chosen = planning.make_plan(shape, profile, device_memory=a.device_memory, host_memory=a.host_memory,
                                 prompt_len=a.prompt_len, gen_len=a.gen_len, config=config)
     cost = CostModel(profile, shape, quant_bits=4 if a.quantize == "hqq4" else None)
@@ -58,10 +57,9 @@ def simulate(a) -> int:
 
 
 def profile(a) -> int:
-    from planner.profile import measure
-    shape = planning.model_shape(a.model)
-    from klotski import cachedir
-    result = measure(shape, link_gbps=a.emulate_link_gbps, refresh=a.refresh, cache_dir=cachedir.profiles())
+    config = RunConfig(model=a.model, device=a.device, emulate_link_gbps=a.emulate_link_gbps)
+    result = planning.measure_here(planning.model_shape(config.model), device=config.device,
+                                   link_gbps=config.emulate_link_gbps, refresh=a.refresh)
     print(result.to_json())
     return 0
 

@@ -1,9 +1,12 @@
-"""Glue between the engine and the planner: which profile, which budgets, and turning the
-planner's Plan into the engine's batch size, n, prefill chunk and Placement. The planner
-decides; this module only asks it, and words its refusals as the flags to change."""
+"""Glue between the engine and the planner: which profile (measured with the engine's own
+ops, EngineOps, on the device `--device` names), which budgets, and turning the planner's
+Plan into the engine's batch size, n, prefill chunk and Placement. The planner decides; this
+module only asks it, and words its refusals as the flags to change."""
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 from pathlib import Path
 
 from klotski.errors import UserError
@@ -26,13 +29,32 @@ def model_shape(model: str):
     return as_shape(ModelSpec.from_dir(registry.resolve(model)))
 
 
-def profile_for(hardware: str, shape, *, device: str = "cpu", link_gbps: float | None = None):
-    """`auto` measures this machine (cached); otherwise a built-in profile name or a JSON path."""
+def compute_device(name: str) -> str:
+    """`--device`: `auto` is cuda where torch sees a GPU, else cpu (as `generate` resolves it)."""
+    import torch
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        from klotski.config import ConfigError
+        raise ConfigError("--device cuda: torch sees no CUDA GPU here; use --device cpu (or auto)")
+    return name
+
+
+def measure_here(shape, *, device: str = "auto", link_gbps: float | None = None, refresh: bool = False):
+    """This machine's profile for `shape` on `device` (auto: the GPU where there is one), timed
+    with the engine's own ops and cached in the user cache unless `refresh`."""
+    from klotski import cachedir
+    from klotski.writes import writing
+    with writing(cachedir.profiles(), "the disk-speed probe of the hardware profile"):
+        return measure(shape, ops=EngineOps(), device=compute_device(device), link_gbps=link_gbps,
+                       refresh=refresh, cache_dir=cachedir.profiles())
+
+
+def profile_for(hardware: str, shape, *, device: str = "auto", link_gbps: float | None = None):
+    """`auto` measures this machine on `device` (cached); otherwise a built-in profile name or a
+    JSON path (which says its own device)."""
     if hardware == "auto":
-        from klotski import cachedir
-        from klotski.writes import writing
-        with writing(cachedir.profiles(), "the disk-speed probe of the hardware profile"):
-            return measure(shape, device=device, link_gbps=link_gbps, cache_dir=cachedir.profiles())
+        return measure_here(shape, device=device, link_gbps=link_gbps)
     if hardware not in builtin_profiles() and not Path(hardware).exists():
         from klotski.config import ConfigError
         raise ConfigError(f"--hardware {hardware!r}: not 'auto', a built-in profile "
@@ -91,3 +113,120 @@ def plan_job(config, ckpt, dtype, device, budgets, seqs):
 def engine_placement(plan, spec) -> Placement:
     tiers, kv = plan.group_tiers(spec.num_layers, spec.num_experts)
     return Placement(tiers, kv)
+
+
+# ---- the ops the profile times ----------------------------------------------------------
+# The engine code EngineOps calls; a change to any of it changes the profile's cache key.
+_TIMED_MODULES = ("klotski.models.layers", "klotski.models.mixtral", "klotski.models.qwen3_moe",
+                  "klotski.models.qwen2_moe", "klotski.models.olmoe", "klotski.kvcache", "klotski.quant")
+
+
+class EngineOps:
+    """The profile's ops factory (planner/profile.py, `measure(ops=...)`): each op is the
+    engine's own code as the pipeline calls it, on random weights of the shape's family."""
+
+    VERSION = 1  # of how _LayerOps composes the engine's functions; the code it calls is hashed
+
+    @functools.cached_property
+    def key(self) -> str:
+        """Names what is timed: this composition, the source of the engine code it calls, and
+        the hqq release that dequantizes."""
+        import importlib
+        import inspect
+        from importlib.metadata import PackageNotFoundError, version
+        h = hashlib.sha256()
+        for name in _TIMED_MODULES:
+            h.update(inspect.getsource(importlib.import_module(name)).encode())
+        try:
+            hqq = version("hqq")
+        except PackageNotFoundError:
+            hqq = "none"
+        return f"klotski-engine-ops/{self.VERSION}/{h.hexdigest()[:16]}/hqq-{hqq}"
+
+    def __call__(self, shape, dtype, device) -> "_LayerOps":
+        return _LayerOps(shape, dtype, device)
+
+
+class _LayerOps:
+    """Random weights of one layer of `shape`'s family on `device`, and closures running each op
+    exactly as the pipeline does: the family's attention block over a BatchKV (norm, RoPE,
+    GQA expansion, scores chunked at ATTENTION_SCORE_CHUNK), its router and shared expert,
+    SwiGLU experts in PREFILL_EXPERT_CHUNK pieces, the LM head, and HQQ dequantization of one
+    expert as the quantized cache decodes it. Per-step work (RoPE tables, masks) is prepared
+    outside the timed closures, as the pipeline does it once per step, not per layer."""
+
+    def __init__(self, shape, dtype, device):
+        import torch
+
+        from klotski.models.spec import FAMILIES, ModelSpec, rope_frequencies
+        self.torch, self.dtype, self.device = torch, dtype, torch.device(device)
+        family = FAMILIES[shape.model_type]
+        inv_freq, scaling = rope_frequencies({}, shape.head_dim)
+        self.spec = ModelSpec(shape=shape, dtype=dtype, rms_norm_eps=1e-5, max_position_embeddings=1 << 20,
+                              rope_inv_freq=inv_freq, rope_attention_scaling=scaling, **family.options({}))
+        self.M = family
+        self.attn, self.gate_w, self.expert_w = (self._weights(k) for k in (("attn", 0), ("gate", 0), ("expert", 0, 0)))
+        self._head = None
+
+    def _weights(self, key) -> dict:
+        """The group's tensors by local name: norms (and biases) ones, projections N(0, 0.02²)."""
+        torch, shapes = self.torch, self.spec.local_shapes()
+
+        def make(size):
+            if len(size) == 1:
+                return torch.ones(size, dtype=self.dtype, device=self.device)
+            return torch.randn(size, dtype=self.dtype, device=self.device) * 0.02
+        return {name: make(shapes[name]) for name in self.spec.group_refs(key)}
+
+    def _x(self, *size):
+        return self.torch.randn(*size, dtype=self.dtype, device=self.device)
+
+    def attention(self, bs: int, ctx: int, new: int):
+        torch, s = self.torch, self.spec
+        from klotski.kvcache import BatchKV
+        from klotski.models import layers as L
+        from planner.workingset import ATTENTION_SCORE_CHUNK
+        past = ctx - new
+        kv = BatchKV(1, bs, s.num_kv_heads, s.head_dim, ctx, self.dtype, device=self.device)
+        if past:
+            kv.begin_step(torch.ones(bs, past, dtype=torch.bool))
+            kv.end_step()
+        valid = kv.begin_step(torch.ones(bs, new, dtype=torch.bool))
+        # masks and RoPE tables are built on the host and moved, as the pipeline does
+        mask = L.attention_mask(valid.cpu(), new, s.sliding_window).to(self.device)
+        positions = torch.arange(past, ctx).expand(bs, new)
+        cos, sin = (t.to(self.device) for t in
+                    L.rope_tables(positions, s.rope_inv_freq, s.rope_attention_scaling, self.dtype))
+        h, w = self._x(bs, new, s.hidden_size), self.attn
+
+        def run():
+            return self.M.attention_block(h, w, cos, sin, mask, lambda k, v: kv.write(0, k, v), s,
+                                          max_scores=ATTENTION_SCORE_CHUNK)
+        return run
+
+    def gate(self, n: int):
+        from klotski.models import layers as L
+        s, g = self.spec, self.gate_w
+        h = self._x(n, s.hidden_size)
+
+        def run():
+            x = L.rms_norm(h, g["post_norm"], s.rms_norm_eps)
+            return self.M.route(x, g, s), self.M.shared_ffn(x, g, s)
+        return run
+
+    def expert(self, n: int):
+        from planner.workingset import PREFILL_EXPERT_CHUNK
+        x, w = self._x(n, self.spec.hidden_size), self.expert_w
+        return lambda: self.torch.cat([self.M.expert_ffn(c, w) for c in x.split(PREFILL_EXPERT_CHUNK)])
+
+    def head(self, n: int):
+        from klotski.models import layers as L
+        if self._head is None:
+            self._head = self._weights(("head",))
+        x, w = self._x(n, self.spec.hidden_size), self._head
+        return lambda: L.logits(x, w["norm"], w["lm_head"], self.spec.rms_norm_eps)
+
+    def dequant(self):
+        from klotski import quant
+        parts = quant.quantize_group(self.expert_w, quant.QuantSpec())  # packed on the device, where it is decoded
+        return lambda: quant.dequantize_group(parts, self.dtype)

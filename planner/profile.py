@@ -1,12 +1,22 @@
 """Machine profiles: what compute and each link can do, measured here or taken from a file.
 
-A `Profile` is plain data (JSON round-trip). `measure()` times the ops of one Mixtral layer
-with torch in the model's dtype — attention (decode and prefill), router, one expert FFN,
-HQQ-style dequantization, LM head — and the bandwidth of disk→host, host→device and
-device→host, and caches the result in the directory the caller names (klotski's user cache,
-klotski/cachedir.py). Built-in
-profiles (`planner/profiles/*.json`) describe hardware that is not here, from published
-peak figures × stated efficiency factors; `load_profile` resolves them to effective values.
+A `Profile` is plain data (JSON round-trip). `measure()` times the ops of one MoE layer in
+the model's dtype on a device (cpu or cuda) — attention (decode and prefill), router, one
+expert FFN, dequantization of one expert, LM head — and the bandwidth of disk→host,
+host→device and device→host, and caches the result in the directory the caller names
+(klotski's user cache, klotski/cachedir.py). Built-in profiles (`planner/profiles/*.json`)
+describe hardware that is not here, from published peak figures × stated efficiency
+factors; `load_profile` resolves them to effective values.
+
+The ops themselves are the caller's (`ops=`): klotski passes the engine's own layer code
+(klotski/planning.py: EngineOps), so what is timed is what runs; this package never imports
+klotski and has no model math of its own. An ops factory is called as
+`ops(shape, torch_dtype, torch_device)` and returns an object whose methods
+`attention(bs, ctx, new_tokens)`, `gate(tokens)`, `expert(tokens)`, `head(tokens)` and
+`dequant()` (one expert's weights) each prepare inputs on the device and return a
+zero-argument callable running that op once. The factory's `key` (text) names what is
+timed and is part of the cache key: change it whenever the timed code changes, so that no
+cached profile of the old code is served.
 
 torch is imported inside the measuring functions only: planning from a built-in profile
 must not pay for (or require) torch.
@@ -29,6 +39,10 @@ from pathlib import Path
 from planner.shapes import as_shape
 
 BUILTIN_DIR = Path(__file__).parent / "profiles"
+# The measuring harness (grid, timing, links); part of the cache key with the ops' own key.
+# 2: the engine's ops are injected; every timed call starts and ends synchronized, after an
+# untimed warm-up.
+PROFILE_VERSION = 2
 
 
 @dataclass
@@ -116,19 +130,22 @@ def machine_fingerprint(device: str = "cpu") -> dict:
     return fp
 
 
-def profile_key(shape, device: str, link_gbps: float | None, grid: dict) -> str:
-    text = json.dumps({"machine": machine_fingerprint(device), "shape": as_shape(shape).key(),
-                       "link_gbps": link_gbps, "grid": grid}, sort_keys=True)
+def profile_key(shape, device: str, link_gbps: float | None, grid: dict, ops_key: str = "") -> str:
+    """What a cached profile stands for: machine, shape, grid, the harness's version and the
+    ops that were timed (`ops_key`: the ops factory's `key`)."""
+    text = json.dumps({"version": PROFILE_VERSION, "ops": ops_key, "machine": machine_fingerprint(device),
+                       "shape": as_shape(shape).key(), "link_gbps": link_gbps, "grid": grid}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 # ---- measuring ------------------------------------------------------------------------------
-def measure(shape, *, batch_sizes=(1, 4, 16), context_lengths=(128, 512), token_counts=(1, 8, 64, 512),
+def measure(shape, *, ops, batch_sizes=(1, 4, 16), context_lengths=(128, 512), token_counts=(1, 8, 64, 512),
             device: str = "cpu", link_gbps: float | None = None, refresh: bool = False,
             cache_dir: str | os.PathLike | None = None, reps: int = 5, io_bytes: int = 64 << 20,
             io_dir: str | os.PathLike | None = None) -> Profile:
-    """Time one layer's ops for `shape` on this machine, kept in `cache_dir` (the caller's;
-    none: measured every time) unless `refresh`.
+    """Time one layer's ops (`ops`: the caller's factory, see the module docstring) for
+    `shape` on `device` of this machine, kept in `cache_dir` (the caller's; none: measured
+    every time) unless `refresh`.
 
     Attention is measured for decode at every (batch size, context) and for prefill at
     every context with the two smallest batch sizes (prefill is costly and scales plainly
@@ -138,7 +155,7 @@ def measure(shape, *, batch_sizes=(1, 4, 16), context_lengths=(128, 512), token_
     shape = as_shape(shape)
     grid = {"bs": list(batch_sizes), "ctx": list(context_lengths), "tokens": list(token_counts),
             "io_bytes": io_bytes}
-    key = profile_key(shape, device, link_gbps, grid)
+    key = profile_key(shape, device, link_gbps, grid, ops.key)
     cache = cache_dir is not None
     path = Path(cache_dir or ".") / f"{key}.json"
     if cache and not refresh and path.exists():
@@ -146,7 +163,7 @@ def measure(shape, *, batch_sizes=(1, 4, 16), context_lengths=(128, 512), token_
             return Profile.from_json(path.read_text())
         except (ValueError, TypeError):
             pass  # a damaged cache file is re-measured
-    prof = _measure(shape, grid, device, link_gbps, reps, io_bytes, io_dir or cache_dir)
+    prof = _measure(shape, ops, grid, device, link_gbps, reps, io_bytes, io_dir or cache_dir)
     prof.name = f"measured-{key}"
     if cache:
         _save(path, prof.to_json())
@@ -167,7 +184,7 @@ def _save(path: Path, text: str) -> None:
               "the run goes on and the next run measures again", file=sys.stderr)
 
 
-def _measure(shape, grid, device, link_gbps, reps, io_bytes, io_dir) -> Profile:
+def _measure(shape, make_ops, grid, device, link_gbps, reps, io_bytes, io_dir) -> Profile:
     import torch
 
     from planner.costmodel import CostModel
@@ -175,8 +192,14 @@ def _measure(shape, grid, device, link_gbps, reps, io_bytes, io_dir) -> Profile:
     started = time.perf_counter()
     dt = getattr(torch, shape.dtype)
     dev = torch.device(device)
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    ops = _LayerOps(shape, dt, dev)
+    if dev.type == "cuda":
+        # kernels are queued, not run: a timed region ends only when the device is idle
+        def sync():
+            torch.cuda.synchronize(dev)
+    else:
+        def sync():
+            pass
+    ops = make_ops(shape, dt, dev)
     samples: dict[str, list[list[float]]] = {"attention": [], "gate": [], "expert": [], "head": [], "dequant": []}
 
     with torch.inference_mode():
@@ -194,6 +217,8 @@ def _measure(shape, grid, device, link_gbps, reps, io_bytes, io_dir) -> Profile:
         links = {"host_to_device": _copy_bandwidth(io_bytes, "cpu", dev, reps, sync),
                  "device_to_host": _copy_bandwidth(io_bytes, dev, "cpu", reps, sync)}
     ops = None
+    if dev.type == "cuda":  # the engine that runs next gets the device without the profile's blocks
+        torch.cuda.empty_cache()
     disk_bw, disk_method = _disk_read_bandwidth(io_bytes, io_dir)
     links["disk_to_host"] = disk_bw
     machine = machine_fingerprint(device) | {"disk_read": disk_method}
@@ -216,116 +241,22 @@ def _measure(shape, grid, device, link_gbps, reps, io_bytes, io_dir) -> Profile:
 
 
 def _timeit(fn, reps: int, sync) -> float:
-    """Median of `reps` timed calls after one warm-up; slow ops get fewer repetitions."""
-    t0 = time.perf_counter()
-    fn()
-    sync()
-    first = time.perf_counter() - t0
-    reps = max(1, min(reps, int(1.0 / max(first, 1e-6))))
-    times = []
-    for _ in range(reps):
+    """Median of up to `reps` timed calls after one untimed warm-up (which, on a GPU, also
+    pays for kernel loading, library handles and the allocator's first blocks). Each timed
+    call starts and ends synchronized, so it holds its own work and nothing queued before;
+    ops slower than ~1/reps s get fewer repetitions."""
+    def once() -> float:
+        sync()
         t0 = time.perf_counter()
         fn()
         sync()
-        times.append(time.perf_counter() - t0)
+        return time.perf_counter() - t0
+
+    fn()
+    sync()
+    times = [once()]
+    times += [once() for _ in range(max(1, min(reps, int(1.0 / max(times[0], 1e-6)))) - 1)]
     return statistics.median(times)
-
-
-class _LayerOps:
-    """Random weights of one MoE layer and closures running each op as the engine would."""
-
-    def __init__(self, shape, dt, dev):
-        import torch
-
-        self.torch, self.s, self.dt, self.dev = torch, shape, dt, dev
-        g = torch.Generator().manual_seed(0)
-        H, I = shape.hidden_size, shape.intermediate_size
-        q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
-
-        def w(*size):
-            return (torch.randn(*size, generator=g) * 0.02).to(dt).to(dev)
-
-        self.wq, self.wk, self.wv, self.wo = w(q, H), w(kv, H), w(kv, H), w(H, q)
-        self.norm = torch.ones(H, dtype=dt, device=dev)
-        self.wg = w(shape.num_experts, H)
-        Is = shape.shared_intermediate_size  # a shared expert runs with the router (Qwen2-MoE)
-        self.shared = (w(Is, H), w(Is, H), w(H, Is)) if Is else None
-        self.w1, self.w3, self.w2 = w(I, H), w(I, H), w(H, I)
-        self._head = None
-
-    def _x(self, *size):
-        return self.torch.randn(*size, dtype=self.dt, device=self.dev)
-
-    def _rms(self, x):
-        v = x.float().pow(2).mean(-1, keepdim=True)
-        return (x.float() * self.torch.rsqrt(v + 1e-5)).to(self.dt) * self.norm
-
-    def attention(self, bs, ctx, new):
-        torch, s = self.torch, self.s
-        F = torch.nn.functional
-        nh, nkv, hd = s.num_heads, s.num_kv_heads, s.head_dim
-        x = self._x(bs, new, s.hidden_size)
-        past = ctx - new
-        pk = self._x(bs, nkv, past, hd) if past > 0 else None
-        pv = self._x(bs, nkv, past, hd) if past > 0 else None
-        pos = torch.arange(past, ctx, device=self.dev, dtype=torch.float32)
-        inv = 1.0 / (1e6 ** (torch.arange(0, hd, 2, device=self.dev, dtype=torch.float32) / hd))
-        ang = torch.outer(pos, inv)
-        cos = torch.cat([ang.cos(), ang.cos()], -1).to(self.dt)
-        sin = torch.cat([ang.sin(), ang.sin()], -1).to(self.dt)
-
-        def rope(t):
-            a, b = t.chunk(2, -1)
-            return t * cos + torch.cat([-b, a], -1) * sin
-
-        def run():
-            h = self._rms(x)
-            qh = rope(F.linear(h, self.wq).view(bs, new, nh, hd).transpose(1, 2))
-            kh = rope(F.linear(h, self.wk).view(bs, new, nkv, hd).transpose(1, 2))
-            vh = F.linear(h, self.wv).view(bs, new, nkv, hd).transpose(1, 2)
-            if pk is not None:
-                kh, vh = torch.cat([pk, kh], 2), torch.cat([pv, vh], 2)
-            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=new > 1, enable_gqa=nh != nkv)
-            return x + F.linear(o.transpose(1, 2).reshape(bs, new, nh * hd), self.wo)
-        return run
-
-    def gate(self, n):
-        torch = self.torch
-        x = self._x(n, self.s.hidden_size)
-
-        def run():
-            F = torch.nn.functional
-            probs = torch.softmax(F.linear(x, self.wg).float(), -1)
-            if self.shared:
-                w1, w3, w2 = self.shared
-                F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
-            return torch.topk(probs, self.s.top_k, -1)
-        return run
-
-    def expert(self, n):
-        F = self.torch.nn.functional
-        x = self._x(n, self.s.hidden_size)
-        return lambda: F.linear(F.silu(F.linear(x, self.w1)) * F.linear(x, self.w3), self.w2)
-
-    def head(self, n):
-        if self._head is None:
-            self._head = self._x(self.s.vocab_size, self.s.hidden_size)
-        x = self._x(n, self.s.hidden_size)
-        return lambda: self.torch.nn.functional.linear(self._rms(x), self._head).float()
-
-    def dequant(self):
-        """HQQ-style 4-bit dequantization of one expert: unpack nibbles, (q − zero)·scale
-        per group of 64 (scales/zeros held in dtype; their own 8-bit quantization is small)."""
-        torch = self.torch
-        params = self.s.expert_params - self.s.expert_params % 128
-        packed = torch.randint(0, 256, (params // 2,), dtype=torch.uint8, device=self.dev)
-        scale = self._x(params // 64, 1)
-        zero = self._x(params // 64, 1)
-
-        def run():
-            q = torch.stack([packed >> 4, packed & 15], -1).view(-1, 64).to(self.dt)
-            return (q - zero) * scale
-        return run
 
 
 def _copy_bandwidth(nbytes, src, dst, reps, sync) -> float:

@@ -1,0 +1,114 @@
+"""The measured hardware profile: it times the engine's own ops (planner/profile.py gets them
+from klotski/planning.py: EngineOps), its cache key changes with what is timed, and
+`--hardware auto` measures the GPU where there is one."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from klotski import cli, planning, quant
+from klotski.models import layers
+from planner import profile as P
+from planner import workingset
+from planner.profile import load_profile, measure, profile_key
+from planner.shapes import ModelShape
+
+TINY = ModelShape(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                  head_dim=16, num_experts=4, top_k=2, vocab_size=128, dtype="bfloat16")
+GRID = dict(batch_sizes=(1, 2), context_lengths=(8,), token_counts=(1, 4), reps=2, io_bytes=4 << 20)
+
+
+def counting(monkeypatch, module, name, calls):
+    real = getattr(module, name)
+
+    def wrapper(*args, **kw):
+        calls.append(args)
+        return real(*args, **kw)
+    monkeypatch.setattr(module, name, wrapper)
+
+
+def test_profile_times_the_engines_attention_and_dequantization(monkeypatch, tmp_path):
+    attends, dequants = [], []
+    counting(monkeypatch, layers, "attend", attends)
+    counting(monkeypatch, quant, "dequantize_group", dequants)
+    # a score budget of one query row per call: the chunked path is what gets timed
+    monkeypatch.setattr(workingset, "ATTENTION_SCORE_CHUNK", 1)
+    prof = measure(TINY, ops=planning.EngineOps(), io_dir=tmp_path, **GRID)
+    rows = prof.samples["attention"]
+    assert [r[:3] for r in rows] == [[1, 8, 1], [2, 8, 1], [1, 8, 8], [2, 8, 8]]
+    assert all(t > 0 for *_, t in rows)
+    # every attention sample ran the engine's `attend` (a warm-up and at least one timed call),
+    # prefill one query row at a time, over the grouped-query keys of the whole context
+    assert len(attends) >= 2 * (2 + 2 * 8)
+    assert {q.shape[2] for q, *_ in attends} == {1}
+    assert {keys.shape[1:3] for _, keys, *_ in attends} == {(TINY.num_kv_heads, 8)}
+    assert len(dequants) >= 2 and prof.samples["dequant"][0][0] == TINY.expert_params
+
+
+def test_dequant_op_rebuilds_one_expert_as_the_cache_decodes_it():
+    ops = planning.EngineOps()(TINY, torch.bfloat16, torch.device("cpu"))
+    out = ops.dequant()()
+    assert {k: tuple(v.shape) for k, v in out.items()} == \
+        {"w1": (128, 64), "w3": (128, 64), "w2": (64, 128)}
+    assert all(v.dtype == torch.bfloat16 for v in out.values())
+    err = (out["w1"].float() - ops.expert_w["w1"].float()).norm() / ops.expert_w["w1"].float().norm()
+    assert err < 0.15  # a real HQQ 4-bit round trip, not random codes
+
+
+def test_cache_key_changes_with_what_is_timed(monkeypatch, tmp_path):
+    grid = {"bs": [1]}
+    base = profile_key(TINY, "cpu", None, grid, "ops-a")
+    assert profile_key(TINY, "cpu", None, grid, "ops-b") != base
+    monkeypatch.setattr(P, "PROFILE_VERSION", P.PROFILE_VERSION + 1)
+    assert profile_key(TINY, "cpu", None, grid, "ops-a") != base
+    monkeypatch.undo()
+
+    key = planning.EngineOps().key
+    assert key.startswith(f"klotski-engine-ops/{planning.EngineOps.VERSION}/")
+
+    class Recomposed(planning.EngineOps):
+        VERSION = planning.EngineOps.VERSION + 1
+    assert Recomposed().key != key
+    cache = tmp_path / "profiles"
+    measure(TINY, ops=planning.EngineOps(), cache_dir=cache, io_dir=tmp_path, **GRID)
+    measure(TINY, ops=Recomposed(), cache_dir=cache, io_dir=tmp_path, **GRID)
+    assert len(list(cache.glob("*.json"))) == 2  # the old ops' profile is not served
+
+
+@pytest.fixture
+def measured(monkeypatch):
+    """`planning.measure` replaced by a recorder: which device and ops `--hardware auto` asks for."""
+    calls = []
+
+    def fake(shape, *, ops, device, **kw):
+        calls.append({"device": device, "ops": ops})
+        return load_profile("rtx3090-pcie4")
+    monkeypatch.setattr(planning, "measure", fake)
+    return calls
+
+
+@pytest.mark.parametrize("command", [["plan"], ["simulate"], ["profile"]])
+def test_hardware_auto_measures_the_gpu_where_there_is_one(monkeypatch, measured, command, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert cli.main(command + ["--model", "mixtral-8x7b"]) == 0
+    assert [c["device"] for c in measured] == ["cuda"]
+    assert isinstance(measured[0]["ops"], planning.EngineOps)
+    if command == ["profile"]:
+        assert json.loads(capsys.readouterr().out)["device"] == "cuda"
+    assert cli.main(command + ["--model", "mixtral-8x7b", "--device", "cpu"]) == 0
+    assert measured[-1]["device"] == "cpu"
+
+
+def test_hardware_auto_measures_the_cpu_without_a_gpu(monkeypatch, measured, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["plan", "--model", "mixtral-8x7b"]) == 0
+    assert [c["device"] for c in measured] == ["cpu"]
+    assert cli.main(["plan", "--model", "mixtral-8x7b", "--device", "cuda"]) == cli.EXIT_USAGE
+    assert "--device cuda" in capsys.readouterr().err and len(measured) == 1
+
+
+def test_a_builtin_profile_measures_nothing(measured, capsys):
+    assert cli.main(["plan", "--model", "mixtral-8x7b", "--hardware", "rtx3090-pcie4", "--device", "cuda"]) == 0
+    assert measured == []
