@@ -2,9 +2,10 @@
 
 torch's `pin_memory()` takes its blocks from a caching allocator that rounds every request up
 to a power of two, so a host tier of pinned copies could hold up to twice the bytes the host
-budget counted. Here each group (or KV tensor) gets one page-aligned block of its own size,
-page-locked with `cudaHostRegister`, and the host budget is charged exactly what the block
-takes (`charge`: its bytes rounded up to whole pages, plus one page of alignment slack).
+budget counted. Here each group (or KV tensor) gets one block of its own size, an anonymous
+mapping (whole pages of its own, so no page is registered twice, and the tensor's storage
+starts where the locked range does), page-locked with `cudaHostRegister`; the host budget is
+charged exactly what the block takes (`charge`: its bytes rounded up to whole pages).
 Blocks are unregistered by `close`, after every copy that reads them has finished.
 
 Without CUDA (`pinned=False`) the same blocks are plain memory, so the layout and the charges
@@ -12,9 +13,11 @@ are the same code on both paths.
 """
 from __future__ import annotations
 
+import mmap
+
 import torch
 
-PAGE = 4096
+PAGE = mmap.PAGESIZE
 _SLOT = 64  # alignment of each tensor inside a block
 
 
@@ -24,7 +27,7 @@ def _up(n: int, to: int) -> int:
 
 def charge(nbytes: int) -> int:
     """Host bytes a block holding `nbytes` takes."""
-    return _up(nbytes, PAGE) + PAGE
+    return _up(max(nbytes, 1), PAGE)
 
 
 def group_nbytes(tensors) -> int:
@@ -38,10 +41,9 @@ class PinnedBlocks:
         self._blocks: list[torch.Tensor] = []
 
     def _block(self, nbytes: int) -> torch.Tensor:
-        span = _up(max(nbytes, 1), PAGE)
-        raw = torch.empty(span + PAGE, dtype=torch.uint8)
-        start = (-raw.data_ptr()) % PAGE
-        block = raw[start:start + span]  # whole pages of its own: no page is registered twice
+        span = charge(nbytes)
+        block = torch.frombuffer(mmap.mmap(-1, span, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS),
+                                 dtype=torch.uint8)
         if self.pinned:
             err = torch.cuda.cudart().cudaHostRegister(block.data_ptr(), span, 0)
             if int(err) != 0:

@@ -149,7 +149,7 @@ def test_refusal_is_one_line_before_the_output_exists_and_its_minimum_runs(model
 
 def test_pinned_blocks_hold_exact_copies_at_their_charge():
     """The host tier's page-locked blocks (placement/pinned.py; plain memory without CUDA): each
-    group one page-aligned block, tensors at 64-byte boundaries, charged whole pages + one."""
+    group one page-aligned block, tensors at 64-byte boundaries, charged whole pages."""
     import torch
 
     from placement import pinned
@@ -161,7 +161,7 @@ def test_pinned_blocks_hold_exact_copies_at_their_charge():
     ptrs = [copy[n].data_ptr() for n in group]
     assert ptrs[0] % pinned.PAGE == 0 and all((p - ptrs[0]) % 64 == 0 for p in ptrs)
     assert pinned.group_nbytes(group.values()) == 64 + 64 + 64
-    assert pinned.charge(192) == 2 * pinned.PAGE and pinned.charge(pinned.PAGE + 1) == 3 * pinned.PAGE
+    assert pinned.charge(192) == pinned.PAGE and pinned.charge(pinned.PAGE + 1) == 2 * pinned.PAGE
     kv = blocks.zeros((4, 2, 3), torch.float16)
     assert kv.shape == (4, 2, 3) and not kv.any() and kv.data_ptr() % pinned.PAGE == 0
     blocks.close()
