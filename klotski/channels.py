@@ -24,7 +24,8 @@ CUDA differ, and both follow one discipline for every buffer a transfer touches:
 
 `link_gbps` (from `--emulate-link`) makes every host->device transfer take bytes /
 bandwidth on ONE link shared by all channels (as streams share a PCIe link), so a CPU run
-reproduces a PCIe card's compute/transfer ratio.
+reproduces a PCIe card's compute/transfer ratio (on CUDA the real link is used). The `disk`
+channel reads files into host memory: it is a worker thread on both paths.
 """
 from __future__ import annotations
 
@@ -83,7 +84,8 @@ class EmulatedLink:
 class Channel:
     def __init__(self, name: str, device: torch.device, trace, link: EmulatedLink | None = None):
         self.name, self.device, self.trace, self.link = name, device, trace, link
-        self.cuda = device.type == "cuda"
+        # the disk channel only reads files into host memory: host work, timed by the host clock
+        self.cuda = device.type == "cuda" and name != "disk"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"klotski-{name}")
 

@@ -126,6 +126,7 @@ class Engine:
         while inputs:
             active = list(inputs)
             t0, disk0 = time.perf_counter(), self.trace.bytes[DISK_TO_HOST]
+            self.trace.phase = "prefill" if prefilling else "decode"
             logits = self.pipeline.forward([kvs[k] for k in active], [inputs[k] for k in active])
             elapsed = time.perf_counter() - t0  # the logits reached the host: the step's compute is done
             self.trace.resolve()

@@ -142,7 +142,8 @@ def build_report(engine, run_plan, *, ok: int, failed: int, skipped: int, wall_s
                "decode_disk_bytes": s.decode_disk_bytes,
                "decode_disk_gb_per_s": round(s.decode_disk_bytes / s.decode_s / 1e9, 4) if s.decode_s else None},
         "decode_slot_utilisation": round(s.slot_utilisation, 4) if s.slot_utilisation is not None else None,
-        "bubble": {"seconds": round(engine.trace.bubble_s, 4), "share": round(engine.trace.bubble_share(), 4)},
+        "bubble": {"seconds": round(engine.trace.bubble_s, 4), "share": round(engine.trace.bubble_share(), 4),
+                   "decode_share": round(engine.trace.bubble_share(decode_only=True), 4)},
         "prefetch": engine.predictor.report(),
     })
     return report

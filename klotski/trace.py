@@ -35,6 +35,8 @@ class Trace:
         self.keep_events, self.cuda = keep_events, cuda
         self.events: list[Event] = []
         self.busy = defaultdict(float)     # lane -> seconds
+        self.phase = "prefill"             # the engine says which phase its steps are in
+        self.decode_busy = defaultdict(float)  # lane -> seconds, decode steps only
         self.bytes = defaultdict(int)      # link -> bytes
         self._lock = threading.Lock()
         self._gpu: list = []               # (lane, name, start event, end event, bytes) not yet resolved
@@ -48,6 +50,8 @@ class Trace:
     def add(self, lane: str, name: str, start: float, end: float, nbytes: int = 0, link: str | None = None):
         with self._lock:
             self.busy[lane] += end - start
+            if self.phase == "decode":
+                self.decode_busy[lane] += end - start
             if link:
                 self.bytes[link] += nbytes
             if self.keep_events:
@@ -93,11 +97,10 @@ class Trace:
         if not self.cuda:
             return
         with self._lock:
-            if everything:
-                done, self._gpu = self._gpu, []
-            else:
-                done = [g for g in self._gpu if g[3].query()]
-                self._gpu = [g for g in self._gpu if g not in done]
+            done, waiting = [], []
+            for g in self._gpu:
+                (done if everything or g[3].query() else waiting).append(g)
+            self._gpu = waiting
         compute = []
         for lane, name, start, end, nbytes in done:
             end.synchronize()
@@ -115,9 +118,10 @@ class Trace:
     def bubble_s(self) -> float:
         return self.busy["wait"]
 
-    def bubble_share(self) -> float:
-        total = self.busy["compute"] + self.busy["wait"]
-        return self.busy["wait"] / total if total else 0.0
+    def bubble_share(self, decode_only: bool = False) -> float:
+        busy = self.decode_busy if decode_only else self.busy
+        total = busy["compute"] + busy["wait"]
+        return busy["wait"] / total if total else 0.0
 
     def to_chrome(self) -> dict:
         tid = {lane: i for i, lane in enumerate(LANES)}

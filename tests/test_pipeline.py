@@ -143,3 +143,12 @@ def test_quantized_copy_is_made_per_compute_dtype(checkpoints):
     names = sorted(p.name.split("-", 1)[1] for p in (cachedir.root() / "quantized").iterdir()
                    if p.name.startswith(engine.ckpt.key))
     assert names == ["hqq4-g64-m128-bfloat16", "hqq4-g64-m128-float32"]
+
+
+def test_decode_steps_are_timed_apart(checkpoints):
+    """The report's decode-only bubble reads lanes timed during decode steps alone."""
+    _, engine = engine_tokens(checkpoints["gqa"], max_new_tokens=4, batch_size=3, num_batches=2,
+                              emulate_link_gbps=2.0)
+    busy, decode = engine.trace.busy, engine.trace.decode_busy
+    assert 0 < decode["compute"] < busy["compute"]  # prefill steps are left out
+    assert 0 <= engine.trace.bubble_share(decode_only=True) < 1
