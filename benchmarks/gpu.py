@@ -8,8 +8,8 @@ refuses it is rerun at the minimum its refusal names x1.02, and its row says so)
 subprocess: one warm-up run of the klotski schedule (it fills the hardware-profile cache and the
 expert-correlation table in ~/.cache/klotski, and its tokens are the agreement reference), then
 --reps runs of each system, reported as medians. Per system: tok/s; decode tok/s (tokens after each
-prompt's first / decode time); bubble share of the whole run (report) and of decode steps only
-(trace; only when the run was one group); host->device GB/s = bytes / busy time of the transfer
+prompt's first / decode time); bubble share of the whole run and of decode steps only (both from
+the report); host->device GB/s = bytes / busy time of the transfer
 lanes, summed per lane ("busy") and as their union ("link": time the link was in use), the link
 rate as % of pinned; peak device memory vs budget; prompts whose token ids equal the warm-up's.
 Targets: klotski decode bubble <= 10%; host->device >= 80% of the pinned bandwidth.
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import shlex
@@ -119,28 +118,18 @@ def agreement(ref: dict, mine: dict) -> dict:
             "agree_prefix_tokens": round(statistics.mean(prefix), 2)}
 
 
-def trace_stats(path: Path, report: dict) -> tuple[float | None, float | None]:
-    """(union of the host->device lanes' busy time, bubble share of the decode steps). A step
-    starts at the first of a run of `embed` compute spans; in a one-group run the first
-    plan.prefill_passes steps are prefill (with several groups that is unknown: None)."""
+def link_busy(path: Path) -> float | None:
+    """Seconds at least one host->device lane was busy (the union of their spans, from the trace)."""
     if not path.exists():
-        return None, None
+        return None
     ev = json.loads(path.read_text())["traceEvents"]
     lane = {e["tid"]: e["args"]["name"] for e in ev if e.get("ph") == "M"}
-    spans = [(lane.get(e["tid"]), e["name"], e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6) for e in ev if e.get("ph") == "X"]
+    spans = sorted((e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6) for e in ev
+                   if e.get("ph") == "X" and lane.get(e["tid"]) in H2D_LANES)
     union, reach = 0.0, float("-inf")
-    for _, _, s, e in sorted((x for x in spans if x[0] in H2D_LANES), key=lambda x: x[2]):
+    for s, e in spans:
         union, reach = union + max(0.0, e - max(s, reach)), max(reach, e)
-    compute = sorted((s, e, n) for l, n, s, e in spans if l == "compute")
-    starts = [s for i, (s, _, n) in enumerate(compute) if n == "embed" and (i == 0 or compute[i - 1][2] != "embed")]
-    plan, ok = report.get("plan", {}), report["requests"]["ok"]
-    groups = math.ceil(math.ceil(ok / plan.get("batch_size", 1)) / plan.get("num_batches", 1))
-    passes = plan.get("prefill_passes", 0)
-    if groups != 1 or len(starts) <= passes:
-        return union, None
-    c = sum(e - s for s, e, _ in compute if s >= starts[passes])
-    w = sum(e - s for l, _, s, e in spans if l == "wait" and s >= starts[passes])
-    return union, w / (c + w) if c + w else None
+    return union
 
 
 def per_s(num, den, scale=1.0):
@@ -176,8 +165,9 @@ def klotski_once(a, schedule: str, tag: str, budget: int) -> dict:
         return row
     io, mem, plan = r.get("io", {}), r.get("memory", {}), r.get("plan", {})
     h2d, busy = io.get("bytes", {}).get("host_to_device", 0), sum(io.get("busy_s", {}).get(l, 0) for l in H2D_LANES)
-    union, decode_bubble = trace_stats(trace, r)
-    return {**row, "bubble": r.get("bubble", {}).get("share"), "decode_bubble": decode_bubble, "h2d_bytes": h2d,
+    union = link_busy(trace)
+    return {**row, "bubble": r.get("bubble", {}).get("share"), "decode_bubble": r.get("bubble", {}).get("decode_share"),
+            "h2d_bytes": h2d,
             "h2d_busy_sum_s": round(busy, 4), "h2d_busy_union_s": union and round(union, 4),
             "h2d_gbps_busy": per_s(h2d, busy, 1e9), "h2d_gbps_union": per_s(h2d, union, 1e9),
             "h2d_gbps_wall": per_s(h2d, r["prefill_s"] + r["decode_s"], 1e9),
@@ -325,7 +315,8 @@ def main() -> int:
     print("* budget raised to the minimum the refusal named x1.02. agree: prompts whose token ids equal the warm-up "
           "klotski run's. link: h2d bytes / union of the transfer lanes' busy time")
     k, pin = summary.get("klotski", {}), pinned["gb_per_s"]
-    bubble, link = k.get("decode_bubble", k.get("bubble")), k.get("h2d_gbps_union")
+    decode = k.get("decode_bubble") is not None
+    bubble, link = k.get("decode_bubble") if decode else k.get("bubble"), k.get("h2d_gbps_union")
     result = {
         "preset": a.preset, "device": a.device, "dtype": a.dtype, "command": shlex.join([sys.executable, *sys.argv]),
         "gpu": pinned.get("gpu"), "torch": pinned.get("torch"), "cuda": pinned.get("cuda"), "machine": machine_info(),
@@ -337,7 +328,7 @@ def main() -> int:
                            "expert-correlation table (~/.cache/klotski), so measured runs plan and prefetch warm; its "
                            "token ids are the agreement reference", "run": warm},
         "targets": {"klotski_bubble_max": 0.10, "klotski_bubble": bubble,
-                    "bubble_scope": "decode steps" if "decode_bubble" in k else "whole run (no decode-only figure)",
+                    "bubble_scope": "decode steps" if decode else "whole run (no decode-only figure)",
                     "bubble_met": bubble <= 0.10 if bubble is not None else None,
                     "h2d_of_pinned_min": 0.80, "h2d_of_pinned": round(link / pin, 3) if link and pin else None,
                     "h2d_met": link >= 0.8 * pin if link and pin else None},
