@@ -42,17 +42,11 @@ class RunPlan:
     plan: object | None = None  # the planner's Plan, when it decided
 
 
-def device_for(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 def plan_run(config, ckpt: Checkpoint, seqs, *, placement: Placement | None = None) -> RunPlan:
     """Budgets from the flags or the machine; bs, n, prefill chunk and placement from the
     planner wherever the user left them open. Raises planning.BudgetRefused (one line, with
     the minimum that works) when nothing fits."""
-    device, dtype = device_for(config.device), ckpt.compute_dtype(config.dtype)
+    device, dtype = torch.device(planning.compute_device(config.device)), ckpt.compute_dtype(config.dtype)
     budgets = detect_budgets(device.type, config.device_memory, config.host_memory)
     simple = config.schedule == "simple"
     bs, n, chunk, plan = config.batch_size or 8, 1 if simple else (config.num_batches or 1), config.prefill_chunk, None

@@ -64,6 +64,11 @@ def test_user_mistakes_are_one_line(tmp_path, checkpoints):
     r = run(["generate", str(jobs), "--model", str(bad), "-o", str(tmp_path / "o.jsonl")])
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "model.safetensors" in r.stderr and "truncated" in r.stderr
+    if not __import__("torch").cuda.is_available():  # asking for a GPU that is not there
+        r = run(["generate", str(jobs), "--model", str(checkpoints["gqa"]), "--device", "cuda",
+                 "-o", str(tmp_path / "c.jsonl")])
+        assert r.returncode == 2 and "--device cuda" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+        assert not (tmp_path / "c.jsonl").exists()
 
 
 def test_sigkill_then_resume_yields_every_id_once(checkpoints, tmp_path):
