@@ -38,19 +38,25 @@ class IdSet:
 
     def add(self, rid: str) -> bool:
         """Add `rid`; False when it (or an id with the same hash) was already there."""
-        return self.add_hash(id_hash(rid))
+        return self.add_hash(hash(rid) & _MASK)
 
     def add_hash(self, h: int) -> bool:
-        if self.has_hash(h):
+        # (inlined lookups: this runs once per job line and once per output record)
+        new = self._new
+        if h in new:
             return False
-        self._new.add(h)
+        for run in self._runs:
+            i = bisect_left(run, h)
+            if i < len(run) and run[i] == h:
+                return False
+        new.add(h)
         self._len += 1
-        if len(self._new) >= PENDING:
+        if len(new) >= PENDING:
             self._flush()
         return True
 
     def __contains__(self, rid: str) -> bool:
-        return self.has_hash(id_hash(rid))
+        return self.has_hash(hash(rid) & _MASK)
 
     def has_hash(self, h: int) -> bool:
         if h in self._new:

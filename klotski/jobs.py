@@ -117,14 +117,18 @@ class _Invalid(Exception):
     """A user-facing reason why one line is rejected."""
 
 
-def stream_jobs(path) -> Iterator[Request | LineError]:
+def stream_jobs(path, done=None) -> Iterator[Request | LineError | None]:
     """Every non-blank line of a job file, in file order, validated as it is read: a Request
     or a LineError. Nothing but the ids seen so far (hashed, klotski.idset) is kept, so a
     file of any length streams in bounded memory.
 
     Ids are claimed in file order: the first line that states an id (or, without one, whose
     line number is that id) owns it; a later line claiming it becomes a duplicate-id error
-    whose record is named ``"<id>#line<N>"``, so no id is ever answered twice."""
+    whose record is named ``"<id>#line<N>"``, so no id is ever answered twice.
+
+    A line that owns an id in `done` (ids finished by an earlier run; anything with ``in``)
+    yields None, without validating the rest of it: resuming a long job costs one JSON
+    parse per finished line."""
     seen = IdSet()
     for line, raw in _numbered_lines(path):
         explicit, fields, error, openai = None, None, None, None
@@ -134,11 +138,19 @@ def stream_jobs(path) -> Iterator[Request | LineError]:
                 continue
             openai = _endpoint(obj)
             explicit = _explicit_id(obj)
-            fields = _fields(obj)
         except _Invalid as e:
             error = str(e)
         name = explicit if explicit is not None else str(line)
-        if not seen.add(name):  # an earlier line owns this id: name this line's error record apart
+        fresh = seen.add(name)
+        if fresh and done is not None and name in done:
+            yield None
+            continue
+        if error is None:
+            try:
+                fields = _fields(obj)
+            except _Invalid as e:
+                error = str(e)
+        if not fresh:  # an earlier line owns this id: name this line's error record apart
             if error is None and explicit is not None:
                 error = f"duplicate id {explicit!r}: an earlier line already uses it; give each job a unique id"
             elif error is None:

@@ -113,20 +113,22 @@ def is_error(obj: dict) -> bool:
     return bool(obj.get("error")) if "custom_id" in obj else "error" in obj
 
 
-def finished_ids(path) -> IdSet:
-    """Keys of the successful records already in `path`, read without creating, locking or
-    repairing it (the writer does that later): what a run still has to do, known before it
-    plans or loads anything. Hashed (klotski.idset): 8 bytes a record, whatever its size."""
-    done = IdSet()
+def read_output(path) -> Scan | None:
+    """What resuming needs from an existing output, read once without creating, locking or
+    repairing it (the writer does that later, reusing this scan if the file has not changed
+    since): its finished keys, hashed (8 bytes a record), known before the run plans or loads
+    anything. None when there is no readable file."""
     try:
         with open(path, "rb") as f:
-            for raw in f:
-                kind, key = _classify(raw)
-                if kind == "ok":
-                    done.add(key)
+            return _scan_file(f)
     except OSError:
-        pass
-    return done
+        return None
+
+
+def finished_ids(path) -> IdSet:
+    """Keys of the successful records already in `path` (see read_output)."""
+    scan = read_output(path)
+    return scan.ok if scan else IdSet()
 
 
 # ---------------------------------------------------------------- writing
@@ -144,7 +146,7 @@ class OutputWriter:
     was already in the file.
     """
 
-    def __init__(self, path, *, resume: bool = True):
+    def __init__(self, path, *, resume: bool = True, known: Scan | None = None):
         self.path = os.fspath(path)
         self.done_ids = IdSet()
         self.retried = 0
@@ -163,7 +165,7 @@ class OutputWriter:
         self._fd = self._open_locked()
         try:
             if resume:
-                self._recover()
+                self._recover(known)
             else:
                 os.ftruncate(self._fd, 0)
                 os.fsync(self._fd)
@@ -245,33 +247,13 @@ class OutputWriter:
                                f"wait for it or choose another -o") from None
         return fd
 
-    def _scan(self):
-        """Read the file once, keeping only what repair needs (never the lines themselves):
-        ok keys, error keys and the byte spans of error lines (all hashed or packed), the
-        end of the last valid record, the corrupt lines before it, and ``foreign``: True
-        when a complete line is corrupt."""
-        ok, errors, error_spans = IdSet(), IdSet(), array("q")
-        good_end = offset = corrupt = corrupt_since = 0
-        foreign = seen_any = False
+    def _recover(self, known: Scan | None) -> None:
         os.lseek(self._fd, 0, os.SEEK_SET)
-        with open(self._fd, "rb", closefd=False) as f:
-            for raw in f:
-                seen_any = True
-                start, offset = offset, offset + len(raw)
-                kind, rid = _classify(raw)
-                if kind in ("ok", "error"):
-                    good_end, corrupt, corrupt_since = offset, corrupt + corrupt_since, 0
-                    if kind == "ok":
-                        ok.add(rid)
-                    else:
-                        errors.add(rid)
-                        error_spans.extend((start, offset))
-                corrupt_since += kind == "corrupt"
-                foreign |= kind == "corrupt" and raw.endswith(b"\n")
-        return _Scan(ok, errors, error_spans, good_end, offset, corrupt, foreign, seen_any)
-
-    def _recover(self) -> None:
-        scan = self._scan()
+        if known is not None and known.identity == _identity(os.fstat(self._fd)):
+            scan = known  # read by read_output, and the file has not changed since
+        else:
+            with open(self._fd, "rb", closefd=False) as f:
+                scan = _scan_file(f)
         if not scan.seen_any:
             return
         # A crash leaves at most one unterminated line; whole corrupt lines and
@@ -323,7 +305,11 @@ class OutputWriter:
 
 
 @dataclass
-class _Scan:
+class Scan:
+    """One pass over an output file, keeping only what resume and repair need (never the
+    lines): ok keys and error keys (hashed), the byte spans of error lines, the end of the
+    last valid record, the corrupt lines before it, ``foreign`` (a complete line is
+    corrupt), and the file's identity (inode, size, mtime) when it was read."""
     ok: IdSet
     errors: IdSet
     error_spans: array
@@ -332,6 +318,32 @@ class _Scan:
     corrupt: int
     foreign: bool
     seen_any: bool
+    identity: tuple
+
+
+def _identity(st) -> tuple:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _scan_file(f) -> Scan:
+    identity = _identity(os.fstat(f.fileno()))
+    ok, errors, error_spans = IdSet(), IdSet(), array("q")
+    good_end = offset = corrupt = corrupt_since = 0
+    foreign = seen_any = False
+    for raw in f:
+        seen_any = True
+        start, offset = offset, offset + len(raw)
+        kind, rid = _classify(raw)
+        if kind in ("ok", "error"):
+            good_end, corrupt, corrupt_since = offset, corrupt + corrupt_since, 0
+            if kind == "ok":
+                ok.add(rid)
+            else:
+                errors.add(rid)
+                error_spans.extend((start, offset))
+        corrupt_since += kind == "corrupt"
+        foreign |= kind == "corrupt" and raw.endswith(b"\n")
+    return Scan(ok, errors, error_spans, good_end, offset, corrupt, foreign, seen_any, identity)
 
 
 # The openings klotski's own writer gives its records (json.dumps keeps key order), so a

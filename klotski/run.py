@@ -39,14 +39,15 @@ def generate(config: RunConfig, jobs: Path, output: str | None) -> int:
     from klotski.assemble import build_engine, plan_run
     from klotski.checkpoint import Checkpoint
     from klotski.jobs import JobFileError, model_error
-    from klotski.output import OutputWriter, error_record, finished_ids, result_record
+    from klotski.output import OutputWriter, error_record, read_output, result_record
 
     t_start = time.perf_counter()
     out_path = Path(output) if output else default_output(jobs)
     if out_path.resolve() == jobs.resolve():
         raise UserError(f"{out_path}: the output would overwrite the job file; choose another -o path")
     ckpt = Checkpoint.open(config.model, direct_io=config.direct_io)  # a bad model fails here
-    done = finished_ids(out_path) if config.resume else None
+    earlier = read_output(out_path) if config.resume else None
+    done = earlier.ok if earlier else None
     stream = job_windows(jobs, config, ckpt, done)
     held, first = _first_window(stream)  # a missing or unreadable job file fails here
     run_plan = plan_run(config, ckpt, first.seqs) if first else None  # a refusal happens here
@@ -54,7 +55,7 @@ def generate(config: RunConfig, jobs: Path, output: str | None) -> int:
         # Planned from the first window: a longer prompt later is prefilled in chunks of what was planned.
         run_plan = dataclasses.replace(run_plan, prefill_chunk=run_plan.plan.prefill_chunk)
     try:
-        writer = OutputWriter(out_path, resume=config.resume)
+        writer = OutputWriter(out_path, resume=config.resume, known=earlier)
     except OSError as e:
         raise UserError(f"{out_path}: cannot open the output file ({e.strerror}); choose another -o path") from None
     model_name = config.model
@@ -138,9 +139,9 @@ def job_windows(jobs: Path, config, ckpt, done) -> Iterator[Window]:
     without tokenizing them."""
     from klotski.jobs import LineError, stream_jobs, windows
     from klotski.sequences import prepare
-    for items in windows(stream_jobs(jobs), config.window):
+    for items in windows(stream_jobs(jobs, done), config.window):
         errors = [x for x in items if isinstance(x, LineError)]
-        todo = [x for x in items if not isinstance(x, LineError) and (done is None or x.id not in done)]
+        todo = [x for x in items if x is not None and not isinstance(x, LineError)]
         seqs, too_long = prepare(todo, ckpt.tokenizer, ckpt.spec, config)
         yield Window(seqs, errors + too_long, len(items) - len(errors) - len(todo))
 
