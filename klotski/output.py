@@ -35,6 +35,11 @@ Output and resume semantics (``OutputWriter``):
 * The output is locked (flock) while a writer is open, so two runs writing the
   same file fail fast instead of duplicating ids.
 * ``resume=False`` (``--no-resume``) truncates an existing output.
+* Resuming a file of millions of records stays cheap: ``read_output`` reads it once,
+  keeping keys as 64-bit hashes (klotski/idset.py) and error lines as byte spans, and
+  recognises the records Klotski itself wrote by their opening (``{"id": "…", "completion":``)
+  instead of parsing each in full; the writer reuses that pass when the file has not
+  changed since (same inode, size and mtime), else reads it again.
 
 This module only uses the standard library.
 """

@@ -13,13 +13,13 @@ a crash, a kill or Ctrl-C loses at most the sequences in flight; rerunning resum
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import sys
 import tempfile
 import threading
 import time
 import traceback
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -49,8 +49,10 @@ def generate(config: RunConfig, jobs: Path, output: str | None) -> int:
     earlier = read_output(out_path) if config.resume else None
     done = earlier.ok if earlier else None
     stream = job_windows(jobs, config, ckpt, done)
-    held, first = _first_window(stream)  # a missing or unreadable job file fails here
-    run_plan = plan_run(config, ckpt, first.seqs) if first else None  # a refusal happens here
+    ahead = _read_ahead(stream)  # a missing or unreadable job file fails here
+    first = ahead[-1].seqs if ahead and ahead[-1].seqs else None
+    run_plan = plan_run(config, ckpt, first) if first else None  # a refusal happens here
+    first = None
     if run_plan and run_plan.plan and run_plan.prefill_chunk is None:
         # Planned from the first window: a longer prompt later is prefilled in chunks of what was planned.
         run_plan = dataclasses.replace(run_plan, prefill_chunk=run_plan.plan.prefill_chunk)
@@ -76,7 +78,7 @@ def generate(config: RunConfig, jobs: Path, output: str | None) -> int:
         try:
             engine = build_engine(config, ckpt, run_plan) if run_plan else None
             with bar:
-                for window in itertools.chain(held, [first] if first else [], stream):
+                for window in _drain(ahead, stream):
                     if lines.total is not None and bar.total is None:
                         bar.total = lines.total
                         bar.refresh()
@@ -146,15 +148,22 @@ def job_windows(jobs: Path, config, ckpt, done) -> Iterator[Window]:
         yield Window(seqs, errors + too_long, len(items) - len(errors) - len(todo))
 
 
-def _first_window(stream: Iterator[Window]) -> tuple[list[Window], Window | None]:
+def _read_ahead(stream: Iterator[Window]) -> deque[Window]:
     """Windows up to the first with something to generate (the planner sizes the run from its
-    prompts): those before it (errors and finished lines only), and it, or None."""
-    held = []
+    prompts): those before it have only errors and finished lines."""
+    ahead = deque()
     for window in stream:
+        ahead.append(window)
         if window.seqs:
-            return held, window
-        held.append(Window([], window.errors, window.skipped))
-    return held, None
+            break
+    return ahead
+
+
+def _drain(ahead: deque[Window], stream: Iterator[Window]) -> Iterator[Window]:
+    """The windows read ahead, then the rest; each is let go of once handed over."""
+    while ahead:
+        yield ahead.popleft()
+    yield from stream
 
 
 class _LineCount:
