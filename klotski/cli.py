@@ -121,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto (default): each line in its input line's form (OpenAI Batch output for OpenAI "
                         "Batch requests); klotski or openai: every line in that form")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--window", type=int, default=RunConfig.window, metavar="LINES",
+                   help="job lines read, tokenized and ordered by length together; memory holds one window "
+                        f"whatever the file's length (default: {RunConfig.window})")
 
     pl = sub.add_parser("plan", help="choose batch size, n and placement; predict throughput (no weights needed)",
                         description="Plan a run: batch size, batches per group, hot experts, placement per tier, "
@@ -203,7 +206,8 @@ def config_from_args(a: argparse.Namespace) -> RunConfig:
         emulate_link_gbps=a.emulate_link_gbps,
         direct_io=not a.no_direct_io, resume=not a.no_resume, include_token_ids=a.include_token_ids,
         output_format=a.output_format,
-        report=a.report, trace=a.trace, progress=not a.no_progress)
+        report=a.report, trace=a.trace, progress=not a.no_progress,
+        window=getattr(a, "window", RunConfig.window))
 
 
 def main(argv=None) -> int:

@@ -67,6 +67,7 @@ class RunConfig:
     report: str | None = None
     trace: str | None = None
     progress: bool = True
+    window: int = 4096                # job lines read, tokenized and ordered together (memory holds one window)
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
@@ -83,7 +84,7 @@ class RunConfig:
             raise ConfigError("--top-p must be in (0, 1]")
         if self.output_format not in OUTPUT_FORMATS:
             raise ConfigError(f"--output-format {self.output_format!r}: choose one of {', '.join(OUTPUT_FORMATS)}")
-        for name in ("batch_size", "num_batches", "prefill_chunk"):
+        for name in ("batch_size", "num_batches", "prefill_chunk", "window"):
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")

@@ -16,10 +16,13 @@ as another name for ``max_new_tokens``.
 
 Bad lines never stop the run: each becomes a ``LineError`` (written to the
 output as ``{"id", "error": {"line", "message"}}``) and the other lines go on.
-Ids in the output are unique: when two lines claim the same id the first keeps
-it, and the error record of a later one gets the id ``"<id>#line<N>"``. A line
-whose id cannot be read (bad JSON, not UTF-8) is named by its line number, but
-never takes an id that another line states explicitly.
+Ids in the output are unique: when two lines claim the same id the first (in file
+order) keeps it, and the error record of a later one gets the id ``"<id>#line<N>"``.
+A line without an id, or whose id cannot be read (bad JSON, not UTF-8), claims its
+line number; a later line stating that number as its id is then the duplicate. The
+file is read as a stream (``stream_jobs``): what is remembered of earlier lines is
+only their ids, hashed (klotski/idset.py), so duplicates are found wherever they are
+without holding the file.
 
 Output records and resuming are klotski/output.py's.
 
@@ -34,6 +37,8 @@ import math
 import os
 from dataclasses import dataclass
 from typing import Iterator
+
+from klotski.idset import IdSet
 
 ROLES = ("system", "user", "assistant")
 COMPLETIONS_URL = "/v1/completions"
@@ -112,9 +117,19 @@ class _Invalid(Exception):
     """A user-facing reason why one line is rejected."""
 
 
-def read_jobs(path) -> tuple[list[Request], list[LineError]]:
-    """Validate every line of a job file; returns requests and errors, each in file order."""
-    parsed = []  # [line, explicit id or None, request fields or None, error or None, OpenAI endpoint]
+def stream_jobs(path, done=None) -> Iterator[Request | LineError | None]:
+    """Every non-blank line of a job file, in file order, validated as it is read: a Request
+    or a LineError. Nothing but the ids seen so far (hashed, klotski.idset) is kept, so a
+    file of any length streams in bounded memory.
+
+    Ids are claimed in file order: the first line that states an id (or, without one, whose
+    line number is that id) owns it; a later line claiming it becomes a duplicate-id error
+    whose record is named ``"<id>#line<N>"``, so no id is ever answered twice.
+
+    A line that owns an id in `done` (ids finished by an earlier run; anything with ``in``)
+    yields None, without validating the rest of it: resuming a long job costs one JSON
+    parse per finished line."""
+    seen = IdSet()
     for line, raw in _numbered_lines(path):
         explicit, fields, error, openai = None, None, None, None
         try:
@@ -123,56 +138,63 @@ def read_jobs(path) -> tuple[list[Request], list[LineError]]:
                 continue
             openai = _endpoint(obj)
             explicit = _explicit_id(obj)
-            fields = _fields(obj)
         except _Invalid as e:
             error = str(e)
-        parsed.append([line, explicit, fields, error, openai])
-
-    names, owner = _assign_ids(parsed)
-    requests, errors = [], []
-    for line, explicit, fields, error, openai in parsed:
-        if error is None:
-            requests.append(Request(id=names[line], line=line, openai=openai, **fields))
+        name = explicit if explicit is not None else str(line)
+        fresh = seen.add(name)
+        if fresh and done is not None and name in done:
+            yield None
             continue
-        name = names.get(line)
-        if name is None:  # its id belongs to another line: name the error record apart
-            name = f"{explicit if explicit is not None else line}#line{line}"
-            while name in owner:
+        if error is None:
+            try:
+                fields = _fields(obj)
+            except _Invalid as e:
+                error = str(e)
+        if not fresh:  # an earlier line owns this id: name this line's error record apart
+            if error is None and explicit is not None:
+                error = f"duplicate id {explicit!r}: an earlier line already uses it; give each job a unique id"
+            elif error is None:
+                error = (f"this line has no id and its default id {name!r} (the line number) is already "
+                         f"used by an earlier line; give this line an id")
+            name = f"{name}#line{line}"
+            while not seen.add(name):
                 name += "#"
-            owner[name] = line
-        errors.append(LineError(name, line, error, openai=openai))
+        if error is None:
+            yield Request(id=name, line=line, openai=openai, **fields)
+        else:
+            yield LineError(name, line, error, openai=openai)
+
+
+def read_jobs(path) -> tuple[list[Request], list[LineError]]:
+    """The whole job file at once (small files, tests, the API): requests and errors, each in
+    file order, with stream_jobs' ids."""
+    requests, errors = [], []
+    for item in stream_jobs(path):
+        (errors if isinstance(item, LineError) else requests).append(item)
     return requests, errors
 
 
-def _assign_ids(parsed: list[list]) -> tuple[dict[int, str], dict[str, int]]:
-    """Give each line its id (line -> id) unless another line owns it (id -> line).
+def windows(items, size: int) -> Iterator[list]:
+    """`items` in consecutive lists of `size` (the last may be shorter), read lazily."""
+    window = []
+    for item in items:
+        window.append(item)
+        if len(window) >= size:
+            yield window
+            window = []
+    if window:
+        yield window
 
-    Lines that state an id claim first, in file order, so a line without one
-    (or one too broken to read) never takes a user's id. Valid lines that lose
-    their id get a duplicate-id error here.
-    """
-    names: dict[int, str] = {}
-    owner: dict[str, int] = {}
-    for entry in parsed:
-        line, explicit, _, error, *_ = entry
-        if explicit is None:
-            continue
-        if explicit in owner:
-            entry[3] = error or (f"duplicate id {explicit!r}: line {owner[explicit]} already "
-                                 f"uses it; give each job a unique id")
-        else:
-            owner[explicit], names[line] = line, explicit
-    for entry in parsed:
-        line, explicit, _, error, *_ = entry
-        if explicit is not None:
-            continue
-        default = str(line)
-        if default not in owner:
-            owner[default], names[line] = line, default
-        elif error is None:
-            entry[3] = (f"this line has no id and its default id {default!r} (the line number) "
-                        f"is already used by line {owner[default]}; give this line an id")
-    return names, owner
+
+def count_lines(path, block: int = 1 << 20) -> int:
+    """Lines in a file, by counting newline bytes (a last line without one counts too):
+    what the progress bar measures against, without parsing anything."""
+    count, last = 0, b"\n"
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            count += chunk.count(b"\n")
+            last = chunk[-1:]
+    return count + (last != b"\n")
 
 
 def _numbered_lines(path) -> Iterator[tuple[int, bytes]]:

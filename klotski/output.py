@@ -35,6 +35,11 @@ Output and resume semantics (``OutputWriter``):
 * The output is locked (flock) while a writer is open, so two runs writing the
   same file fail fast instead of duplicating ids.
 * ``resume=False`` (``--no-resume``) truncates an existing output.
+* Resuming a file of millions of records stays cheap: ``read_output`` reads it once,
+  keeping keys as 64-bit hashes (klotski/idset.py) and error lines as byte spans, and
+  recognises the records Klotski itself wrote by their opening (``{"id": "…", "completion":``)
+  instead of parsing each in full; the writer reuses that pass when the file has not
+  changed since (same inode, size and mtime), else reads it again.
 
 This module only uses the standard library.
 """
@@ -42,14 +47,18 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 import uuid
+from array import array
+from dataclasses import dataclass
 
 try:
     import fcntl
 except ImportError:  # not on Windows; the lock is a safety net, not a requirement
     fcntl = None
 
+from klotski.idset import IdSet
 from klotski.jobs import CHAT_URL, COMPLETIONS_URL, JobFileError
 
 FORMATS = ("auto", "klotski", "openai")
@@ -109,15 +118,22 @@ def is_error(obj: dict) -> bool:
     return bool(obj.get("error")) if "custom_id" in obj else "error" in obj
 
 
-def finished_ids(path) -> set[str]:
-    """Keys of the successful records already in `path`, read without creating, locking or
-    repairing it (the writer does that later): what a run still has to do, known before it
-    plans or loads anything."""
+def read_output(path) -> Scan | None:
+    """What resuming needs from an existing output, read once without creating, locking or
+    repairing it (the writer does that later, reusing this scan if the file has not changed
+    since): its finished keys, hashed (8 bytes a record), known before the run plans or loads
+    anything. None when there is no readable file."""
     try:
         with open(path, "rb") as f:
-            return {key for kind, key in map(_classify, f) if kind == "ok"}
+            return _scan_file(f)
     except OSError:
-        return set()
+        return None
+
+
+def finished_ids(path) -> IdSet:
+    """Keys of the successful records already in `path` (see read_output)."""
+    scan = read_output(path)
+    return scan.ok if scan else IdSet()
 
 
 # ---------------------------------------------------------------- writing
@@ -127,21 +143,22 @@ class OutputWriter:
     """Appends one JSON record per line, durably, never writing an id twice.
 
     After opening: ``done_ids`` holds the ids of successful records from earlier
-    runs (empty with ``resume=False``); ``retried`` counts error records that
+    runs (empty with ``resume=False``), hashed (a klotski.idset.IdSet: ``in`` and
+    ``len``, 8 bytes an id, so a file of millions of records is cheap to resume); ``retried`` counts error records that
     were removed so their jobs run again; ``corrupt_lines`` counts unreadable
     lines kept in the middle of the file; ``repaired_bytes`` counts bytes cut
     off the end. ``duplicates`` counts ``write`` calls ignored because their id
     was already in the file.
     """
 
-    def __init__(self, path, *, resume: bool = True):
+    def __init__(self, path, *, resume: bool = True, known: Scan | None = None):
         self.path = os.fspath(path)
-        self.done_ids: set[str] = set()
+        self.done_ids = IdSet()
         self.retried = 0
         self.corrupt_lines = 0
         self.repaired_bytes = 0
         self.duplicates = 0
-        self._present: set[str] = set()
+        self._written = IdSet()  # keys written by this writer (with done_ids: never written twice)
         if os.path.isdir(self.path):
             raise JobFileError(f"output {self.path} is a directory; give a file name")
         parent = os.path.dirname(os.path.abspath(self.path))
@@ -153,11 +170,10 @@ class OutputWriter:
         self._fd = self._open_locked()
         try:
             if resume:
-                self._recover()
+                self._recover(known)
             else:
                 os.ftruncate(self._fd, 0)
                 os.fsync(self._fd)
-            self._present |= self.done_ids
         except BaseException:
             self.close()
             raise
@@ -171,7 +187,7 @@ class OutputWriter:
         rid = record_key(record)
         if rid is None:
             raise ValueError(f"record needs a string id (or custom_id), got {record!r}")
-        if rid in self._present:
+        if rid in self:  # (a hash collision counts too: a rerun writes it)
             self.duplicates += 1
             return False
         # allow_nan=False: NaN is not JSON, and the file must stay readable by any parser.
@@ -193,15 +209,15 @@ class OutputWriter:
             except OSError:
                 pass
             raise
-        self._present.add(rid)
+        self._written.add(rid)
         return True
 
     def __contains__(self, rid: str) -> bool:
-        return rid in self._present
+        return rid in self._written or rid in self.done_ids
 
     def __len__(self) -> int:
         """Records in the file (successes kept from earlier runs and everything written since)."""
-        return len(self._present)
+        return len(self.done_ids) + len(self._written)
 
     def close(self) -> None:
         if self._fd is not None:
@@ -236,52 +252,46 @@ class OutputWriter:
                                f"wait for it or choose another -o") from None
         return fd
 
-    def _scan(self):
-        """Classify every line: returns (entries, end of the last valid record).
-
-        entries: (start, end, kind, id) with kind "ok", "error", "blank" or
-        "corrupt"; ``foreign`` is True when a complete line is corrupt.
-        """
-        entries, good_end, offset, foreign = [], 0, 0, False
+    def _recover(self, known: Scan | None) -> None:
         os.lseek(self._fd, 0, os.SEEK_SET)
-        with open(self._fd, "rb", closefd=False) as f:
-            for raw in f:
-                start, offset = offset, offset + len(raw)
-                kind, rid = _classify(raw)
-                entries.append((start, offset, kind, rid))
-                if kind in ("ok", "error"):
-                    good_end = offset
-                foreign |= kind == "corrupt" and raw.endswith(b"\n")
-        return entries, good_end, foreign
-
-    def _recover(self) -> None:
-        entries, good_end, foreign = self._scan()
-        if not entries:
+        if known is not None and known.identity == _identity(os.fstat(self._fd)):
+            scan = known  # read by read_output, and the file has not changed since
+        else:
+            with open(self._fd, "rb", closefd=False) as f:
+                scan = _scan_file(f)
+        if not scan.seen_any:
             return
         # A crash leaves at most one unterminated line; whole corrupt lines and
         # no record at all mean this file was never ours.
-        if good_end == 0 and foreign:
+        if scan.good_end == 0 and scan.foreign:
             raise JobFileError(f"output {self.path} exists but no line in it is a result record; "
                                f"choose another -o, or pass --no-resume to overwrite it")
-        kept = [e for e in entries if e[1] <= good_end]
-        self.repaired_bytes = entries[-1][1] - good_end
-        ok_ids = {rid for _, _, kind, rid in kept if kind == "ok"}
-        self.corrupt_lines = sum(kind == "corrupt" for _, _, kind, _ in kept)
-        self.retried = len({rid for _, _, kind, rid in kept if kind == "error"} - ok_ids)
-        if any(kind == "error" for _, _, kind, _ in kept):
-            self._rewrite([e for e in kept if e[2] != "error"])
+        self.repaired_bytes = scan.end - scan.good_end
+        self.corrupt_lines = scan.corrupt
+        self.retried = sum(not scan.ok.has_hash(h) for h in scan.errors.hashes())
+        if scan.error_spans:
+            self._rewrite(scan.error_spans, scan.good_end)
         elif self.repaired_bytes:
-            os.ftruncate(self._fd, good_end)
+            os.ftruncate(self._fd, scan.good_end)
             os.fsync(self._fd)
-        self.done_ids = ok_ids
+        self.done_ids = scan.ok
         self._terminate_last_line()
 
-    def _rewrite(self, keep) -> None:
+    def _rewrite(self, drop, end: int) -> None:
+        """Copy the file up to `end` without the byte spans in `drop` (start, end pairs)."""
         tmp = self.path + ".klotski-tmp"
+        keep, at = [], 0
+        for i in range(0, len(drop), 2):
+            keep.append((at, drop[i]))
+            at = drop[i + 1]
+        keep.append((at, end))
         with open(self._fd, "rb", closefd=False) as src, open(tmp, "wb") as dst:
-            for start, end, _, _ in keep:
+            for start, stop in keep:
                 src.seek(start)
-                dst.write(src.read(end - start))
+                while start < stop:
+                    piece = src.read(min(stop - start, 1 << 20))
+                    dst.write(piece)
+                    start += len(piece)
             dst.flush()
             os.fsync(dst.fileno())
         os.chmod(tmp, os.fstat(self._fd).st_mode & 0o7777)
@@ -299,7 +309,73 @@ class OutputWriter:
             os.fsync(self._fd)
 
 
+@dataclass
+class Scan:
+    """One pass over an output file, keeping only what resume and repair need (never the
+    lines): ok keys and error keys (hashed), the byte spans of error lines, the end of the
+    last valid record, the corrupt lines before it, ``foreign`` (a complete line is
+    corrupt), and the file's identity (inode, size, mtime) when it was read."""
+    ok: IdSet
+    errors: IdSet
+    error_spans: array
+    good_end: int
+    end: int
+    corrupt: int
+    foreign: bool
+    seen_any: bool
+    identity: tuple
+
+
+def _identity(st) -> tuple:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _scan_file(f) -> Scan:
+    identity = _identity(os.fstat(f.fileno()))
+    ok, errors, error_spans = IdSet(), IdSet(), array("q")
+    good_end = offset = corrupt = corrupt_since = 0
+    foreign = seen_any = False
+    for raw in f:
+        seen_any = True
+        start, offset = offset, offset + len(raw)
+        kind, rid = _classify(raw)
+        if kind in ("ok", "error"):
+            good_end, corrupt, corrupt_since = offset, corrupt + corrupt_since, 0
+            if kind == "ok":
+                ok.add(rid)
+            else:
+                errors.add(rid)
+                error_spans.extend((start, offset))
+        corrupt_since += kind == "corrupt"
+        foreign |= kind == "corrupt" and raw.endswith(b"\n")
+    return Scan(ok, errors, error_spans, good_end, offset, corrupt, foreign, seen_any, identity)
+
+
+# The openings klotski's own writer gives its records (json.dumps keeps key order), so a
+# whole line (ending in "}\n": a crash can only cut a record short) is classified without
+# parsing it; anything else is parsed in full.
+_KLOTSKI = re.compile(rb'\{"id": "((?:[^"\\]|\\.)*)", "(completion|error)": ')
+_OPENAI = re.compile(rb'\{"id": "batch_req_[0-9a-f]+", "custom_id": "((?:[^"\\]|\\.)*)", "response": ')
+
+
 def _classify(raw: bytes) -> tuple[str, str | None]:
+    if raw.endswith(b"}\n"):
+        try:
+            if m := _KLOTSKI.match(raw):
+                return ("ok" if m.group(2) == b"completion" else "error"), _key(m.group(1))
+            if m := _OPENAI.match(raw):
+                ok = raw.endswith(b', "error": null}\n') and not raw.startswith(b"null", m.end())
+                return ("ok" if ok else "error"), _key(m.group(1))
+        except ValueError:  # not UTF-8, a bad escape: the full parse says what it is
+            pass
+    return _parse(raw)
+
+
+def _key(escaped: bytes) -> str:
+    return escaped.decode("utf-8") if b"\\" not in escaped else json.loads(b'"' + escaped + b'"')
+
+
+def _parse(raw: bytes) -> tuple[str, str | None]:
     if not raw.strip():
         return "blank", None
     try:

@@ -1,19 +1,28 @@
 """`klotski generate`: job file in, one JSON line per prompt out, a summary and a report.
 
-The order is what makes refusals cheap and runs resumable: the job file is read and the
-checkpoint opened (nothing loaded), the prompts tokenized, the output's finished ids read,
-the run planned — a budget that cannot work is refused here, before any weight is read or
-the output file is created — and only then the tiers are filled and generation starts.
+The order is what makes refusals cheap and runs resumable: the checkpoint is opened (nothing
+loaded), the output's finished ids read (hashed), the job file's first window read and
+tokenized, the run planned from that window's prompts — a budget that cannot work is refused
+here, before any weight is read or the output file is created — and only then the tiers are
+filled and generation starts. The job file streams: windows of `--window` lines are read,
+validated and tokenized one after another, each batched longest prompt first (the engine's
+groups), so memory holds one window whatever the file's length and the first record comes
+after the first window, not the whole file.
 Output is written the moment each sequence finishes (flushed and fsynced by the writer), so
 a crash, a kill or Ctrl-C loses at most the sequences in flight; rerunning resumes."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import tempfile
+import threading
 import time
 import traceback
+from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 from klotski.config import RunConfig
 from klotski.errors import RunStopped, UserError
@@ -29,24 +38,30 @@ def generate(config: RunConfig, jobs: Path, output: str | None) -> int:
 
     from klotski.assemble import build_engine, plan_run
     from klotski.checkpoint import Checkpoint
-    from klotski.jobs import model_error, read_jobs
-    from klotski.output import OutputWriter, error_record, finished_ids, result_record
-    from klotski.sequences import prepare
+    from klotski.jobs import JobFileError, model_error
+    from klotski.output import OutputWriter, error_record, read_output, result_record
 
     t_start = time.perf_counter()
     out_path = Path(output) if output else default_output(jobs)
     if out_path.resolve() == jobs.resolve():
         raise UserError(f"{out_path}: the output would overwrite the job file; choose another -o path")
-    requests, bad_lines = read_jobs(jobs)
     ckpt = Checkpoint.open(config.model, direct_io=config.direct_io)  # a bad model fails here
-    done = finished_ids(out_path) if config.resume else set()
-    seqs, too_long = prepare([r for r in requests if r.id not in done], ckpt.tokenizer, ckpt.spec, config)
-    run_plan = plan_run(config, ckpt, seqs) if seqs else None  # a refusal happens here
+    earlier = read_output(out_path) if config.resume else None
+    done = earlier.ok if earlier else None
+    stream = job_windows(jobs, config, ckpt, done)
+    ahead = _read_ahead(stream)  # a missing or unreadable job file fails here
+    first = ahead[-1].seqs if ahead and ahead[-1].seqs else None
+    run_plan = plan_run(config, ckpt, first) if first else None  # a refusal happens here
+    first = None
+    if run_plan and run_plan.plan and run_plan.prefill_chunk is None:
+        # Planned from the first window: a longer prompt later is prefilled in chunks of what was planned.
+        run_plan = dataclasses.replace(run_plan, prefill_chunk=run_plan.plan.prefill_chunk)
     try:
-        writer = OutputWriter(out_path, resume=config.resume)
+        writer = OutputWriter(out_path, resume=config.resume, known=earlier)
     except OSError as e:
         raise UserError(f"{out_path}: cannot open the output file ({e.strerror}); choose another -o path") from None
     model_name = config.model
+    lines = _LineCount(jobs)
 
     def emit(record) -> bool:
         then = (f"{len(writer)} whole records are in it; make room and rerun the same command to resume "
@@ -55,36 +70,49 @@ def generate(config: RunConfig, jobs: Path, output: str | None) -> int:
             return writer.write(record)
 
     with writer:
-        skipped = sum(r.id in writer.done_ids for r in requests)
-        seqs = [s for s in seqs if s.request.id not in writer.done_ids]
-        failed = sum(emit(error_record(err, fmt=config.output_format)) for err in bad_lines + too_long)
-        if skipped:
-            print(f"klotski: resuming {out_path}: {skipped} requests already done", file=sys.stderr)
+        skipped = failed = errored = ok = 0
         # disable=None: tqdm turns itself off when stderr is not a terminal (logs, CI)
-        bar = tqdm(total=len(seqs), unit="req", desc="generate", disable=None if config.progress else True,
+        bar = tqdm(total=None, unit="line", desc="generate", disable=None if config.progress else True,
                    file=sys.stderr, mininterval=0.5)
-        engine, errored = None, 0
+        engine = None
         try:
-            engine = build_engine(config, ckpt, run_plan) if seqs else None
+            engine = build_engine(config, ckpt, run_plan) if run_plan else None
             with bar:
-                for seq in engine.run(seqs) if engine else ():
-                    if seq.error:
-                        errored += emit(error_record(model_error(seq), fmt=config.output_format))
-                    else:
-                        emit(result_record(seq, fmt=config.output_format, model=model_name,
-                                           include_token_ids=config.include_token_ids))
-                    bar.update(1)
-                    gen_s = engine.stats.prefill_s + engine.stats.decode_s
-                    if gen_s > 0:
-                        bar.set_postfix_str(f"{engine.stats.generated_tokens / gen_s:.1f} tok/s")
+                for window in _drain(ahead, stream):
+                    if lines.total is not None and bar.total is None:
+                        bar.total = lines.total
+                        bar.refresh()
+                    if window.skipped and not skipped:
+                        print(f"klotski: resuming {out_path}: skipping lines already done", file=sys.stderr)
+                    skipped += window.skipped
+                    # a record already in the file (from before the rerun's window reached it) is not an error
+                    seqs = [s for s in window.seqs if s.request.id not in writer]
+                    skipped += len(window.seqs) - len(seqs)
+                    failed += sum(emit(error_record(err, fmt=config.output_format)) for err in window.errors)
+                    bar.update(window.skipped + len(window.errors) + len(window.seqs) - len(seqs))
+                    for seq in engine.run(seqs) if seqs else ():
+                        if seq.error:
+                            errored += emit(error_record(model_error(seq), fmt=config.output_format))
+                        else:
+                            ok += emit(result_record(seq, fmt=config.output_format, model=model_name,
+                                                     include_token_ids=config.include_token_ids))
+                        bar.update(1)
+                        gen_s = engine.stats.prefill_s + engine.stats.decode_s
+                        if gen_s > 0:
+                            bar.set_postfix_str(f"{engine.stats.generated_tokens / gen_s:.1f} tok/s")
         except (KeyboardInterrupt, UserError, RunStopped):
             raise
+        except JobFileError as e:  # the job file became unreadable midway
+            raise RunStopped(f"the run stopped: {e}; {len(writer)} records are in {out_path}; "
+                             "rerun the same command to resume") from None
         except Exception as e:  # the run stopped: say so in one line; what is written stays
             raise RunStopped(_stopped(e, out_path, len(writer))) from None
         finally:
             if engine:
                 engine.close()
-        report = build_report(engine, run_plan, ok=len(seqs) - errored, failed=failed + errored, skipped=skipped,
+        if skipped:
+            print(f"klotski: resumed {out_path}: {skipped} requests were already done", file=sys.stderr)
+        report = build_report(engine, run_plan, ok=ok, failed=failed + errored, skipped=skipped,
                               wall_s=time.perf_counter() - t_start, config=config, model_dir=ckpt.directory)
     print(summary(report, out_path), file=sys.stderr)
     done = f"every record is in {out_path}; only this file is missing"
@@ -95,6 +123,63 @@ def generate(config: RunConfig, jobs: Path, output: str | None) -> int:
         with writing(config.report, "the run report", then=done):
             replace_atomically(Path(config.report), (json.dumps(report, indent=2) + "\n").encode())
     return 1 if failed or errored else 0
+
+
+@dataclass
+class Window:
+    """One window of the job file, ready to run: its sequences (tokenized, not yet done),
+    its lines that cannot be served, and how many of its lines an earlier run finished."""
+    seqs: list
+    errors: list
+    skipped: int
+
+
+def job_windows(jobs: Path, config, ckpt, done) -> Iterator[Window]:
+    """The job file as a stream of windows of `config.window` lines, each read, validated and
+    tokenized only when the one before it has been handed over: memory holds a window (and
+    the hashed ids seen so far), never the file. Lines whose id is in `done` are skipped
+    without tokenizing them."""
+    from klotski.jobs import LineError, stream_jobs, windows
+    from klotski.sequences import prepare
+    for items in windows(stream_jobs(jobs, done), config.window):
+        errors = [x for x in items if isinstance(x, LineError)]
+        todo = [x for x in items if x is not None and not isinstance(x, LineError)]
+        seqs, too_long = prepare(todo, ckpt.tokenizer, ckpt.spec, config)
+        yield Window(seqs, errors + too_long, len(items) - len(errors) - len(todo))
+
+
+def _read_ahead(stream: Iterator[Window]) -> deque[Window]:
+    """Windows up to the first with something to generate (the planner sizes the run from its
+    prompts): those before it have only errors and finished lines."""
+    ahead = deque()
+    for window in stream:
+        ahead.append(window)
+        if window.seqs:
+            break
+    return ahead
+
+
+def _drain(ahead: deque[Window], stream: Iterator[Window]) -> Iterator[Window]:
+    """The windows read ahead, then the rest; each is let go of once handed over."""
+    while ahead:
+        yield ahead.popleft()
+    yield from stream
+
+
+class _LineCount:
+    """The job file's line count, for the progress bar's total and ETA, counted in a thread
+    (newline bytes only) so the first window never waits for it."""
+
+    def __init__(self, path: Path):
+        self.total = None
+        threading.Thread(target=self._count, args=(path,), daemon=True, name="klotski-count-lines").start()
+
+    def _count(self, path: Path) -> None:
+        from klotski.jobs import count_lines
+        try:
+            self.total = count_lines(path)
+        except OSError:
+            pass  # the bar counts without a total
 
 
 def _stopped(e: Exception, out_path: Path, written: int) -> str:
@@ -116,7 +201,11 @@ def build_report(engine, run_plan, *, ok: int, failed: int, skipped: int, wall_s
                  model_dir) -> dict:
     report = {"tokens_per_s": 0.0, "predicted_tokens_per_s": None, "prefill_s": 0.0, "decode_s": 0.0,
               "wall_s": round(wall_s, 4), "requests": {"ok": ok, "failed": failed, "skipped": skipped},
-              "tokens": {"prompt": 0, "generated": 0}, "model": str(model_dir), "config": config.to_json()}
+              "tokens": {"prompt": 0, "generated": 0}, "model": str(model_dir),
+              "order": (f"the job file streams in windows of {config.window} lines; in each window prompts are "
+                        "sorted longest first and batched in that order (similar lengths share a batch and pad "
+                        "little); records are keyed by id and written as they finish"),
+              "config": config.to_json()}
     if engine is None:
         return report
     s, plan = engine.stats, run_plan.plan

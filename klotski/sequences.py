@@ -1,7 +1,8 @@
 """Requests become sequences: tokenized prompts with their limits, sampling state and output.
 
-Tokenizing happens before anything is planned or loaded, because the planner sizes memory
-by the job's longest prompt. Choosing the next token (greedy or sampled) and deciding when
+Tokenizing happens one window of the job file at a time (klotski/run.py); the first
+window's is done before anything is planned or loaded, because the planner sizes memory by
+its longest prompt. Choosing the next token (greedy or sampled) and deciding when
 a sequence is done (EOS, a stop string, its token limit) also live here: the engine only
 calls them.
 """

@@ -201,28 +201,37 @@ def test_non_utf8_line_spoils_only_itself(tmp_path):
     assert "not valid UTF-8" in err.message and "0xe9" in err.message and "column 27" in err.message
 
 
-def test_duplicate_ids_first_wins_and_error_ids_stay_unique(tmp_path):
+def test_duplicate_ids_first_in_file_order_wins_and_error_ids_stay_unique(tmp_path):
     path = write_lines(tmp_path / "j.jsonl", [
         {"id": "a", "prompt": "first"},
         {"id": "b", "prompt": "x"},
         {"id": "a", "prompt": "second"},
         {"id": "a", "prompt": "third"},
         {"prompt": "no id, line 5"},
-        {"id": 5, "prompt": "explicit 5 claimed first by id"},
-        "{not json",  # line 7: its default id "7" is claimed by line 8
+        {"id": 5, "prompt": "explicit 5, claimed earlier by line 5"},
+        "{not json",  # line 7: claims its default id "7" first
         {"id": "7", "prompt": "explicit"},
+        {"id": "a#line3", "prompt": "takes a name an error record already has"},
     ])
     requests, errors = read_jobs(path)
-    assert [(r.id, r.prompt) for r in requests] == [
-        ("a", "first"), ("b", "x"), ("5", "explicit 5 claimed first by id"), ("7", "explicit")]
+    assert [(r.id, r.prompt) for r in requests] == [("a", "first"), ("b", "x"), ("5", "no id, line 5")]
     by_line = {e.line: e for e in errors}
-    assert sorted(by_line) == [3, 4, 5, 7]
-    assert "duplicate id 'a'" in by_line[3].message and "line 1" in by_line[3].message
-    assert "duplicate id 'a'" in by_line[4].message
-    assert "no id" in by_line[5].message and "line 6" in by_line[5].message
-    assert "invalid JSON" in by_line[7].message
+    assert sorted(by_line) == [3, 4, 6, 7, 8, 9]
+    assert "duplicate id 'a'" in by_line[3].message and by_line[3].id == "a#line3"
+    assert "duplicate id 'a'" in by_line[4].message and by_line[4].id == "a#line4"
+    assert "duplicate id '5'" in by_line[6].message and by_line[6].id == "5#line6"
+    assert "invalid JSON" in by_line[7].message and by_line[7].id == "7"
+    assert "duplicate id '7'" in by_line[8].message
+    assert "duplicate id 'a#line3'" in by_line[9].message
     all_ids = [r.id for r in requests] + [e.id for e in errors]
     assert len(all_ids) == len(set(all_ids))
+
+
+def test_a_line_without_id_whose_number_is_taken_is_an_error(tmp_path):
+    path = write_lines(tmp_path / "j.jsonl", [{"id": 2, "prompt": "explicit 2"}, {"prompt": "line 2, no id"}])
+    (req,), (err,) = read_jobs(path)
+    assert req.id == "2" and err.line == 2 and err.id == "2#line2"
+    assert "no id" in err.message and "already used by an earlier line" in err.message
 
 
 def test_missing_job_file_or_directory(tmp_path):
@@ -257,6 +266,11 @@ def test_job_and_output_modules_use_only_the_standard_library(module):
 # ---------------------------------------------------------------- writing
 
 
+def same(ids, expected) -> bool:
+    """An IdSet holds exactly `expected` (as far as membership and size can tell)."""
+    return len(ids) == len(expected) and all(rid in ids for rid in expected)
+
+
 def ok(rid, text="done"):
     return {"id": rid, "completion": text, "finish_reason": "stop",
             "prompt_tokens": 3, "completion_tokens": 1}
@@ -265,7 +279,7 @@ def ok(rid, text="done"):
 def test_writer_writes_one_utf8_line_per_record(tmp_path):
     out = tmp_path / "sub" / "out.jsonl"  # parent is created
     with OutputWriter(out) as w:
-        assert w.done_ids == set()
+        assert same(w.done_ids, set())
         assert w.write(ok("a", "héllo ✓\nline"))
         assert w.write(error_record(LineError("b", 2, "bad"), fmt="klotski"))
     raw = out.read_bytes()
@@ -331,7 +345,7 @@ def test_resume_skips_done_ids_and_retries_errors(tmp_path):
         w.write(error_record(LineError("b", 2, "temperature must be ..."), fmt="klotski"))
         w.write(ok("c"))
     with OutputWriter(out) as w:
-        assert w.done_ids == {"a", "c"}
+        assert same(w.done_ids, {"a", "c"})
         assert w.retried == 1
         assert "b" not in w
         assert w.write(ok("b", "fixed")) is True
@@ -346,7 +360,7 @@ def test_resume_success_beats_error_for_same_id(tmp_path):
     out.write_text(json.dumps({"id": "x", "error": {"line": 1, "message": "m"}}) + "\n"
                    + json.dumps(ok("x")) + "\n")
     with OutputWriter(out) as w:
-        assert w.done_ids == {"x"} and w.retried == 0
+        assert same(w.done_ids, {"x"}) and w.retried == 0
     assert read_records(out) == [ok("x")]
 
 
@@ -358,7 +372,7 @@ def test_partial_last_line_is_cut_off(tmp_path):
     with OutputWriter(out) as w:
         assert out.read_bytes() == good.encode()
         assert w.repaired_bytes == len(cut)
-        assert w.done_ids == {"a", "b"}
+        assert same(w.done_ids, {"a", "b"})
         w.write(ok("c"))
     assert [r["id"] for r in read_records(out)] == ["a", "b", "c"]
 
@@ -368,7 +382,7 @@ def test_trailing_garbage_lines_are_cut_off(tmp_path):
     good = (json.dumps(ok("a")) + "\n").encode()
     out.write_bytes(good + b"\x00\x00\x00\n{\"id\": \"z\", \n")
     with OutputWriter(out) as w:
-        assert w.done_ids == {"a"}
+        assert same(w.done_ids, {"a"})
     assert out.read_bytes() == good
 
 
@@ -376,7 +390,7 @@ def test_complete_last_record_without_newline_is_kept(tmp_path):
     out = tmp_path / "out.jsonl"
     out.write_text(json.dumps(ok("a")) + "\n" + json.dumps(ok("b")))
     with OutputWriter(out) as w:
-        assert w.done_ids == {"a", "b"} and w.repaired_bytes == 0
+        assert same(w.done_ids, {"a", "b"}) and w.repaired_bytes == 0
         w.write(ok("c"))
     assert [r["id"] for r in read_records(out)] == ["a", "b", "c"]
 
@@ -387,7 +401,7 @@ def test_corrupt_middle_lines_are_kept_but_not_done(tmp_path):
              json.dumps({"id": "e", "error": {"line": 9, "message": "m"}})]
     out.write_text("\n".join(lines) + "\n")
     with OutputWriter(out) as w:  # the error record forces a rewrite: corrupt lines must survive it
-        assert w.done_ids == {"a", "b"}
+        assert same(w.done_ids, {"a", "b"})
         assert w.corrupt_lines == 1
         assert w.write(ok("m")) is True
     assert out.read_text().splitlines() == lines[:4] + [json.dumps(ok("m"))]
@@ -409,7 +423,7 @@ def test_no_resume_truncates(tmp_path):
     with OutputWriter(out) as w:
         w.write(ok("a"))
     with OutputWriter(out, resume=False) as w:
-        assert w.done_ids == set()
+        assert same(w.done_ids, set())
         assert w.write(ok("a", "new")) is True
     assert read_records(out) == [ok("a", "new")]
 
@@ -427,7 +441,7 @@ def test_second_writer_on_same_output_is_refused(tmp_path):
         with pytest.raises(JobFileError, match="in use"):
             OutputWriter(out)
     with OutputWriter(out) as w:  # lock released on close
-        assert w.done_ids == {"a"}
+        assert same(w.done_ids, {"a"})
 
 
 CRASH_SCRIPT = textwrap.dedent("""
@@ -462,7 +476,7 @@ def test_sigkill_mid_run_then_resume_completes_exactly_once(tmp_path):
         assert proc.returncode == -signal.SIGKILL
 
     with OutputWriter(out) as w:
-        assert reported <= w.done_ids
+        assert all(rid in w.done_ids for rid in reported)
         assert len(w.done_ids) < total
         for i in range(total):
             w.write({"id": f"r{i}", "completion": "resumed"})
