@@ -118,7 +118,22 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="JSON", help="results (default: benchmarks/results/bench-PRESET.json)")
     p.add_argument("--img-dir", default=str(ROOT / "docs" / "img"), help="where the PNG plots go")
     p.add_argument("--work-dir", help="keep per-run outputs, reports, logs and traces here (default: temporary)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cpu (default): the ladder above, the link emulated; cuda: the GPU benchmark "
+                        "(benchmarks/gpu.py: klotski, multibatch, simple and accelerate at a quarter of the model, "
+                        "the link against the measured pinned-copy bandwidth)")
     return p
+
+
+def gpu_bench(a) -> int:
+    """`klotski bench --device cuda`: benchmarks/gpu.py with this command's preset, job size and output."""
+    import subprocess
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--preset", a.preset, "--device", "cuda"]
+    for flag, value in (("--prompts", a.prompts), ("--max-new-tokens", a.max_new_tokens), ("--reps", a.reps),
+                        ("--out", a.out), ("--work-dir", a.work_dir)):
+        if value is not None:
+            cmd += [flag, str(value)]
+    return subprocess.call(cmd)
 
 
 # --------------------------------------------------------------------------- model and prompts
@@ -248,6 +263,8 @@ def _display_path(p: Path) -> str:
 
 def main(a) -> int:
     bench_dir = ROOT / "benchmarks"
+    if a.device == "cuda" and (bench_dir / "gpu.py").exists():
+        return gpu_bench(a)
     if not (bench_dir / "bench_driver.py").exists():
         print(f"klotski: error: bench needs the source checkout ({bench_dir} not found); "
               "run it from a clone of the repository", file=sys.stderr)

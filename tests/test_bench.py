@@ -222,3 +222,18 @@ def test_disk_bandwidth_is_read_with_dd_and_summarised_by_median(tmp_path):
     assert sample["bytes"] == 8 << 20 and "iflag=direct" in sample["command"]
     rates = [{"gb_per_s": x} for x in (1.7, 1.1, 1.2, None)]
     assert bench_runner.median_gbps(rates) == 1.2 and bench_runner.median_gbps([]) is None
+
+
+def test_device_cuda_runs_the_gpu_benchmark_with_this_commands_settings(monkeypatch, tmp_path):
+    import subprocess
+    seen = []
+    monkeypatch.setattr(subprocess, "call", lambda cmd: seen.append(cmd) or 0)
+    parser = argparse.ArgumentParser()
+    bench.add_parser(parser.add_subparsers(dest="command"))
+    a = parser.parse_args(["bench", "--device", "cuda", "--preset", "medium", "--prompts", "64",
+                           "--out", str(tmp_path / "r.json")])
+    assert bench.main(a) == 0
+    cmd = seen[0]
+    assert cmd[1].endswith("benchmarks/gpu.py") and cmd[cmd.index("--preset") + 1] == "medium"
+    assert cmd[cmd.index("--prompts") + 1] == "64" and cmd[cmd.index("--out") + 1] == str(tmp_path / "r.json")
+    assert "--max-new-tokens" not in cmd  # unset: the GPU benchmark's own default
