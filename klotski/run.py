@@ -34,6 +34,21 @@ def default_output(jobs: Path) -> Path:
 
 
 def generate(config: RunConfig, jobs: Path, output: str | None) -> int:
+    """Run the job; a run that stops (refused, a user mistake, a failure midway) still leaves a
+    report saying so at --report, never an earlier run's numbers for a script to read."""
+    try:
+        return _generate(config, jobs, output)
+    except (UserError, RunStopped) as e:
+        if config.report:
+            try:
+                replace_atomically(Path(config.report), (json.dumps(
+                    {"error": str(e), "model": config.model, "config": config.to_json()}, indent=2) + "\n").encode())
+            except OSError:
+                pass  # the one-line error below is what the user needs
+        raise
+
+
+def _generate(config: RunConfig, jobs: Path, output: str | None) -> int:
     from tqdm import tqdm
 
     from klotski.assemble import build_engine, plan_run

@@ -137,14 +137,21 @@ def test_refusal_is_one_line_before_the_output_exists_and_its_minimum_runs(model
     out = tmp_path / "out.jsonl"
     base = [sys.executable, "-m", "klotski.cli", "generate", str(jobs), "--model", str(model), "-o", str(out),
             "--batch-size", "4", "--dtype", "float32", "--max-new-tokens", str(NEW), "--no-progress"]
-    r = subprocess.run(base + ["--device-memory", "64KiB"], capture_output=True, text=True, timeout=300)
+    report = tmp_path / "report.json"
+    report.write_text('{"tokens_per_s": 99.0}')  # an earlier run's report at the same path
+    r = subprocess.run(base + ["--device-memory", "64KiB", "--report", str(report)], capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "device budget" in lines[0] and not out.exists()
+    refused = json.loads(report.read_text())  # says what happened, not the earlier numbers
+    assert "tokens_per_s" not in refused and "device budget" in refused["error"]
     minimum = lines[0].split("--device-memory ")[1].split()[0]
-    r = subprocess.run(base + ["--device-memory", minimum], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(base + ["--device-memory", minimum, "--report", str(report)], capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode == 0, r.stderr
     assert len(out.read_text().splitlines()) == 8
+    assert "error" not in json.loads(report.read_text())
 
 
 def test_pinned_blocks_hold_exact_copies_at_their_charge():
