@@ -1,7 +1,7 @@
 """Issue 20: a job file of millions of lines, streamed. Measures, on the built-in tiny model:
 
-  * time from start to the first record, resident memory (VmRSS from /proc) after 60 s and
-    when the run is killed, records per second — for a big job and, beside it, a small one;
+  * time from start to the first record, resident memory (VmRSS from /proc) after 60 s, after
+    300 s and when the run is killed, records per second — for a big job and, beside it, a small one;
   * the big job killed (SIGKILL) and rerun: time to the rerun's next new record, and a check
     that no id appears twice in the output;
   * a rerun where half of the big job is already finished (the finished records are written
@@ -75,7 +75,7 @@ def run_for(job: Path, out: Path, seconds: float, args, after_first: float | Non
            "--max-new-tokens", str(args.max_new_tokens), "--no-progress", "--window", str(args.window)]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    first = rss60 = None
+    first = rss60 = rss300 = None
     first_count = before
     peak = 0.0
     while proc.poll() is None:
@@ -88,6 +88,8 @@ def run_for(job: Path, out: Path, seconds: float, args, after_first: float | Non
                 first, first_count = now, n
         if rss60 is None and now >= 60:
             rss60 = rss
+        if rss300 is None and now >= 300:
+            rss300 = rss
         if now >= seconds or (after_first is not None and first is not None and now >= first + after_first):
             break
         time.sleep(0.05 if first is None else 0.5)
@@ -101,7 +103,8 @@ def run_for(job: Path, out: Path, seconds: float, args, after_first: float | Non
     after = count_records(out)
     rate = (after - first_count) / (end - first) if first is not None and end > first else None
     return {"command": " ".join(cmd[1:]), "first_record_s": round(first, 2) if first is not None else None,
-            "rss_mib_60s": round(rss60, 1) if rss60 else None, "rss_mib_end": round(rss_end, 1) if rss_end else None,
+            "rss_mib_60s": round(rss60, 1) if rss60 else None,
+            "rss_mib_300s": round(rss300, 1) if rss300 else None, "rss_mib_end": round(rss_end, 1) if rss_end else None,
             "rss_mib_peak": round(peak, 1), "ran_s": round(end, 1), "killed": killed,
             "records_before": before, "records_after": after,
             "records_per_s": round(rate, 1) if rate is not None else None,
