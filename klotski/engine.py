@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from klotski import sequences as S
+from klotski.channels import pin
 from klotski.kvcache import BatchKV
 from klotski.pipeline import StepInput
 from placement import pinned
@@ -92,12 +93,12 @@ class Engine:
         kv_bytes = sum(BatchKV.nbytes_for(*shape, self.dtype) for shape in shapes)
         account = self.host_memory if on_host else self.memory
         blocks = PinnedBlocks(pinned=True) if on_host and self.device.type == "cuda" else None
-        if blocks:  # one locked block per layer's keys or values, charged what it takes
-            kv_bytes = sum(2 * s[0] * pinned.charge(BatchKV.nbytes_for(1, *s[1:], self.dtype) // 2) for s in shapes)
+        if blocks:  # one locked block per layer's keys and one per its values, each charged what it takes
+            kv_bytes = sum(2 * s[0] * pinned.charge(BatchKV.nbytes_for(*s, self.dtype) // (2 * s[0])) for s in shapes)
         if not on_host:  # room first, then the allocation: the allocator never holds more than the accounts
             self.pipeline.make_room(kv_bytes, "KV cache")
         account.reserve(kv_bytes, "KV cache")
-        kvs = [BatchKV(*shape, self.dtype, device=self.device, on_host=on_host, pin=self._pin,
+        kvs = [BatchKV(*shape, self.dtype, device=self.device, on_host=on_host, pin=lambda t: pin(t, self.device),
                        host_zeros=blocks.zeros if blocks else None) for shape in shapes]
         try:
             yield from self._steps(group, kvs, prompt_len)
@@ -106,9 +107,6 @@ class Engine:
                 torch.cuda.synchronize(self.device)  # the last stores into the blocks have landed
                 blocks.close()
             account.free(kv_bytes)
-
-    def _pin(self, t):
-        return t.pin_memory() if self.device.type == "cuda" else t
 
     def _steps(self, group, kvs, prompt_len):
         """Prefill (in chunks of the planned size), then decode until every sequence is done;

@@ -119,10 +119,6 @@ class BatchKV:
     def new_nbytes(self) -> int:
         return self._bytes(self.new)
 
-    def nbytes(self) -> int:
-        """The whole cache of this batch, every layer, at full capacity."""
-        return 2 * len(self.keys) * self.keys[0].numel() * self.keys[0].element_size()
-
     def load(self, layer: int, device):
         """Slot-major device buffer with the visible old slots of `layer`, and room for this
         step's tokens: one contiguous copy from pinned memory per tensor (the kept slots of a

@@ -130,12 +130,6 @@ def read_output(path) -> Scan | None:
         return None
 
 
-def finished_ids(path) -> IdSet:
-    """Keys of the successful records already in `path` (see read_output)."""
-    scan = read_output(path)
-    return scan.ok if scan else IdSet()
-
-
 # ---------------------------------------------------------------- writing
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -389,9 +390,7 @@ def _by_expert(r: _Routed, num_experts: int):
     k = r.experts.shape[1]
     order = torch.argsort(r.experts.flatten(), stable=True)
     counts = torch.bincount(r.chosen.flatten(), minlength=num_experts).tolist()
-    starts = [0]
-    for c in counts:
-        starts.append(starts[-1] + c)
+    starts = [0, *accumulate(counts)]
 
     def pick(e: int):
         flat = order[starts[e]:starts[e + 1]]

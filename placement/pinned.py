@@ -8,8 +8,8 @@ starts where the locked range does), page-locked with `cudaHostRegister`; the ho
 charged exactly what the block takes (`charge`: its bytes rounded up to whole pages).
 Blocks are unregistered by `close`, after every copy that reads them has finished.
 
-Without CUDA (`pinned=False`) the same blocks are plain memory, so the layout and the charges
-are the same code on both paths.
+With `pinned=False` the blocks are plain memory of the same layout (what the CPU tests
+check); the CPU engine does not use them: its host tier is ordinary tensors.
 """
 from __future__ import annotations
 

@@ -153,7 +153,7 @@ def test_resume_skips_finished_lines_without_tokenizing_them(checkpoints, tmp_pa
         run.generate(config_for(checkpoints["gqa"], window=100), path, str(out))
     assert tokenized and all(int(rid[1:]) >= 2000 for rid in tokenized)
     assert all(not failed and int(rid[1:]) >= 2000 for rid, failed, _ in seen)
-    assert isinstance(output.finished_ids(out), IdSet) and len(output.finished_ids(out)) == 2003
+    assert isinstance(output.read_output(out).ok, IdSet) and len(output.read_output(out).ok) == 2003
     ids = [record_key(json.loads(line)) for line in out.read_text().splitlines()]
     assert len(ids) == len(set(ids)) == 2003
 
