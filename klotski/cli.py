@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from klotski.config import OUTPUT_FORMATS, PREFETCH, SCHEDULES, RunConfig, parse_size
+from klotski.config import BATCHINGS, OUTPUT_FORMATS, PREFETCH, SCHEDULES, RunConfig, parse_size
 from planner.shapes import FAMILY_FIELDS
 
 EXIT_OK, EXIT_FAILED_LINES, EXIT_USAGE, EXIT_STOPPED, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 3, 130, 143
@@ -59,6 +59,9 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="compute dtype (default: the checkpoint's)")
     p.add_argument("--schedule", default="klotski", choices=SCHEDULES,
                    help="pipeline schedule; all give identical greedy output (default: klotski)")
+    p.add_argument("--batching", default="continuous", choices=BATCHINGS,
+                   help="continuous (default): a finished sequence's row takes the next prompt; static: a "
+                        "batch keeps its rows until its longest sequence ends (same tokens either way)")
     p.add_argument("--prefetch", default="correlation", choices=PREFETCH,
                    help="how hot experts are predicted (default: correlation)")
     p.add_argument("--attention", default="full", metavar="full|sink:S,window:W",
@@ -202,7 +205,7 @@ def config_from_args(a: argparse.Namespace) -> RunConfig:
         seed=a.seed, batch_size=a.batch_size, num_batches=a.num_batches, prefill_chunk=a.prefill_chunk,
         device_memory=a.device_memory,
         host_memory=a.host_memory, offload_dir=a.offload_dir, device=a.device, dtype=a.dtype,
-        schedule=a.schedule, prefetch=a.prefetch, attention=a.attention, quantize=a.quantize, quantize_optimize=a.quantize_optimize,
+        schedule=a.schedule, batching=a.batching, prefetch=a.prefetch, attention=a.attention, quantize=a.quantize, quantize_optimize=a.quantize_optimize,
         emulate_link_gbps=a.emulate_link_gbps,
         direct_io=not a.no_direct_io, resume=not a.no_resume, include_token_ids=a.include_token_ids,
         output_format=a.output_format,

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from planner import units
 
 SCHEDULES = ("klotski", "hot-prefetch", "multibatch", "simple")
+BATCHINGS = ("continuous", "static")
 PREFETCH = ("correlation", "next-gate", "none")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 OUTPUT_FORMATS = ("auto", "klotski", "openai")
@@ -54,6 +55,7 @@ class RunConfig:
     device: str = "auto"
     dtype: str = "auto"
     schedule: str = "klotski"
+    batching: str = "continuous"      # a finished sequence's row takes the next prompt (static: kept to the end)
     prefetch: str = "correlation"
     hot_experts: int | None = None    # K; None = the model's top-k
     attention: str = "full"           # or "sink:S,window:W" (StreamingLLM-style KV sparsity)
@@ -72,6 +74,8 @@ class RunConfig:
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"--schedule {self.schedule!r}: choose one of {', '.join(SCHEDULES)}")
+        if self.batching not in BATCHINGS:
+            raise ConfigError(f"--batching {self.batching!r}: choose one of {', '.join(BATCHINGS)}")
         if self.prefetch not in PREFETCH:
             raise ConfigError(f"--prefetch {self.prefetch!r}: choose one of {', '.join(PREFETCH)}")
         if self.dtype not in DTYPES:

@@ -38,6 +38,8 @@ class Stats:
     decode_disk_bytes: int = 0  # read from disk while decode steps ran: the bigger-than-RAM bound
     decode_rows: int = 0        # sequence slots computed by decode steps
     decode_useful_rows: int = 0  # of those, slots whose sequence was still generating
+    refills: int = 0            # continuous batching: sequences that took a row another had finished in
+    kv_realigns: int = 0        # continuous batching: times a cache's slots were moved to make room
 
     @property
     def slot_utilisation(self) -> float | None:
@@ -78,6 +80,12 @@ class Engine:
 
     def run(self, seqs: list[S.Sequence]):
         """Generate for every sequence; yield each one as soon as it finishes."""
+        if self.config.batching == "continuous" and seqs:
+            from klotski.batching import ContinuousRun
+            yield from ContinuousRun(self, seqs).run()
+            self.predictor.end_group()
+            self.predictor.persist()
+            return
         for group in self.groups(seqs):
             yield from self._run_group(group)
             self.predictor.end_group()
@@ -85,28 +93,16 @@ class Engine:
         self.trace.resolve(everything=True)
 
     def _run_group(self, group: list[list[S.Sequence]]):
-        spec = self.spec
         prompt_len = [max(len(s.prompt_ids) for s in b) for b in group]
-        on_host = self.placement.kv == HOST
-        shapes = [(spec.num_layers, len(b), spec.num_kv_heads, spec.head_dim, p + max(s.max_new_tokens for s in b))
-                  for b, p in zip(group, prompt_len)]
-        kv_bytes = sum(BatchKV.nbytes_for(*shape, self.dtype) for shape in shapes)
-        account = self.host_memory if on_host else self.memory
-        blocks = PinnedBlocks(pinned=True) if on_host and self.device.type == "cuda" else None
-        if blocks:  # one locked block per layer's keys and one per its values, each charged what it takes
-            kv_bytes = sum(2 * s[0] * pinned.charge(BatchKV.nbytes_for(*s, self.dtype) // (2 * s[0])) for s in shapes)
-        if not on_host:  # room first, then the allocation: the allocator never holds more than the accounts
-            self.pipeline.make_room(kv_bytes, "KV cache")
-        account.reserve(kv_bytes, "KV cache")
-        kvs = [BatchKV(*shape, self.dtype, device=self.device, on_host=on_host, pin=lambda t: pin(t, self.device),
-                       host_zeros=blocks.zeros if blocks else None) for shape in shapes]
+        space = self.kv_space()
         try:
+            kvs = [space.allocate(len(b), p + max(s.max_new_tokens for s in b))[0] for b, p in zip(group, prompt_len)]
             yield from self._steps(group, kvs, prompt_len)
         finally:
-            if blocks:
-                torch.cuda.synchronize(self.device)  # the last stores into the blocks have landed
-                blocks.close()
-            account.free(kv_bytes)
+            space.close()
+
+    def kv_space(self) -> "KVSpace":
+        return KVSpace(self)
 
     def _steps(self, group, kvs, prompt_len):
         """Prefill (in chunks of the planned size), then decode until every sequence is done;
@@ -143,23 +139,32 @@ class Engine:
                     inputs[k] = prompts[k].pop(0)
                     continue
                 prefilling.discard(k)
-                batch, lg = group[k], out.logits
-                # a sequence whose numbers went non-finite fails alone; the batch carries on
-                for s, finite, layer in zip(batch, torch.isfinite(lg).all(dim=-1).tolist(), broken[k].tolist()):
-                    if not finite and not s.done:
-                        S.fail(s, _non_finite(layer, self.spec.num_layers))
-                        yield s
-                tokens = S.pick(batch, lg)
-                for s, t in zip(batch, tokens):
-                    if not s.done:
-                        self.stats.generated_tokens += 1
-                        S.append(s, t, self.tokenizer, self.eos)
-                        if s.done:
-                            yield s
+                batch = group[k]
+                tokens, finished = self._sample(batch, out.logits, broken[k])
+                yield from finished
                 if not all(s.done for s in batch):
                     ids = torch.tensor(tokens, dtype=torch.long)[:, None]
                     inputs[k] = StepInput(ids, torch.ones_like(ids, dtype=torch.bool), next_pos[k][:, None].clone())
                     next_pos[k] += 1
+
+    def _sample(self, rows, logits, broken):
+        """Next token of every row (None = an empty row) and the sequences this finished: a
+        sequence whose numbers went non-finite fails alone; the batch carries on."""
+        finished = []
+        for s, finite, layer in zip(rows, torch.isfinite(logits).all(dim=-1).tolist(), broken.tolist()):
+            if s is not None and not finite and not s.done:
+                S.fail(s, _non_finite(layer, self.spec.num_layers))
+                finished.append(s)
+        live = [s for s in rows if s is not None]
+        picked = iter(S.pick(live, logits[[i for i, s in enumerate(rows) if s is not None]]))
+        tokens = [next(picked) if s is not None else 0 for s in rows]
+        for s, t in zip(rows, tokens):
+            if s is not None and not s.done:
+                self.stats.generated_tokens += 1
+                S.append(s, t, self.tokenizer, self.eos)
+                if s.done:
+                    finished.append(s)
+        return tokens, finished
 
     def _pad_id(self) -> int:
         pad = self.tokenizer.pad_token_id
@@ -194,3 +199,47 @@ def _chunks(inp: StepInput, size: int) -> list[StepInput]:
     """A prompt's columns in chunks of `size` (the last may be shorter)."""
     return [StepInput(inp.ids[:, a:a + size], inp.valid[:, a:a + size], inp.positions[:, a:a + size])
             for a in range(0, inp.ids.shape[1], size)]
+
+
+class KVSpace:
+    """KV caches of one group on the run's KV tier, each charged to that tier's budget when it
+    is made (on the device, room is made first, so the allocator never holds more than the
+    accounts) and given back by `free` or, for whatever is left, by `close`."""
+
+    def __init__(self, engine: Engine):
+        self.e = engine
+        self.on_host = engine.placement.kv == HOST
+        self.account = engine.host_memory if self.on_host else engine.memory
+        self.held: dict[int, tuple[int, PinnedBlocks | None]] = {}  # id(kv) -> (bytes charged, its blocks)
+
+    def allocate(self, rows: int, capacity: int) -> tuple[BatchKV, int]:
+        """A cache for `rows` sequences of `capacity` slots; raises OverBudget if it does not fit."""
+        e, spec = self.e, self.e.spec
+        shape = (spec.num_layers, rows, spec.num_kv_heads, spec.head_dim, capacity)
+        nbytes = BatchKV.nbytes_for(*shape, e.dtype)
+        blocks = PinnedBlocks(pinned=True) if self.on_host and e.device.type == "cuda" else None
+        if blocks:  # one locked block per layer's keys and one per its values, each charged what it takes
+            nbytes = 2 * spec.num_layers * pinned.charge(nbytes // (2 * spec.num_layers))
+        if not self.on_host:
+            e.pipeline.make_room(nbytes, "KV cache")
+        self.account.reserve(nbytes, "KV cache")
+        kv = BatchKV(*shape, e.dtype, device=e.device, on_host=self.on_host, pin=lambda t: pin(t, e.device),
+                     host_zeros=blocks.zeros if blocks else None)
+        self.held[id(kv)] = (nbytes, blocks)
+        return kv, nbytes
+
+    def free(self, kv: BatchKV) -> None:
+        nbytes, blocks = self.held.pop(id(kv))
+        if blocks:
+            torch.cuda.synchronize(self.e.device)  # the last stores into the blocks have landed
+            blocks.close()
+        self.account.free(nbytes)
+
+    def close(self) -> None:
+        if any(blocks for _, blocks in self.held.values()):
+            torch.cuda.synchronize(self.e.device)
+        for nbytes, blocks in self.held.values():
+            if blocks:
+                blocks.close()
+            self.account.free(nbytes)
+        self.held.clear()

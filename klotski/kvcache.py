@@ -86,6 +86,49 @@ class BatchKV:
         self.filled += self.new
         self.new = 0
 
+    # ---- continuous batching: rows change hands (klotski/batching.py) --------------------
+    def settle(self) -> None:
+        """Block until every store into the host copy has landed (before the host rewrites it)."""
+        for ticket in self.stored.values():
+            ticket.future.result()
+            if ticket.event is not None:
+                ticket.event.synchronize()
+
+    def span(self, rows: list[int]) -> int:
+        """How many of the newest slots hold some of these rows' tokens (a row's tokens are
+        contiguous and end at the newest slot)."""
+        used = self.valid[rows, :self.filled].any(0) if rows else torch.zeros(0, dtype=torch.bool)
+        first = torch.nonzero(used)
+        return self.filled - int(first[0]) if len(first) else 0
+
+    def realign(self, keep: int, filled: int) -> None:
+        """Move the newest `keep` slots (fewer if there are not that many) to end at slot
+        `filled`, every slot before them invalid: the cache makes room at its end (keep <=
+        filled) or in front (a newcomer's prompt longer than the slots so far). Positions are
+        the rows' own, so moving slots changes no number."""
+        self.settle()
+        m = min(keep, self.filled)
+        src, dst = slice(self.filled - m, self.filled), slice(filled - m, filled)
+        for tensors in (self.keys, self.values):
+            for t in tensors:
+                t[dst] = t[src].clone()
+        valid = self.valid[:, src].clone()
+        self.valid.zero_()
+        self.valid[:, dst] = valid
+        self.filled = filled
+
+    def adopt(self, row: int, src: "BatchKV", src_row: int, length: int) -> None:
+        """Row `row` takes the newest `length` slots of `src`'s row `src_row` (a prompt
+        prefilled elsewhere), ending at this cache's newest slot; its older slots go invalid."""
+        self.settle()
+        src.settle()
+        dst, frm = slice(self.filled - length, self.filled), slice(src.filled - length, src.filled)
+        for mine, theirs in ((self.keys, src.keys), (self.values, src.values)):
+            for a, b in zip(mine, theirs):
+                a[dst, row] = b[frm, src_row]
+        self.valid[row] = False
+        self.valid[row, dst] = src.valid[src_row, frm]
+
     # ---- device-resident use ------------------------------------------------------------
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, buf=None):
         """Store this step's k, v [B, kvh, T, D]; return every key/value attended over, as

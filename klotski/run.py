@@ -246,6 +246,10 @@ def build_report(engine, run_plan, *, ok: int, failed: int, skipped: int, wall_s
                "decode_disk_bytes": s.decode_disk_bytes,
                "decode_disk_gb_per_s": round(s.decode_disk_bytes / s.decode_s / 1e9, 4) if s.decode_s else None},
         "decode_slot_utilisation": round(s.slot_utilisation, 4) if s.slot_utilisation is not None else None,
+        "batching": {"mode": engine.config.batching, "refills": s.refills, "kv_realigns": s.kv_realigns,
+                     "order": ("waiting prompts longest max_new_tokens first; a freed row takes the next"
+                               if engine.config.batching == "continuous" else
+                               "longest prompts first, n batches of bs per group")},
         "bubble": {"seconds": round(engine.trace.bubble_s, 4), "share": round(engine.trace.bubble_share(), 4),
                    "decode_share": round(engine.trace.bubble_share(decode_only=True), 4)},
         "prefetch": engine.predictor.report(),
@@ -283,7 +287,9 @@ def summary(report: dict, out_path: Path) -> str:
             + (f", prefill in chunks of {plan['prefill_chunk']} tokens" if plan["prefill_chunk"] else ""),
             f"bubble    {report['bubble']['share']:.1%} of compute time waiting on transfers",
             *([f"slots     {report['decode_slot_utilisation']:.0%} of decode slots served a sequence still generating "
-               "(a batch keeps its slots until its longest sequence ends)"]
+               + ("(continuous batching: {} rows refilled)".format(report["batching"]["refills"])
+                  if report["batching"]["mode"] == "continuous" else
+                  "(static batching: a batch keeps its slots until its longest sequence ends)")]
               if report["decode_slot_utilisation"] is not None else []),
             *_prefetch_line(report["prefetch"]),
             f"memory    peak device {mem['peak_device_bytes'] / 2**20:.1f} of {mem['budget_device_bytes'] / 2**20:.1f} MiB, "

@@ -1,0 +1,214 @@
+"""Continuous batching: a window's sequences flow through the rows of n decode batches.
+
+Static batching keeps a batch's rows until its longest sequence ends, so with mixed
+`max_new_tokens` or early EOS most rows compute for nothing. Here a row whose sequence has
+finished takes the next waiting prompt:
+
+- The waiting prompts are taken longest-decode first (`max_new_tokens`, then prompt length),
+  so the long ones start early and the short ones fill the gaps behind them.
+- Newcomers are prefilled together as one extra batch that rides along the group's decode
+  steps (chunked like any prefill, the step never bigger than the first prefill step the
+  static schedule would run), in a KV cache of their own.
+- When their prompts are done, each newcomer's keys and values are copied into a free row
+  of a decode batch (`BatchKV.adopt`) so that its newest slot lines up with the batch's, and
+  it decodes with the rest. A batch's slot range is shifted back to the slots its live rows
+  still use when it runs out of room (`BatchKV.realign`), so the cache stays the size static
+  batching would give the window's longest request.
+
+Every sequence sees exactly its own tokens at the positions it would have alone: the output
+is the static schedule's, token for token (tests/test_batching.py).
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from klotski import sequences as S
+from klotski.kvcache import BatchKV
+from klotski.pipeline import StepInput
+from placement.cache import DISK_TO_HOST
+from placement.tiers import OverBudget
+from planner.workingset import Step, activation_bytes
+
+
+@dataclass
+class _Decode:
+    """One decode batch: its rows (None = free), their next input token and position."""
+    kv: BatchKV
+    rows: list
+    tokens: list[int]
+    positions: torch.Tensor
+    broken: torch.Tensor
+    prompt: list = field(default_factory=list)  # chunks still to prefill in place (the first fill)
+    kept: set = field(default_factory=set)      # free rows held for newcomers being prefilled
+
+    def live(self) -> bool:
+        return bool(self.prompt) or any(s is not None for s in self.rows)
+
+    def span(self) -> int:
+        """Slots back from the newest that the live rows read."""
+        return self.kv.span([i for i, s in enumerate(self.rows) if s is not None])
+
+
+@dataclass
+class _Newcomers:
+    """Prompts being prefilled in a cache of their own, and the decode rows kept for them."""
+    seqs: list
+    kv: BatchKV
+    chunks: list
+    rows: list  # (decode batch, row) per newcomer
+    broken: torch.Tensor
+
+
+class ContinuousRun:
+    """Runs one window of sequences; `run()` yields each as soon as it finishes."""
+
+    def __init__(self, engine, seqs: list[S.Sequence]):
+        self.e, self.spec = engine, engine.spec
+        self.space = engine.kv_space()  # caches on the run's KV tier, each charged to its budget
+        self.queue = deque(sorted(seqs, key=lambda s: (-s.max_new_tokens, -len(s.prompt_ids))))
+        # room for the window's longest request, as static batching gives its batch
+        self.capacity = max(len(s.prompt_ids) + s.max_new_tokens for s in seqs)
+        self.chunk = engine.prefill_chunk or max(len(s.prompt_ids) for s in seqs)
+        first = Step.prefill(engine.batch_size, engine.num_batches, min(self.chunk, self.capacity), self.capacity)
+        self.step_limit = activation_bytes(self.spec, engine.dtype.itemsize, first)
+        self.decode: list[_Decode] = []
+        self.newcomers: _Newcomers | None = None
+
+    def run(self):
+        bs, n = self.e.batch_size, self.e.num_batches
+        first = [self.queue.popleft() for _ in range(min(len(self.queue), n * bs))]
+        first.sort(key=lambda s: -len(s.prompt_ids))
+        try:
+            self.decode = [self._first_fill(first[i:i + bs]) for i in range(0, len(first), bs)]
+            while True:
+                self._admit()
+                work = [(d, *self._input(d)) for d in self.decode if d.live()]
+                if self.newcomers:
+                    work.append((self.newcomers, self.newcomers.chunks.pop(0), True))
+                if not work:
+                    break
+                yield from self._step(work)
+        finally:
+            self.space.close()
+
+    # ---- the first fill: prefilled in place, as static batching does ----------------------
+    def _first_fill(self, batch) -> _Decode:
+        from klotski.engine import _chunks, _prefill_input
+        kv, _ = self.space.allocate(len(batch), self.capacity)
+        whole = _prefill_input(batch, max(len(s.prompt_ids) for s in batch), self.e._pad_id())
+        self.e.stats.prompt_tokens += sum(len(s.prompt_ids) for s in batch)
+        return _Decode(kv, list(batch), [0] * len(batch), whole.positions[:, -1] + 1,
+                       torch.full((len(batch),), -1), _chunks(whole, self.chunk))
+
+    def _input(self, d: _Decode) -> tuple[StepInput, bool]:
+        """The batch's input this step and whether it is a prefill."""
+        if d.prompt:
+            return d.prompt.pop(0), True
+        if d.kv.filled + 1 > d.kv.capacity:  # out of room: keep only the slots live rows read
+            self._realign(d, d.span())
+        # free rows compute a pad token of their own (one valid slot: nothing to attend is never empty)
+        ids = torch.tensor(d.tokens, dtype=torch.long)[:, None]
+        return StepInput(ids, torch.ones_like(ids, dtype=torch.bool), d.positions[:, None].clone()), False
+
+    # ---- one step -----------------------------------------------------------------------
+    def _step(self, work):
+        e, stats = self.e, self.e.stats
+        decoding = [w for w, _, prefill in work if not prefill]
+        t0, disk0 = time.perf_counter(), e.trace.bytes[DISK_TO_HOST]
+        e.trace.phase = "decode" if decoding else "prefill"
+        outs = e.pipeline.forward([w.kv for w, _, _ in work], [inp for _, inp, _ in work])
+        elapsed = time.perf_counter() - t0  # the logits reached the host: the step's compute is done
+        e.trace.resolve()
+        if decoding:  # a step that decodes counts as decode time; newcomers' prefill rides along
+            stats.decode_s += elapsed
+            stats.decode_disk_bytes += e.trace.bytes[DISK_TO_HOST] - disk0
+            stats.decode_rows += sum(len(d.rows) for d in decoding)
+            stats.decode_useful_rows += sum(s is not None for d in decoding for s in d.rows)
+        else:
+            stats.prefill_s += elapsed
+        if len(decoding) < len(work):
+            stats.prefill_passes += 1
+        for (w, _, prefill), out in zip(work, outs):
+            w.broken = torch.where(w.broken < 0, out.broken_at, w.broken)
+            if isinstance(w, _Newcomers):
+                yield from self._newcomers_done(w, out)
+            elif not w.prompt:  # a prefill's logits mean something after its last chunk only
+                yield from self._decoded(w, out, fed=not prefill)
+
+    def _decoded(self, d: _Decode, out, fed: bool):
+        """Sample the batch's rows; `fed`: this step fed each row the token at its position."""
+        tokens, finished = self.e._sample(d.rows, out.logits, d.broken)
+        yield from finished
+        for i, s in enumerate(d.rows):
+            if s is not None and s.done:
+                d.rows[i], d.tokens[i] = None, self.e._pad_id()  # free for the next prompt
+            elif s is not None:
+                d.tokens[i] = tokens[i]
+                d.positions[i] += fed
+
+    def _newcomers_done(self, nc: _Newcomers, out):
+        if nc.chunks:  # more of their prompts to prefill
+            return
+        tokens, finished = self.e._sample(nc.seqs, out.logits, nc.broken)
+        yield from finished
+        for j, (s, (d, i)) in enumerate(zip(nc.seqs, nc.rows)):
+            d.kept.discard(i)
+            if s.done:
+                continue
+            length = len(s.prompt_ids)
+            if d.kv.filled < length or d.kv.filled + 1 > d.kv.capacity:
+                self._realign(d, max(d.span(), length))
+            d.kv.adopt(i, nc.kv, j, length)
+            self.e.stats.refills += 1
+            d.rows[i], d.tokens[i], d.positions[i], d.broken[i] = s, tokens[j], length, nc.broken[j]
+        self.space.free(nc.kv)
+        self.newcomers = None
+
+    def _realign(self, d: _Decode, keep: int) -> None:
+        d.kv.realign(keep, keep)
+        self.e.stats.kv_realigns += 1
+
+    # ---- admitting waiting prompts --------------------------------------------------------
+    def _admit(self) -> None:
+        """Take waiting prompts for free rows: one newcomer batch at a time, no more rows than
+        a batch has, and no bigger than the step limit and the KV budget allow."""
+        if self.newcomers or not self.queue:
+            return
+        free = [(d, i) for d in self.decode if not d.prompt
+                for i, s in enumerate(d.rows) if s is None and i not in d.kept]
+        for take in range(min(len(free), len(self.queue), self.e.batch_size), 0, -1):
+            seqs = [self.queue[j] for j in range(take)]
+            chunk = self._fitting_chunk(len(seqs), max(len(s.prompt_ids) for s in seqs))
+            if not chunk:
+                continue
+            try:
+                kv, _ = self.space.allocate(take, max(len(s.prompt_ids) for s in seqs))
+            except OverBudget:
+                continue
+            break
+        else:
+            return  # nothing fits this step: the prompts wait for room
+        from klotski.engine import _chunks, _prefill_input
+        seqs = [self.queue.popleft() for _ in range(take)]
+        for d, i in free[:take]:
+            d.kept.add(i)
+        self.e.stats.prompt_tokens += sum(len(s.prompt_ids) for s in seqs)
+        whole = _prefill_input(seqs, max(len(s.prompt_ids) for s in seqs), self.e._pad_id())
+        self.newcomers = _Newcomers(seqs, kv, _chunks(whole, chunk), free[:take], torch.full((take,), -1))
+
+    def _fitting_chunk(self, rows: int, longest: int) -> int:
+        """The longest prefill chunk for `rows` newcomers that keeps the step within the first
+        prefill step's activations (0: none does)."""
+        decode_rows = sum(len(d.rows) for d in self.decode)
+        chunk = min(self.chunk, longest)
+        while chunk:
+            step = Step(tokens=decode_rows + rows * chunk, sequences=decode_rows + rows,
+                        batch=max(self.e.batch_size, rows), queries=chunk, keys=self.capacity)
+            if activation_bytes(self.spec, self.e.dtype.itemsize, step) <= self.step_limit:
+                return chunk
+            chunk //= 2
+        return 0

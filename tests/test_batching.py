@@ -1,0 +1,154 @@
+"""Continuous batching (klotski/batching.py): rows change hands, tokens do not change.
+
+A job whose max_new_tokens are heavy-tailed, more prompts than rows: every sequence's greedy
+tokens equal transformers' (which generates each prompt to the longest limit; a shorter
+limit is a prefix of that), whatever the schedule, with the KV cache on the host, a sliding
+window, chunked newcomer prefill and slots realigned both ways."""
+import pytest
+import torch
+
+from conftest import reference_tokens
+from klotski.assemble import open_engine
+from klotski.checkpoint import Checkpoint
+from klotski.config import RunConfig
+from klotski.jobs import Request
+from klotski.kvcache import BatchKV
+from placement.plan import Placement
+from placement.store import TensorStore
+
+PROMPTS = [
+    "Paris",
+    "The history of the city begins",
+    "A river is a natural flowing watercourse",
+    "Mount Everest",
+    "Quantum mechanics is a fundamental theory in physics that describes the behaviour of nature at small scales",
+    "The album was recorded in London during the winter of 1971 and released the following spring",
+    "Bees",
+    "In the beginning",
+    "The committee met on Tuesday to discuss the budget for the coming year and its many",
+    "Rain",
+]
+# heavy-tailed: the long ones start first and the short ones pass through their rows behind them
+MAX_NEW = [12, 2, 3, 2, 3, 9, 2, 4, 2, 3]
+
+
+def _requests(max_new=MAX_NEW):
+    return [Request(id=f"r{i}", line=i + 1, prompt=p, messages=None, max_new_tokens=m)
+            for i, (p, m) in enumerate(zip(PROMPTS, max_new))]
+
+
+def _run(model_dir, placement=None, requests=None, **config):
+    cfg = RunConfig(model=str(model_dir), progress=False, dtype="float32", batch_size=2, num_batches=2, **config)
+    engine, seqs, errors = open_engine(cfg, requests or _requests(), placement=placement)
+    assert not errors
+    done = {s.request.id: list(s.out) for s in engine.run(seqs)}
+    engine.close()
+    return [done[f"r{i}"] for i in range(len(PROMPTS))], engine
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoints):
+    """transformers' greedy tokens for each prompt, cut to its own limit."""
+    out = {}
+    for name in ("gqa", "window"):
+        full = reference_tokens(checkpoints[name], PROMPTS, max_new_tokens=max(MAX_NEW))
+        out[name] = [t[:m] for t, m in zip(full, MAX_NEW)]
+    return out
+
+
+@pytest.mark.parametrize("schedule", ["klotski", "multibatch", "hot-prefetch", "simple"])
+def test_continuous_equals_transformers_every_schedule(checkpoints, reference, schedule):
+    tokens, engine = _run(checkpoints["gqa"], schedule=schedule, prefill_chunk=4)
+    assert tokens == reference["gqa"]
+    assert engine.stats.refills >= len(PROMPTS) - 2 * engine.num_batches  # rows did change hands
+
+
+def test_host_kv_sliding_window_and_realigned_slots_stay_exact(checkpoints, reference):
+    """KV on the host (newcomers adopted into host rows), a window of 6 slots, and a long
+    newcomer prompt that does not fit in front of the slots so far (realigned forwards)."""
+    ckpt = Checkpoint.open(str(checkpoints["window"]))
+    placement = Placement.by_kind(ckpt.spec.group_keys(), kv="host", attn="host", expert="host")
+    ckpt.close()
+    tokens, engine = _run(checkpoints["window"], placement=placement)
+    assert tokens == reference["window"]
+    assert engine.stats.refills > 0 and engine.stats.kv_realigns > 0
+
+
+def test_slots_run_out_and_are_realigned_backwards(checkpoints):
+    """A long run through few rows: the caches fill up and shift back; static gives the same tokens."""
+    many = [Request(id=f"r{i}", line=i + 1, prompt=PROMPTS[i % len(PROMPTS)], messages=None,
+                    max_new_tokens=[6, 2, 3][i % 3]) for i in range(24)]
+
+    def run(batching):
+        cfg = RunConfig(model=str(checkpoints["gqa"]), progress=False, dtype="float32", batch_size=2,
+                        num_batches=1, batching=batching)
+        engine, seqs, _ = open_engine(cfg, many)
+        done = {s.request.id: list(s.out) for s in engine.run(seqs)}
+        engine.close()
+        return done, engine
+
+    (static, _), (continuous, engine) = run("static"), run("continuous")
+    assert continuous == static
+    assert engine.stats.kv_realigns > 0
+
+
+def test_sampled_tokens_do_not_depend_on_batching(checkpoints):
+    """Each request samples from its own stream, wherever and whenever its row runs."""
+    static, _ = _run(checkpoints["gqa"], batching="static", temperature=0.9, seed=3)
+    continuous, _ = _run(checkpoints["gqa"], temperature=0.9, seed=3)
+    assert continuous == static
+
+
+def test_continuous_serves_more_of_the_decode_slots(checkpoints):
+    _, static = _run(checkpoints["gqa"], batching="static")
+    _, continuous = _run(checkpoints["gqa"])
+    assert continuous.stats.generated_tokens == static.stats.generated_tokens
+    assert continuous.stats.slot_utilisation > static.stats.slot_utilisation
+    assert continuous.stats.decode_rows < static.stats.decode_rows  # fewer row-steps for the same tokens
+
+
+def test_quarter_budget_stays_exact_and_within_budget(checkpoints, reference):
+    store = TensorStore(checkpoints["gqa"])
+    budget = sum(e.nbytes for e in store.entries.values()) // 4  # a quarter of the model
+    cfg = RunConfig(model=str(checkpoints["gqa"]), progress=False, dtype="float32", device_memory=budget,
+                    batch_size=2, num_batches=2)  # the planner places the model; 4 rows for 10 prompts
+    engine, seqs, _ = open_engine(cfg, _requests())
+    done = {s.request.id: list(s.out) for s in engine.run(seqs)}
+    engine.close()
+    assert [done[f"r{i}"] for i in range(len(PROMPTS))] == reference["gqa"]
+    assert engine.memory.peak <= budget
+    assert engine.stats.refills > 0
+
+
+def test_adopt_and_realign_move_exactly_the_rows_slots():
+    kv = BatchKV(2, 3, 1, 2, 8, torch.float32)
+    for layer in range(2):
+        kv.keys[layer][:5] = torch.arange(5 * 3 * 2, dtype=torch.float32).view(5, 3, 1, 2) + 100 * layer
+    kv.valid[:, 1:5] = True
+    kv.filled = 5
+    src = BatchKV(2, 2, 1, 2, 4, torch.float32)
+    for layer in range(2):
+        src.keys[layer][:4] = -torch.arange(4 * 2 * 2, dtype=torch.float32).view(4, 2, 1, 2) - 1
+    src.valid[1, 1:4] = True
+    src.filled = 4
+    before = [k.clone() for k in kv.keys]
+    kv.adopt(2, src, 1, 3)  # row 2 takes src row 1's last 3 slots, ending at slot 5
+    for layer in range(2):
+        assert torch.equal(kv.keys[layer][2:5, 2], src.keys[layer][1:4, 1])
+        assert torch.equal(kv.keys[layer][:, :2], before[layer][:, :2])  # other rows untouched
+    assert kv.valid[2].tolist() == [False, False, True, True, True, False, False, False]
+    assert kv.span([2]) == 3 and kv.span([0, 2]) == 4
+    kept = [k[1:5].clone() for k in kv.keys]
+    kv.realign(4, 6)  # the newest 4 slots now end at slot 6
+    assert kv.filled == 6
+    for layer in range(2):
+        assert torch.equal(kv.keys[layer][2:6], kept[layer])
+    assert kv.valid[2].tolist() == [False, False, False, True, True, True, False, False]
+    assert not kv.valid[:, :2].any()
+
+
+def test_batching_flag_is_echoed_and_checked():
+    from klotski.config import ConfigError
+    with pytest.raises(ConfigError, match="--batching 'dynamic'"):
+        RunConfig(batching="dynamic")
+    assert RunConfig().to_json()["batching"] == "continuous"
