@@ -6,14 +6,18 @@ finished takes the next waiting prompt:
 
 - The waiting prompts are taken longest-decode first (`max_new_tokens`, then prompt length),
   so the long ones start early and the short ones fill the gaps behind them.
-- Newcomers are prefilled together as one extra batch that rides along the group's decode
-  steps (chunked like any prefill, the step never bigger than the first prefill step the
-  static schedule would run), in a KV cache of their own.
-- When their prompts are done, each newcomer's keys and values are copied into a free row
-  of a decode batch (`BatchKV.adopt`) so that its newest slot lines up with the batch's, and
-  it decodes with the rest. A batch's slot range is shifted back to the slots its live rows
-  still use when it runs out of room (`BatchKV.realign`), so the cache stays the size static
-  batching would give the window's longest request.
+- Newcomers are prefilled ahead, together as one extra batch that rides along the group's
+  decode steps (chunked like any prefill, the step never bigger than the first prefill step
+  the static schedule would run), in a KV cache of their own: when a row frees, a newcomer
+  is usually ready for it at once.
+- A ready newcomer's keys and values are copied into a free row of a decode batch
+  (`BatchKV.adopt`) so that its newest slot lines up with the batch's, and it decodes with
+  the rest from the next step on. A batch's slot range is shifted back to the slots its
+  live rows still use when it runs out of room (`BatchKV.realign`), so the cache stays the
+  size static batching would give the window's longest request.
+- With nothing left to admit, the sparsest batch's rows move into other batches' free rows
+  and a batch with free rows is copied into one of just its live rows: the tail computes
+  only sequences still generating.
 
 Every sequence sees exactly its own tokens at the positions it would have alone: the output
 is the static schedule's, token for token (tests/test_batching.py).
@@ -43,10 +47,12 @@ class _Decode:
     positions: torch.Tensor
     broken: torch.Tensor
     prompt: list = field(default_factory=list)  # chunks still to prefill in place (the first fill)
-    kept: set = field(default_factory=set)      # free rows held for newcomers being prefilled
 
     def live(self) -> bool:
         return bool(self.prompt) or any(s is not None for s in self.rows)
+
+    def free_rows(self) -> list[int]:
+        return [] if self.prompt else [i for i, s in enumerate(self.rows) if s is None]
 
     def span(self) -> int:
         """Slots back from the newest that the live rows read."""
@@ -55,12 +61,13 @@ class _Decode:
 
 @dataclass
 class _Newcomers:
-    """Prompts being prefilled in a cache of their own, and the decode rows kept for them."""
+    """Prompts prefilled in a cache of their own; once sampled, those not yet adopted wait
+    in `ready` (their row in this cache, first token) for free rows."""
     seqs: list
     kv: BatchKV
     chunks: list
-    rows: list  # (decode batch, row) per newcomer
     broken: torch.Tensor
+    ready: list = field(default_factory=list)
 
 
 class ContinuousRun:
@@ -86,12 +93,15 @@ class ContinuousRun:
             self.decode = [self._first_fill(first[i:i + bs]) for i in range(0, len(first), bs)]
             while True:
                 self._admit()
+                self._consolidate()
+                self._shrink()
                 work = [(d, *self._input(d)) for d in self.decode if d.live()]
-                if self.newcomers:
+                if self.newcomers and self.newcomers.chunks:
                     work.append((self.newcomers, self.newcomers.chunks.pop(0), True))
                 if not work:
                     break
                 yield from self._step(work)
+                self._adopt_ready()
         finally:
             self.space.close()
 
@@ -135,7 +145,7 @@ class ContinuousRun:
         for (w, _, prefill), out in zip(work, outs):
             w.broken = torch.where(w.broken < 0, out.broken_at, w.broken)
             if isinstance(w, _Newcomers):
-                yield from self._newcomers_done(w, out)
+                yield from self._prefilled(w, out)
             elif not w.prompt:  # a prefill's logits mean something after its last chunk only
                 yield from self._decoded(w, out, fed=not prefill)
 
@@ -150,43 +160,93 @@ class ContinuousRun:
                 d.tokens[i] = tokens[i]
                 d.positions[i] += fed
 
-    def _newcomers_done(self, nc: _Newcomers, out):
+    def _prefilled(self, nc: _Newcomers, out):
         if nc.chunks:  # more of their prompts to prefill
             return
         tokens, finished = self.e._sample(nc.seqs, out.logits, nc.broken)
         yield from finished
-        for j, (s, (d, i)) in enumerate(zip(nc.seqs, nc.rows)):
-            d.kept.discard(i)
-            if s.done:
-                continue
-            length = len(s.prompt_ids)
-            if d.kv.filled < length or d.kv.filled + 1 > d.kv.capacity:
-                self._realign(d, max(d.span(), length))
-            d.kv.adopt(i, nc.kv, j, length)
+        nc.ready = [(j, t) for j, (s, t) in enumerate(zip(nc.seqs, tokens)) if not s.done]
+
+    def _adopt_ready(self) -> None:
+        """Ready newcomers take free rows; their cache goes once every one has a row."""
+        nc = self.newcomers
+        if not nc or nc.chunks:
+            return
+        free = [(d, i) for d in self.decode for i in d.free_rows()]
+        for (d, i), (j, token) in zip(free, list(nc.ready)):
+            s, length = nc.seqs[j], len(nc.seqs[j].prompt_ids)
+            self._move(nc.kv, j, d, i, length)
+            d.rows[i], d.tokens[i], d.positions[i], d.broken[i] = s, token, length, nc.broken[j]
+            nc.ready.remove((j, token))
             self.e.stats.refills += 1
-            d.rows[i], d.tokens[i], d.positions[i], d.broken[i] = s, tokens[j], length, nc.broken[j]
-        self.space.free(nc.kv)
-        self.newcomers = None
+        if not nc.ready:
+            self.space.free(nc.kv)
+            self.newcomers = None
+
+    def _move(self, src: BatchKV, j: int, d: _Decode, i: int, length: int) -> None:
+        """Row `i` of batch `d` takes the newest `length` slots of row `j` of `src`."""
+        if d.kv.filled < length or d.kv.filled + 1 > d.kv.capacity:
+            self._realign(d, max(d.span(), length))
+        d.kv.adopt(i, src, j, length)
 
     def _realign(self, d: _Decode, keep: int) -> None:
         d.kv.realign(keep, keep)
         self.e.stats.kv_realigns += 1
 
+    # ---- the tail: nothing left to admit --------------------------------------------------
+    def _consolidate(self) -> None:
+        """The sparsest batch's live rows move into other batches' free rows, so it stops
+        computing rows nobody uses."""
+        if self.queue or self.newcomers:
+            return
+        live = [d for d in self.decode if d.live() and not d.prompt]
+        if len(live) < 2:
+            return
+        src = min(live, key=lambda d: sum(s is not None for s in d.rows))
+        moving = [i for i, s in enumerate(src.rows) if s is not None]
+        free = [(d, i) for d in live if d is not src for i in d.free_rows()]
+        if len(moving) > len(free):
+            return
+        for i, (d, j) in zip(moving, free):
+            self._move(src.kv, i, d, j, src.kv.span([i]))
+            d.rows[j], d.tokens[j], d.positions[j], d.broken[j] = src.rows[i], src.tokens[i], src.positions[i], src.broken[i]
+            src.rows[i] = None
+        self.e.stats.rows_moved += len(moving)
+
+    def _shrink(self) -> None:
+        """A batch with free rows is copied into a cache of just its live rows."""
+        if self.queue or self.newcomers:
+            return
+        for d in self.decode:
+            live = [i for i, s in enumerate(d.rows) if s is not None]
+            if not live or len(live) == len(d.rows) or d.prompt:
+                continue
+            try:
+                kv, _ = self.space.allocate(len(live), d.kv.capacity)
+            except OverBudget:
+                continue  # no room for the copy: the free rows keep computing
+            kv.realign(0, d.span())  # an empty cache whose newest slot lines up with the old one's
+            for new, i in enumerate(live):
+                kv.adopt(new, d.kv, i, d.kv.span([i]))
+            self.space.free(d.kv)
+            d.kv, d.rows, d.tokens = kv, [d.rows[i] for i in live], [d.tokens[i] for i in live]
+            d.positions, d.broken = d.positions[live].clone(), d.broken[live].clone()
+            self.e.stats.rows_moved += len(live)
+
     # ---- admitting waiting prompts --------------------------------------------------------
     def _admit(self) -> None:
-        """Take waiting prompts for free rows: one newcomer batch at a time, no more rows than
-        a batch has, and no bigger than the step limit and the KV budget allow."""
-        if self.newcomers or not self.queue:
+        """Prefill waiting prompts ahead of the rows that will take them: one newcomer batch
+        at a time, once the first fill is prefilled, no more rows than a batch has, and no
+        bigger than the step limit and the KV budget allow."""
+        if self.newcomers or not self.queue or any(d.prompt for d in self.decode):
             return
-        free = [(d, i) for d in self.decode if not d.prompt
-                for i, s in enumerate(d.rows) if s is None and i not in d.kept]
-        for take in range(min(len(free), len(self.queue), self.e.batch_size), 0, -1):
-            seqs = [self.queue[j] for j in range(take)]
-            chunk = self._fitting_chunk(len(seqs), max(len(s.prompt_ids) for s in seqs))
+        for take in range(min(len(self.queue), self.e.batch_size), 0, -1):
+            longest = max(len(self.queue[j].prompt_ids) for j in range(take))
+            chunk = self._fitting_chunk(take, longest)
             if not chunk:
                 continue
             try:
-                kv, _ = self.space.allocate(take, max(len(s.prompt_ids) for s in seqs))
+                kv, _ = self.space.allocate(take, longest)
             except OverBudget:
                 continue
             break
@@ -194,11 +254,9 @@ class ContinuousRun:
             return  # nothing fits this step: the prompts wait for room
         from klotski.engine import _chunks, _prefill_input
         seqs = [self.queue.popleft() for _ in range(take)]
-        for d, i in free[:take]:
-            d.kept.add(i)
         self.e.stats.prompt_tokens += sum(len(s.prompt_ids) for s in seqs)
-        whole = _prefill_input(seqs, max(len(s.prompt_ids) for s in seqs), self.e._pad_id())
-        self.newcomers = _Newcomers(seqs, kv, _chunks(whole, chunk), free[:take], torch.full((take,), -1))
+        whole = _prefill_input(seqs, longest, self.e._pad_id())
+        self.newcomers = _Newcomers(seqs, kv, _chunks(whole, chunk), torch.full((take,), -1))
 
     def _fitting_chunk(self, rows: int, longest: int) -> int:
         """The longest prefill chunk for `rows` newcomers that keeps the step within the first

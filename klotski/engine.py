@@ -40,6 +40,7 @@ class Stats:
     decode_useful_rows: int = 0  # of those, slots whose sequence was still generating
     refills: int = 0            # continuous batching: sequences that took a row another had finished in
     kv_realigns: int = 0        # continuous batching: times a cache's slots were moved to make room
+    rows_moved: int = 0         # continuous batching: live rows moved at the end, out of free rows' way
 
     @property
     def slot_utilisation(self) -> float | None:

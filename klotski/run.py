@@ -247,6 +247,7 @@ def build_report(engine, run_plan, *, ok: int, failed: int, skipped: int, wall_s
                "decode_disk_gb_per_s": round(s.decode_disk_bytes / s.decode_s / 1e9, 4) if s.decode_s else None},
         "decode_slot_utilisation": round(s.slot_utilisation, 4) if s.slot_utilisation is not None else None,
         "batching": {"mode": engine.config.batching, "refills": s.refills, "kv_realigns": s.kv_realigns,
+                     "rows_moved": s.rows_moved,
                      "order": ("waiting prompts longest max_new_tokens first; a freed row takes the next"
                                if engine.config.batching == "continuous" else
                                "longest prompts first, n batches of bs per group")},
