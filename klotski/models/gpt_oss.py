@@ -39,9 +39,6 @@ def check_config(cfg: dict) -> None:
     F.positive_number(cfg, "swiglu_limit", default=7.0)
     F.positive_number(cfg, "swiglu_alpha", default=1.702)
     F.boolean(cfg, "attention_bias", default=True)
-    quant = cfg.get("quantization_config")
-    if quant:
-        F.choice(quant, "quant_method", QUANTIZATION, where="quantization_config.")
 
 
 def options(cfg: dict) -> dict:

@@ -234,9 +234,11 @@ def check_config(cfg: dict) -> None:
         F.positive_number(rope, "factor", where="rope_parameters.")
     quant = cfg.get("quantization_config")
     method = (quant.get("quant_method", "?") if isinstance(quant, dict) else quant) if quant else None
-    if quant and method not in getattr(FAMILIES[mt], "QUANTIZATION", ()):  # gpt-oss reads MXFP4 as shipped
+    shipped = getattr(FAMILIES[mt], "QUANTIZATION", ())  # gpt-oss reads MXFP4 as published
+    if quant and method not in shipped:
+        also = f" or {'/'.join(shipped)} as published" if shipped else ""
         raise F.BadField(f"field 'quantization_config' is present (quant_method {method!r}); Klotski reads "
-                         "unquantized bf16/fp16/fp32 weights: use the original checkpoint (and --quantize hqq4)")
+                         f"unquantized bf16/fp16/fp32 weights{also}: use the original checkpoint (and --quantize hqq4)")
     FAMILIES[mt].check_config(cfg)
 
 
