@@ -166,3 +166,15 @@ def test_builtin_shapes_plan_without_weights(capsys):
     assert plan["predicted_tokens_per_s"] > 0
     assert cli.main(["plan", "--model", "gpt-oss-20b", "--hardware", "rtx3090-pcie4"]) == 0
     assert "predicted" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name, total, active", [("gpt-oss-120b", 116.83e9, 5.13e9), ("gpt-oss-20b", 20.91e9, 3.61e9)])
+def test_builtin_shapes_have_the_published_parameter_counts(name, total, active):
+    """Total and active parameters as OpenAI's model card counts them (active: top-4 experts and
+    the unembedding, not the embedding), within 1%: a wrong width, count or bias would miss."""
+    from planner.shapes import KNOWN_MODELS, total_params
+    s = KNOWN_MODELS[name]
+    used = s.num_layers * (s.attention_params + s.gate_params + s.top_k * (s.expert_params + s.expert_bias_params)) \
+        + s.vocab_size * s.hidden_size
+    assert total_params(s) == pytest.approx(total, rel=0.01)
+    assert used == pytest.approx(active, rel=0.01)
