@@ -6,7 +6,7 @@ power-of-two exponent + 127 shared by 32 weights): 4.25 bits a weight, about a q
 bf16. Experts stay in that form in every tier and on every link; the codec below hands the
 WeightCache the packed parts and decodes them on the compute device just before use, the
 way the HQQ codec (klotski/quantized.py) does. Decoding follows transformers' own
-(`integrations/mxfp4.py`): a table lookup and `ldexp`, exact in fp32 and bf16.
+(`integrations/mxfp4.py`): a table lookup and a power-of-two scale, exact in fp32 and bf16.
 """
 from __future__ import annotations
 
@@ -21,13 +21,19 @@ PACKED_PARTS = tuple(f"{m}_{p}" for m in MATRICES for p in ("blocks", "scales"))
 def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """blocks [rows, cols/32, 16], scales [rows, cols/32] -> the weight transposed, [cols, rows]
     (what `x @ W` takes, as transformers lays gpt-oss experts out in memory)."""
-    lut = torch.tensor(FP4_VALUES, dtype=dtype, device=blocks.device)
     rows, groups, width = blocks.shape
-    out = torch.empty(rows, groups, 2 * width, dtype=dtype, device=blocks.device)
-    out[..., 0::2] = lut[(blocks & 0x0F).int()]
-    out[..., 1::2] = lut[(blocks >> 4).int()]
-    out = torch.ldexp(out, scales.int()[..., None] - 127).to(dtype)
+    # one lookup per byte gives both of its values (low nibble first); scaling by an exact power
+    # of two is what transformers' ldexp does, bit for bit
+    out = torch.nn.functional.embedding(blocks.reshape(rows, -1).long(), _byte_values(dtype, blocks.device))
+    out = out.reshape(rows, groups, 2 * width) * torch.exp2(scales.float() - 127).to(dtype)[..., None]
     return out.reshape(rows, groups * 2 * width).t().contiguous()
+
+
+def _byte_values(dtype: torch.dtype, device) -> torch.Tensor:
+    """[256, 2]: the two E2M1 values of every byte."""
+    lut = torch.tensor(FP4_VALUES, dtype=dtype, device=device)
+    codes = torch.arange(256, device=device)
+    return torch.stack([lut[codes & 0x0F], lut[codes >> 4]], dim=-1)
 
 
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
