@@ -56,6 +56,10 @@ def plan_run(config, ckpt: Checkpoint, seqs, *, placement: Placement | None = No
         n = 1 if simple else (config.num_batches or plan.num_batches)
         chunk = plan.prefill_chunk if plan.prefill_chunk < plan.longest_prompt else None
         placement = placement or planning.engine_placement(plan, ckpt.spec)
+    if config.quantize == "hqq4" and ckpt.spec.expert_format == "mxfp4":
+        from klotski.config import ConfigError
+        raise ConfigError(f"--quantize hqq4: {ckpt.directory} ships its experts in MXFP4 already (4.25 bits a "
+                          "weight, kept packed on every tier); run without --quantize")
     if config.quantize == "hqq4":  # a copy that cannot fit is refused now, not halfway through writing it
         from klotski.quantized import check_room
         check_room(ckpt, dtype, config.offload_dir, optimize=config.quantize_optimize)
@@ -80,6 +84,9 @@ def build_engine(config, ckpt: Checkpoint, run_plan: RunPlan, *, predictor=None)
         from klotski.quantized import QuantCodec, ensure_quantized
         codec = QuantCodec(ensure_quantized(ckpt, dtype, config.offload_dir, optimize=config.quantize_optimize),
                            dtype)
+    elif ckpt.spec.expert_format == "mxfp4":  # experts stay packed as shipped, decoded on the device
+        from klotski.mxfp4 import Mxfp4Codec
+        codec = Mxfp4Codec(ckpt.store, ckpt.spec, dtype)
     predictor = predictor or make_predictor(config, ckpt)
     trace = Trace(keep_events=bool(config.trace), cuda=device.type == "cuda")
     channels = make_channels(device, trace, config.emulate_link_gbps)

@@ -49,6 +49,9 @@ class Checkpoint:
         """(bytes of `key` in a tier and on a link, bytes of its dequantized copy or 0) in the
         compute dtype; `quant` (a klotski.quant.QuantSpec) packs attention and experts."""
         from klotski import quant as Q
+        if key[0] == "expert" and self.spec.expert_format == "mxfp4":  # packed as shipped
+            from klotski import mxfp4
+            return mxfp4.group_nbytes(self.spec, self.store, key, dtype)
         full = packed = 0
         for name, ref in self.spec.group_refs(key).items():
             shape = self.store.entries[ref.name].span(ref.index, ref.rows)[2]

@@ -89,6 +89,7 @@ class Pipeline:
         self.make_room(act, "activations")
         self.memory.reserve(act, "activations")
         hs, ctx = [], []
+        windows = {spec.window(j) for j in range(spec.num_layers)}  # one mask per distinct window
         for kv, inp in zip(kvs, inputs):
             with self.trace.span("compute", "embed"):
                 # gathered where the table lives; only the rows travel
@@ -96,13 +97,13 @@ class Pipeline:
                 h = self._upload(L.embed(self._upload(index) if rows.is_cuda else index, rows))
                 cos, sin = L.rope_tables(inp.positions, spec.rope_inv_freq, spec.rope_attention_scaling, h.dtype)
                 sink, recent = self.config.attention_sink, self.config.attention_recent
-                mask = L.attention_mask(kv.begin_step(inp.valid, sink, recent), inp.ids.shape[1],
-                                        spec.sliding_window, sink, recent)
+                valid = kv.begin_step(inp.valid, sink, recent)
+                masks = {w: L.attention_mask(valid, inp.ids.shape[1], w, sink, recent) for w in windows}
                 columns = kv.step_columns()  # masks are built on the host, moved once
                 if columns is not None:  # attend over the kept slots only
-                    mask = mask.index_select(-1, columns)
+                    masks = {w: m.index_select(-1, columns) for w, m in masks.items()}
             hs.append(h)
-            ctx.append((self._upload(cos), self._upload(sin), self._upload(mask)))
+            ctx.append((self._upload(cos), self._upload(sin), {w: self._upload(m) for w, m in masks.items()}))
         broken = [torch.full((h.shape[0],), -1, device=h.device) for h in hs]
         for layer in range(self.window):  # already staged by the previous step, except on the first
             self.cache.stage(self._layer_keys(layer))
@@ -152,7 +153,8 @@ class Pipeline:
             buf = None
             if kv.on_host:
                 buf = self._wait(loads[k][0], f"kv.{layer}.{k}")
-            cos, sin, mask = ctx[k]
+            cos, sin, masks = ctx[k]
+            mask = masks[self.spec.window(layer)]
             with self.trace.span("compute", f"attn.{layer}.b{k}"):
                 hs[k] = self.M.attention_block(hs[k], w, cos, sin, mask,
                                           lambda kk, vv, kv=kv, buf=buf: kv.write(layer, kk, vv, buf), self.spec,
@@ -224,6 +226,7 @@ class Pipeline:
         if not self.whole_layer:
             self._want(self._next_layer_prefetch(layer), "weights")
         outs = [L.slots(len(r.x), self.spec.top_k, r.x, r.weights) for r in routed]
+        expert_ffn = _expert_ffn(self.M, self.spec)
         chosen = sorted(set(torch.cat([r.chosen.flatten() for r in routed]).tolist()))
         tokens_of = [_by_expert(r, self.spec.num_experts) for r in routed]
         # expected compute order, for choosing what to evict (needed last goes first)
@@ -239,7 +242,7 @@ class Pipeline:
                 # One matmul over the tokens of all batches: the weight is shared n*bs ways
                 # (in chunks, so a long prefill does not blow the activation reserve).
                 x = torch.cat([r.x[tok] for r, (tok, _) in zip(routed, picks)])
-                y = torch.cat([self.M.expert_ffn(c, w) for c in x.split(PREFILL_EXPERT_CHUNK)])
+                y = torch.cat([expert_ffn(c, w) for c in x.split(PREFILL_EXPERT_CHUNK)])
                 for r, out, (tok, slot), y_k in zip(routed, outs, picks, y.split([len(p[0]) for p in picks])):
                     # each token's output waits in its top-k slot, summed in slot order at the
                     # end, so the order experts compute in never changes a bit of the result
@@ -375,6 +378,12 @@ class Pipeline:
                     batch=max(i.ids.shape[0] for i in inputs), queries=max(i.ids.shape[1] for i in inputs),
                     keys=max(kv.filled + i.ids.shape[1] for kv, i in zip(kvs, inputs)))
         return activation_bytes(self.spec, self.cache.dtype.itemsize, step)
+
+
+def _expert_ffn(family, spec):
+    """The family's expert FFN `(x, w)`; bound to the checkpoint where its constants come from
+    config.json (gpt-oss's clamp and sigmoid gain)."""
+    return family.bind_expert_ffn(spec) if hasattr(family, "bind_expert_ffn") else family.expert_ffn
 
 
 def _to_host(experts: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -118,7 +118,8 @@ def engine_placement(plan, spec) -> Placement:
 # ---- the ops the profile times ----------------------------------------------------------
 # The engine code EngineOps calls; a change to any of it changes the profile's cache key.
 _TIMED_MODULES = ("klotski.models.layers", "klotski.models.mixtral", "klotski.models.qwen3_moe",
-                  "klotski.models.qwen2_moe", "klotski.models.olmoe", "klotski.kvcache", "klotski.quant")
+                  "klotski.models.qwen2_moe", "klotski.models.olmoe", "klotski.models.gpt_oss", "klotski.kvcache",
+                  "klotski.quant", "klotski.mxfp4")
 
 
 class EngineOps:
@@ -162,7 +163,8 @@ class _LayerOps:
         self.torch, self.dtype, self.device = torch, dtype, torch.device(device)
         family = FAMILIES[shape.model_type]
         inv_freq, scaling = rope_frequencies({}, shape.head_dim)
-        self.spec = ModelSpec(shape=shape, dtype=dtype, rms_norm_eps=1e-5, max_position_embeddings=1 << 20,
+        self.packed = shape.expert_format  # MXFP4 experts are timed decoded, their decoding apart
+        self.spec = ModelSpec(shape=dataclasses.replace(shape, expert_format=""), dtype=dtype, rms_norm_eps=1e-5, max_position_embeddings=1 << 20,
                               rope_inv_freq=inv_freq, rope_attention_scaling=scaling, **family.options({}))
         self.M = family
         self.attn, self.gate_w, self.expert_w = (self._weights(k) for k in (("attn", 0), ("gate", 0), ("expert", 0, 0)))
@@ -217,7 +219,9 @@ class _LayerOps:
     def expert(self, n: int):
         from planner.workingset import PREFILL_EXPERT_CHUNK
         x, w = self._x(n, self.spec.hidden_size), self.expert_w
-        return lambda: self.torch.cat([self.M.expert_ffn(c, w) for c in x.split(PREFILL_EXPERT_CHUNK)])
+        from klotski.pipeline import _expert_ffn
+        ffn = _expert_ffn(self.M, self.spec)
+        return lambda: self.torch.cat([ffn(c, w) for c in x.split(PREFILL_EXPERT_CHUNK)])
 
     def head(self, n: int):
         from klotski.models import layers as L
@@ -227,6 +231,12 @@ class _LayerOps:
         return lambda: L.logits(x, w["norm"], w["lm_head"], self.spec.rms_norm_eps)
 
     def dequant(self):
+        if self.packed == "mxfp4":
+            from klotski import mxfp4
+            parts = {f"{m}_{p}": t.to(self.device) for m in mxfp4.MATRICES
+                     for p, t in zip(("blocks", "scales"), mxfp4.quantize(self.expert_w[m].t().float().cpu()))}
+            return lambda: {m: mxfp4.dequantize(parts[f"{m}_blocks"], parts[f"{m}_scales"], self.dtype)
+                            for m in mxfp4.MATRICES}
         from klotski import quant
         parts = quant.quantize_group(self.expert_w, quant.QuantSpec())  # packed on the device, where it is decoded
         return lambda: quant.dequantize_group(parts, self.dtype)

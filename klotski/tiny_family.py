@@ -29,6 +29,12 @@ PRESETS: dict[str, dict] = {
                       norm_topk_prob=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
     "olmoe": dict(_COMMON, num_key_value_heads=4, num_experts=16, num_experts_per_tok=4, intermediate_size=128,
                   norm_topk_prob=False, clip_qkv=1.5, rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+    # gpt-oss: a 4-token window on alternate layers (prompts are longer), yarn stretching a
+    # 32-position original context, a clamp low enough to bite, 16 experts top-4
+    "gpt_oss": dict(_COMMON, num_key_value_heads=2, head_dim=16, num_local_experts=16, num_experts_per_tok=4,
+                    intermediate_size=64, sliding_window=4, swiglu_limit=2.0,
+                    rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 32}),
 }
 FAMILIES = tuple(PRESETS)
 
@@ -56,6 +62,42 @@ def build_family(out_dir, family: str, *, seed: int = 0, dtype: str = "float32",
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             elif name.endswith(".bias"):
                 p.copy_(0.1 * torch.randn_like(p))
+            elif name.endswith(".sinks"):  # per-head sink logits large enough to take real weight
+                p.copy_(torch.randn_like(p))
     model.to(getattr(torch, dtype)).save_pretrained(out)
     GenerationConfig(bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"]).save_pretrained(out)
     return out
+
+
+def pack_mxfp4(src, dst) -> Path:
+    """A copy of the unquantized gpt-oss checkpoint `src` in the layout OpenAI publishes: experts
+    as MXFP4 `*_blocks`/`*_scales` (klotski.mxfp4.quantize), everything else as it was, and the
+    `quantization_config` of the published config.json. Its dequantized experts are exactly
+    representable, so transformers (which dequantizes it on CPU) and Klotski see one model."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from klotski import mxfp4
+
+    src, dst = Path(src), Path(dst)
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
+    tensors = {}
+    for file in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    out = {}
+    for name, t in tensors.items():
+        matrix = next((m for m in mxfp4.MATRICES if name.endswith(f"mlp.experts.{m}_proj")), None)
+        if matrix is None:
+            out[name] = t
+            continue
+        packed = [mxfp4.quantize(w.t()) for w in t]  # stored out-dim major: [rows, cols] per expert
+        out[name + "_blocks"] = torch.stack([b for b, _ in packed]).contiguous()
+        out[name + "_scales"] = torch.stack([s for _, s in packed]).contiguous()
+    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst

@@ -30,7 +30,9 @@ class WeightCache:
         self.memory, self.disk_channel, self.codec = memory, disk_channel, codec
         self.host_memory = host_memory or Memory(float("inf"))
         self.to_device = to_device
-        self.full = {k: self._nbytes(k) for k in placement.tiers}
+        # a codec of a packed checkpoint (MXFP4) knows its decoded size; HQQ's refs are the original
+        decoded = getattr(codec, "decoded_nbytes", None)
+        self.full = {k: decoded(k) if decoded and self._coded(k) else self._nbytes(k) for k in placement.tiers}
         full = self.full
         # bytes that cross a link (and that a resident group occupies), and device bytes of a
         # transient copy (packed + decoded)

@@ -83,13 +83,14 @@ class CostModel:
         if sizes is None:
             # Experts and attention projections are what HQQ quantizes (the paper's preset);
             # norms, gates and embeddings stay in dtype.
-            quant = quant_bits is not None
+            # MXFP4 experts (gpt-oss) stay packed as shipped and decode per use, like HQQ's.
+            quant, mx = quant_bits is not None, s.expert_format == "mxfp4"
             sizes = GroupBytes(
                 attention=self._qbytes(s.attention_params - s.hidden_size) + s.hidden_size * b,
-                gate=s.gate_params * b, expert=self._qbytes(s.expert_params),
+                gate=s.gate_params * b, expert=s.expert_nbytes() if mx or not quant else self._qbytes(s.expert_params),
                 head=(s.vocab_size + 1) * s.hidden_size * b, embed=s.vocab_size * s.hidden_size * b,
                 attention_decoded=s.attention_params * b if quant else 0,
-                expert_decoded=s.expert_params * b if quant else 0)
+                expert_decoded=(s.expert_params + s.expert_bias_params) * b if quant or mx else 0)
         self.sizes = sizes
         self.attention_bytes, self.gate_bytes, self.expert_bytes = sizes.attention, sizes.gate, sizes.expert
         self.head_bytes, self.embed_bytes = sizes.head, sizes.embed
@@ -166,9 +167,9 @@ class CostModel:
     def t_dequant(self, kind: str) -> float:
         """Dequantizing one group ('attention' or 'expert') before use; HQQ weights stay
         quantized wherever they live, so this is paid at every use, resident or not."""
-        if self.quant_bits is None:
-            return 0.0
         s = self.shape
+        if self.quant_bits is None and not (kind == "expert" and s.expert_format == "mxfp4"):
+            return 0.0
         return self._time("dequant", (s.expert_params if kind == "expert" else s.attention_params,))
 
     # ---- transfers ----------------------------------------------------------------------

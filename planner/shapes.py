@@ -34,6 +34,7 @@ class ModelShape:
     shared_intermediate_size: int = 0  # a shared expert beside the routed ones (Qwen2-MoE), 0: none
     attention_bias: str = ""           # projections with a bias: "" none, "qkv", "qkvo"
     qk_norm: str = ""                  # RMSNorm of q and k: "" none, "head" (per head), "projection" (whole)
+    expert_format: str = ""            # "" experts in `dtype`; "mxfp4": shipped packed (gpt-oss), kept so
 
     @classmethod
     def from_config(cls, cfg: dict, name: str = "") -> "ModelShape":
@@ -64,6 +65,7 @@ class ModelShape:
             shared_intermediate_size=int(cfg.get(names.get("shared", ""), 0) or 0),
             attention_bias=attention_bias(cfg),
             qk_norm=names.get("qk_norm", ""),
+            expert_format=expert_format(cfg),
         )
 
     @property
@@ -75,13 +77,26 @@ class ModelShape:
         return 3 * self.hidden_size * self.intermediate_size
 
     @property
+    def expert_bias_params(self) -> int:
+        """gpt-oss experts carry biases (gate/up and down); the other families' do not."""
+        return 2 * self.intermediate_size + self.hidden_size if self.model_type == "gpt_oss" else 0
+
+    def expert_nbytes(self) -> int:
+        """One expert as it sits in a tier and crosses a link: MXFP4 is 4 bits a weight plus one
+        8-bit exponent per 32 weights, its biases in `dtype`."""
+        if self.expert_format == "mxfp4":
+            return self.expert_params // 2 + self.expert_params // 32 + self.expert_bias_params * self.dtype_bytes
+        return (self.expert_params + self.expert_bias_params) * self.dtype_bytes
+
+    @property
     def attention_params(self) -> int:
         """q/k/v/o projections, their biases and q/k norms, and the input norm."""
         q = self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
         bias = {"": 0, "qkv": q + 2 * kv, "qkvo": q + 2 * kv + self.hidden_size}[self.attention_bias]
         norms = {"": 0, "head": 2 * self.head_dim, "projection": q + kv}[self.qk_norm]
-        return self.hidden_size * (2 * q + 2 * kv) + bias + norms + self.hidden_size
+        sinks = self.num_heads if self.model_type == "gpt_oss" else 0  # a learned sink logit per head
+        return self.hidden_size * (2 * q + 2 * kv) + bias + norms + sinks + self.hidden_size
 
     @property
     def gate_params(self) -> int:
@@ -89,7 +104,8 @@ class ModelShape:
         router, and a shared expert with its sigmoid gate where the family has one."""
         shared = 3 * self.hidden_size * self.shared_intermediate_size + self.hidden_size \
             if self.shared_intermediate_size else 0
-        return (self.num_experts + 1) * self.hidden_size + shared
+        router_bias = self.num_experts if self.model_type == "gpt_oss" else 0
+        return (self.num_experts + 1) * self.hidden_size + router_bias + shared
 
     def kv_bytes_per_token(self, dtype_bytes: int | None = None) -> int:
         """K and V of one token over all layers."""
@@ -108,6 +124,7 @@ FAMILY_FIELDS: dict[str, dict[str, str]] = {
     "qwen2_moe": {"intermediate_size": "moe_intermediate_size", "num_experts": "num_experts",
                   "shared": "shared_expert_intermediate_size"},
     "olmoe": {"intermediate_size": "intermediate_size", "num_experts": "num_experts", "qk_norm": "projection"},
+    "gpt_oss": {"intermediate_size": "intermediate_size", "num_experts": "num_local_experts"},
 }
 
 
@@ -127,8 +144,15 @@ def window_applies(cfg: dict) -> bool:
 
 
 def sliding_window(cfg: dict) -> int | None:
-    """The attention window of every layer, or None."""
+    """The attention window, or None: of every layer, or of those `layer_types` marks
+    "sliding_attention" where the config has them (gpt-oss: every other layer)."""
     return (cfg.get("sliding_window") or None) if window_applies(cfg) else None
+
+
+def expert_format(cfg: dict) -> str:
+    """"mxfp4" for a checkpoint whose experts ship MXFP4-packed (gpt-oss), else ""."""
+    quant = cfg.get("quantization_config")
+    return "mxfp4" if isinstance(quant, dict) and quant.get("quant_method") == "mxfp4" else ""
 
 
 def attention_bias(cfg: dict) -> str:
@@ -188,11 +212,22 @@ KNOWN_MODELS: dict[str, ModelShape] = {
         hidden_size=2048, intermediate_size=1024, num_layers=16, num_heads=16, num_kv_heads=16,
         head_dim=128, num_experts=64, top_k=8, vocab_size=50304, dtype="bfloat16", name="olmoe-1b-7b",
         model_type="olmoe", qk_norm="projection"),
+    # openai/gpt-oss-120b and gpt-oss-20b as published: experts MXFP4 (the rest bf16), q/k/v/o
+    # biases, a 128-token window on every other layer (full attention on the others)
+    "gpt-oss-120b": ModelShape(
+        hidden_size=2880, intermediate_size=2880, num_layers=36, num_heads=64, num_kv_heads=8,
+        head_dim=64, num_experts=128, top_k=4, vocab_size=201088, dtype="bfloat16", sliding_window=128,
+        name="gpt-oss-120b", model_type="gpt_oss", attention_bias="qkvo", expert_format="mxfp4"),
+    "gpt-oss-20b": ModelShape(
+        hidden_size=2880, intermediate_size=2880, num_layers=24, num_heads=64, num_kv_heads=8,
+        head_dim=64, num_experts=32, top_k=4, vocab_size=201088, dtype="bfloat16", sliding_window=128,
+        name="gpt-oss-20b", model_type="gpt_oss", attention_bias="qkvo", expert_format="mxfp4"),
 }
 
 
 def total_params(shape) -> int:
     """All weights: per-layer attention, gate, experts, plus embeddings, final norm and head."""
-    per_layer = shape.attention_params + shape.gate_params + shape.num_experts * shape.expert_params
+    per_layer = shape.attention_params + shape.gate_params + shape.num_experts * (
+        shape.expert_params + shape.expert_bias_params)
     outer = shape.vocab_size * shape.hidden_size * (1 if shape.tie_word_embeddings else 2) + shape.hidden_size
     return shape.num_layers * per_layer + outer

@@ -19,6 +19,8 @@ import torch.nn.functional as F
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight.dtype == torch.float32:  # weights kept in fp32 (gpt-oss): scaled in fp32, cast once
+        return (weight * xf).to(x.dtype)
     return weight * xf.to(x.dtype)
 
 
@@ -119,12 +121,14 @@ def combine(buffer: torch.Tensor, dtype: torch.dtype, shared: torch.Tensor | Non
     return out if shared is None else out + shared
 
 
-def attention_block(h, w: dict, cos, sin, mask, cache_write, spec, qkv, max_scores: int | None = None):
+def attention_block(h, w: dict, cos, sin, mask, cache_write, spec, qkv, max_scores: int | None = None,
+                    attend=attend):
     """Residual attention sub-layer for one batch. `qkv(x, w, spec)` is the family's projection
     to q [B, T, h, D], k, v [B, T, kvh, D] before RoPE. `cache_write(k, v)` stores this step's
     keys/values and returns every key/value the batch has so far. Queries are taken in
     chunks so that at most `max_scores` attention scores exist at once (a long prefill
-    would otherwise hold B x heads x T x S of them); each query row's result is unchanged."""
+    would otherwise hold B x heads x T x S of them); each query row's result is unchanged.
+    `attend` is the family's attention over (q, keys, values, mask) where it is not plain."""
     x = rms_norm(h, w["input_norm"], spec.rms_norm_eps)
     q, k, v = (t.transpose(1, 2) for t in qkv(x, w, spec))
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

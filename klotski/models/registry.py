@@ -17,6 +17,8 @@ ALIASES = {
     "qwen1.5-moe-a2.7b": "Qwen/Qwen1.5-MoE-A2.7B",
     "qwen2-57b-a14b": "Qwen/Qwen2-57B-A14B",
     "olmoe-1b-7b": "allenai/OLMoE-1B-7B-0924",
+    "gpt-oss-120b": "openai/gpt-oss-120b",
+    "gpt-oss-20b": "openai/gpt-oss-20b",
 }
 
 

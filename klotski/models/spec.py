@@ -23,12 +23,12 @@ from types import ModuleType
 import torch
 
 from klotski.models import fields as F
-from klotski.models import mixtral, olmoe, qwen2_moe, qwen3_moe
+from klotski.models import gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe
 from placement.store import CheckpointError
 from planner.shapes import FAMILY_FIELDS, ModelShape, family_fields, window_applies
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-FAMILIES: dict[str, ModuleType] = {m.MODEL_TYPE: m for m in (mixtral, qwen3_moe, qwen2_moe, olmoe)}
+FAMILIES: dict[str, ModuleType] = {m.MODEL_TYPE: m for m in (mixtral, qwen3_moe, qwen2_moe, olmoe, gpt_oss)}
 assert set(FAMILIES) == set(FAMILY_FIELDS)
 
 
@@ -120,7 +120,17 @@ class ModelSpec:
     def gate_refs(self, layer: int) -> dict[str, TensorRef]:
         return {k: TensorRef(v) for k, v in self.family.gate_names(layer, self.fused_experts).items()}
 
+    def window(self, layer: int) -> int | None:
+        """The attention window of `layer`: the config's on every layer, or on those its
+        `layer_types` marks "sliding_attention" (gpt-oss alternates)."""
+        types = self.config.get("layer_types")
+        if self.sliding_window is None or not types:
+            return self.sliding_window
+        return self.sliding_window if types[layer] == "sliding_attention" else None
+
     def expert_refs(self, layer: int, expert: int) -> dict[str, TensorRef]:
+        if hasattr(self.family, "expert_refs"):  # a family with its own expert layout (gpt-oss)
+            return self.family.expert_refs(self, layer, expert, TensorRef)
         if self.fused_experts:
             p, inter = f"model.layers.{layer}.mlp.experts.", self.intermediate_size
             return {
@@ -171,7 +181,8 @@ class ModelSpec:
                 "post_norm": (H,), "router": (self.num_experts, H),
                 "shared_w1": (Is, H), "shared_w3": (Is, H), "shared_w2": (H, Is), "shared_gate": (1, H),
                 "w1": (I, H), "w3": (I, H), "w2": (H, I),
-                "embed": (self.vocab_size, H), "norm": (H,), "lm_head": (self.vocab_size, H)}
+                "embed": (self.vocab_size, H), "norm": (H,), "lm_head": (self.vocab_size, H),
+                **(self.family.local_shapes(self) if hasattr(self.family, "local_shapes") else {})}
 
     def expected_shapes(self) -> dict[TensorRef, tuple[int, ...]]:
         """Shape of every logical weight, for validating a checkpoint before generation."""
@@ -222,10 +233,12 @@ def check_config(cfg: dict) -> None:
     if "factor" in rope:
         F.positive_number(rope, "factor", where="rope_parameters.")
     quant = cfg.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+    method = (quant.get("quant_method", "?") if isinstance(quant, dict) else quant) if quant else None
+    shipped = getattr(FAMILIES[mt], "QUANTIZATION", ())  # gpt-oss reads MXFP4 as published
+    if quant and method not in shipped:
+        also = f" or {'/'.join(shipped)} as published" if shipped else ""
         raise F.BadField(f"field 'quantization_config' is present (quant_method {method!r}); Klotski reads "
-                         "unquantized bf16/fp16/fp32 weights: use the original checkpoint (and --quantize hqq4)")
+                         f"unquantized bf16/fp16/fp32 weights{also}: use the original checkpoint (and --quantize hqq4)")
     FAMILIES[mt].check_config(cfg)
 
 

@@ -1,0 +1,134 @@
+"""gpt-oss (openai/gpt-oss-20b, gpt-oss-120b): q/k/v/o biases, a learned per-head sink logit
+in every softmax, a sliding window on the layers `layer_types` marks "sliding_attention"
+(full attention on the others), yarn RoPE, a router with a bias (top-k on the raw logits,
+softmax over the k), and experts with biases and a clamped SwiGLU whose gate and up
+columns alternate in one fused tensor.
+
+Experts come in the two layouts published checkpoints use: unquantized (bf16 copies, and
+what transformers' save_pretrained writes) as fused tensors `mlp.experts.gate_up_proj`
+[E, H, 2I] and `down_proj` [E, I, H], already transposed for `x @ W`; and MXFP4 as
+shipped by OpenAI (`*_blocks` [E, rows, cols/32, 16] uint8, `*_scales` [E, rows, cols/32]),
+which stays packed until the device decodes it (klotski/mxfp4.py). Either way an expert's
+group-local weights are `gate_up` [H, 2I], `down` [I, H] and their biases once decoded.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from klotski.models import fields as F
+from klotski.models import layers as L
+from klotski.models import mixtral
+
+MODEL_TYPE = "gpt_oss"
+QUANTIZATION = ("mxfp4",)  # a quantization_config this family reads as shipped
+LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def check_config(cfg: dict) -> None:
+    """gpt-oss's own fields (the shared ones are checked by spec.check_config)."""
+    layers = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != layers or any(t not in LAYER_TYPES for t in types):
+            raise F.BadField(f"field 'layer_types' is {types!r}; must be a list of {layers} (num_hidden_layers) "
+                             f"entries, each {' or '.join(repr(t) for t in LAYER_TYPES)}")
+    if types is None or "sliding_attention" in types:
+        F.integer(cfg, "sliding_window")
+    F.positive_number(cfg, "swiglu_limit", default=7.0)
+    F.positive_number(cfg, "swiglu_alpha", default=1.702)
+    F.boolean(cfg, "attention_bias", default=True)
+
+
+def options(cfg: dict) -> dict:
+    return {"norm_topk_prob": False, "router_weights_fp32": False}
+
+
+def layer_sliding(cfg: dict, layer: int) -> bool:
+    """Whether `layer` attends through the window; transformers' default alternates, sliding first."""
+    types = cfg.get("layer_types")
+    return types[layer] == "sliding_attention" if types else layer % 2 == 0
+
+
+# ---- tensor names (the published layouts)
+def attention_names(layer: int) -> dict[str, str]:
+    p = f"model.layers.{layer}."
+    return {**mixtral.attention_names(layer), "sinks": p + "self_attn.sinks"}
+
+
+def gate_names(layer: int, fused: bool) -> dict[str, str]:
+    p = f"model.layers.{layer}."
+    return {"post_norm": p + "post_attention_layernorm.weight", "router": p + "mlp.router.weight",
+            "router_bias": p + "mlp.router.bias"}
+
+
+def expert_refs(spec, layer: int, expert: int, ref) -> dict:
+    """An expert's slices of the fused per-layer tensors (`ref` is spec.TensorRef)."""
+    p = f"model.layers.{layer}.mlp.experts."
+    parts = ("gate_up_blocks", "gate_up_scales", "down_blocks", "down_scales") if spec.expert_format == "mxfp4" \
+        else ("gate_up", "down")
+    names = {n: p + n.replace("gate_up", "gate_up_proj").replace("down", "down_proj") for n in parts}
+    names.update(gate_up_bias=p + "gate_up_proj_bias", down_bias=p + "down_proj_bias")
+    return {n: ref(name, expert) for n, name in names.items()}
+
+
+def local_shapes(spec) -> dict[str, tuple[int, ...]]:
+    H, I = spec.hidden_size, spec.intermediate_size
+    return {"sinks": (spec.num_heads,), "router_bias": (spec.num_experts,),
+            "gate_up": (H, 2 * I), "down": (I, H), "gate_up_bias": (2 * I,), "down_bias": (H,),
+            "gate_up_blocks": (2 * I, H // 32, 16), "gate_up_scales": (2 * I, H // 32),
+            "down_blocks": (H, I // 32, 16), "down_scales": (H, I // 32)}
+
+
+# ---- math ------------------------------------------------------------------------------
+qkv = mixtral.qkv  # biases are added by L.linear where the checkpoint has them
+
+
+def attend_with_sinks(q, keys, values, mask, sinks):
+    """Attention whose softmax also sees one learned logit per head (the sink), dropped after:
+    eager attention of transformers' GptOssAttention, step for step."""
+    B, heads, T, D = q.shape
+    rep = heads // keys.shape[1]
+    if rep > 1:
+        keys = keys[:, :, None].expand(-1, -1, rep, -1, -1).reshape(B, heads, -1, D)
+        values = values[:, :, None].expand(-1, -1, rep, -1, -1).reshape(B, heads, -1, D)
+    scores = torch.matmul(q, keys.transpose(2, 3)) * D ** -0.5
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    logits = torch.cat([scores, sinks.reshape(1, -1, 1, 1).expand(B, -1, T, -1).to(scores.dtype)], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(values.dtype)
+    return torch.matmul(probs, values).transpose(1, 2).reshape(B, T, heads * D)
+
+
+def attention_block(h, w, cos, sin, mask, cache_write, spec, max_scores=None):
+    return L.attention_block(h, w, cos, sin, mask, cache_write, spec, qkv, max_scores,
+                             attend=functools.partial(attend_with_sinks, sinks=w["sinks"]))
+
+
+def route(x, gate: dict, spec):
+    """Top-k of the raw logits (bias included), softmax over those k, in the activation dtype."""
+    logits = torch.nn.functional.linear(x, gate["router"], gate["router_bias"])
+    top, experts = torch.topk(logits, spec.top_k, dim=-1)
+    return torch.softmax(top, dim=1, dtype=top.dtype), experts
+
+
+def clamped_swiglu(x, w: dict, *, alpha: float, limit: float) -> torch.Tensor:
+    """One expert over tokens x [N, H]: gate and up alternate in x @ gate_up; the gate is
+    clamped above, up on both sides, and (up + 1) * gate * sigmoid(alpha * gate) goes down."""
+    gate_up = torch.mm(x, w["gate_up"])
+    gate_up.add_(w["gate_up_bias"])  # added after the product, as transformers' grouped experts do
+    gate, up = gate_up[..., ::2].clamp(max=limit), gate_up[..., 1::2].clamp(min=-limit, max=limit)
+    out = torch.mm((up + 1) * (gate * torch.sigmoid(gate * alpha)), w["down"])
+    return out.add_(w["down_bias"])
+
+
+def bind_expert_ffn(spec):
+    """expert_ffn(x, w) with this checkpoint's clamp and sigmoid gain."""
+    cfg = spec.config
+    return functools.partial(clamped_swiglu, alpha=float(cfg.get("swiglu_alpha", 1.702)),
+                             limit=float(cfg.get("swiglu_limit", 7.0)))
+
+
+def shared_ffn(x, gate: dict, spec):
+    return None  # no shared expert
