@@ -88,18 +88,20 @@ class Engine:
         spec = self.spec
         prompt_len = [max(len(s.prompt_ids) for s in b) for b in group]
         on_host = self.placement.kv == HOST
-        shapes = [(spec.num_layers, len(b), spec.num_kv_heads, spec.head_dim, p + max(s.max_new_tokens for s in b))
+        heads, key_dim, value_dim = spec.kv_cache_dims  # MLA: its latent and rotary key
+        shapes = [(spec.num_layers, len(b), heads, key_dim, p + max(s.max_new_tokens for s in b))
                   for b, p in zip(group, prompt_len)]
-        kv_bytes = sum(BatchKV.nbytes_for(*shape, self.dtype) for shape in shapes)
+        kv_bytes = sum(BatchKV.nbytes_for(*shape, self.dtype, value_dim) for shape in shapes)
         account = self.host_memory if on_host else self.memory
         blocks = PinnedBlocks(pinned=True) if on_host and self.device.type == "cuda" else None
         if blocks:  # one locked block per layer's keys and one per its values, each charged what it takes
-            kv_bytes = sum(2 * s[0] * pinned.charge(BatchKV.nbytes_for(*s, self.dtype) // (2 * s[0])) for s in shapes)
+            kv_bytes = sum(s[0] * sum(map(pinned.charge, BatchKV.tensor_nbytes(*s[1:], self.dtype, value_dim)))
+                           for s in shapes)
         if not on_host:  # room first, then the allocation: the allocator never holds more than the accounts
             self.pipeline.make_room(kv_bytes, "KV cache")
         account.reserve(kv_bytes, "KV cache")
         kvs = [BatchKV(*shape, self.dtype, device=self.device, on_host=on_host, pin=lambda t: pin(t, self.device),
-                       host_zeros=blocks.zeros if blocks else None) for shape in shapes]
+                       host_zeros=blocks.zeros if blocks else None, value_dim=value_dim) for shape in shapes]
         try:
             yield from self._steps(group, kvs, prompt_len)
         finally:

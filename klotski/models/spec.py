@@ -23,22 +23,26 @@ from types import ModuleType
 import torch
 
 from klotski.models import fields as F
-from klotski.models import mixtral, olmoe, qwen2_moe, qwen3_moe
+from klotski.models import deepseek_v2, deepseek_v3, mixtral, olmoe, qwen2_moe, qwen3_moe
 from placement.store import CheckpointError
 from planner.shapes import FAMILY_FIELDS, ModelShape, family_fields, window_applies
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-FAMILIES: dict[str, ModuleType] = {m.MODEL_TYPE: m for m in (mixtral, qwen3_moe, qwen2_moe, olmoe)}
+FAMILIES: dict[str, ModuleType] = {m.MODEL_TYPE: m for m in (mixtral, qwen3_moe, qwen2_moe, olmoe, deepseek_v2,
+                                                               deepseek_v3)}
 assert set(FAMILIES) == set(FAMILY_FIELDS)
 
 
 @dataclass(frozen=True)
 class TensorRef:
     """Where one logical weight lives: tensor `name`, optionally `index` along dim 0
-    (fused experts) and a row range `rows` = (start, stop) along the next dim."""
+    (fused experts) and a row range `rows` = (start, stop) along the next dim; an FP8 weight
+    names its `scale` tensor (weight_scale_inv) and the `block` each scale covers."""
     name: str
     index: int | None = None
     rows: tuple[int, int] | None = None
+    scale: str | None = None
+    block: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -103,7 +107,8 @@ class ModelSpec:
             raise CheckpointError(f"{cfg_file}: no config.json; is {path} a Hugging Face checkpoint?") from None
         except json.JSONDecodeError as e:
             raise CheckpointError(f"{cfg_file}:{e.lineno}: config.json is not valid JSON ({e.msg})") from None
-        fused = tensor_names is not None and "model.layers.0.mlp.experts.gate_up_proj" in tensor_names
+        # (any layer: DeepSeek's first layers may be dense)
+        fused = tensor_names is not None and any(n.endswith(".mlp.experts.gate_up_proj") for n in tensor_names)
         try:
             return cls.from_config(cfg, fused_experts=fused)
         except ValueError as e:
@@ -143,10 +148,12 @@ class ModelSpec:
         """('embed',), ('head',), then per layer ('attn', j), ('gate', j), ('expert', j, e)."""
         keys: list[tuple] = [("embed",), ("head",)]
         for j in range(self.num_layers):
-            keys += [("attn", j), ("gate", j)] + [("expert", j, e) for e in range(self.num_experts)]
+            keys += [("attn", j), ("gate", j)] + [("expert", j, e) for e in range(self.experts_in(j))]
         return keys
 
     def group_refs(self, key: tuple) -> dict[str, TensorRef]:
+        if hasattr(self.family, "group_refs"):  # a family whose groups are not Mixtral-like (DeepSeek's MLA)
+            return self.family.group_refs(self, key)
         kind = key[0]
         if kind == "attn":
             return self.attention_refs(key[1])
@@ -171,7 +178,8 @@ class ModelSpec:
                 "post_norm": (H,), "router": (self.num_experts, H),
                 "shared_w1": (Is, H), "shared_w3": (Is, H), "shared_w2": (H, Is), "shared_gate": (1, H),
                 "w1": (I, H), "w3": (I, H), "w2": (H, I),
-                "embed": (self.vocab_size, H), "norm": (H,), "lm_head": (self.vocab_size, H)}
+                "embed": (self.vocab_size, H), "norm": (H,), "lm_head": (self.vocab_size, H),
+                **(self.family.local_shapes(self) if hasattr(self.family, "local_shapes") else {})}
 
     def expected_shapes(self) -> dict[TensorRef, tuple[int, ...]]:
         """Shape of every logical weight, for validating a checkpoint before generation."""
@@ -222,7 +230,9 @@ def check_config(cfg: dict) -> None:
     if "factor" in rope:
         F.positive_number(rope, "factor", where="rope_parameters.")
     quant = cfg.get("quantization_config")
-    if quant:
+    if quant and hasattr(FAMILIES[mt], "check_quantization"):  # a format the family reads as shipped
+        FAMILIES[mt].check_quantization(quant)
+    elif quant:
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
         raise F.BadField(f"field 'quantization_config' is present (quant_method {method!r}); Klotski reads "
                          "unquantized bf16/fp16/fp32 weights: use the original checkpoint (and --quantize hqq4)")
