@@ -135,7 +135,7 @@ class BatchKV:
         old = self._old_count()
         k, v = self.keys[layer], self.values[layer]
         keys = torch.empty((old + self.new, *k.shape[1:]), dtype=k.dtype, device=device)
-        values = torch.empty_like(keys)
+        values = torch.empty((old + self.new, *v.shape[1:]), dtype=v.dtype, device=device)
         if self.old_slots is None:
             src_k, src_v = k[:old], v[:old]
         else:

@@ -60,9 +60,9 @@ def activation_bytes(shape, itemsize: int, step: Step) -> int:
     intermediates over the largest batch), and the fp32 logits of every sequence."""
     s, t = shape, step
     q, kv = s.attention_widths
-    # keys/values over every head: expanded for grouped queries, or (MLA) decoded from the
-    # latent by kv_b, split, and the keys assembled with their rotary part
-    per_key = 2 * q if not s.kv_lora_rank else 2 * kv + q
+    # keys/values over every head: expanded for grouped queries, or (MLA) kv_b's output from
+    # the latent (values are a view of it) and the keys assembled with their rotary part
+    per_key = 2 * q if not s.kv_lora_rank else kv - s.num_heads * s.head_dim + q
     kv //= 2
     base = (4 * t.tokens * s.hidden_size * itemsize + t.tokens * t.keys
             + 2 * t.tokens * s.head_dim * itemsize)
