@@ -245,6 +245,20 @@ KNOWN_MODELS: dict[str, ModelShape] = {
         hidden_size=2048, intermediate_size=1024, num_layers=16, num_heads=16, num_kv_heads=16,
         head_dim=128, num_experts=64, top_k=8, vocab_size=50304, dtype="bfloat16", name="olmoe-1b-7b",
         model_type="olmoe", qk_norm="projection"),
+    # deepseek-ai/DeepSeek-V2-Lite: MLA (kv_lora_rank 512 + rope 64 cached, q_proj), 1 dense layer,
+    # 64 experts top-6 + 2 shared (num_kv_heads is the config's; MLA caches one latent)
+    "deepseek-v2-lite": ModelShape(
+        hidden_size=2048, intermediate_size=1408, num_layers=27, num_heads=16, num_kv_heads=16,
+        head_dim=64, num_experts=64, top_k=6, vocab_size=102400, dtype="bfloat16", name="deepseek-v2-lite",
+        model_type="deepseek_v2", shared_intermediate_size=2 * 1408, kv_lora_rank=512, q_lora_rank=0,
+        qk_nope_head_dim=128, v_head_dim=128, dense_layers=1, dense_intermediate_size=10944),
+    # deepseek-ai/DeepSeek-V3: shipped FP8, dequantized on load, so planned in bf16; 3 dense
+    # layers, 256 experts top-8 + 1 shared; the MTP layer is not counted (never read)
+    "deepseek-v3": ModelShape(
+        hidden_size=7168, intermediate_size=2048, num_layers=61, num_heads=128, num_kv_heads=128,
+        head_dim=64, num_experts=256, top_k=8, vocab_size=129280, dtype="bfloat16", name="deepseek-v3",
+        model_type="deepseek_v3", shared_intermediate_size=2048, kv_lora_rank=512, q_lora_rank=1536,
+        qk_nope_head_dim=128, v_head_dim=128, dense_layers=3, dense_intermediate_size=18432),
 }
 
 

@@ -149,7 +149,7 @@ def test_fp8_dequantization_reads_each_block_with_its_own_scale():
     ({"quantization_config": {"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}},
      r"field 'quantization_config' is .*DeepSeek-V3 is read as shipped in FP8"),
     ({"topk_method": "greedy"}, r"field 'topk_method' is 'greedy'; must be one of 'noaux_tc'"),
-    ({"n_group": 3}, r"field 'n_routed_experts' is 8; must be a multiple of 'n_group' \(3\)"),
+    ({"n_group": 3}, r"field 'n_routed_experts' is 16; must be a multiple of 'n_group' \(3\)"),
     ({"first_k_dense_replace": 9}, r"field 'first_k_dense_replace' is 9; must be an integer from 0 to "
                                    r"num_hidden_layers \(3\)"),
     ({"kv_lora_rank": 16}, r"self_attn\.kv_a_proj_with_mqa\.weight has shape"),

@@ -17,6 +17,9 @@ ALIASES = {
     "qwen1.5-moe-a2.7b": "Qwen/Qwen1.5-MoE-A2.7B",
     "qwen2-57b-a14b": "Qwen/Qwen2-57B-A14B",
     "olmoe-1b-7b": "allenai/OLMoE-1B-7B-0924",
+    "deepseek-v2-lite": "deepseek-ai/DeepSeek-V2-Lite",
+    "deepseek-v2-lite-chat": "deepseek-ai/DeepSeek-V2-Lite-Chat",
+    "deepseek-v3": "deepseek-ai/DeepSeek-V3",
 }
 
 
