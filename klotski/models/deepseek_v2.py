@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from klotski.models import fields as Fd
 from klotski.models import layers as L
+from klotski.models.refs import TensorRef
 
 MODEL_TYPE = "deepseek_v2"
 ROUTINGS = ("greedy", "group_limited_greedy")
@@ -112,7 +113,6 @@ def group_refs(spec, key: tuple, gate_names=gate_names) -> dict:
         return {n: _scaled(spec, n, r) for n, r in refs.items()}
     else:
         return spec.embed_refs() if kind == "embed" else spec.head_refs()
-    from klotski.models.spec import TensorRef
     return {n: _scaled(spec, n, TensorRef(name)) for n, name in names.items()}
 
 
@@ -144,11 +144,10 @@ def local_shapes(spec) -> dict[str, tuple[int, ...]]:
 def softmax_scale(spec) -> float:
     """(nope + rope)^-1/2, times yarn's mscale(factor, mscale_all_dim)^2 where the config
     scales its RoPE (as transformers' `yarn_apply_mscale`)."""
-    from klotski.models.spec import _rope_parameters
     scale = (spec.qk_nope_head_dim + spec.head_dim) ** -0.5
-    rope = _rope_parameters(spec.config)
+    rope = spec.config.get("rope_parameters") or spec.config.get("rope_scaling") or {}  # checked by spec
     all_dim = rope.get("mscale_all_dim", 0)
-    if rope.get("rope_type", "default") != "default" and all_dim and rope["factor"] > 1:
+    if rope.get("rope_type", rope.get("type", "default")) != "default" and all_dim and rope["factor"] > 1:
         m = 0.1 * all_dim * math.log(rope["factor"]) + 1.0
         scale = scale * m * m
     return scale

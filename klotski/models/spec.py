@@ -23,6 +23,7 @@ from types import ModuleType
 import torch
 
 from klotski.models import fields as F
+from klotski.models.refs import TensorRef
 from klotski.models import deepseek_v2, deepseek_v3, mixtral, olmoe, qwen2_moe, qwen3_moe
 from placement.store import CheckpointError
 from planner.shapes import FAMILY_FIELDS, ModelShape, family_fields, window_applies
@@ -31,18 +32,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 FAMILIES: dict[str, ModuleType] = {m.MODEL_TYPE: m for m in (mixtral, qwen3_moe, qwen2_moe, olmoe, deepseek_v2,
                                                                deepseek_v3)}
 assert set(FAMILIES) == set(FAMILY_FIELDS)
-
-
-@dataclass(frozen=True)
-class TensorRef:
-    """Where one logical weight lives: tensor `name`, optionally `index` along dim 0
-    (fused experts) and a row range `rows` = (start, stop) along the next dim; an FP8 weight
-    names its `scale` tensor (weight_scale_inv) and the `block` each scale covers."""
-    name: str
-    index: int | None = None
-    rows: tuple[int, int] | None = None
-    scale: str | None = None
-    block: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
