@@ -216,16 +216,17 @@ class KVSpace:
     def allocate(self, rows: int, capacity: int) -> tuple[BatchKV, int]:
         """A cache for `rows` sequences of `capacity` slots; raises OverBudget if it does not fit."""
         e, spec = self.e, self.e.spec
-        shape = (spec.num_layers, rows, spec.num_kv_heads, spec.head_dim, capacity)
-        nbytes = BatchKV.nbytes_for(*shape, e.dtype)
+        heads, key_dim, value_dim = spec.kv_cache_dims  # MLA: its latent and rotary key
+        shape = (spec.num_layers, rows, heads, key_dim, capacity)
+        nbytes = BatchKV.nbytes_for(*shape, e.dtype, value_dim)
         blocks = PinnedBlocks(pinned=True) if self.on_host and e.device.type == "cuda" else None
         if blocks:  # one locked block per layer's keys and one per its values, each charged what it takes
-            nbytes = 2 * spec.num_layers * pinned.charge(nbytes // (2 * spec.num_layers))
+            nbytes = spec.num_layers * sum(map(pinned.charge, BatchKV.tensor_nbytes(*shape[1:], e.dtype, value_dim)))
         if not self.on_host:
             e.pipeline.make_room(nbytes, "KV cache")
         self.account.reserve(nbytes, "KV cache")
         kv = BatchKV(*shape, e.dtype, device=e.device, on_host=self.on_host, pin=lambda t: pin(t, e.device),
-                     host_zeros=blocks.zeros if blocks else None)
+                     host_zeros=blocks.zeros if blocks else None, value_dim=value_dim)
         self.held[id(kv)] = (nbytes, blocks)
         return kv, nbytes
 

@@ -5,7 +5,8 @@ One `BatchKV` per batch of a group: keys/values per layer, slot-major
 one contiguous block (one copy per direction, from and into pinned host memory); attention
 reads them as [B, kv_heads, slots, head_dim] views. A validity mask over cache slots
 (False = left padding; kept on the host, where masks are built) and the number of slots
-filled. Sequences in a batch share slot indices; left padding keeps every sequence's newest
+filled. Keys and values may differ in width (`value_dim`): MLA caches its latent as the
+"keys" and its rotary key as the "values". Sequences in a batch share slot indices; left padding keeps every sequence's newest
 token in the same slot.
 
 On the device tier attention writes straight into the cache. On the host tier the
@@ -27,13 +28,14 @@ def _heads(slot_major: torch.Tensor) -> torch.Tensor:
 class BatchKV:
     def __init__(self, num_layers: int, batch: int, kv_heads: int, head_dim: int, capacity: int,
                  dtype: torch.dtype, *, device="cpu", on_host: bool = False, pin=lambda t: t,
-                 host_zeros=None):
+                 host_zeros=None, value_dim: int | None = None):
         shape = (capacity, batch, kv_heads, head_dim)
+        vshape = (capacity, batch, kv_heads, value_dim or head_dim)
         # host copies live in exact page-locked blocks on CUDA (`host_zeros`: placement/pinned.py)
         zeros = host_zeros if on_host and host_zeros else \
             lambda shape, dtype: torch.zeros(shape, dtype=dtype, device="cpu" if on_host else device)
         self.keys = [zeros(shape, dtype) for _ in range(num_layers)]
-        self.values = [zeros(shape, dtype) for _ in range(num_layers)]
+        self.values = [zeros(vshape, dtype) for _ in range(num_layers)]
         self.valid = torch.zeros(batch, capacity, dtype=torch.bool)
         self.on_host, self.pin = on_host, pin
         self.filled = 0
@@ -45,9 +47,16 @@ class BatchKV:
 
     @staticmethod
     def nbytes_for(num_layers: int, batch: int, kv_heads: int, head_dim: int, capacity: int,
-                   dtype: torch.dtype) -> int:
+                   dtype: torch.dtype, value_dim: int | None = None) -> int:
         """The whole cache of a batch, every layer, at full capacity (known before allocating)."""
-        return 2 * num_layers * capacity * batch * kv_heads * head_dim * dtype.itemsize
+        return num_layers * sum(BatchKV.tensor_nbytes(batch, kv_heads, head_dim, capacity, dtype, value_dim))
+
+    @staticmethod
+    def tensor_nbytes(batch: int, kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
+                      value_dim: int | None = None) -> tuple[int, int]:
+        """Bytes of one layer's keys tensor and of its values tensor."""
+        per_slot = capacity * batch * kv_heads * dtype.itemsize
+        return per_slot * head_dim, per_slot * (value_dim or head_dim)
 
     def begin_step(self, valid_new: torch.Tensor, sink: int | None = None, recent: int | None = None):
         """Reserve slots for this step's tokens ([B, T] validity); return the validity of
@@ -148,8 +157,8 @@ class BatchKV:
 
     # ---- host-tier moves (run on channels) ----------------------------------------------
     def _bytes(self, slots: int) -> int:
-        k = self.keys[0]
-        return 2 * slots * k[0].numel() * k.element_size()
+        k, v = self.keys[0], self.values[0]
+        return slots * (k[0].numel() + v[0].numel()) * k.element_size()
 
     def step_nbytes(self) -> int:
         """Device bytes of one layer's loaded buffer for this step."""
@@ -169,7 +178,7 @@ class BatchKV:
         old = self._old_count()
         k, v = self.keys[layer], self.values[layer]
         keys = torch.empty((old + self.new, *k.shape[1:]), dtype=k.dtype, device=device)
-        values = torch.empty_like(keys)
+        values = torch.empty((old + self.new, *v.shape[1:]), dtype=v.dtype, device=device)
         if self.old_slots is None:
             src_k, src_v = k[:old], v[:old]
         else:

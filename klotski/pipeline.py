@@ -136,7 +136,7 @@ class Pipeline:
             last = layer + 1 == self.spec.num_layers
             self._want([("head",)] if last else self._layer_keys(layer + 1), "weights")
         else:
-            hot = self.predictor.predict(layer, self.K)
+            hot = self._predict(layer)
             ahead = [("gate", layer + 1)] if self.next_gate and layer + 1 < self.spec.num_layers else []
             self._want([("gate", layer)] + [("expert", layer, e) for e in hot] + ahead, "weights")
         w = self._get(("attn", layer))
@@ -186,7 +186,7 @@ class Pipeline:
 
     # ---- gate ---------------------------------------------------------------------------
     def _gates(self, layer, hs):
-        hot = self.predictor.predict(layer, self.K)
+        hot = self._predict(layer)
         gate = self._get(("gate", layer))
         routed = []
         for k, h in enumerate(hs):
@@ -199,7 +199,8 @@ class Pipeline:
         new = sorted(set(torch.cat([r.chosen.flatten() for r in routed]).tolist()))
         self._want([("expert", layer, e) for e in new], "experts", front=True)
         self.cache.release(("gate", layer))
-        self.predictor.observe(layer, [r.chosen for r in routed])
+        if self.spec.experts_in(layer):
+            self.predictor.observe(layer - self.spec.dense_layers, [r.chosen for r in routed])
         if self.next_gate:
             self._speculate(layer + 1, hs)
         return routed, hot
@@ -208,12 +209,12 @@ class Pipeline:
         """Next-gate prediction: layer+1's router on the hidden states entering this MoE,
         only if that gate has already arrived (a prediction must never stall compute)."""
         key = ("gate", layer)
-        if layer >= self.spec.num_layers or not self.cache.ready(key):
+        if layer >= self.spec.num_layers or not self.spec.experts_in(layer) or not self.cache.ready(key):
             return
         gate = self.cache.get(key)
         with self.trace.span("compute", f"speculate.{layer}"):
             picks = [self._route(h, gate, shared=False).experts for h in hs]
-        self.predictor.speculate(layer, _to_host(picks))
+        self.predictor.speculate(layer - self.spec.dense_layers, _to_host(picks))
 
     def _route(self, h, gate, shared: bool = True) -> _Routed:
         """The router's choice for one batch and, where the family has one, the shared expert's
@@ -268,8 +269,7 @@ class Pipeline:
         nxt = layer + 1
         if nxt == self.spec.num_layers:
             return [("head",), ("attn", 0)]  # then the next step's layer 0; its routing is unknown yet
-        hot = self.predictor.predict(nxt, self.K)
-        return [("attn", nxt), ("gate", nxt)] + [("expert", nxt, e) for e in hot]
+        return [("attn", nxt), ("gate", nxt)] + [("expert", nxt, e) for e in self._predict(nxt)]
 
     def _order(self, layer, chosen, hot):
         """Yield experts in compute order. klotski: hot first, then whichever transfer has
@@ -370,7 +370,14 @@ class Pipeline:
         return [("attn", layer), ("gate", layer)] + self._expert_keys(layer)
 
     def _expert_keys(self, layer: int) -> list:
-        return [("expert", layer, e) for e in range(self.spec.num_experts)]
+        return [("expert", layer, e) for e in range(self.spec.experts_in(layer))]
+
+    def _predict(self, layer: int) -> list[int]:
+        """Hot experts of a layer. Predictors count MoE layers only: a dense first layer
+        (DeepSeek's `first_k_dense_replace`) has no experts and no routing to learn from."""
+        if not self.spec.experts_in(layer):
+            return []
+        return self.predictor.predict(layer - self.spec.dense_layers, self.K)
 
     def _activation_bytes(self, kvs, inputs) -> int:
         """This step's activation reserve, by the planner's own formula (workingset.py)."""

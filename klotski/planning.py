@@ -112,14 +112,16 @@ def plan_job(config, ckpt, dtype, device, budgets, seqs):
 
 def engine_placement(plan, spec) -> Placement:
     tiers, kv = plan.group_tiers(spec.num_layers, spec.num_experts)
-    return Placement(tiers, kv)
+    # a dense first layer has no experts to place
+    return Placement({k: t for k, t in tiers.items() if k[0] != "expert" or k[2] < spec.experts_in(k[1])}, kv)
 
 
 # ---- the ops the profile times ----------------------------------------------------------
 # The engine code EngineOps calls; a change to any of it changes the profile's cache key.
 _TIMED_MODULES = ("klotski.models.layers", "klotski.models.mixtral", "klotski.models.qwen3_moe",
-                  "klotski.models.qwen2_moe", "klotski.models.olmoe", "klotski.models.gpt_oss", "klotski.kvcache",
-                  "klotski.quant", "klotski.mxfp4")
+                  "klotski.models.qwen2_moe", "klotski.models.olmoe", "klotski.models.gpt_oss",
+                  "klotski.models.deepseek_v2", "klotski.models.deepseek_v3", "klotski.kvcache", "klotski.quant",
+                  "klotski.mxfp4")
 
 
 class EngineOps:
@@ -167,7 +169,9 @@ class _LayerOps:
         self.spec = ModelSpec(shape=dataclasses.replace(shape, expert_format=""), dtype=dtype, rms_norm_eps=1e-5, max_position_embeddings=1 << 20,
                               rope_inv_freq=inv_freq, rope_attention_scaling=scaling, **family.options({}))
         self.M = family
-        self.attn, self.gate_w, self.expert_w = (self._weights(k) for k in (("attn", 0), ("gate", 0), ("expert", 0, 0)))
+        moe = min(shape.dense_layers, shape.num_layers - 1)  # a MoE layer's gate, not a dense layer's MLP
+        self.attn, self.gate_w, self.expert_w = (self._weights(k) for k in (("attn", 0), ("gate", moe),
+                                                                            ("expert", moe, 0)))
         self._head = None
 
     def _weights(self, key) -> dict:
@@ -189,7 +193,8 @@ class _LayerOps:
         from klotski.models import layers as L
         from planner.workingset import ATTENTION_SCORE_CHUNK
         past = ctx - new
-        kv = BatchKV(1, bs, s.num_kv_heads, s.head_dim, ctx, self.dtype, device=self.device)
+        heads, key_dim, value_dim = s.kv_cache_dims
+        kv = BatchKV(1, bs, heads, key_dim, ctx, self.dtype, device=self.device, value_dim=value_dim)
         if past:
             kv.begin_step(torch.ones(bs, past, dtype=torch.bool))
             kv.end_step()

@@ -35,6 +35,21 @@ PRESETS: dict[str, dict] = {
                     intermediate_size=64, sliding_window=4, swiglu_limit=2.0,
                     rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
                                      "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 32}),
+    # DeepSeek: MLA with q_proj (V2-Lite) or the q LoRA (V3), values narrower than keys, a
+    # dense first layer, a shared expert; V2 greedy softmax routing, V3 sigmoid routing over
+    # 4 groups of 4 with a random correction bias, top-3 (slot order matters), yarn + mscale
+    "deepseek_v2": dict(_COMMON, kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                        v_head_dim=12, n_routed_experts=16, num_experts_per_tok=2, n_shared_experts=1,
+                        moe_intermediate_size=96, intermediate_size=96, first_k_dense_replace=1,
+                        topk_method="greedy", routed_scaling_factor=1.0,
+                        rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+    "deepseek_v3": dict(_COMMON, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                        v_head_dim=12, n_routed_experts=16, num_experts_per_tok=3, n_shared_experts=1,
+                        moe_intermediate_size=96, intermediate_size=96, first_k_dense_replace=1, n_group=4,
+                        topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5, rope_interleave=True,
+                        rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                                         "original_max_position_embeddings": 256, "mscale": 0.707,
+                                         "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}),
 }
 FAMILIES = tuple(PRESETS)
 
@@ -64,6 +79,9 @@ def build_family(out_dir, family: str, *, seed: int = 0, dtype: str = "float32",
                 p.copy_(0.1 * torch.randn_like(p))
             elif name.endswith(".sinks"):  # per-head sink logits large enough to take real weight
                 p.copy_(torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # zeros by default: a router ignoring it would pass
+                b.copy_(0.1 * torch.randn_like(b))
     model.to(getattr(torch, dtype)).save_pretrained(out)
     GenerationConfig(bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"]).save_pretrained(out)
     return out

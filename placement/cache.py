@@ -77,7 +77,7 @@ class WeightCache:
         """Host tensors of `key` as stored: packed parts when quantized."""
         if self._coded(key):
             return self.codec.read(key)
-        return {n: self.store.read(r.name, r.index, r.rows).to(self.dtype) for n, r in self.refs_for(key).items()}
+        return {n: self.store.read_ref(r).to(self.dtype) for n, r in self.refs_for(key).items()}
 
     # ---- state --------------------------------------------------------------------------
     def ready(self, key) -> bool:

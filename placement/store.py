@@ -20,7 +20,7 @@ import torch
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
+    "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
 }
 _ALIGN = 4096  # O_DIRECT needs offset, length and buffer aligned to the logical block size
 
@@ -140,6 +140,14 @@ class TensorStore:
         buf = self._pread(entry.file, offset, nbytes)
         return torch.frombuffer(buf, dtype=entry.dtype, count=_numel(shape)).view(shape)
 
+    def read_ref(self, ref) -> torch.Tensor:
+        """`read` of a ref (.name/.index/.rows); an FP8 weight with a `.scale` tensor comes back
+        as the values it stands for (fp32): dequantized on load, so every tier holds the
+        compute dtype and nothing downstream knows the checkpoint was FP8."""
+        t = self.read(ref.name, ref.index, ref.rows)
+        scale = getattr(ref, "scale", None)
+        return t if scale is None else dequantize_blocks(t, self.read(scale), ref.block)
+
     def read_flat(self, name: str, start: int, count: int) -> torch.Tensor:
         """Elements [start, start + count) of `name` in storage order, as a 1-D CPU tensor: for
         scanning a tensor of any shape in pieces of bounded size."""
@@ -207,4 +215,20 @@ class TensorStore:
             if got != tuple(shape):
                 raise CheckpointError(f"{entry.file}: tensor {where} has shape {list(got or entry.shape)}, "
                                       f"expected {list(shape)} from config.json; config and weights disagree")
+            if getattr(ref, "scale", None):
+                want = [-(-n // b) for n, b in zip(shape, ref.block)]
+                scale = self._entry(ref.scale)
+                if list(scale.shape) != want:
+                    raise CheckpointError(f"{scale.file}: tensor {ref.scale} has shape {list(scale.shape)}, expected "
+                                          f"{want} (blocks of {list(ref.block)} from quantization_config."
+                                          "weight_block_size); config and weights disagree")
 
+
+
+def dequantize_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block) -> torch.Tensor:
+    """Block-quantized weight [out, in] (float8) times its scale [ceil(out/bo), ceil(in/bi)],
+    each scale covering one bo x bi block (the last ones cut at the edge), in fp32."""
+    bo, bi = block
+    out, inp = weight.shape
+    scale = scale_inv.float().repeat_interleave(bo, 0)[:out].repeat_interleave(bi, 1)[:, :inp]
+    return weight.float() * scale

@@ -78,8 +78,8 @@ class CostModel:
         self.shape = s = as_shape(shape)
         self.quant_bits = quant_bits
         b = s.dtype_bytes
-        self._q = s.num_heads * s.head_dim
-        self._kv = s.num_kv_heads * s.head_dim
+        self._q, kv = s.attention_widths
+        self._kv = kv // 2
         if sizes is None:
             # Experts and attention projections are what HQQ quantizes (the paper's preset);
             # norms, gates and embeddings stay in dtype.
@@ -95,7 +95,7 @@ class CostModel:
         self.attention_bytes, self.gate_bytes, self.expert_bytes = sizes.attention, sizes.gate, sizes.expert
         self.head_bytes, self.embed_bytes = sizes.head, sizes.embed
         self.attention_decoded, self.expert_decoded = sizes.attention_decoded, sizes.expert_decoded
-        self.kv_bytes_per_token_layer = 2 * self._kv * b
+        self.kv_bytes_per_token_layer = s.kv_width * b  # MLA: the latent and rotary key only
         measured_here = getattr(profile, "shape_key", None) == s.key()
         self._samples = profile.samples if measured_here else {}
 

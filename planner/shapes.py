@@ -34,7 +34,15 @@ class ModelShape:
     shared_intermediate_size: int = 0  # a shared expert beside the routed ones (Qwen2-MoE), 0: none
     attention_bias: str = ""           # projections with a bias: "" none, "qkv", "qkvo"
     qk_norm: str = ""                  # RMSNorm of q and k: "" none, "head" (per head), "projection" (whole)
-    expert_format: str = ""            # "" experts in `dtype`; "mxfp4": shipped packed (gpt-oss), kept so
+    expert_format: str = ""            # "" experts in `dtype`; "mxfp4": shipped packed (gpt-oss), kept so on every tier
+    # Multi-head latent attention (DeepSeek): the cache holds a latent of kv_lora_rank values and
+    # one rotary key of head_dim (= qk_rope_head_dim) per token and layer; 0: plain K/V
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0               # 0: q_proj straight from the hidden state
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    dense_layers: int = 0              # the first layers have a dense MLP instead of experts
+    dense_intermediate_size: int = 0
 
     @classmethod
     def from_config(cls, cfg: dict, name: str = "") -> "ModelShape":
@@ -53,7 +61,8 @@ class ModelShape:
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            head_dim=cfg.get("qk_rope_head_dim") if "kv_lora_rank" in cfg else
+            cfg.get("head_dim") or cfg["hidden_size"] // heads,
             num_experts=cfg[names["num_experts"]],
             top_k=cfg["num_experts_per_tok"],
             vocab_size=cfg["vocab_size"],
@@ -62,10 +71,10 @@ class ModelShape:
             sliding_window=sliding_window(cfg),
             name=name or cfg.get("_name_or_path", ""),
             model_type=mt,
-            shared_intermediate_size=int(cfg.get(names.get("shared", ""), 0) or 0),
             attention_bias=attention_bias(cfg),
             qk_norm=names.get("qk_norm", ""),
             expert_format=expert_format(cfg),
+            **{"shared_intermediate_size": int(cfg.get(names.get("shared", ""), 0) or 0), **mla_fields(cfg)},
         )
 
     @property
@@ -75,6 +84,32 @@ class ModelShape:
     @property
     def expert_params(self) -> int:
         return 3 * self.hidden_size * self.intermediate_size
+
+    def experts_in(self, layer: int) -> int:
+        """Routed experts of one layer (0 in a dense first layer)."""
+        return 0 if layer < self.dense_layers else self.num_experts
+
+    @property
+    def kv_cache_dims(self) -> tuple[int, int, int]:
+        """(heads, key width, value width) of what the KV cache stores per token and layer:
+        MLA caches one latent (as the "key") and one rotary key (as the "value")."""
+        if self.kv_lora_rank:
+            return 1, self.kv_lora_rank, self.head_dim
+        return self.num_kv_heads, self.head_dim, self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        """Values cached per token and layer."""
+        heads, k, v = self.kv_cache_dims
+        return heads * (k + v)
+
+    @property
+    def attention_widths(self) -> tuple[int, int]:
+        """(query width, expanded key + value width per key) over all heads, as attention computes."""
+        if self.kv_lora_rank:
+            return (self.num_heads * (self.qk_nope_head_dim + self.head_dim),
+                    self.num_heads * (self.qk_nope_head_dim + self.head_dim + self.v_head_dim))
+        return self.num_heads * self.head_dim, 2 * self.num_kv_heads * self.head_dim
 
     @property
     def expert_bias_params(self) -> int:
@@ -91,6 +126,8 @@ class ModelShape:
     @property
     def attention_params(self) -> int:
         """q/k/v/o projections, their biases and q/k norms, and the input norm."""
+        if self.kv_lora_rank:
+            return self._mla_params()
         q = self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
         bias = {"": 0, "qkv": q + 2 * kv, "qkvo": q + 2 * kv + self.hidden_size}[self.attention_bias]
@@ -107,9 +144,16 @@ class ModelShape:
         router_bias = self.num_experts if self.model_type == "gpt_oss" else 0
         return (self.num_experts + 1) * self.hidden_size + router_bias + shared
 
+    def _mla_params(self) -> int:
+        H, h, r, rope = self.hidden_size, self.num_heads, self.kv_lora_rank, self.head_dim
+        qk = self.qk_nope_head_dim + rope
+        ql = self.q_lora_rank
+        q = H * ql + ql + ql * h * qk if ql else H * h * qk
+        return q + H * (r + rope) + r + r * h * (self.qk_nope_head_dim + self.v_head_dim) + h * self.v_head_dim * H + H
+
     def kv_bytes_per_token(self, dtype_bytes: int | None = None) -> int:
-        """K and V of one token over all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * (dtype_bytes or self.dtype_bytes)
+        """What the KV cache holds for one token over all layers (K and V, or MLA's latent)."""
+        return self.num_layers * self.kv_width * (dtype_bytes or self.dtype_bytes)
 
     def key(self) -> str:
         """Stable text identifying the shapes and dtype (for profile cache keys)."""
@@ -125,7 +169,20 @@ FAMILY_FIELDS: dict[str, dict[str, str]] = {
                   "shared": "shared_expert_intermediate_size"},
     "olmoe": {"intermediate_size": "intermediate_size", "num_experts": "num_experts", "qk_norm": "projection"},
     "gpt_oss": {"intermediate_size": "intermediate_size", "num_experts": "num_local_experts"},
+    "deepseek_v2": {"intermediate_size": "moe_intermediate_size", "num_experts": "n_routed_experts"},
+    "deepseek_v3": {"intermediate_size": "moe_intermediate_size", "num_experts": "n_routed_experts"},
 }
+
+
+def mla_fields(cfg: dict) -> dict:
+    """DeepSeek's attention and dense-layer sizes (empty for every other family)."""
+    if "kv_lora_rank" not in cfg:
+        return {}
+    dense = int(cfg.get("first_k_dense_replace") or 0)
+    return {"kv_lora_rank": cfg["kv_lora_rank"], "q_lora_rank": cfg.get("q_lora_rank") or 0,
+            "qk_nope_head_dim": cfg["qk_nope_head_dim"], "v_head_dim": cfg["v_head_dim"],
+            "dense_layers": dense, "dense_intermediate_size": cfg.get("intermediate_size", 0) if dense else 0,
+            "shared_intermediate_size": cfg["moe_intermediate_size"] * (cfg.get("n_shared_experts") or 0)}
 
 
 def family_fields(cfg: dict) -> dict[str, str]:
@@ -222,6 +279,20 @@ KNOWN_MODELS: dict[str, ModelShape] = {
         hidden_size=2880, intermediate_size=2880, num_layers=24, num_heads=64, num_kv_heads=8,
         head_dim=64, num_experts=32, top_k=4, vocab_size=201088, dtype="bfloat16", sliding_window=128,
         name="gpt-oss-20b", model_type="gpt_oss", attention_bias="qkvo", expert_format="mxfp4"),
+    # deepseek-ai/DeepSeek-V2-Lite: MLA (kv_lora_rank 512 + rope 64 cached, q_proj), 1 dense layer,
+    # 64 experts top-6 + 2 shared (num_kv_heads is the config's; MLA caches one latent)
+    "deepseek-v2-lite": ModelShape(
+        hidden_size=2048, intermediate_size=1408, num_layers=27, num_heads=16, num_kv_heads=16,
+        head_dim=64, num_experts=64, top_k=6, vocab_size=102400, dtype="bfloat16", name="deepseek-v2-lite",
+        model_type="deepseek_v2", shared_intermediate_size=2 * 1408, kv_lora_rank=512, q_lora_rank=0,
+        qk_nope_head_dim=128, v_head_dim=128, dense_layers=1, dense_intermediate_size=10944),
+    # deepseek-ai/DeepSeek-V3: shipped FP8, dequantized on load, so planned in bf16; 3 dense
+    # layers, 256 experts top-8 + 1 shared; the MTP layer is not counted (never read)
+    "deepseek-v3": ModelShape(
+        hidden_size=7168, intermediate_size=2048, num_layers=61, num_heads=128, num_kv_heads=128,
+        head_dim=64, num_experts=256, top_k=8, vocab_size=129280, dtype="bfloat16", name="deepseek-v3",
+        model_type="deepseek_v3", shared_intermediate_size=2048, kv_lora_rank=512, q_lora_rank=1536,
+        qk_nope_head_dim=128, v_head_dim=128, dense_layers=3, dense_intermediate_size=18432),
 }
 
 
@@ -230,4 +301,7 @@ def total_params(shape) -> int:
     per_layer = shape.attention_params + shape.gate_params + shape.num_experts * (
         shape.expert_params + shape.expert_bias_params)
     outer = shape.vocab_size * shape.hidden_size * (1 if shape.tie_word_embeddings else 2) + shape.hidden_size
-    return shape.num_layers * per_layer + outer
+    dense = getattr(shape, "dense_layers", 0)  # its MLP and norm instead of router, shared and routed experts
+    dense_layer = shape.attention_params + 3 * shape.hidden_size * getattr(shape, "dense_intermediate_size", 0) \
+        + shape.hidden_size
+    return (shape.num_layers - dense) * per_layer + dense * dense_layer + outer

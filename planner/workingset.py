@@ -59,18 +59,22 @@ def activation_bytes(shape, itemsize: int, step: Step) -> int:
     chunks; the top-k slots of weighted outputs in fp32; a shared expert's output and its
     intermediates over the largest batch), and the fp32 logits of every sequence."""
     s, t = shape, step
-    q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    q, kv = s.attention_widths
+    # keys/values over every head: expanded for grouped queries, or (MLA) kv_b's output from
+    # the latent (values are a view of it) and the keys assembled with their rotary part
+    per_key = 2 * q if not s.kv_lora_rank else kv - s.num_heads * s.head_dim + q
+    kv //= 2
     base = (4 * t.tokens * s.hidden_size * itemsize + t.tokens * t.keys
             + 2 * t.tokens * s.head_dim * itemsize)
     rows = t.batch * t.queries
     attention = (rows * (2 * s.hidden_size + 2 * q + 2 * kv) * itemsize
-                 + 2 * t.batch * t.keys * q * itemsize
+                 + t.batch * t.keys * per_key * itemsize
                  + min(s.num_heads * rows * t.keys, ATTENTION_SCORE_CHUNK) * (3 * 4 + itemsize))
     moe = (t.tokens * (2 * s.num_experts * 4 + s.top_k * 12)
            + 3 * t.tokens * s.hidden_size * itemsize
            + 3 * min(t.tokens, PREFILL_EXPERT_CHUNK) * s.intermediate_size * itemsize
            + t.tokens * s.top_k * s.hidden_size * 4)
-    shared = s.shared_intermediate_size
+    shared = max(s.shared_intermediate_size, s.dense_intermediate_size)  # or a dense layer's MLP
     if shared:
         moe += t.tokens * s.hidden_size * itemsize + 3 * rows * shared * itemsize
     head = t.sequences * (s.vocab_size * 4 + s.hidden_size * itemsize)

@@ -60,7 +60,7 @@ def _copy_with_config(src, dst, **changes):
     ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 8}, r"config\.json: field 'use_sliding_window'"),
     ("qwen2_moe", {"mlp_only_layers": [1]}, r"config\.json: fields 'mlp_only_layers' \[1\].*not supported"),
     ("olmoe", {"clip_qkv": -1}, r"config\.json: field 'clip_qkv' is -1"),
-    ("qwen3_moe", {"model_type": "deepseek_v3"}, r"field 'model_type' is 'deepseek_v3'; supported: mixtral, qwen3_moe"),
+    ("qwen3_moe", {"model_type": "phimoe"}, r"field 'model_type' is 'phimoe'; supported: mixtral, qwen3_moe"),
 ])
 def test_a_checkpoint_that_disagrees_with_its_config_is_refused_naming_what(family_models, tmp_path, family,
                                                                             changes, expected):

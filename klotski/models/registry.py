@@ -19,6 +19,9 @@ ALIASES = {
     "olmoe-1b-7b": "allenai/OLMoE-1B-7B-0924",
     "gpt-oss-120b": "openai/gpt-oss-120b",
     "gpt-oss-20b": "openai/gpt-oss-20b",
+    "deepseek-v2-lite": "deepseek-ai/DeepSeek-V2-Lite",
+    "deepseek-v2-lite-chat": "deepseek-ai/DeepSeek-V2-Lite-Chat",
+    "deepseek-v3": "deepseek-ai/DeepSeek-V3",
 }
 
 

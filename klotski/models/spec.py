@@ -23,22 +23,15 @@ from types import ModuleType
 import torch
 
 from klotski.models import fields as F
-from klotski.models import gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe
+from klotski.models import deepseek_v2, deepseek_v3, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe
+from klotski.models.refs import TensorRef
 from placement.store import CheckpointError
 from planner.shapes import FAMILY_FIELDS, ModelShape, family_fields, window_applies
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-FAMILIES: dict[str, ModuleType] = {m.MODEL_TYPE: m for m in (mixtral, qwen3_moe, qwen2_moe, olmoe, gpt_oss)}
+FAMILIES: dict[str, ModuleType] = {m.MODEL_TYPE: m for m in (mixtral, qwen3_moe, qwen2_moe, olmoe, gpt_oss,
+                                                               deepseek_v2, deepseek_v3)}
 assert set(FAMILIES) == set(FAMILY_FIELDS)
-
-
-@dataclass(frozen=True)
-class TensorRef:
-    """Where one logical weight lives: tensor `name`, optionally `index` along dim 0
-    (fused experts) and a row range `rows` = (start, stop) along the next dim."""
-    name: str
-    index: int | None = None
-    rows: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -103,7 +96,8 @@ class ModelSpec:
             raise CheckpointError(f"{cfg_file}: no config.json; is {path} a Hugging Face checkpoint?") from None
         except json.JSONDecodeError as e:
             raise CheckpointError(f"{cfg_file}:{e.lineno}: config.json is not valid JSON ({e.msg})") from None
-        fused = tensor_names is not None and "model.layers.0.mlp.experts.gate_up_proj" in tensor_names
+        # (any layer: DeepSeek's first layers may be dense)
+        fused = tensor_names is not None and any(n.endswith(".mlp.experts.gate_up_proj") for n in tensor_names)
         try:
             return cls.from_config(cfg, fused_experts=fused)
         except ValueError as e:
@@ -153,10 +147,12 @@ class ModelSpec:
         """('embed',), ('head',), then per layer ('attn', j), ('gate', j), ('expert', j, e)."""
         keys: list[tuple] = [("embed",), ("head",)]
         for j in range(self.num_layers):
-            keys += [("attn", j), ("gate", j)] + [("expert", j, e) for e in range(self.num_experts)]
+            keys += [("attn", j), ("gate", j)] + [("expert", j, e) for e in range(self.experts_in(j))]
         return keys
 
     def group_refs(self, key: tuple) -> dict[str, TensorRef]:
+        if hasattr(self.family, "group_refs"):  # a family whose groups are not Mixtral-like (DeepSeek's MLA)
+            return self.family.group_refs(self, key)
         kind = key[0]
         if kind == "attn":
             return self.attention_refs(key[1])
@@ -235,7 +231,9 @@ def check_config(cfg: dict) -> None:
     quant = cfg.get("quantization_config")
     method = (quant.get("quant_method", "?") if isinstance(quant, dict) else quant) if quant else None
     shipped = getattr(FAMILIES[mt], "QUANTIZATION", ())  # gpt-oss reads MXFP4 as published
-    if quant and method not in shipped:
+    if quant and hasattr(FAMILIES[mt], "check_quantization"):  # DeepSeek-V3 reads FP8 blocks as published
+        FAMILIES[mt].check_quantization(quant)
+    elif quant and method not in shipped:
         also = f" or {'/'.join(shipped)} as published" if shipped else ""
         raise F.BadField(f"field 'quantization_config' is present (quant_method {method!r}); Klotski reads "
                          f"unquantized bf16/fp16/fp32 weights{also}: use the original checkpoint (and --quantize hqq4)")

@@ -1,0 +1,249 @@
+"""DeepSeek-V2 and V2-Lite (deepseek-ai/DeepSeek-V2, DeepSeek-V2-Lite): multi-head latent
+attention (MLA), dense first layers, shared experts beside routed ones, greedy or
+group-limited greedy routing scaled by `routed_scaling_factor`.
+
+MLA caches what transformers caches: per token and layer the normalised latent c
+(kv_lora_rank values) and the rotated shared key k_rot (qk_rope_head_dim values), 576 in
+V2-Lite where full keys and values would take 16 heads x (192 + 128) = 5,120. `BatchKV`
+holds c as its "keys" and k_rot as its "values"; attention decodes keys and values of every
+head from c with kv_b_proj at use (the naive form, as transformers does, so fp32 stays
+token-identical). Queries and keys are nope + rope = 192 wide, values 128.
+
+A dense first layer (`first_k_dense_replace`) has no experts: its gate group holds the
+post-attention norm and the dense MLP (`dense_w1/w3/w2`), its router returns no choice, and
+the pipeline adds the MLP's output the way it adds a shared expert's. The shared experts of
+a MoE layer travel in its gate group (`shared_w1/w3/w2`), like Qwen2-MoE's.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from klotski.models import fields as Fd
+from klotski.models import layers as L
+from klotski.models.refs import TensorRef
+
+MODEL_TYPE = "deepseek_v2"
+ROUTINGS = ("greedy", "group_limited_greedy")
+
+
+def check_config(cfg: dict) -> None:
+    """DeepSeek's own fields (the shared ones are checked by spec.check_config)."""
+    Fd.choice(cfg, "hidden_act", ("silu",), default="silu", why=" (DeepSeek's experts are SwiGLU)")
+    for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        Fd.integer(cfg, name)
+    if cfg["qk_rope_head_dim"] % 2:
+        raise Fd.BadField(f"field 'qk_rope_head_dim' is {cfg['qk_rope_head_dim']}; must be even "
+                          "(RoPE rotates pairs of dimensions)")
+    Fd.integer(cfg, "q_lora_rank", default=None, optional=True)
+    Fd.integer(cfg, "n_shared_experts", low=0, default=0, optional=True)
+    dense = Fd.integer(cfg, "first_k_dense_replace", low=0, high=cfg["num_hidden_layers"],
+                       high_name="num_hidden_layers", default=0, optional=True)
+    if dense:
+        Fd.integer(cfg, "intermediate_size")
+    for name in ("attention_bias", "mlp_bias"):
+        if Fd.boolean(cfg, name, default=False):
+            raise Fd.BadField(f"field {name!r} is true; DeepSeek checkpoints have no projection biases: set it "
+                              "to false")
+    Fd.positive_number(cfg, "routed_scaling_factor", default=1.0)
+    check_routing(cfg)
+
+
+def check_routing(cfg: dict) -> None:
+    method = Fd.choice(cfg, "topk_method", ROUTINGS, default="greedy")
+    if method == "group_limited_greedy":
+        check_groups(cfg)
+
+
+def check_groups(cfg: dict) -> None:
+    experts = cfg["n_routed_experts"]
+    groups = Fd.integer(cfg, "n_group", high=experts, high_name="n_routed_experts")
+    Fd.divisible("n_routed_experts", experts, "n_group", groups)
+    Fd.integer(cfg, "topk_group", high=groups, high_name="n_group")
+
+
+def options(cfg: dict) -> dict:
+    return {"norm_topk_prob": False, "router_weights_fp32": True}
+
+
+# ---- tensor groups (hub layout) -------------------------------------------------------
+def attention_names(layer: int, q_lora: bool = False) -> dict[str, str]:
+    p = f"model.layers.{layer}."
+    a = p + "self_attn."
+    q = {"q_a": a + "q_a_proj.weight", "q_a_norm": a + "q_a_layernorm.weight", "q_b": a + "q_b_proj.weight"} \
+        if q_lora else {"q": a + "q_proj.weight"}
+    return {"input_norm": p + "input_layernorm.weight", **q, "kv_a": a + "kv_a_proj_with_mqa.weight",
+            "kv_a_norm": a + "kv_a_layernorm.weight", "kv_b": a + "kv_b_proj.weight", "o": a + "o_proj.weight"}
+
+
+def gate_names(layer: int, dense: bool = False) -> dict[str, str]:
+    p = f"model.layers.{layer}."
+    if dense:
+        mlp = {f"dense_{w}": p + f"mlp.{n}_proj.weight" for w, n in _MLP}
+    else:
+        mlp = {"router": p + "mlp.gate.weight", **{f"shared_{w}": p + f"mlp.shared_experts.{n}_proj.weight"
+                                                   for w, n in _MLP}}
+    return {"post_norm": p + "post_attention_layernorm.weight", **mlp}
+
+
+def expert_names(layer: int, expert: int) -> dict[str, str]:
+    p = f"model.layers.{layer}.mlp.experts.{expert}."
+    return {w: p + f"{n}_proj.weight" for w, n in _MLP}
+
+
+_MLP = (("w1", "gate"), ("w3", "up"), ("w2", "down"))
+# weights an FP8 checkpoint stores as float8 with block scales (V3); norms, router, embedding
+# and head stay as they are
+_FP8 = {"q", "q_a", "q_b", "kv_a", "kv_b", "o", "w1", "w2", "w3"} | {f"{p}_{w}" for p in ("shared", "dense")
+                                                                  for w in ("w1", "w2", "w3")}
+
+
+def group_refs(spec, key: tuple, gate_names=gate_names) -> dict:
+    """The spec's tensor refs of a group, by this family's names; with FP8 block scales where
+    the checkpoint has them (`quantization_config`, DeepSeek-V3)."""
+    kind = key[0]
+    if kind == "attn":
+        names = attention_names(key[1], bool(spec.q_lora_rank))
+    elif kind == "gate":
+        names = gate_names(key[1], key[1] < spec.dense_layers)
+    elif kind == "expert":
+        refs = spec.expert_refs(key[1], key[2])
+        return {n: _scaled(spec, n, r) for n, r in refs.items()}
+    else:
+        return spec.embed_refs() if kind == "embed" else spec.head_refs()
+    return {n: _scaled(spec, n, TensorRef(name)) for n, name in names.items()}
+
+
+def fp8_block(spec) -> tuple[int, int] | None:
+    quant = spec.config.get("quantization_config") or {}
+    block = quant.get("weight_block_size")
+    return tuple(block) if quant.get("quant_method") == "fp8" and block else None
+
+
+def _scaled(spec, local: str, ref):
+    block = fp8_block(spec)
+    if block is None or local not in _FP8 or ref.index is not None:
+        return ref
+    import dataclasses
+    return dataclasses.replace(ref, scale=ref.name.removesuffix("weight") + "weight_scale_inv", block=block)
+
+
+def local_shapes(spec) -> dict[str, tuple[int, ...]]:
+    s = spec.shape
+    H, h, r, rope = s.hidden_size, s.num_heads, s.kv_lora_rank, s.head_dim
+    qk, ql, D, Is = s.qk_nope_head_dim + rope, s.q_lora_rank, s.dense_intermediate_size, s.shared_intermediate_size
+    return {"q": (h * qk, H), "q_a": (ql, H), "q_a_norm": (ql,), "q_b": (h * qk, ql), "kv_a": (r + rope, H),
+            "kv_a_norm": (r,), "kv_b": (h * (s.qk_nope_head_dim + s.v_head_dim), r), "o": (H, h * s.v_head_dim),
+            "router_bias": (s.num_experts,), "shared_w1": (Is, H), "shared_w3": (Is, H), "shared_w2": (H, Is),
+            "dense_w1": (D, H), "dense_w3": (D, H), "dense_w2": (H, D)}
+
+
+# ---- math ------------------------------------------------------------------------------
+def softmax_scale(spec) -> float:
+    """(nope + rope)^-1/2, times yarn's mscale(factor, mscale_all_dim)^2 where the config
+    scales its RoPE (as transformers' `yarn_apply_mscale`)."""
+    scale = (spec.qk_nope_head_dim + spec.head_dim) ** -0.5
+    rope = spec.config.get("rope_parameters") or spec.config.get("rope_scaling") or {}  # checked by spec
+    all_dim = rope.get("mscale_all_dim", 0)
+    if rope.get("rope_type", rope.get("type", "default")) != "default" and all_dim and rope["factor"] > 1:
+        m = 0.1 * all_dim * math.log(rope["factor"]) + 1.0
+        scale = scale * m * m
+    return scale
+
+
+def rotate(q, k, cos, sin, spec):
+    """V2's rotary embedding: interleaved pairs (x0, x1), (x2, x3), ... rotated as complex
+    numbers, on the rope part only. cos/sin [B, T, rope] are the pipeline's tables (halves
+    repeated, attention scaling applied)."""
+    half = cos.shape[-1] // 2
+    freqs = torch.complex(cos[..., :half].float(), sin[..., :half].float())[:, None]
+
+    def turn(x):
+        xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(xc * freqs).flatten(3).type_as(x)
+    return turn(q), turn(k)
+
+
+def attention_block(h, w, cos, sin, mask, cache_write, spec, max_scores=None, rotate=rotate):
+    """Residual MLA sub-layer for one batch; `cache_write(c, k_rot)` stores this step's latent
+    [B, 1, T, r] and rotary key [B, 1, T, rope] and returns every one the batch has so far."""
+    s, eps = spec.shape, spec.rms_norm_eps
+    B, T, _ = h.shape
+    heads, nope, rope, r = s.num_heads, s.qk_nope_head_dim, s.head_dim, s.kv_lora_rank
+    x = L.rms_norm(h, w["input_norm"], eps)
+    q = F.linear(x, w["q"]) if "q" in w else \
+        F.linear(L.rms_norm(F.linear(x, w["q_a"]), w["q_a_norm"], eps), w["q_b"])
+    q_pass, q_rot = torch.split(q.view(B, T, heads, nope + rope).transpose(1, 2), [nope, rope], dim=-1)
+    c, k_rot = torch.split(F.linear(x, w["kv_a"]), [r, rope], dim=-1)
+    c = L.rms_norm(c, w["kv_a_norm"], eps).view(B, 1, T, r)
+    q_rot, k_rot = rotate(q_rot, k_rot.view(B, 1, T, rope), cos, sin, spec)
+    latent, k_rot = cache_write(c, k_rot)
+    query = torch.cat((q_pass, q_rot), dim=-1)
+    keys, values = expand(latent, k_rot, w["kv_b"], spec)
+    scale = softmax_scale(spec)
+    S = keys.shape[2]
+    step = T if max_scores is None else max(1, max_scores // (B * heads * S))
+    out = torch.cat([_attend(query[:, :, i:i + step], keys, values, mask[:, :, i:i + step], scale)
+                     for i in range(0, T, step)], dim=1) if step < T else _attend(query, keys, values, mask, scale)
+    return h + F.linear(out, w["o"])
+
+
+def expand(latent, k_rot, kv_b, spec):
+    """Keys [B, h, S, nope + rope] and values [B, h, S, v] of every head from the cached latent
+    [B, 1, S, r] and rotary key [B, 1, S, rope]."""
+    s = spec.shape
+    B, _, S, _ = latent.shape
+    kv = F.linear(latent, kv_b).view(B, S, s.num_heads, s.qk_nope_head_dim + s.v_head_dim).transpose(1, 2)
+    k_nope, values = torch.split(kv, [s.qk_nope_head_dim, s.v_head_dim], dim=-1)
+    keys = kv.new_empty(*kv.shape[:-1], s.qk_nope_head_dim + s.head_dim)
+    keys[..., :s.qk_nope_head_dim].copy_(k_nope)
+    keys[..., s.qk_nope_head_dim:].copy_(k_rot.expand(-1, s.num_heads, -1, -1))
+    return keys, values
+
+
+def _attend(q, keys, values, mask, scale):
+    """Attention with keys and values of different widths -> [B, T, heads * v]."""
+    B, heads, T, _ = q.shape
+    scores = torch.matmul(q, keys.transpose(2, 3)) * scale
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)  # finite: see layers.attend
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, values).transpose(1, 2).reshape(B, T, heads * values.shape[-1])
+
+
+def no_experts(x):
+    """A dense layer's router: no token picks an expert."""
+    return (torch.zeros(len(x), 0, dtype=torch.float32, device=x.device),
+            torch.zeros(len(x), 0, dtype=torch.long, device=x.device))
+
+
+def route(x, gate: dict, spec):
+    """Softmax over every expert in fp32, then the top-k (greedy), or the top-k of the
+    `topk_group` groups with the best single expert (group-limited); unsorted, as
+    transformers takes them (the slot order sets the sum's order); x routed_scaling_factor."""
+    if "router" not in gate:
+        return no_experts(x)
+    cfg = spec.config
+    scores = F.linear(x.float(), gate["router"].float()).softmax(dim=-1, dtype=torch.float32)
+    if cfg.get("topk_method") == "group_limited_greedy":
+        groups = cfg["n_group"]
+        best = scores.view(len(x), groups, -1).max(dim=-1).values
+        scores = scores.masked_fill(~_group_mask(best, cfg["topk_group"], scores.shape[-1]), 0.0)
+    weights, experts = torch.topk(scores, k=spec.top_k, dim=-1, sorted=False)
+    return weights * cfg.get("routed_scaling_factor", 1.0), experts
+
+
+def _group_mask(group_scores, keep: int, num_experts: int):
+    """[N, E] bool: the experts of each token's `keep` best groups."""
+    idx = torch.topk(group_scores, k=keep, dim=-1, sorted=False)[1]
+    mask = torch.zeros_like(group_scores).scatter_(1, idx, 1)
+    return mask.unsqueeze(-1).expand(-1, -1, num_experts // group_scores.shape[1]).reshape(-1, num_experts).bool()
+
+
+expert_ffn = L.swiglu
+
+
+def shared_ffn(x, gate: dict, spec):
+    """The shared experts (always added), or a dense layer's MLP."""
+    return L.swiglu(x, gate, "dense_" if "dense_w1" in gate else "shared_")
