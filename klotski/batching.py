@@ -88,9 +88,8 @@ class ContinuousRun:
     def run(self):
         bs, n = self.e.batch_size, self.e.num_batches
         first = [self.queue.popleft() for _ in range(min(len(self.queue), n * bs))]
-        first.sort(key=lambda s: -len(s.prompt_ids))
         try:
-            self.decode = [self._first_fill(first[i:i + bs]) for i in range(0, len(first), bs)]
+            self.decode = self._fill(first)
             while True:
                 self._admit()
                 self._consolidate()
@@ -98,6 +97,11 @@ class ContinuousRun:
                 work = [(d, *self._input(d)) for d in self.decode if d.live()]
                 if self.newcomers and self.newcomers.chunks:
                     work.append((self.newcomers, self.newcomers.chunks.pop(0), True))
+                if not work and self.queue:  # every row idle and no newcomer fits beside the caches: start afresh
+                    for d in self.decode:
+                        self.space.free(d.kv)
+                    self.decode = self._fill([self.queue.popleft() for _ in range(min(len(self.queue), n * bs))])
+                    continue
                 if not work:
                     break
                 yield from self._step(work)
@@ -105,14 +109,18 @@ class ContinuousRun:
         finally:
             self.space.close()
 
+    def _fill(self, seqs) -> list[_Decode]:
+        seqs = sorted(seqs, key=lambda s: -len(s.prompt_ids))
+        bs = self.e.batch_size
+        return [self._first_fill(seqs[i:i + bs]) for i in range(0, len(seqs), bs)]
+
     # ---- the first fill: prefilled in place, as static batching does ----------------------
     def _first_fill(self, batch) -> _Decode:
-        from klotski.engine import _chunks, _prefill_input
         kv, _ = self.space.allocate(len(batch), self.capacity)
-        whole = _prefill_input(batch, max(len(s.prompt_ids) for s in batch), self.e._pad_id())
+        whole = prefill_input(batch, max(len(s.prompt_ids) for s in batch), self.e._pad_id())
         self.e.stats.prompt_tokens += sum(len(s.prompt_ids) for s in batch)
         return _Decode(kv, list(batch), [0] * len(batch), whole.positions[:, -1] + 1,
-                       torch.full((len(batch),), -1), _chunks(whole, self.chunk))
+                       torch.full((len(batch),), -1), chunks(whole, self.chunk))
 
     def _input(self, d: _Decode) -> tuple[StepInput, bool]:
         """The batch's input this step and whether it is a prefill."""
@@ -252,16 +260,15 @@ class ContinuousRun:
             break
         else:
             return  # nothing fits this step: the prompts wait for room
-        from klotski.engine import _chunks, _prefill_input
         seqs = [self.queue.popleft() for _ in range(take)]
         self.e.stats.prompt_tokens += sum(len(s.prompt_ids) for s in seqs)
-        whole = _prefill_input(seqs, longest, self.e._pad_id())
-        self.newcomers = _Newcomers(seqs, kv, _chunks(whole, chunk), torch.full((take,), -1))
+        whole = prefill_input(seqs, longest, self.e._pad_id())
+        self.newcomers = _Newcomers(seqs, kv, chunks(whole, chunk), torch.full((take,), -1))
 
     def _fitting_chunk(self, rows: int, longest: int) -> int:
         """The longest prefill chunk for `rows` newcomers that keeps the step within the first
         prefill step's activations (0: none does)."""
-        decode_rows = sum(len(d.rows) for d in self.decode)
+        decode_rows = sum(len(d.rows) for d in self.decode if d.live())
         chunk = min(self.chunk, longest)
         while chunk:
             step = Step(tokens=decode_rows + rows * chunk, sequences=decode_rows + rows,
@@ -270,3 +277,20 @@ class ContinuousRun:
                 return chunk
             chunk //= 2
         return 0
+
+
+def prefill_input(batch: list[S.Sequence], length: int, pad: int) -> StepInput:
+    """Left-pad prompts to `length`; positions count real tokens only (cumsum(mask) - 1)."""
+    ids = torch.full((len(batch), length), pad, dtype=torch.long)
+    valid = torch.zeros((len(batch), length), dtype=torch.bool)
+    for i, s in enumerate(batch):
+        ids[i, length - len(s.prompt_ids):] = torch.tensor(s.prompt_ids)
+        valid[i, length - len(s.prompt_ids):] = True
+    positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
+    return StepInput(ids, valid, positions)
+
+
+def chunks(inp: StepInput, size: int) -> list[StepInput]:
+    """A prompt's columns in chunks of `size` (the last may be shorter)."""
+    return [StepInput(inp.ids[:, a:a + size], inp.valid[:, a:a + size], inp.positions[:, a:a + size])
+            for a in range(0, inp.ids.shape[1], size)]

@@ -20,6 +20,7 @@ import torch
 
 from klotski import sequences as S
 from klotski.channels import pin
+from klotski.batching import ContinuousRun, chunks, prefill_input
 from klotski.kvcache import BatchKV
 from klotski.pipeline import StepInput
 from placement import pinned
@@ -82,7 +83,6 @@ class Engine:
     def run(self, seqs: list[S.Sequence]):
         """Generate for every sequence; yield each one as soon as it finishes."""
         if self.config.batching == "continuous" and seqs:
-            from klotski.batching import ContinuousRun
             yield from ContinuousRun(self, seqs).run()
             self.predictor.end_group()
             self.predictor.persist()
@@ -111,8 +111,8 @@ class Engine:
         for its own longest request)."""
         pad = self._pad_id()
         chunk = self.prefill_chunk or max(prompt_len)
-        whole = {k: _prefill_input(b, p, pad) for k, (b, p) in enumerate(zip(group, prompt_len))}
-        prompts = {k: _chunks(inp, chunk) for k, inp in whole.items()}
+        whole = {k: prefill_input(b, p, pad) for k, (b, p) in enumerate(zip(group, prompt_len))}
+        prompts = {k: chunks(inp, chunk) for k, inp in whole.items()}
         next_pos = {k: inp.positions[:, -1] + 1 for k, inp in whole.items()}
         inputs = {k: parts.pop(0) for k, parts in prompts.items()}
         self.stats.prompt_tokens += sum(len(s.prompt_ids) for b in group for s in b)
@@ -183,23 +183,6 @@ class Engine:
 def _non_finite(layer: int, num_layers: int) -> str:
     where = f"at layer {layer} of {num_layers}" if layer >= 0 else "in the final norm or lm_head"
     return f"non-finite values {where}; the checkpoint's weights or config may be corrupt (klotski check --model DIR)"
-
-
-def _prefill_input(batch: list[S.Sequence], length: int, pad: int) -> StepInput:
-    """Left-pad prompts to `length`; positions count real tokens only (cumsum(mask) - 1)."""
-    ids = torch.full((len(batch), length), pad, dtype=torch.long)
-    valid = torch.zeros((len(batch), length), dtype=torch.bool)
-    for i, s in enumerate(batch):
-        ids[i, length - len(s.prompt_ids):] = torch.tensor(s.prompt_ids)
-        valid[i, length - len(s.prompt_ids):] = True
-    positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
-    return StepInput(ids, valid, positions)
-
-
-def _chunks(inp: StepInput, size: int) -> list[StepInput]:
-    """A prompt's columns in chunks of `size` (the last may be shorter)."""
-    return [StepInput(inp.ids[:, a:a + size], inp.valid[:, a:a + size], inp.positions[:, a:a + size])
-            for a in range(0, inp.ids.shape[1], size)]
 
 
 class KVSpace:

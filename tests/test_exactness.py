@@ -5,7 +5,7 @@ import torch
 from conftest import PROMPTS, VARIANTS, engine_tokens, reference_tokens
 from klotski.config import RunConfig
 from klotski.assemble import open_engine
-from klotski.engine import _prefill_input
+from klotski.batching import prefill_input
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -36,7 +36,7 @@ def test_hidden_states_match_per_layer(checkpoints, variant):
     batch = sorted(seqs, key=lambda s: PROMPTS.index(s.request.prompt))
     length = max(len(s.prompt_ids) for s in batch)
     kv = BatchKV(engine.spec.num_layers, 3, engine.spec.num_kv_heads, engine.spec.head_dim, length, torch.float32)
-    inp = _prefill_input(batch, length, 0)
+    inp = prefill_input(batch, length, 0)
     assert torch.equal(inp.ids[inp.valid], enc["input_ids"][enc["attention_mask"].bool()])
     engine.pipeline.forward([kv], [inp])
     mask = enc["attention_mask"].bool()
