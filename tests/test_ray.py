@@ -16,7 +16,7 @@ from conftest import PROMPTS, reference_tokens
 from klotski.config import RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
-COUNT = 40
+COUNT = 24
 
 
 @pytest.fixture(scope="module")
