@@ -230,16 +230,21 @@ class RayRun:
     def run(self) -> dict:
         from klotski.jobs import JobFileError, LineError, stream_jobs
         from klotski.output import OutputWriter, error_record, is_error, read_output
+        import itertools
+        earlier = read_output(self.output) if self.config.resume else None
+        items = stream_jobs(self.jobs, earlier.ok if earlier else None)
+        items = itertools.chain(list(itertools.islice(items, 1)), items)  # a missing job file fails here
         ray = self._connect()
         try:
             t_start = time.perf_counter()
             n, self._resources = self._pool_size(ray)
             self.slots = [Slot(i) for i in range(n)]
-            self._start(ray, self.slots)
-            self._open_all(ray)
+            try:
+                self._start(ray, self.slots)
+                self._open_all(ray)
+            except ray.exceptions.RayTaskError as e:
+                raise RunStopped(_actor_failed(e, "nothing was written")) from None
             t_ready = time.perf_counter()
-            earlier = read_output(self.output) if self.config.resume else None
-            items = stream_jobs(self.jobs, earlier.ok if earlier else None)
             counts = {"ok": 0, "failed": 0, "skipped": 0}
             try:
                 writer = OutputWriter(self.output, resume=self.config.resume, known=earlier)
@@ -301,10 +306,7 @@ class RayRun:
                     raise RunStopped(f"the run stopped: {e}; {len(writer)} records are in {self.output}; "
                                      "rerun the same command to resume") from None
                 except ray.exceptions.RayTaskError as e:  # a bug inside an actor: one line, what is written stays
-                    cause = e.cause if getattr(e, "cause", None) is not None else e
-                    raise RunStopped(f"internal error in a Ray actor ({type(cause).__name__}: "
-                                     f"{str(cause).splitlines()[-1] if str(cause) else ''}); {len(writer)} records "
-                                     f"are in {self.output}; rerun the same command to resume") from None
+                    raise RunStopped(_actor_failed(e, f"{len(writer)} records are in {self.output}")) from None
             for s in self.slots:
                 try:
                     ray.get(s.actor.close.remote())
@@ -348,6 +350,14 @@ class RayRun:
                           "up; each actor sorts a shard's prompts longest first; records are written as shards "
                           "finish"),
                 "config": self.config.to_json()}
+
+
+def _actor_failed(e, kept: str) -> str:
+    """One line for an exception inside an actor (our bug); Ray keeps the traceback in its logs."""
+    cause = e.cause if getattr(e, "cause", None) is not None else e
+    last = str(cause).strip().splitlines()[-1] if str(cause).strip() else ""
+    return (f"internal error in a Ray actor ({type(cause).__name__}: {last}); {kept}; rerun the same command "
+            "to resume (the traceback is in the Ray logs, /tmp/ray/session_latest/logs on the actor's node)")
 
 
 def _sum_predicted(slots) -> float | None:

@@ -103,7 +103,7 @@ def test_an_actor_killed_mid_run_has_its_shards_rerun(cluster, job, tmp_path):
     assert report["per_actor"][0]["pid"] != victim  # a fresh actor took the slot
 
 
-def test_a_driver_killed_mid_run_resumes_on_rerun(cluster, job, tmp_path):
+def test_a_driver_killed_mid_run_resumes_on_rerun(cluster, job, tmp_path, capsys):
     jobs, config, single = job
     out = tmp_path / "out.jsonl"
     args = [sys.executable, "-m", "klotski.cli", "generate", str(jobs), "-o", str(out), "--model", config.model,
@@ -115,9 +115,11 @@ def test_a_driver_killed_mid_run_resumes_on_rerun(cluster, job, tmp_path):
     proc.wait()
     partial = out.read_text().count("\n")
     assert partial < COUNT + 1, "the kill should land mid-run"
-    r = subprocess.run(args, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 1, r.stderr  # the empty prompt
-    assert "already done" in r.stderr and "Traceback" not in r.stderr
+    from klotski import cli
+    code = cli.main(args[3:])  # the rerun, in this process: the same command
+    err = capsys.readouterr().err
+    assert code == cli.EXIT_FAILED_LINES, err  # the empty prompt
+    assert "already done" in err and "Traceback" not in err
     assert by_id(out) == single
 
 
@@ -149,3 +151,14 @@ def test_without_ray_the_flag_says_how_to_install_it(monkeypatch, tmp_path, caps
     assert len(err) == 1 and "pip install 'klotski[ray]'" in err[0], err
     assert cli.main(["generate", str(jobs), "--workers", "2"]) == cli.EXIT_USAGE
     assert "needs --ray" in capsys.readouterr().err
+
+
+def test_a_user_mistake_seen_by_the_actors_is_one_line(cluster, tmp_path, capsys):
+    from klotski import cli
+    jobs = tmp_path / "j.jsonl"
+    jobs.write_text('{"prompt": "x"}\n')
+    code = cli.main(["generate", str(jobs), "--model", str(tmp_path / "no-such-model"), "--ray", cluster,
+                     "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == cli.EXIT_USAGE and len(err) == 1 and "no-such-model" in err[0], err
+    assert not (tmp_path / "j.out.jsonl").exists()
