@@ -43,7 +43,7 @@ def main():
     generate(jobs, tmp / "warm.json", common)  # builds the model and measures the profile once
     for rep in range(a.reps):
         for name, flags in CONFIGS.items():
-            r = generate(jobs, tmp / f"r{rep}-{len(runs[name])}.json", common + flags)
+            r = generate(jobs, tmp / f"r{rep}-{name.replace(' ', '').replace(',', '-')}.json", common + flags)
             runs[name].append(_row(r))
             print(f"rep {rep} {name}: {runs[name][-1]}", file=sys.stderr)
     table = {name: _median(rows) for name, rows in runs.items()}

@@ -188,7 +188,8 @@ class RayRun:
                 else:
                     ray.init(address=self.address, log_to_driver=False, logging_level="ERROR")
             except ConnectionError as e:
-                raise UserError(f"--ray {self.address}: cannot join a Ray cluster ({str(e).splitlines()[0]}); "
+                why = str(e).splitlines()[0].split(". ")[0].rstrip(".")  # Ray's own advice names its flags, not ours
+                raise UserError(f"--ray {self.address}: cannot join a Ray cluster ({why}); "
                                 "start one with `ray start --head`, or pass --ray local to start one here") from None
             self._started = True
         return ray
