@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -22,8 +23,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, generate, write_jobs  # noqa: E402
 
-CONFIGS = {"one process": [], "ray, 1 actor": ["--ray", "local", "--workers", "1"],
-           "ray, 2 actors": ["--ray", "local", "--workers", "2"]}
+# (flags, torch threads of the one process: 1 is what each of 2 actors gets, so the last row's
+# gain is told apart from one thread's own gain on a busy 2-core machine)
+CONFIGS = {"one process": ([], None), "ray, 1 actor": (["--ray", "local", "--workers", "1"], None),
+           "ray, 2 actors": (["--ray", "local", "--workers", "2"], None), "one process, 1 thread": ([], "1")}
 
 
 def main():
@@ -42,7 +45,10 @@ def main():
     runs = {name: [] for name in CONFIGS}
     generate(jobs, tmp / "warm.json", common)  # builds the model and measures the profile once
     for rep in range(a.reps):
-        for name, flags in CONFIGS.items():
+        for name, (flags, threads) in CONFIGS.items():
+            os.environ.pop("OMP_NUM_THREADS", None)
+            if threads:
+                os.environ["OMP_NUM_THREADS"] = threads
             r = generate(jobs, tmp / f"r{rep}-{name.replace(' ', '').replace(',', '-')}.json", common + flags)
             runs[name].append(_row(r))
             print(f"rep {rep} {name}: {runs[name][-1]}", file=sys.stderr)
