@@ -127,6 +127,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--window", type=int, default=RunConfig.window, metavar="LINES",
                    help="job lines read, tokenized and ordered by length together; memory holds one window "
                         f"whatever the file's length (default: {RunConfig.window})")
+    g.add_argument("--ray", nargs="?", const="auto", metavar="ADDRESS",
+                   help="run on a Ray cluster: one engine per GPU (per node without GPUs) as Ray actors, the job "
+                        "sharded over them, one output file; ADDRESS: auto (default: join the running cluster), "
+                        "local (start one here) or host:port. Needs: pip install 'klotski[ray]'")
+    g.add_argument("--workers", type=int, metavar="N", help="with --ray: number of actors (engines)")
+    g.add_argument("--shard", type=int, default=RunConfig.shard, metavar="LINES",
+                   help=f"with --ray: job lines handed to an actor at a time, rerun whole if the actor dies "
+                        f"(default: {RunConfig.shard})")
 
     pl = sub.add_parser("plan", help="choose batch size, n and placement; predict throughput (no weights needed)",
                         description="Plan a run: batch size, batches per group, hot experts, placement per tier, "
@@ -210,7 +218,8 @@ def config_from_args(a: argparse.Namespace) -> RunConfig:
         direct_io=not a.no_direct_io, resume=not a.no_resume, include_token_ids=a.include_token_ids,
         output_format=a.output_format,
         report=a.report, trace=a.trace, progress=not a.no_progress,
-        window=getattr(a, "window", RunConfig.window))
+        window=getattr(a, "window", RunConfig.window), ray=getattr(a, "ray", None),
+        workers=getattr(a, "workers", None), shard=getattr(a, "shard", RunConfig.shard))
 
 
 def main(argv=None) -> int:

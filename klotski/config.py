@@ -70,6 +70,9 @@ class RunConfig:
     trace: str | None = None
     progress: bool = True
     window: int = 4096                # job lines read, tokenized and ordered together (memory holds one window)
+    ray: str | None = None            # --ray: a Ray cluster's address ("auto" joins, "local" starts one); None = no Ray
+    workers: int | None = None        # Ray actors (engines); None = one per GPU, else one per node
+    shard: int = 512                  # job lines handed to a Ray actor at a time (the unit rerun if it dies)
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
@@ -88,10 +91,12 @@ class RunConfig:
             raise ConfigError("--top-p must be in (0, 1]")
         if self.output_format not in OUTPUT_FORMATS:
             raise ConfigError(f"--output-format {self.output_format!r}: choose one of {', '.join(OUTPUT_FORMATS)}")
-        for name in ("batch_size", "num_batches", "prefill_chunk", "window"):
+        for name in ("batch_size", "num_batches", "prefill_chunk", "window", "workers", "shard"):
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.ray is None and self.workers is not None:
+            raise ConfigError("--workers sets the number of Ray actors; it needs --ray (e.g. --ray local --workers 2)")
         _sparse(self.attention)
         if self.quantize not in ("none", "hqq4"):
             raise ConfigError(f"--quantize {self.quantize!r}: choose none or hqq4")

@@ -60,6 +60,9 @@ def _generate(config: RunConfig, jobs: Path, output: str | None) -> int:
     out_path = Path(output) if output else default_output(jobs)
     if out_path.resolve() == jobs.resolve():
         raise UserError(f"{out_path}: the output would overwrite the job file; choose another -o path")
+    if config.ray:  # the driver of actors, each an engine like the one below (klotski/ray.py)
+        from klotski import ray as on_ray
+        return on_ray.generate(config, jobs, out_path)
     ckpt = Checkpoint.open(config.model, direct_io=config.direct_io)  # a bad model fails here
     earlier = read_output(out_path) if config.resume else None
     done = earlier.ok if earlier else None
