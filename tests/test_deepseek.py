@@ -45,13 +45,18 @@ def test_v2_q_lora_group_limited_yarn_two_dense_layers_equals_transformers(v2_lo
 # every schedule at n in {1, 4} runs on the presets in test_families; here the two extremes
 @pytest.mark.parametrize("schedule, n", [("klotski", 4), ("simple", 1)])
 def test_v2_variant_quarter_budget_every_schedule(v2_lora, schedule, n):
-    path, ref = v2_lora
+    engine = _quarter_budget_run(*v2_lora, schedule, n)
+    assert engine.pipeline.experts_loaded > 0
+
+
+def _quarter_budget_run(path, ref, schedule, n):
+    """Tokens equal transformers' at a quarter of the model's bytes, and the peak stays within."""
     quarter = _quarter(path)
     ours, engine = engine_tokens(path, device_memory=quarter, batch_size=1 if n == 1 else 4 // n, num_batches=n,
                                  schedule=schedule)
     assert ours == ref
     assert engine.memory.peak <= quarter
-    assert engine.pipeline.experts_loaded > 0
+    return engine
 
 
 def test_latent_kv_cache_holds_576_of_v2_lite_shape_and_is_exact_on_the_host(v2_lora):
@@ -129,12 +134,7 @@ def test_v3_fp8_checkpoint_equals_transformers_on_its_dequantized_weights(v3_fp8
 
 @pytest.mark.parametrize("schedule, n", [("klotski", 4), ("simple", 1)])
 def test_v3_fp8_quarter_budget(v3_fp8, schedule, n):
-    fp8, ref = v3_fp8
-    quarter = _quarter(fp8)
-    ours, engine = engine_tokens(fp8, device_memory=quarter, batch_size=1 if n == 1 else 4 // n, num_batches=n,
-                                 schedule=schedule)
-    assert ours == ref
-    assert engine.memory.peak <= quarter
+    _quarter_budget_run(*v3_fp8, schedule, n)
 
 
 def test_fp8_dequantization_reads_each_block_with_its_own_scale():
