@@ -267,9 +267,10 @@ class ContinuousRun:
 
     def _fitting_chunk(self, rows: int, longest: int) -> int:
         """The longest prefill chunk for `rows` newcomers that keeps the step within the first
-        prefill step's activations (0: none does)."""
+        prefill step's activations (0: none does): beside decode batches of one token a row,
+        newcomers may take longer chunks than a prefill of every batch at once."""
         decode_rows = sum(len(d.rows) for d in self.decode if d.live())
-        chunk = min(self.chunk, longest)
+        chunk = longest  # the step limit, not the first fill's chunk, bounds a newcomer's chunk
         while chunk:
             step = Step(tokens=decode_rows + rows * chunk, sequences=decode_rows + rows,
                         batch=max(self.e.batch_size, rows), queries=chunk, keys=self.capacity)

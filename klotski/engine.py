@@ -83,15 +83,24 @@ class Engine:
     def run(self, seqs: list[S.Sequence]):
         """Generate for every sequence; yield each one as soon as it finishes."""
         if self.config.batching == "continuous" and seqs:
-            yield from ContinuousRun(self, seqs).run()
-            self.predictor.end_group()
-            self.predictor.persist()
-            return
-        for group in self.groups(seqs):
-            yield from self._run_group(group)
-            self.predictor.end_group()
-            self.predictor.persist()  # what this group taught the predictor survives a crash
+            # a "group" for the predictor is a group's worth of finished sequences (n x bs)
+            finished = 0
+            for seq in ContinuousRun(self, seqs).run():
+                yield seq
+                finished += 1
+                if finished % (self.batch_size * self.num_batches) == 0:
+                    self.end_group()
+            if finished % (self.batch_size * self.num_batches):
+                self.end_group()
+        else:
+            for group in self.groups(seqs):
+                yield from self._run_group(group)
+                self.end_group()
         self.trace.resolve(everything=True)
+
+    def end_group(self) -> None:
+        self.predictor.end_group()
+        self.predictor.persist()  # what this group taught the predictor survives a crash
 
     def _run_group(self, group: list[list[S.Sequence]]):
         prompt_len = [max(len(s.prompt_ids) for s in b) for b in group]

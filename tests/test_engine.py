@@ -70,7 +70,7 @@ def test_decode_slot_utilisation_counts_slots_of_finished_sequences_as_waste(che
     token, seven decode steps compute both slots for the one sequence still generating."""
     reqs = [Request(id="short", line=1, prompt=PROMPTS[0], messages=None, max_new_tokens=1),
             Request(id="long", line=2, prompt=PROMPTS[1], messages=None, max_new_tokens=8)]
-    engine, seqs, _ = open_engine(RunConfig(model=str(checkpoints["gqa"]), batch_size=2, num_batches=1,
+    engine, seqs, _ = open_engine(RunConfig(model=str(checkpoints["gqa"]), batch_size=2, num_batches=1, batching="static",
                                             progress=False), reqs)
     done = {s.request.id: s for s in engine.run(seqs)}
     engine.close()
