@@ -191,6 +191,8 @@ def claim_items(objects, done=None, *, start: Start | None = None, cursor: Curso
     names its field the same way."""
     seen = start.seen if start else IdSet()
     names = {line: name for line, _, name in start.replay} if start else {}
+    if cursor is not None and start is not None:
+        cursor.line, cursor.offset = start.line, start.offset
     for line, begin, _, obj, error in replayed:
         item = _item(line, obj, error, done, lambda name: (names[line], names[line] == name))
         if cursor is not None:
