@@ -104,8 +104,9 @@ def _generate(config: RunConfig, jobs: Path, output: str | None) -> int:
         # lines under a sidecar's watermark are done (but for the error lines run again)
         skipped = resume.start.line - len(resume.start.replay) if resume else 0
         # disable=None: tqdm turns itself off when stderr is not a terminal (logs, CI)
+        # initial: the lines under a sidecar's watermark count as done, so the ETA is the rest's
         bar = tqdm(total=None, unit="line", desc="generate", disable=None if config.progress else True,
-                   file=sys.stderr, mininterval=0.5)
+                   file=sys.stderr, mininterval=0.5, initial=skipped)
         engine = None
         try:
             engine = build_engine(config, ckpt, run_plan) if run_plan else None
@@ -115,7 +116,8 @@ def _generate(config: RunConfig, jobs: Path, output: str | None) -> int:
                         bar.total = lines.total
                         bar.refresh()
                     if window.skipped and not skipped and not resume:
-                        print(f"klotski: resuming {out_path}: skipping lines already done", file=sys.stderr)
+                        # (through the bar: a plain print would leave a torn bar line behind)
+                        bar.write(f"klotski: resuming {out_path}: skipping lines already done", file=sys.stderr)
                     skipped += window.skipped
                     # a record already in the file (from before the rerun's window reached it) is not an error
                     seqs = [s for s in window.seqs if s.request.id not in writer]
