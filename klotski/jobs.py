@@ -213,7 +213,7 @@ def claim_items(objects, done=None, *, start: Start | None = None, cursor: Curso
         item = _item(line, obj, error, done, claim)
         if cursor is not None:
             cursor.line, cursor.offset = line, end
-            if item is not _BLANK:
+            if item is not _BLANK and item is not None:  # (only a line that runs can fail)
                 cursor.starts[line] = begin
         if item is not _BLANK:
             yield item
