@@ -124,6 +124,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--window", type=int, default=RunConfig.window, metavar="LINES",
                    help="job lines read, tokenized and ordered by length together; memory holds one window "
                         f"whatever the file's length (default: {RunConfig.window})")
+    g.add_argument("--prompt-field", default=RunConfig.prompt_field, metavar="COLUMN",
+                   help="for a dataset input (.parquet, .csv, .json, .arrow, a save_to_disk directory): the prompt "
+                        f"column (default: {RunConfig.prompt_field})")
+    g.add_argument("--messages-field", default=RunConfig.messages_field, metavar="COLUMN",
+                   help=f"the chat messages column of a dataset input (default: {RunConfig.messages_field})")
+    g.add_argument("--id-field", default=RunConfig.id_field, metavar="COLUMN",
+                   help=f"the id column of a dataset input; a row without one gets its row number "
+                        f"(default: {RunConfig.id_field})")
 
     pl = sub.add_parser("plan", help="choose batch size, n and placement; predict throughput (no weights needed)",
                         description="Plan a run: batch size, batches per group, hot experts, placement per tier, "
@@ -207,7 +215,10 @@ def config_from_args(a: argparse.Namespace) -> RunConfig:
         direct_io=not a.no_direct_io, resume=not a.no_resume, include_token_ids=a.include_token_ids,
         output_format=a.output_format,
         report=a.report, trace=a.trace, progress=not a.no_progress,
-        window=getattr(a, "window", RunConfig.window))
+        window=getattr(a, "window", RunConfig.window),
+        prompt_field=getattr(a, "prompt_field", RunConfig.prompt_field),
+        messages_field=getattr(a, "messages_field", RunConfig.messages_field),
+        id_field=getattr(a, "id_field", RunConfig.id_field))
 
 
 def main(argv=None) -> int:

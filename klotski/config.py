@@ -68,6 +68,9 @@ class RunConfig:
     trace: str | None = None
     progress: bool = True
     window: int = 4096                # job lines read, tokenized and ordered together (memory holds one window)
+    prompt_field: str = "prompt"      # a dataset input's columns (klotski/dataset_files.py)
+    messages_field: str = "messages"
+    id_field: str = "id"
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:

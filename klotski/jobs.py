@@ -45,6 +45,7 @@ ROLES = ("system", "user", "assistant")
 COMPLETIONS_URL = "/v1/completions"
 CHAT_URL = "/v1/chat/completions"
 _EXAMPLE = '{"id": "q1", "prompt": "Hello"}'
+ROW_KEY = "_klotski_row"  # a dataset row's columns, carried beside its job fields (klotski/dataset_files.py)
 
 
 class JobFileError(Exception):
@@ -71,6 +72,7 @@ class Request:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     openai: str | None = None  # the endpoint ("/v1/chat/completions", ...) of an OpenAI Batch line
+    row: dict | None = field(default=None, compare=False, hash=False, repr=False)  # a dataset row's columns
 
     def chat_messages(self) -> list[dict[str, str]]:
         return [{"role": r, "content": c} for r, c in self.messages or ()]
@@ -87,6 +89,7 @@ class LineError:
     message: str
     openai: str | None = None
     code: str = "invalid_request"
+    row: dict | None = field(default=None, compare=False, hash=False, repr=False)  # a dataset row's columns
 
     def __str__(self) -> str:
         return f"line {self.line} (id {self.id!r}): {self.message}"
@@ -102,13 +105,14 @@ def prompt_too_long(request: Request, prompt_tokens: int, context: int,
     else:
         message = (f"prompt has {prompt_tokens} tokens, more than the model's context of "
                    f"{context} tokens; shorten the prompt")
-    return LineError(request.id, request.line, message, openai=request.openai, code="context_length_exceeded")
+    return LineError(request.id, request.line, message, openai=request.openai, code="context_length_exceeded",
+                     row=request.row)
 
 
 def model_error(seq) -> LineError:
     """The error of a sequence the model could not produce (e.g. non-finite logits)."""
     req = seq.request
-    return LineError(req.id, req.line, seq.error, openai=req.openai, code="model_error")
+    return LineError(req.id, req.line, seq.error, openai=req.openai, code="model_error", row=req.row)
 
 
 # ---------------------------------------------------------------- reading
@@ -249,9 +253,10 @@ def _item(line: int, obj, error, done, claim):
         elif error is None:
             error = (f"this line has no id and its default id {natural!r} (the line number) is already "
                      f"used by an earlier line; give this line an id")
+    row = obj.get(ROW_KEY) if obj else None
     if error is None:
-        return Request(id=name, line=line, openai=openai, **fields)
-    return LineError(name, line, error, openai=openai)
+        return Request(id=name, line=line, openai=openai, row=row, **fields)
+    return LineError(name, line, error, openai=openai, row=row)
 
 
 def read_jobs(path) -> tuple[list[Request], list[LineError]]:

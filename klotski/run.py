@@ -55,6 +55,8 @@ def _generate(config: RunConfig, jobs: Path, output: str | None) -> int:
     from klotski.checkpoint import Checkpoint
     from klotski.jobs import JobFileError, model_error
     from klotski import progress
+    from klotski.dataset_files import is_dataset
+    from klotski.parquet_output import ParquetOutput, is_parquet
     from klotski.output import OutputWriter, error_record, read_output, result_record
 
     t_start = time.perf_counter()
@@ -63,9 +65,16 @@ def _generate(config: RunConfig, jobs: Path, output: str | None) -> int:
         raise UserError(f"{out_path}: the output would overwrite the job file; choose another -o path")
     ckpt = Checkpoint.open(config.model, direct_io=config.direct_io)  # a bad model fails here
     # A valid progress sidecar: seek past the finished lines, read only the output's tail.
-    resume = progress.load(out_path, jobs) if config.resume else None
-    earlier = resume.scan if resume else read_output(out_path) if config.resume else None
+    dataset, parquet = is_dataset(jobs), is_parquet(out_path)
+    # (a dataset input or a Parquet output resumes by the full pass over what was written)
+    resume = progress.load(out_path, jobs) if config.resume and not dataset and not parquet else None
+    if parquet:
+        earlier = None  # the Parquet writer reads its finished ids itself, on opening
+    else:
+        earlier = resume.scan if resume else read_output(out_path) if config.resume else None
     done = earlier.ok if earlier else None
+    if parquet and config.resume:
+        done = ParquetOutput.finished(out_path)
     stream = job_windows(jobs, config, ckpt, done, start=resume.start if resume else None)
     ahead = _read_ahead(stream)  # a missing or unreadable job file fails here
     first = ahead[-1].seqs if ahead and ahead[-1].seqs else None
@@ -76,23 +85,28 @@ def _generate(config: RunConfig, jobs: Path, output: str | None) -> int:
         run_plan = dataclasses.replace(run_plan, prefill_chunk=run_plan.plan.prefill_chunk)
     progress.invalidate(out_path)  # before the writer repairs or rewrites the output
     try:
-        writer = OutputWriter(out_path, resume=config.resume, known=earlier)
+        writer = (ParquetOutput(out_path, resume=config.resume) if parquet
+                  else OutputWriter(out_path, resume=config.resume, known=earlier))
     except OSError as e:
         raise UserError(f"{out_path}: cannot open the output file ({e.strerror}); choose another -o path") from None
-    try:
-        tracker = progress.Tracker(out_path, jobs, writer, resume)
-    except OSError:
-        tracker = None  # no sidecar (a read-only directory...): a rerun takes the full pass
+    tracker = None
+    if not dataset and not parquet:
+        try:
+            tracker = progress.Tracker(out_path, jobs, writer, resume)
+        except OSError:
+            pass  # no sidecar (a read-only directory...): a rerun takes the full pass
     stream = _Background(stream)  # the next window is read and tokenized while this one runs
     if resume:
         print(f"klotski: resuming {out_path}: lines 1-{resume.start.line} are done "
               f"(per {progress.sidecar(out_path).name})", file=sys.stderr)
     model_name = config.model
-    lines = _LineCount(jobs)
+    lines = _LineCount(jobs, config)
 
-    def emit(record, error=None) -> bool:
+    def emit(record, error=None, row=None) -> bool:
         then = (f"{len(writer)} whole records are in it; make room and rerun the same command to resume "
                 "(or move the file to a bigger disk first and pass its new path with -o)")
+        if row is not None and getattr(writer, "keeps_input", False):
+            record = {**record, "input": row}
         with writing(out_path, "the output", then=then):
             wrote = writer.write(record)
         if wrote and error is not None and tracker:
@@ -122,15 +136,17 @@ def _generate(config: RunConfig, jobs: Path, output: str | None) -> int:
                     # a record already in the file (from before the rerun's window reached it) is not an error
                     seqs = [s for s in window.seqs if s.request.id not in writer]
                     skipped += len(window.seqs) - len(seqs)
-                    failed += sum(emit(error_record(err, fmt=config.output_format), err) for err in window.errors)
+                    failed += sum(emit(error_record(err, fmt=config.output_format), err, err.row)
+                                  for err in window.errors)
                     bar.update(window.skipped + len(window.errors) + len(window.seqs) - len(seqs))
                     for seq in engine.run(seqs) if seqs else ():
                         if seq.error:
                             err = model_error(seq)
-                            errored += emit(error_record(err, fmt=config.output_format), err)
+                            errored += emit(error_record(err, fmt=config.output_format), err, err.row)
                         else:
-                            ok += emit(result_record(seq, fmt=config.output_format, model=model_name,
-                                                     include_token_ids=config.include_token_ids))
+                            ok += emit(result_record(seq, fmt="klotski" if parquet else config.output_format,
+                                                     model=model_name, include_token_ids=config.include_token_ids),
+                                       row=seq.request.row)
                         bar.update(1)
                         gen_s = engine.stats.prefill_s + engine.stats.decode_s
                         if gen_s > 0:
@@ -189,11 +205,16 @@ def job_windows(jobs: Path, config, ckpt, done, start=None) -> Iterator[Window]:
     for without reading them."""
     import copy
 
+    from klotski.dataset_files import is_dataset, job_rows
     from klotski.jobs import Cursor, LineError, stream_jobs, windows
     from klotski.sequences import prepare
     cursor = Cursor()
     tokenizer = ckpt.tokenizer
-    for items in windows(stream_jobs(jobs, done, start=start, cursor=cursor), config.window):
+    if is_dataset(jobs):  # the same checks, ids and windows, over a dataset's rows
+        items = job_rows(jobs, (config.prompt_field, config.messages_field, config.id_field), done, cursor)
+    else:
+        items = stream_jobs(jobs, done, start=start, cursor=cursor)
+    for items in windows(items, config.window):
         mark = cursor.take()
         errors = [x for x in items if isinstance(x, LineError)]
         todo = [x for x in items if x is not None and not isinstance(x, LineError)]
@@ -274,15 +295,16 @@ class _LineCount:
     """The job file's line count, for the progress bar's total and ETA, counted in a thread
     (newline bytes only) so the first window never waits for it."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, config=None):
         self.total = None
         threading.Thread(target=self._count, args=(path,), daemon=True, name="klotski-count-lines").start()
 
     def _count(self, path: Path) -> None:
+        from klotski.dataset_files import count_rows, is_dataset
         from klotski.jobs import count_lines
         try:
-            self.total = count_lines(path)
-        except OSError:
+            self.total = count_rows(path) if is_dataset(path) else count_lines(path)
+        except Exception:
             pass  # the bar counts without a total
 
 
