@@ -133,10 +133,16 @@ def _messages(value):
 
 def job_rows(path, fields, done, cursor):
     """klotski.jobs.stream_jobs for a dataset: Requests and LineErrors in row order."""
-    from klotski.jobs import claim_items
+    import dataclasses
+
+    from klotski.jobs import LineError, claim_items
     rows = open_rows(path)
     check_columns(rows, path, fields)
-    return claim_items(row_objects(rows, fields), done, cursor=cursor)
+    renamed = [f"{key} is column {col!r}" for key, col in zip(("prompt", "messages", "id"), fields) if key != col]
+    for item in claim_items(row_objects(rows, fields), done, cursor=cursor):
+        if renamed and isinstance(item, LineError):  # the checks name a line's keys; say which columns they are
+            item = dataclasses.replace(item, message=f"{item.message} (row {item.line}; {', '.join(renamed)})")
+        yield item
 
 
 def count_rows(path) -> int | None:

@@ -34,6 +34,8 @@ from klotski.jobs import JobFileError
 
 RESULT = ("id", "completion", "finish_reason", "prompt_tokens", "completion_tokens", "error")
 PARTS_KEY = b"klotski_parts"
+ROWS_PER_PART = 512  # records buffered before they become a part (what a SIGKILL can cost)
+FLUSH_S = 5.0        # ... or seconds
 
 
 def is_parquet(path) -> bool:
@@ -45,11 +47,12 @@ class ParquetOutput:
 
     keeps_input = True
 
-    def __init__(self, path, *, resume: bool = True, rows_per_part: int = 512, flush_s: float = 5.0):
+    def __init__(self, path, *, resume: bool = True, rows_per_part: int | None = None, flush_s: float | None = None):
         import pyarrow  # noqa: F401  (fails here, in one line, rather than at the first flush)
         self.path = Path(path)
         self.parts = self.path.with_name(self.path.name + ".parts")
-        self.rows_per_part, self.flush_s = rows_per_part, flush_s
+        self.rows_per_part = rows_per_part or ROWS_PER_PART
+        self.flush_s = FLUSH_S if flush_s is None else flush_s
         self.done_ids, self._written, self.retried, self.duplicates = IdSet(), IdSet(), 0, 0
         self.last_span = None
         self._buffer, self._flushed_at, self._earlier = [], time.monotonic(), 0
@@ -104,7 +107,8 @@ class ParquetOutput:
         if not self._buffer:
             return
         import pyarrow as pa
-        table = pa.Table.from_pylist(self._buffer)
+        keys = list(dict.fromkeys(k for row in self._buffer for k in row))  # (from_pylist reads the first row's)
+        table = pa.Table.from_pydict({k: [row.get(k) for row in self._buffer] for k in keys})
         name = self.parts / f"part-{self._run:020d}-{self._next:06d}.parquet"
         _write_atomically(name, [table], table.schema)
         self._next += 1
