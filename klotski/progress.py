@@ -148,6 +148,12 @@ class Tracker:
         self.size = self.records = None  # the output at the watermark
         self.committed_at = time.monotonic()
         self.frozen = False
+        if start and not start.replay and not writer.retried and not writer.repaired_bytes:
+            # Nothing was rewritten and nothing waits to be replayed: the loaded watermark holds
+            # for the output as it is now (its tail's finished ids are in `done`), so a kill before
+            # this run's first window ends still leaves a sidecar.
+            self.size, self.records = os.path.getsize(self.out_path), len(writer)
+            self.commit()
 
     def error(self, line: int, rid: str, span) -> None:
         self.pending.append((line, rid, span))
