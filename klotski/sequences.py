@@ -49,7 +49,8 @@ def prepare(requests, tokenizer, spec, config):
             errors.append(prompt_too_long(req, len(ids), ctx))
             continue
         if not ids:
-            errors.append(LineError(req.id, req.line, "prompt is empty after tokenization", openai=req.openai, row=req.row))
+            errors.append(LineError(req.id, req.line, "prompt is empty after tokenization",
+                                    openai=req.openai, row=req.row))
             continue
         if (top := max(ids)) >= spec.vocab_size:
             errors.append(LineError(req.id, req.line, f"the prompt has token id {top}, outside the model's "
