@@ -67,9 +67,9 @@ def count_records(path: Path) -> int:
         return 0
 
 
-def run_for(job: Path, out: Path, seconds: float, args, after_first: float | None = None) -> dict:
+def run_for(job: Path, out: Path, seconds: float, args, after_first: float | None = None, until=None) -> dict:
     """Start `klotski generate`, watch the output grow, SIGKILL it after `seconds` (or
-    `after_first` seconds after its first new record)."""
+    `after_first` seconds after its first new record, or once `until()` holds after it)."""
     before = count_records(out)
     cmd = [sys.executable, "-m", "klotski.cli", "generate", str(job), "-o", str(out), "--model", args.model,
            "--max-new-tokens", str(args.max_new_tokens), "--no-progress", "--window", str(args.window)]
@@ -91,6 +91,8 @@ def run_for(job: Path, out: Path, seconds: float, args, after_first: float | Non
         if rss300 is None and now >= 300:
             rss300 = rss
         if now >= seconds or (after_first is not None and first is not None and now >= first + after_first):
+            break
+        if until is not None and first is not None and until():
             break
         time.sleep(0.05 if first is None else 0.5)
     end = time.perf_counter() - t0
@@ -132,6 +134,9 @@ def main() -> None:
     p.add_argument("--window", type=int, default=4096)
     p.add_argument("--dir", default="/tmp/klotski-stream-bench")
     p.add_argument("--results", default=str(Path(__file__).parent / "results" / "stream_jobs.json"))
+    p.add_argument("--resume-only", action="store_true",
+                   help="only the half-done rerun: without a progress sidecar (the full pass), killed once it "
+                        "has written one, then rerun with it")
     args = p.parse_args()
     d = Path(args.dir)
     d.mkdir(parents=True, exist_ok=True)
@@ -146,6 +151,8 @@ def main() -> None:
                       f"(shared), Python {platform.python_version()}",
            "lines": args.lines, "small_lines": args.small, "max_new_tokens": args.max_new_tokens,
            "window": args.window, "run_s": args.run_s}
+    if args.resume_only:
+        return resume_only(big, d, res, args)
     out_small, out_big, out_half = d / "small.out.jsonl", d / "big.out.jsonl", d / "half.out.jsonl"
     for f in (out_small, out_big, out_half):
         f.unlink(missing_ok=True)
@@ -166,6 +173,27 @@ def main() -> None:
     res["big_half_done_rerun"]["records_total"], res["big_half_done_rerun"]["ids_distinct"] = total, distinct
     Path(args.results).parent.mkdir(parents=True, exist_ok=True)
     Path(args.results).write_text(json.dumps(res, indent=2) + "\n")
+    print(json.dumps(res, indent=2))
+
+
+def resume_only(big: Path, d: Path, res: dict, args) -> None:
+    """Half of the big job finished by an earlier run that left no sidecar: the rerun takes
+    the full pass (as every rerun did before the sidecar) and writes a sidecar as it goes; it
+    is killed once it has, and the next rerun starts from the sidecar's watermark."""
+    import shutil
+    out = d / "resume.out.jsonl"
+    out.unlink(missing_ok=True)
+    shutil.rmtree(d / "resume.out.jsonl.klotski-progress", ignore_errors=True)
+    write_finished(args.lines, out, args.lines // 2)
+    state = d / "resume.out.jsonl.klotski-progress" / "state.json"
+    print("half-done rerun, full pass ...", file=sys.stderr)
+    res["half_done_full_pass"] = run_for(big, out, args.rerun_s, args, until=state.exists)
+    print("half-done rerun, from the sidecar ...", file=sys.stderr)
+    res["half_done_sidecar"] = run_for(big, out, args.rerun_s, args, args.after_first_s)
+    res["records_total"], res["ids_distinct"] = unique_ids(out)
+    res["load_average"] = os.getloadavg()
+    path = Path(args.results).with_name("stream_jobs_resume.json")
+    path.write_text(json.dumps(res, indent=2) + "\n")
     print(json.dumps(res, indent=2))
 
 

@@ -135,6 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--shard", type=int, default=RunConfig.shard, metavar="LINES",
                    help=f"with --ray: job lines handed to an actor at a time, rerun whole if the actor dies "
                         f"(default: {RunConfig.shard})")
+    g.add_argument("--prompt-field", default=RunConfig.prompt_field, metavar="COLUMN",
+                   help="for a dataset input (.parquet, .csv, .json, .arrow, a save_to_disk directory): the prompt "
+                        f"column (default: {RunConfig.prompt_field})")
+    g.add_argument("--messages-field", default=RunConfig.messages_field, metavar="COLUMN",
+                   help=f"the chat messages column of a dataset input (default: {RunConfig.messages_field})")
+    g.add_argument("--id-field", default=RunConfig.id_field, metavar="COLUMN",
+                   help=f"the id column of a dataset input; a row without one gets its row number "
+                        f"(default: {RunConfig.id_field})")
 
     pl = sub.add_parser("plan", help="choose batch size, n and placement; predict throughput (no weights needed)",
                         description="Plan a run: batch size, batches per group, hot experts, placement per tier, "
@@ -219,7 +227,10 @@ def config_from_args(a: argparse.Namespace) -> RunConfig:
         output_format=a.output_format,
         report=a.report, trace=a.trace, progress=not a.no_progress,
         window=getattr(a, "window", RunConfig.window), ray=getattr(a, "ray", None),
-        workers=getattr(a, "workers", None), shard=getattr(a, "shard", RunConfig.shard))
+        workers=getattr(a, "workers", None), shard=getattr(a, "shard", RunConfig.shard,
+        prompt_field=getattr(a, "prompt_field", RunConfig.prompt_field),
+        messages_field=getattr(a, "messages_field", RunConfig.messages_field),
+        id_field=getattr(a, "id_field", RunConfig.id_field))
 
 
 def main(argv=None) -> int:

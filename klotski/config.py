@@ -73,6 +73,9 @@ class RunConfig:
     ray: str | None = None            # --ray: a Ray cluster's address ("auto" joins, "local" starts one); None = no Ray
     workers: int | None = None        # Ray actors (engines); None = one per GPU, else one per node
     shard: int = 512                  # job lines handed to a Ray actor at a time (the unit rerun if it dies)
+    prompt_field: str = "prompt"      # a dataset input's columns (klotski/dataset_files.py)
+    messages_field: str = "messages"
+    id_field: str = "id"
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:

@@ -35,15 +35,17 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass
+from array import array
+from dataclasses import dataclass, field
 from typing import Iterator
 
-from klotski.idset import IdSet
+from klotski.idset import IdSet, id_hash
 
 ROLES = ("system", "user", "assistant")
 COMPLETIONS_URL = "/v1/completions"
 CHAT_URL = "/v1/chat/completions"
 _EXAMPLE = '{"id": "q1", "prompt": "Hello"}'
+ROW_KEY = "_klotski_row"  # a dataset row's columns, carried beside its job fields (klotski/dataset_files.py)
 
 
 class JobFileError(Exception):
@@ -70,6 +72,7 @@ class Request:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     openai: str | None = None  # the endpoint ("/v1/chat/completions", ...) of an OpenAI Batch line
+    row: dict | None = field(default=None, compare=False, hash=False, repr=False)  # a dataset row's columns
 
     def chat_messages(self) -> list[dict[str, str]]:
         return [{"role": r, "content": c} for r, c in self.messages or ()]
@@ -86,6 +89,7 @@ class LineError:
     message: str
     openai: str | None = None
     code: str = "invalid_request"
+    row: dict | None = field(default=None, compare=False, hash=False, repr=False)  # a dataset row's columns
 
     def __str__(self) -> str:
         return f"line {self.line} (id {self.id!r}): {self.message}"
@@ -101,13 +105,14 @@ def prompt_too_long(request: Request, prompt_tokens: int, context: int,
     else:
         message = (f"prompt has {prompt_tokens} tokens, more than the model's context of "
                    f"{context} tokens; shorten the prompt")
-    return LineError(request.id, request.line, message, openai=request.openai, code="context_length_exceeded")
+    return LineError(request.id, request.line, message, openai=request.openai, code="context_length_exceeded",
+                     row=request.row)
 
 
 def model_error(seq) -> LineError:
     """The error of a sequence the model could not produce (e.g. non-finite logits)."""
     req = seq.request
-    return LineError(req.id, req.line, seq.error, openai=req.openai, code="model_error")
+    return LineError(req.id, req.line, seq.error, openai=req.openai, code="model_error", row=req.row)
 
 
 # ---------------------------------------------------------------- reading
@@ -117,7 +122,46 @@ class _Invalid(Exception):
     """A user-facing reason why one line is rejected."""
 
 
-def stream_jobs(path, done=None) -> Iterator[Request | LineError | None]:
+@dataclass
+class Start:
+    """Where a rerun picks a job file up (klotski/progress.py): every line up to `line`
+    (ending at byte `offset`) is done, `seen` holds the ids those lines claimed, and
+    `replay` lists earlier lines to run again, as (line, start offset, claimed id): those
+    whose last record was an error."""
+    line: int
+    offset: int
+    seen: IdSet
+    replay: list = field(default_factory=list)
+
+
+@dataclass
+class Cursor:
+    """What a reader has consumed, for a progress sidecar to record: the last line read and
+    the byte offset after it, and since the last ``take()`` the hashes of the ids claimed
+    (in file order) and each item's line start offset (errors name their line)."""
+    line: int = 0
+    offset: int = 0
+    claimed: array = field(default_factory=lambda: array("Q"))
+    starts: dict = field(default_factory=dict)
+
+    def take(self) -> "Mark":
+        mark = Mark(self.line, self.offset, self.claimed, self.starts)
+        self.claimed, self.starts = array("Q"), {}
+        return mark
+
+
+@dataclass(frozen=True)
+class Mark:
+    """A Cursor's state at the end of one window: once the window's records are written,
+    every line up to `line` (byte `offset`) is done."""
+    line: int
+    offset: int
+    claimed: array
+    starts: dict
+
+
+def stream_jobs(path, done=None, *, start: Start | None = None,
+                cursor: Cursor | None = None) -> Iterator[Request | LineError | None]:
     """Every non-blank line of a job file, in file order, validated as it is read: a Request
     or a LineError. Nothing but the ids seen so far (hashed, klotski.idset) is kept, so a
     file of any length streams in bounded memory.
@@ -128,41 +172,91 @@ def stream_jobs(path, done=None) -> Iterator[Request | LineError | None]:
 
     A line that owns an id in `done` (ids finished by an earlier run; anything with ``in``)
     yields None, without validating the rest of it: resuming a long job costs one JSON
-    parse per finished line."""
-    seen = IdSet()
-    for line, raw in _numbered_lines(path):
-        explicit, fields, error, openai = None, None, None, None
+    parse per finished line. With `start` the lines it covers are not read at all (only
+    its replayed lines are, first); `cursor`, when given, follows what was read."""
+    def objects(lines):
+        for line, begin, raw in lines:
+            try:
+                yield line, begin, begin + len(raw), _decode(raw, first=line == 1), None
+            except _Invalid as e:
+                yield line, begin, begin + len(raw), {}, str(e)
+    replay = objects(_lines_at(path, start.replay)) if start else ()
+    rest = objects(_numbered_lines(path, *((start.line, start.offset) if start else (0, 0))))
+    return claim_items(rest, done, start=start, cursor=cursor, replayed=replay)
+
+
+def claim_items(objects, done=None, *, start: Start | None = None, cursor: Cursor | None = None,
+                replayed=()) -> Iterator[Request | LineError | None]:
+    """stream_jobs for any source of rows: `objects` yields (line, start offset, end offset,
+    the row as a job line's dict or None for a blank line, a reason it cannot be read or
+    None), in
+    order; `replayed` the same for earlier rows to run again (``Start.replay``, whose ids
+    are already claimed). Every row goes through the JSONL line's checks, so a row's error
+    names its field the same way."""
+    seen = start.seen if start else IdSet()
+    names = {line: name for line, _, name in start.replay} if start else {}
+    if cursor is not None and start is not None:
+        cursor.line, cursor.offset = start.line, start.offset
+    for line, begin, _, obj, error in replayed:
+        item = _item(line, obj, error, done, lambda name: (names[line], names[line] == name))
+        if cursor is not None:
+            cursor.starts[line] = begin
+        if item is not _BLANK:
+            yield item
+
+    def claim(name):
+        fresh = seen.add(name)
+        if not fresh:
+            name = f"{name}#line{line}"
+            while not seen.add(name):
+                name += "#"
+        if cursor is not None:
+            cursor.claimed.append(id_hash(name))
+        return name, fresh
+    for line, begin, end, obj, error in objects:
+        item = _item(line, obj, error, done, claim)
+        if cursor is not None:
+            cursor.line, cursor.offset = line, end
+            if item is not _BLANK and item is not None:  # (only a line that runs can fail)
+                cursor.starts[line] = begin
+        if item is not _BLANK:
+            yield item
+
+
+_BLANK = object()
+
+
+def _item(line: int, obj, error, done, claim):
+    """One row: its Request, LineError, None (done earlier) or _BLANK; `claim(id)` gives the
+    id it is answered under and whether it owns its natural id."""
+    explicit, openai = None, None
+    if error is None:
+        if obj is None:
+            return _BLANK
         try:
-            obj = _decode(raw, first=line == 1)
-            if obj is None:
-                continue
             openai = _endpoint(obj)
             explicit = _explicit_id(obj)
         except _Invalid as e:
             error = str(e)
-        name = explicit if explicit is not None else str(line)
-        fresh = seen.add(name)
-        if fresh and done is not None and name in done:
-            yield None
-            continue
-        if error is None:
-            try:
-                fields = _fields(obj)
-            except _Invalid as e:
-                error = str(e)
-        if not fresh:  # an earlier line owns this id: name this line's error record apart
-            if error is None and explicit is not None:
-                error = f"duplicate id {explicit!r}: an earlier line already uses it; give each job a unique id"
-            elif error is None:
-                error = (f"this line has no id and its default id {name!r} (the line number) is already "
-                         f"used by an earlier line; give this line an id")
-            name = f"{name}#line{line}"
-            while not seen.add(name):
-                name += "#"
-        if error is None:
-            yield Request(id=name, line=line, openai=openai, **fields)
-        else:
-            yield LineError(name, line, error, openai=openai)
+    natural = explicit if explicit is not None else str(line)
+    name, fresh = claim(natural)
+    if fresh and done is not None and name in done:
+        return None
+    if error is None:
+        try:
+            fields = _fields(obj)
+        except _Invalid as e:
+            error = str(e)
+    if not fresh:  # an earlier line owns this id: name this line's error record apart
+        if error is None and explicit is not None:
+            error = f"duplicate id {explicit!r}: an earlier line already uses it; give each job a unique id"
+        elif error is None:
+            error = (f"this line has no id and its default id {natural!r} (the line number) is already "
+                     f"used by an earlier line; give this line an id")
+    row = obj.get(ROW_KEY) if obj else None
+    if error is None:
+        return Request(id=name, line=line, openai=openai, row=row, **fields)
+    return LineError(name, line, error, openai=openai, row=row)
 
 
 def read_jobs(path) -> tuple[list[Request], list[LineError]]:
@@ -197,22 +291,43 @@ def count_lines(path, block: int = 1 << 20) -> int:
     return count + (last != b"\n")
 
 
-def _numbered_lines(path) -> Iterator[tuple[int, bytes]]:
+def _numbered_lines(path, line: int = 0, offset: int = 0) -> Iterator[tuple[int, int, bytes]]:
+    """(line number, start offset, raw line) from the line after `line`, which ends at byte
+    `offset`."""
     # Bytes, split on b"\n" only: each line is decoded on its own so one bad
     # byte spoils one line, and U+2028 inside a JSON string is not a break.
+    with _open_job(path) as f:
+        try:
+            f.seek(offset)
+            for line, raw in enumerate(f, start=line + 1):
+                yield line, offset, raw
+                offset += len(raw)
+        except OSError as e:
+            raise JobFileError(f"cannot read job file {path}: {e.strerror}") from None
+
+
+def _lines_at(path, where) -> Iterator[tuple[int, int, bytes]]:
+    """The lines at (line, start offset, ...) places, read one by one."""
+    if not where:
+        return
+    with _open_job(path) as f:
+        try:
+            for line, begin, *_ in where:
+                f.seek(begin)
+                yield line, begin, f.readline()
+        except OSError as e:
+            raise JobFileError(f"cannot read job file {path}: {e.strerror}") from None
+
+
+def _open_job(path):
     if os.path.isdir(path):
         raise JobFileError(f"job file {path} is a directory; give a .jsonl file")
     try:
-        f = open(path, "rb")
+        return open(path, "rb")
     except FileNotFoundError:
         raise JobFileError(f"job file {path} does not exist") from None
     except OSError as e:
         raise JobFileError(f"cannot read job file {path}: {e.strerror}") from None
-    with f:
-        try:
-            yield from enumerate(f, start=1)
-        except OSError as e:
-            raise JobFileError(f"cannot read job file {path}: {e.strerror}") from None
 
 
 def _decode(raw: bytes, first: bool) -> dict | None:

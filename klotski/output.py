@@ -153,6 +153,8 @@ class OutputWriter:
         self.repaired_bytes = 0
         self.duplicates = 0
         self._written = IdSet()  # keys written by this writer (with done_ids: never written twice)
+        self._earlier = 0  # successful records found in the file on opening
+        self.last_span = None  # (start, end) byte offsets of the last record written
         if os.path.isdir(self.path):
             raise JobFileError(f"output {self.path} is a directory; give a file name")
         parent = os.path.dirname(os.path.abspath(self.path))
@@ -204,6 +206,7 @@ class OutputWriter:
                 pass
             raise
         self._written.add(rid)
+        self.last_span = (size, size + len(data))
         return True
 
     def __contains__(self, rid: str) -> bool:
@@ -211,7 +214,7 @@ class OutputWriter:
 
     def __len__(self) -> int:
         """Records in the file (successes kept from earlier runs and everything written since)."""
-        return len(self.done_ids) + len(self._written)
+        return self._earlier + len(self._written)
 
     def close(self) -> None:
         if self._fd is not None:
@@ -269,6 +272,7 @@ class OutputWriter:
             os.ftruncate(self._fd, scan.good_end)
             os.fsync(self._fd)
         self.done_ids = scan.ok
+        self._earlier = len(scan.ok) if scan.ok_records is None else scan.ok_records
         self._terminate_last_line()
 
     def _rewrite(self, drop, end: int) -> None:
@@ -318,16 +322,19 @@ class Scan:
     foreign: bool
     seen_any: bool
     identity: tuple
+    ok_records: int | None = None  # when `ok` holds more or fewer ids than the file (a sidecar's)
 
 
 def _identity(st) -> tuple:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
-def _scan_file(f) -> Scan:
+def _scan_file(f, base: int = 0) -> Scan:
+    """The file from byte `base` on (where `f` is), offsets counted from the file's start."""
     identity = _identity(os.fstat(f.fileno()))
     ok, errors, error_spans = IdSet(), IdSet(), array("q")
-    good_end = offset = corrupt = corrupt_since = 0
+    good_end = offset = base
+    corrupt = corrupt_since = 0
     foreign = seen_any = False
     for raw in f:
         seen_any = True

@@ -54,6 +54,9 @@ def _generate(config: RunConfig, jobs: Path, output: str | None) -> int:
     from klotski.assemble import build_engine, plan_run
     from klotski.checkpoint import Checkpoint
     from klotski.jobs import JobFileError, model_error
+    from klotski import progress
+    from klotski.dataset_files import is_dataset
+    from klotski.parquet_output import ParquetOutput, is_parquet
     from klotski.output import OutputWriter, error_record, read_output, result_record
 
     t_start = time.perf_counter()
@@ -64,9 +67,18 @@ def _generate(config: RunConfig, jobs: Path, output: str | None) -> int:
         from klotski import ray as on_ray
         return on_ray.generate(config, jobs, out_path)
     ckpt = Checkpoint.open(config.model, direct_io=config.direct_io)  # a bad model fails here
-    earlier = read_output(out_path) if config.resume else None
+    # A valid progress sidecar: seek past the finished lines, read only the output's tail.
+    dataset, parquet = is_dataset(jobs), is_parquet(out_path)
+    # (a dataset input or a Parquet output resumes by the full pass over what was written)
+    resume = progress.load(out_path, jobs) if config.resume and not dataset and not parquet else None
+    if parquet:
+        earlier = None  # the Parquet writer reads its finished ids itself, on opening
+    else:
+        earlier = resume.scan if resume else read_output(out_path) if config.resume else None
     done = earlier.ok if earlier else None
-    stream = job_windows(jobs, config, ckpt, done)
+    if parquet and config.resume:
+        done = ParquetOutput.finished(out_path)
+    stream = job_windows(jobs, config, ckpt, done, start=resume.start if resume else None)
     ahead = _read_ahead(stream)  # a missing or unreadable job file fails here
     first = ahead[-1].seqs if ahead and ahead[-1].seqs else None
     run_plan = plan_run(config, ckpt, first) if first else None  # a refusal happens here
@@ -74,24 +86,44 @@ def _generate(config: RunConfig, jobs: Path, output: str | None) -> int:
     if run_plan and run_plan.plan and run_plan.prefill_chunk is None:
         # Planned from the first window: a longer prompt later is prefilled in chunks of what was planned.
         run_plan = dataclasses.replace(run_plan, prefill_chunk=run_plan.plan.prefill_chunk)
+    progress.invalidate(out_path)  # before the writer repairs or rewrites the output
     try:
-        writer = OutputWriter(out_path, resume=config.resume, known=earlier)
+        writer = (ParquetOutput(out_path, resume=config.resume) if parquet
+                  else OutputWriter(out_path, resume=config.resume, known=earlier))
     except OSError as e:
         raise UserError(f"{out_path}: cannot open the output file ({e.strerror}); choose another -o path") from None
+    tracker = None
+    if not dataset and not parquet:
+        try:
+            tracker = progress.Tracker(out_path, jobs, writer, resume)
+        except OSError:
+            pass  # no sidecar (a read-only directory...): a rerun takes the full pass
+    stream = _Background(stream)  # the next window is read and tokenized while this one runs
+    if resume:
+        print(f"klotski: resuming {out_path}: lines 1-{resume.start.line} are done "
+              f"(per {progress.sidecar(out_path).name})", file=sys.stderr)
     model_name = config.model
-    lines = _LineCount(jobs)
+    lines = _LineCount(jobs, config)
 
-    def emit(record) -> bool:
+    def emit(record, error=None, row=None) -> bool:
         then = (f"{len(writer)} whole records are in it; make room and rerun the same command to resume "
                 "(or move the file to a bigger disk first and pass its new path with -o)")
+        if row is not None and getattr(writer, "keeps_input", False):
+            record = {**record, "input": row}
         with writing(out_path, "the output", then=then):
-            return writer.write(record)
+            wrote = writer.write(record)
+        if wrote and error is not None and tracker:
+            tracker.error(error.line, error.id, writer.last_span)
+        return wrote
 
     with writer:
-        skipped = failed = errored = ok = 0
+        failed = errored = ok = 0
+        # lines under a sidecar's watermark are done (but for the error lines run again)
+        skipped = resume.start.line - len(resume.start.replay) if resume else 0
         # disable=None: tqdm turns itself off when stderr is not a terminal (logs, CI)
+        # initial: the lines under a sidecar's watermark count as done, so the ETA is the rest's
         bar = tqdm(total=None, unit="line", desc="generate", disable=None if config.progress else True,
-                   file=sys.stderr, mininterval=0.5)
+                   file=sys.stderr, mininterval=0.5, initial=skipped)
         engine = None
         try:
             engine = build_engine(config, ckpt, run_plan) if run_plan else None
@@ -100,24 +132,30 @@ def _generate(config: RunConfig, jobs: Path, output: str | None) -> int:
                     if lines.total is not None and bar.total is None:
                         bar.total = lines.total
                         bar.refresh()
-                    if window.skipped and not skipped:
-                        print(f"klotski: resuming {out_path}: skipping lines already done", file=sys.stderr)
+                    if window.skipped and not skipped and not resume:
+                        # (through the bar: a plain print would leave a torn bar line behind)
+                        bar.write(f"klotski: resuming {out_path}: skipping lines already done", file=sys.stderr)
                     skipped += window.skipped
                     # a record already in the file (from before the rerun's window reached it) is not an error
                     seqs = [s for s in window.seqs if s.request.id not in writer]
                     skipped += len(window.seqs) - len(seqs)
-                    failed += sum(emit(error_record(err, fmt=config.output_format)) for err in window.errors)
+                    failed += sum(emit(error_record(err, fmt=config.output_format), err, err.row)
+                                  for err in window.errors)
                     bar.update(window.skipped + len(window.errors) + len(window.seqs) - len(seqs))
                     for seq in engine.run(seqs) if seqs else ():
                         if seq.error:
-                            errored += emit(error_record(model_error(seq), fmt=config.output_format))
+                            err = model_error(seq)
+                            errored += emit(error_record(err, fmt=config.output_format), err, err.row)
                         else:
-                            ok += emit(result_record(seq, fmt=config.output_format, model=model_name,
-                                                     include_token_ids=config.include_token_ids))
+                            ok += emit(result_record(seq, fmt="klotski" if parquet else config.output_format,
+                                                     model=model_name, include_token_ids=config.include_token_ids),
+                                       row=seq.request.row)
                         bar.update(1)
                         gen_s = engine.stats.prefill_s + engine.stats.decode_s
                         if gen_s > 0:
                             bar.set_postfix_str(f"{engine.stats.generated_tokens / gen_s:.1f} tok/s")
+                    if tracker and window.mark:
+                        tracker.window_done(window.mark)
         except (KeyboardInterrupt, UserError, RunStopped):
             raise
         except JobFileError as e:  # the job file became unreadable midway
@@ -126,12 +164,20 @@ def _generate(config: RunConfig, jobs: Path, output: str | None) -> int:
         except Exception as e:  # the run stopped: say so in one line; what is written stays
             raise RunStopped(_stopped(e, out_path, len(writer))) from None
         finally:
+            stream.close()
             if engine:
                 engine.close()
+            if tracker:
+                with writing(progress.sidecar(out_path), "the progress sidecar",
+                             then="every record is in the output; a rerun reads it all again"):
+                    tracker.close()
         if skipped:
             print(f"klotski: resumed {out_path}: {skipped} requests were already done", file=sys.stderr)
         report = build_report(engine, run_plan, ok=ok, failed=failed + errored, skipped=skipped,
                               wall_s=time.perf_counter() - t_start, config=config, model_dir=ckpt.directory)
+        report["resume"] = {"sidecar": resume is not None,
+                            "skipped_by_watermark": resume.start.line if resume else 0,
+                            "replayed_errors": len(resume.start.replay) if resume else 0}
     print(summary(report, out_path), file=sys.stderr)
     done = f"every record is in {out_path}; only this file is missing"
     if config.trace and engine:
@@ -146,24 +192,41 @@ def _generate(config: RunConfig, jobs: Path, output: str | None) -> int:
 @dataclass
 class Window:
     """One window of the job file, ready to run: its sequences (tokenized, not yet done),
-    its lines that cannot be served, and how many of its lines an earlier run finished."""
+    its lines that cannot be served, how many of its lines an earlier run finished, and
+    where the reader stood after its last line (for the progress sidecar)."""
     seqs: list
     errors: list
     skipped: int
+    mark: object = None  # klotski.jobs.Mark
 
 
-def job_windows(jobs: Path, config, ckpt, done) -> Iterator[Window]:
+def job_windows(jobs: Path, config, ckpt, done, start=None) -> Iterator[Window]:
     """The job file as a stream of windows of `config.window` lines, each read, validated and
     tokenized only when the one before it has been handed over: memory holds a window (and
     the hashed ids seen so far), never the file. Lines whose id is in `done` are skipped
-    without tokenizing them."""
-    from klotski.jobs import LineError, stream_jobs, windows
+    without tokenizing them; `start` (klotski.jobs.Start) skips the lines a sidecar vouches
+    for without reading them."""
+    import copy
+
+    from klotski.dataset_files import is_dataset, job_rows
+    from klotski.jobs import Cursor, LineError, stream_jobs, windows
     from klotski.sequences import prepare
-    for items in windows(stream_jobs(jobs, done), config.window):
+    cursor = Cursor()
+    tokenizer = ckpt.tokenizer
+    if is_dataset(jobs):  # the same checks, ids and windows, over a dataset's rows
+        items = job_rows(jobs, (config.prompt_field, config.messages_field, config.id_field), done, cursor)
+    else:
+        items = stream_jobs(jobs, done, start=start, cursor=cursor)
+    for items in windows(items, config.window):
+        mark = cursor.take()
         errors = [x for x in items if isinstance(x, LineError)]
         todo = [x for x in items if x is not None and not isinstance(x, LineError)]
-        seqs, too_long = prepare(todo, ckpt.tokenizer, ckpt.spec, config)
-        yield Window(seqs, errors + too_long, len(items) - len(errors) - len(todo))
+        seqs, too_long = prepare(todo, tokenizer, ckpt.spec, config)
+        yield Window(seqs, errors + too_long, len(items) - len(errors) - len(todo), mark)
+        if seqs and tokenizer is ckpt.tokenizer:
+            # Later windows are tokenized in the read-ahead thread while the engine decodes
+            # with the original: a copy of its own, so the two never share a Rust tokenizer.
+            tokenizer = copy.deepcopy(tokenizer)
 
 
 def _read_ahead(stream: Iterator[Window]) -> deque[Window]:
@@ -177,26 +240,74 @@ def _read_ahead(stream: Iterator[Window]) -> deque[Window]:
     return ahead
 
 
-def _drain(ahead: deque[Window], stream: Iterator[Window]) -> Iterator[Window]:
+def _drain(ahead: deque[Window], stream) -> Iterator[Window]:
     """The windows read ahead, then the rest; each is let go of once handed over."""
     while ahead:
         yield ahead.popleft()
     yield from stream
 
 
+class _Background:
+    """Iterates `stream` in a thread, at most one item ahead of the caller: the next window
+    is read and tokenized while the current one runs, and memory holds two windows at most.
+    Order is the stream's; an exception in the thread is raised in the caller."""
+
+    _END = object()
+
+    def __init__(self, stream: Iterator):
+        import queue
+        self._stream = stream
+        self._box = queue.Queue()  # never holds more than one: the semaphore paces the thread
+        self._go = threading.Semaphore(1)  # released when the caller takes an item
+        self._stop = False
+        threading.Thread(target=self._run, daemon=True, name="klotski-read-ahead").start()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                self._go.acquire()
+                if self._stop:
+                    self._stream.close()
+                    return
+                try:
+                    item = next(self._stream)
+                except StopIteration:
+                    self._box.put((self._END, None))
+                    return
+                self._box.put((item, None))
+        except BaseException as e:  # handed to the caller, which says it in one line
+            self._box.put((self._END, e))
+
+    def __iter__(self):
+        while True:
+            item, error = self._box.get()
+            if error is not None:
+                raise error
+            if item is self._END:
+                return
+            self._go.release()
+            yield item
+
+    def close(self) -> None:
+        """Stop reading ahead (the run ended early); the thread finishes its window and exits."""
+        self._stop = True
+        self._go.release()
+
+
 class _LineCount:
     """The job file's line count, for the progress bar's total and ETA, counted in a thread
     (newline bytes only) so the first window never waits for it."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, config=None):
         self.total = None
         threading.Thread(target=self._count, args=(path,), daemon=True, name="klotski-count-lines").start()
 
     def _count(self, path: Path) -> None:
+        from klotski.dataset_files import count_rows, is_dataset
         from klotski.jobs import count_lines
         try:
-            self.total = count_lines(path)
-        except OSError:
+            self.total = count_rows(path) if is_dataset(path) else count_lines(path)
+        except Exception:
             pass  # the bar counts without a total
 
 

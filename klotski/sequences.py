@@ -43,18 +43,19 @@ def prepare(requests, tokenizer, spec, config):
         try:
             ids = tokenize(tokenizer, req)
         except Exception as e:  # a chat template can reject a conversation
-            errors.append(LineError(req.id, req.line, f"cannot tokenize: {e}", openai=req.openai))
+            errors.append(LineError(req.id, req.line, f"cannot tokenize: {e}", openai=req.openai, row=req.row))
             continue
         if len(ids) >= ctx:
             errors.append(prompt_too_long(req, len(ids), ctx))
             continue
         if not ids:
-            errors.append(LineError(req.id, req.line, "prompt is empty after tokenization", openai=req.openai))
+            errors.append(LineError(req.id, req.line, "prompt is empty after tokenization",
+                                    openai=req.openai, row=req.row))
             continue
         if (top := max(ids)) >= spec.vocab_size:
             errors.append(LineError(req.id, req.line, f"the prompt has token id {top}, outside the model's "
                                     f"vocabulary (vocab_size {spec.vocab_size} in config.json): the tokenizer "
-                                    "does not match the checkpoint", openai=req.openai))
+                                    "does not match the checkpoint", openai=req.openai, row=req.row))
             continue
         seqs.append(_sequence(req, ids, ctx, config))
     return seqs, errors

@@ -33,8 +33,8 @@ def lines_read(monkeypatch):
     count = {"n": 0}
     real = jobs._numbered_lines
 
-    def counting(path):
-        for item in real(path):
+    def counting(path, *at):
+        for item in real(path, *at):
             count["n"] += 1
             yield item
     monkeypatch.setattr(jobs, "_numbered_lines", counting)
@@ -129,7 +129,8 @@ def test_first_record_comes_before_the_file_is_read(checkpoints, tmp_path, monke
     with pytest.raises(Stop):
         run.generate(config_for(checkpoints["gqa"], window=32), path, str(tmp_path / "out.jsonl"))
     ((rid, failed, read),) = seen
-    assert not failed and read <= 32  # one window of 20,000 lines was read, tokenized and run
+    # the window that ran, and at most the next one, read in the background meanwhile
+    assert not failed and read <= 64
     assert rid in {f"q{i}" for i in range(32)}
 
 
