@@ -227,7 +227,7 @@ def config_from_args(a: argparse.Namespace) -> RunConfig:
         output_format=a.output_format,
         report=a.report, trace=a.trace, progress=not a.no_progress,
         window=getattr(a, "window", RunConfig.window), ray=getattr(a, "ray", None),
-        workers=getattr(a, "workers", None), shard=getattr(a, "shard", RunConfig.shard,
+        workers=getattr(a, "workers", None), shard=getattr(a, "shard", RunConfig.shard),
         prompt_field=getattr(a, "prompt_field", RunConfig.prompt_field),
         messages_field=getattr(a, "messages_field", RunConfig.messages_field),
         id_field=getattr(a, "id_field", RunConfig.id_field))
