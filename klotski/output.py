@@ -60,6 +60,7 @@ except ImportError:  # not on Windows; the lock is a safety net, not a requireme
 
 from klotski.idset import IdSet
 from klotski.jobs import CHAT_URL, COMPLETIONS_URL, JobFileError
+from klotski.writes import fsync_dir
 
 FORMATS = ("auto", "klotski", "openai")
 
@@ -294,7 +295,7 @@ class OutputWriter:
             os.fsync(dst.fileno())
         os.chmod(tmp, os.fstat(self._fd).st_mode & 0o7777)
         os.replace(tmp, self.path)
-        _fsync_dir(os.path.dirname(os.path.abspath(self.path)))
+        fsync_dir(os.path.dirname(os.path.abspath(self.path)))
         # Lock the new file before letting go of the old one, so no other run slips in.
         old, self._fd = self._fd, self._open_locked()
         os.close(old)
@@ -387,17 +388,3 @@ def _parse(raw: bytes) -> tuple[str, str | None]:
     if key is None:
         return "corrupt", None
     return ("error" if is_error(obj) else "ok"), key
-
-
-def _fsync_dir(path: str) -> None:
-    # Makes the rename itself durable; not possible (nor needed) on every platform.
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

@@ -31,6 +31,7 @@ except ImportError:
 
 from klotski.idset import IdSet
 from klotski.jobs import JobFileError
+from klotski.writes import fsync_dir
 
 RESULT = ("id", "completion", "finish_reason", "prompt_tokens", "completion_tokens", "error")
 PARTS_KEY = b"klotski_parts"
@@ -261,15 +262,4 @@ def _write_atomically(path: Path, tables, schema, metadata=None) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(path.parent)

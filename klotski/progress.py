@@ -45,7 +45,7 @@ from pathlib import Path
 from klotski.idset import IdSet
 from klotski.jobs import Mark, Start
 from klotski.output import Scan, _scan_file
-from klotski.writes import replace_atomically
+from klotski.writes import fsync_dir, replace_atomically
 
 VERSION = 1
 HEAD = 1 << 16   # job file bytes hashed for its identity
@@ -119,7 +119,7 @@ def invalidate(out_path) -> None:
         os.unlink(sidecar(out_path) / "state.json")
     except FileNotFoundError:
         return
-    _fsync_dir(sidecar(out_path))
+    fsync_dir(sidecar(out_path))
 
 
 class Tracker:
@@ -216,16 +216,3 @@ def _read_hashes(path: Path, count: int) -> array | None:
         return None  # torn: fewer hashes than the state promised
     data.frombytes(raw)
     return data
-
-
-def _fsync_dir(path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

@@ -111,3 +111,18 @@ def replace_atomically(path: Path, data: bytes) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def fsync_dir(path) -> None:
+    """Make a rename or new file in directory `path` durable; not possible (nor needed) on
+    every platform, so failures are ignored."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
