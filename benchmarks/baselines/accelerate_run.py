@@ -124,6 +124,15 @@ def current_rss() -> int:
 
 
 def peak_rss() -> int:
+    """The process's RSS high-water mark. VmHWM, not getrusage's ru_maxrss: the latter also
+    keeps the peak recorded when any thread exited, which clear_refs does not reset, so a
+    loader thread ending after the reset made generation's "peak" loading's (a flaky bench)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     # ru_maxrss is KiB on Linux (bytes on macOS; this benchmark targets Linux).
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
