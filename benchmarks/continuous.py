@@ -65,14 +65,14 @@ def main() -> None:
     for r in range(a.repeats):
         for mode in (("static", "continuous") if r % 2 == 0 else ("continuous", "static")):
             report = generate(jobs, tmp / f"{mode}{r}.json", common + ["--batching", mode, "--include-token-ids"])
-            out = report_path = tmp / f"{mode}{r}.out.jsonl"  # where common.generate writes it
-            tokens[mode] = {rec["id"]: rec["token_ids"] for rec in map(json.loads, out.read_text().splitlines())}
+            output = tmp / f"{mode}{r}.out.jsonl"  # where common.generate writes the records
+            tokens[mode] = {rec["id"]: rec["token_ids"] for rec in map(json.loads, output.read_text().splitlines())}
             runs[mode].append({
                 "tokens_per_s": report["tokens_per_s"], "decode_s": report["decode_s"], "prefill_s": report["prefill_s"],
                 "generated": report["tokens"]["generated"],
                 "decode_tokens_per_s": report["tokens"]["generated"] / report["decode_s"],
                 "slot_utilisation": report["decode_slot_utilisation"], "wall_s": report["wall_s"],
-                "batching": report["batching"], "report": str(report_path)})
+                "batching": report["batching"], "output": str(output)})
             print(mode, json.dumps(runs[mode][-1]), flush=True)
     same = tokens["static"] == tokens["continuous"]
     med = {m: {k: statistics.median(x[k] for x in v) for k in ("tokens_per_s", "decode_tokens_per_s",
