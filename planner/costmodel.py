@@ -125,6 +125,11 @@ class CostModel:
         """(FLOPs, bytes touched) of one call of op `kind` at `point`:
         attention (bs, ctx, new_tokens), gate/expert/head (tokens,), dequant (params,)."""
         s, b = self.shape, self.shape.dtype_bytes
+        if kind == "attend":  # the core alone: scores and weighted values over the cached keys
+            bs, ctx, new = point
+            keys, toks = self.kv_context(int(ctx)), bs * new
+            scored = keys - (new - 1) / 2 if new > 1 else keys
+            return 4 * toks * scored * self._q, bs * keys * self.kv_bytes_per_token_layer + 2 * toks * self._q * b
         if kind == "attention":
             bs, ctx, new = point
             keys, toks = self.kv_context(int(ctx)), bs * new
@@ -171,6 +176,48 @@ class CostModel:
         if self.quant_bits is None and not (kind == "expert" and s.expert_format == "mxfp4"):
             return 0.0
         return self._time("dequant", (s.expert_params if kind == "expert" else s.attention_params,))
+
+    # ---- host compute: attention where the KV lives, experts where they live ------------
+    def t_host(self, kind: str, point: Sequence[float]) -> float:
+        """One call of op `kind` (see `work`) computed by the host CPU next to host RAM. On a
+        CPU-only machine the host is the device (same cores, same measured samples); a
+        profile without host rates gets infinity, so host compute is never chosen."""
+        if self.profile.device == "cpu":
+            return self._time(kind, point)
+        host_flops, host_bw = getattr(self.profile, "host_flops", 0.0), getattr(self.profile, "host_mem_bw", 0.0)
+        if not host_flops or not host_bw:
+            return math.inf
+        flops, byts = self.work(kind, point)
+        return max(flops / host_flops, byts / host_bw) + self.profile.overhead_s.get(kind, 0.0)
+
+    def attend_link_bytes(self, bs: int, ctx: int, new_tokens: int = 1) -> dict[str, float]:
+        """Link bytes of one batch's attention core whose KV is on the host, each way, for
+        "device" (the KV prefix comes up; the new keys/values go down) and "host" (q, k, v
+        of the new tokens go down; the output comes up)."""
+        b, toks = self.shape.dtype_bytes, bs * new_tokens
+        new_kv = toks * self.kv_bytes_per_token_layer
+        return {"device": {"host_to_device": self.kv_bytes(bs * self.kv_context(ctx), 1), "device_to_host": new_kv},
+                "host": {"host_to_device": toks * self._q * b, "device_to_host": toks * self._q * b + new_kv}}
+
+    def attention_on_host(self, bs: int, ctx: int, new_tokens: int = 1) -> bool:
+        """Whether one batch's attention core, with its KV on the host, finishes sooner
+        computed there than with the KV prefix moved up: link time plus compute on each side."""
+        point = (bs, self.kv_context(ctx), new_tokens)
+        moved = self.attend_link_bytes(bs, ctx, new_tokens)
+        t = {where: sum(self.t_io(n, link) for link, n in moved[where].items()) for where in moved}
+        return t["host"] + self.t_host("attend", point) < t["device"] + self._time("attend", point)
+
+    def expert_on_host(self, tokens: float, tier: str = "host") -> bool:
+        """Whether one expert that is not on the device, with `tokens` tokens this step,
+        finishes sooner computed where it lives (the tokens go down, the outputs come up)
+        than moved to the device and computed there (Fiddler's choice)."""
+        if tier == "device" or tokens <= 0:
+            return False
+        acts = tokens * self.shape.hidden_size * self.shape.dtype_bytes
+        host = self.t_host("expert", (max(1.0, tokens),)) + self.t_io(acts, "device_to_host") + self.t_io(acts)
+        if tier == "disk":  # staged to host RAM either way; the window runs ahead of compute
+            host = max(host, self.t_io(self.expert_bytes, "disk_to_host"))
+        return host < self.t_fetch(self.expert_bytes, tier) + self.t_expert(tokens)
 
     # ---- transfers ----------------------------------------------------------------------
     def bandwidth(self, link: str) -> float:

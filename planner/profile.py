@@ -60,6 +60,11 @@ class Profile:
     machine: dict = field(default_factory=dict)
     sources: dict = field(default_factory=dict)   # provenance of every number (built-ins)
     checks: dict = field(default_factory=dict)    # comparisons against published measurements
+    # The CPU next to host RAM, for attention where the KV lives and experts where they live
+    # (0: unknown, so the cost model never chooses host compute). On a CPU-only machine the
+    # host is the device: the cost model then uses the device's rates and samples.
+    host_flops: float = 0.0           # effective host FLOP/s in the model dtype
+    host_mem_bw: float = 0.0          # effective host-memory bytes/s read by host compute
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1)
@@ -104,8 +109,10 @@ def load_profile(name_or_path: str | os.PathLike) -> Profile:
         link_latency_s=_effective(d.get("link_latency_s", 0.0)),
         overhead_s={k: float(v) for k, v in d.get("overhead_s", {}).items() if k != "source"},
         memory={k: _effective(v) for k, v in d.get("memory", {}).items()},
-        sources={k: d[k] for k in ("description", "flops", "mem_bw", "links", "link_latency_s", "overhead_s", "memory")
-                 if k in d},
+        host_flops=_effective(d["host"]["flops"]) if "host" in d else 0.0,
+        host_mem_bw=_effective(d["host"]["mem_bw"]) if "host" in d else 0.0,
+        sources={k: d[k] for k in ("description", "flops", "mem_bw", "links", "link_latency_s", "overhead_s", "memory",
+                                   "host") if k in d},
         checks=d.get("checks", {}),
     )
 

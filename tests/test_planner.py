@@ -329,3 +329,22 @@ def test_qwen_configs_read_their_own_field_names():
     qwen15 = {**hub, "model_type": "qwen2_moe", "shared_expert_intermediate_size": 5632, "sliding_window": 32768}
     assert ModelShape.from_config(qwen15).sliding_window is None
     assert ModelShape.from_config(qwen15).attention_bias == "qkv"  # qkv_bias defaults to true, absent from hub files
+
+
+def test_host_compute_is_chosen_only_where_it_finishes_sooner():
+    """Attention where the KV lives and experts where they live: a profile without host
+    rates never chooses them; with a host CPU, attention over a long prefix and an expert
+    with few tokens go to the host, an expert with many tokens still moves."""
+    shape = as_shape("mixtral-8x7b")
+    gpu = load_profile("rtx3090-pcie4")
+    unknown = CostModel(dataclasses.replace(gpu, host_flops=0.0, host_mem_bw=0.0), shape)
+    assert not unknown.attention_on_host(16, 512) and not unknown.expert_on_host(1)
+    cost = CostModel(dataclasses.replace(gpu, host_flops=1.5e12, host_mem_bw=150e9), shape)
+    assert cost.attention_on_host(16, 512)
+    moved = cost.attend_link_bytes(16, 512)
+    assert moved["host"]["host_to_device"] < moved["device"]["host_to_device"] / 100
+    assert cost.expert_on_host(1) and not cost.expert_on_host(256)
+    assert not cost.expert_on_host(1, tier="device")
+    # host compute is not free: a host 1000x slower loses even the one-token expert
+    slow = CostModel(dataclasses.replace(gpu, host_flops=1.5e9, host_mem_bw=150e6), shape)
+    assert not slow.expert_on_host(1) and not slow.attention_on_host(16, 512)
