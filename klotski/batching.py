@@ -15,9 +15,11 @@ finished takes the next waiting prompt:
   the rest from the next step on. A batch's slot range is shifted back to the slots its
   live rows still use when it runs out of room (`BatchKV.realign`), so the cache stays the
   size static batching would give the window's longest request.
-- With nothing left to admit, the sparsest batch's rows move into other batches' free rows
-  and a batch with free rows is copied into one of just its live rows: the tail computes
-  only sequences still generating.
+- A batch keeps its live rows in front (a finished row's place goes to the batch's last live
+  row) and a step computes only those (`BatchKV.use_rows`): a row whose sequence has
+  finished is never computed, whether a newcomer is still prefilling for it or none is left.
+- With nothing left to admit, the sparsest batch's rows move into other batches' free rows,
+  so the tail runs as few batches as its sequences fill.
 
 Every sequence sees exactly its own tokens at the positions it would have alone: the output
 is the static schedule's, token for token (tests/test_batching.py).
@@ -53,6 +55,10 @@ class _Decode:
 
     def free_rows(self) -> list[int]:
         return [] if self.prompt else [i for i, s in enumerate(self.rows) if s is None]
+
+    def computed(self) -> int:
+        """Rows a step computes: the live ones, kept in front (all of them while prefilling)."""
+        return len(self.rows) if self.prompt else sum(s is not None for s in self.rows)
 
     def span(self) -> int:
         """Slots back from the newest that the live rows read."""
@@ -93,7 +99,6 @@ class ContinuousRun:
             while True:
                 self._admit()
                 self._consolidate()
-                self._shrink()
                 work = [(d, *self._input(d)) for d in self.decode if d.live()]
                 if self.newcomers and self.newcomers.chunks:
                     work.append((self.newcomers, self.newcomers.chunks.pop(0), True))
@@ -128,9 +133,10 @@ class ContinuousRun:
             return d.prompt.pop(0), True
         if d.kv.filled + 1 > d.kv.capacity:  # out of room: keep only the slots live rows read
             self._realign(d, d.span())
-        # free rows compute a pad token of their own (one valid slot: nothing to attend is never empty)
-        ids = torch.tensor(d.tokens, dtype=torch.long)[:, None]
-        return StepInput(ids, torch.ones_like(ids, dtype=torch.bool), d.positions[:, None].clone()), False
+        m = d.computed()
+        d.kv.use_rows(m)
+        ids = torch.tensor(d.tokens[:m], dtype=torch.long)[:, None]
+        return StepInput(ids, torch.ones_like(ids, dtype=torch.bool), d.positions[:m, None].clone()), False
 
     # ---- one step -----------------------------------------------------------------------
     def _step(self, work):
@@ -144,29 +150,51 @@ class ContinuousRun:
         if decoding:  # a step that decodes counts as decode time; newcomers' prefill rides along
             stats.decode_s += elapsed
             stats.decode_disk_bytes += e.trace.bytes[DISK_TO_HOST] - disk0
-            stats.decode_rows += sum(len(d.rows) for d in decoding)
-            stats.decode_useful_rows += sum(s is not None for d in decoding for s in d.rows)
+            stats.decode_rows += sum(d.kv.rows for d in decoding)
+            stats.decode_useful_rows += sum(s is not None for d in decoding for s in d.rows[:d.kv.rows])
         else:
             stats.prefill_s += elapsed
         if len(decoding) < len(work):
             stats.prefill_passes += 1
         for (w, _, prefill), out in zip(work, outs):
-            w.broken = torch.where(w.broken < 0, out.broken_at, w.broken)
+            m = len(out.broken_at)  # the rows computed
+            w.broken[:m] = torch.where(w.broken[:m] < 0, out.broken_at, w.broken[:m])
             if isinstance(w, _Newcomers):
                 yield from self._prefilled(w, out)
             elif not w.prompt:  # a prefill's logits mean something after its last chunk only
                 yield from self._decoded(w, out, fed=not prefill)
 
     def _decoded(self, d: _Decode, out, fed: bool):
-        """Sample the batch's rows; `fed`: this step fed each row the token at its position."""
-        tokens, finished = self.e._sample(d.rows, out.logits, d.broken)
+        """Sample the batch's computed rows; `fed`: this step fed each row the token at its
+        position. Finished rows free up, and the live ones close ranks in front."""
+        m = d.kv.rows
+        tokens, finished = self.e._sample(d.rows[:m], out.logits, d.broken[:m])
         yield from finished
-        for i, s in enumerate(d.rows):
+        for i, s in enumerate(d.rows[:m]):
             if s is not None and s.done:
-                d.rows[i], d.tokens[i] = None, self.e._pad_id()  # free for the next prompt
+                d.rows[i] = None  # free for the next prompt
             elif s is not None:
                 d.tokens[i] = tokens[i]
                 d.positions[i] += fed
+        self._close_ranks(d)
+
+    def _close_ranks(self, d: _Decode) -> None:
+        """Each free row before the last live one takes that row (its slots and state)."""
+        while True:
+            live = [i for i, s in enumerate(d.rows) if s is not None]
+            holes = [i for i, s in enumerate(d.rows) if s is None and live and i < live[-1]]
+            if not holes:
+                return
+            i, j = holes[0], live[-1]
+            d.kv.adopt(i, d.kv, j, d.kv.span([j]))
+            self._take(d, i, d, j)
+            self.e.stats.rows_moved += 1
+
+    @staticmethod
+    def _take(d: _Decode, i: int, src, j: int) -> None:
+        """Row `i` of `d` takes the sequence state of row `j` of batch `src`; that row frees."""
+        d.rows[i], d.tokens[i], d.positions[i], d.broken[i] = src.rows[j], src.tokens[j], src.positions[j], src.broken[j]
+        src.rows[j] = None
 
     def _prefilled(self, nc: _Newcomers, out):
         if nc.chunks:  # more of their prompts to prefill
@@ -217,29 +245,8 @@ class ContinuousRun:
             return
         for i, (d, j) in zip(moving, free):
             self._move(src.kv, i, d, j, src.kv.span([i]))
-            d.rows[j], d.tokens[j], d.positions[j], d.broken[j] = src.rows[i], src.tokens[i], src.positions[i], src.broken[i]
-            src.rows[i] = None
+            self._take(d, j, src, i)
         self.e.stats.rows_moved += len(moving)
-
-    def _shrink(self) -> None:
-        """A batch with free rows is copied into a cache of just its live rows."""
-        if self.queue or self.newcomers:
-            return
-        for d in self.decode:
-            live = [i for i, s in enumerate(d.rows) if s is not None]
-            if not live or len(live) == len(d.rows) or d.prompt:
-                continue
-            try:
-                kv, _ = self.space.allocate(len(live), d.kv.capacity)
-            except OverBudget:
-                continue  # no room for the copy: the free rows keep computing
-            kv.realign(0, d.span())  # an empty cache whose newest slot lines up with the old one's
-            for new, i in enumerate(live):
-                kv.adopt(new, d.kv, i, d.kv.span([i]))
-            self.space.free(d.kv)
-            d.kv, d.rows, d.tokens = kv, [d.rows[i] for i in live], [d.tokens[i] for i in live]
-            d.positions, d.broken = d.positions[live].clone(), d.broken[live].clone()
-            self.e.stats.rows_moved += len(live)
 
     # ---- admitting waiting prompts --------------------------------------------------------
     def _admit(self) -> None:
@@ -269,7 +276,7 @@ class ContinuousRun:
         """The longest prefill chunk for `rows` newcomers that keeps the step within the first
         prefill step's activations (0: none does): beside decode batches of one token a row,
         newcomers may take longer chunks than a prefill of every batch at once."""
-        decode_rows = sum(len(d.rows) for d in self.decode if d.live())
+        decode_rows = sum(d.computed() for d in self.decode if d.live())
         chunk = longest  # the step limit, not the first fill's chunk, bounds a newcomer's chunk
         while chunk:
             step = Step(tokens=decode_rows + rows * chunk, sequences=decode_rows + rows,

@@ -5,7 +5,9 @@ One `BatchKV` per batch of a group: keys/values per layer, slot-major
 one contiguous block (one copy per direction, from and into pinned host memory); attention
 reads them as [B, kv_heads, slots, head_dim] views. A validity mask over cache slots
 (False = left padding; kept on the host, where masks are built) and the number of slots
-filled. Keys and values may differ in width (`value_dim`): MLA caches its latent as the
+filled. Only the first `rows` rows take part in a step (`use_rows`): continuous batching
+keeps a batch's live sequences in front and computes no row whose sequence has finished.
+Keys and values may differ in width (`value_dim`): MLA caches its latent as the
 "keys" and its rotary key as the "values". Sequences in a batch share slot indices; left padding keeps every sequence's newest
 token in the same slot.
 
@@ -41,6 +43,7 @@ class BatchKV:
         self.filled = 0
         self.new = 0
         self.capacity = capacity
+        self.rows = batch  # rows a step computes: the first `rows` of the batch
         self.old_slots = None
         self._columns = {}  # device -> this step's columns there
         self.stored: dict = {}
@@ -58,25 +61,33 @@ class BatchKV:
         per_slot = capacity * batch * kv_heads * dtype.itemsize
         return per_slot * head_dim, per_slot * (value_dim or head_dim)
 
+    def use_rows(self, rows: int) -> None:
+        """Steps compute only the first `rows` rows (their slots are views: nothing moves)."""
+        if not 0 < rows <= self.valid.shape[0]:
+            raise ValueError(f"{rows} rows of a {self.valid.shape[0]}-row cache")
+        self.rows = rows
+
     def begin_step(self, valid_new: torch.Tensor, sink: int | None = None, recent: int | None = None):
         """Reserve slots for this step's tokens ([B, T] validity); return the validity of
         every slot so far. With StreamingLLM-style sparsity (`sink` first tokens and the
         `recent` last ones of each sequence) only old slots some sequence can still see are
         loaded from the host: `self.old_slots`."""
-        t = valid_new.shape[1]
+        t, r = valid_new.shape[1], self.rows
+        if valid_new.shape[0] != r:
+            raise RuntimeError(f"{valid_new.shape[0]} rows of input for a cache computing {r}")
         if self.filled + t > self.capacity:
             raise RuntimeError(f"KV cache overflow: {self.filled}+{t} > {self.capacity} slots")
-        self.valid[:, self.filled:self.filled + t] = valid_new
+        self.valid[:r, self.filled:self.filled + t] = valid_new
         self.new = t
         self.old_slots = None
         self._columns = {}
         if recent is not None:
-            old = self.valid[:, :self.filled]
+            old = self.valid[:r, :self.filled]
             rank = old.long().cumsum(-1) - 1
             last_query = self.filled + t - 1
             keep = old & ((rank < sink) | (torch.arange(self.filled) > last_query - recent))
             self.old_slots = torch.nonzero(keep.any(0)).flatten()
-        return self.valid[:, :self.filled + t]
+        return self.valid[:r, :self.filled + t]
 
     def step_columns(self, device="cpu") -> torch.Tensor | None:
         """Cache slots this step attends over, in buffer order (None = all of them)."""
@@ -144,7 +155,7 @@ class BatchKV:
         [B, kvh, slots, D]. `buf` is the (keys, values, offset) slot-major device buffer from
         `load` when the cache lives on the host."""
         if buf is None:
-            keys, values, offset = self.keys[layer], self.values[layer], self.filled
+            keys, values, offset = self.keys[layer][:, :self.rows], self.values[layer][:, :self.rows], self.filled
         else:
             keys, values, offset = buf
         end = offset + k.shape[2]
@@ -158,7 +169,7 @@ class BatchKV:
     # ---- host-tier moves (run on channels) ----------------------------------------------
     def _bytes(self, slots: int) -> int:
         k, v = self.keys[0], self.values[0]
-        return slots * (k[0].numel() + v[0].numel()) * k.element_size()
+        return slots * self.rows * (k[0, 0].numel() + v[0, 0].numel()) * k.element_size()
 
     def step_nbytes(self) -> int:
         """Device bytes of one layer's loaded buffer for this step."""
@@ -176,7 +187,9 @@ class BatchKV:
         step's tokens: one contiguous copy from pinned memory per tensor (the kept slots of a
         sparse cache are gathered into a pinned block first)."""
         old = self._old_count()
-        k, v = self.keys[layer], self.values[layer]
+        # fewer rows than the batch has: a strided view, which torch stages through a
+        # contiguous copy (synchronous on CUDA, so never racing the pinned block)
+        k, v = self.keys[layer][:, :self.rows], self.values[layer][:, :self.rows]
         keys = torch.empty((old + self.new, *k.shape[1:]), dtype=k.dtype, device=device)
         values = torch.empty((old + self.new, *v.shape[1:]), dtype=v.dtype, device=device)
         if self.old_slots is None:
@@ -191,5 +204,5 @@ class BatchKV:
         """Copy this step's new slots of `layer` from the device buffer back home (contiguous)."""
         keys, values, offset = buf
         new, src = slice(self.filled, self.filled + self.new), slice(offset, offset + self.new)
-        self.keys[layer][new].copy_(keys[src], non_blocking=True)
-        self.values[layer][new].copy_(values[src], non_blocking=True)
+        self.keys[layer][new, :self.rows].copy_(keys[src], non_blocking=True)
+        self.values[layer][new, :self.rows].copy_(values[src], non_blocking=True)

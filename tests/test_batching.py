@@ -63,6 +63,16 @@ def test_continuous_equals_transformers_every_schedule(checkpoints, reference, s
     assert engine.stats.refills >= len(PROMPTS) - 2 * engine.num_batches  # rows did change hands
 
 
+def test_three_row_batches_compute_their_live_rows_only(checkpoints, reference):
+    """Batches of 3: a step computes 1, 2 or 3 rows as sequences finish and newcomers arrive."""
+    cfg = RunConfig(model=str(checkpoints["gqa"]), progress=False, dtype="float32", batch_size=3, num_batches=1)
+    engine, seqs, _ = open_engine(cfg, _requests())
+    done = {s.request.id: list(s.out) for s in engine.run(seqs)}
+    engine.close()
+    assert [done[f"r{i}"] for i in range(len(PROMPTS))] == reference["gqa"]
+    assert engine.stats.rows_moved > 0 and engine.stats.slot_utilisation == 1.0
+
+
 def test_host_kv_sliding_window_and_realigned_slots_stay_exact(checkpoints, reference):
     """KV on the host (newcomers adopted into host rows), a window of 6 slots, and a long
     newcomer prompt that does not fit in front of the slots so far (realigned forwards)."""
@@ -71,7 +81,7 @@ def test_host_kv_sliding_window_and_realigned_slots_stay_exact(checkpoints, refe
     ckpt.close()
     tokens, engine = _run(checkpoints["window"], placement=placement)
     assert tokens == reference["window"]
-    assert engine.stats.refills > 0 and engine.stats.kv_realigns > 0
+    assert engine.stats.refills > 0 and engine.stats.kv_realigns > 0 and engine.stats.rows_moved > 0
 
 
 def test_slots_run_out_and_are_realigned_backwards(checkpoints):
@@ -105,6 +115,8 @@ def test_continuous_serves_more_of_the_decode_slots(checkpoints):
     assert continuous.stats.generated_tokens == static.stats.generated_tokens
     assert continuous.stats.slot_utilisation > static.stats.slot_utilisation
     assert continuous.stats.decode_rows < static.stats.decode_rows  # fewer row-steps for the same tokens
+    # no finished row is computed: live rows close ranks in front and steps take only those
+    assert continuous.stats.slot_utilisation == 1.0 and continuous.stats.rows_moved > 0
 
 
 def test_quarter_budget_stays_exact_and_within_budget(checkpoints, reference):
@@ -145,6 +157,31 @@ def test_adopt_and_realign_move_exactly_the_rows_slots():
         assert torch.equal(kv.keys[layer][2:6], kept[layer])
     assert kv.valid[2].tolist() == [False, False, False, True, True, True, False, False]
     assert not kv.valid[:, :2].any()
+
+
+def test_a_step_over_fewer_rows_touches_only_those_rows():
+    """`use_rows(2)` of a 3-row host cache: the step sees 2 rows, loads and stores (and
+    charges the link for) only theirs, and row 2's slots are left as they were."""
+    kv = BatchKV(1, 3, 1, 2, 6, torch.float32, on_host=True)
+    kv.keys[0][:3] = torch.arange(3 * 3 * 2, dtype=torch.float32).view(3, 3, 1, 2)
+    kv.valid[:, :3] = True
+    kv.filled = 3
+    full = kv.prefix_nbytes()
+    row2 = kv.keys[0][:, 2].clone()
+    kv.use_rows(2)
+    assert kv.prefix_nbytes() * 3 == full * 2
+    valid = kv.begin_step(torch.ones(2, 1, dtype=torch.bool))
+    assert valid.shape == (2, 4)
+    buf = kv.load(0, "cpu")
+    assert torch.equal(buf[0][:3], kv.keys[0][:3, :2])
+    new = torch.full((2, 1, 1, 2), -7.0)
+    keys, _ = kv.write(0, new, new, buf)
+    assert keys.shape == (2, 1, 4, 2) and torch.equal(keys[:, :, :3], kv.keys[0][:3, :2].permute(1, 2, 0, 3))
+    kv.store(0, buf)
+    kv.end_step()
+    assert torch.equal(kv.keys[0][3, :2], new[:, :, 0]) and torch.equal(kv.keys[0][:, 2], row2)
+    with pytest.raises(RuntimeError, match="1 rows of input for a cache computing 2"):
+        kv.begin_step(torch.ones(1, 1, dtype=torch.bool))
 
 
 def test_batching_flag_is_echoed_and_checked():
