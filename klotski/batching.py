@@ -6,10 +6,10 @@ finished takes the next waiting prompt:
 
 - The waiting prompts are taken longest-decode first (`max_new_tokens`, then prompt length),
   so the long ones start early and the short ones fill the gaps behind them.
-- Newcomers are prefilled ahead, together as one extra batch that rides along the group's
-  decode steps (chunked like any prefill, the step never bigger than the first prefill step
-  the static schedule would run), in a KV cache of their own: when a row frees, a newcomer
-  is usually ready for it at once.
+- Newcomers are prefilled ahead, up to bs at a time as an extra batch (up to n such batches
+  in flight) that rides along the group's decode steps (chunked like any prefill, the step
+  never bigger than the first prefill step the static schedule would run), in a KV cache of
+  their own: when a row frees, a newcomer is usually ready for it at once.
 - A ready newcomer's keys and values are copied into a free row of a decode batch
   (`BatchKV.adopt`) so that its newest slot lines up with the batch's, and it decodes with
   the rest from the next step on. A batch's slot range is shifted back to the slots its
@@ -89,7 +89,7 @@ class ContinuousRun:
         first = Step.prefill(engine.batch_size, engine.num_batches, min(self.chunk, self.capacity), self.capacity)
         self.step_limit = activation_bytes(self.spec, engine.dtype.itemsize, first)
         self.decode: list[_Decode] = []
-        self.newcomers: _Newcomers | None = None
+        self.newcomers: list[_Newcomers] = []  # oldest first
 
     def run(self):
         bs, n = self.e.batch_size, self.e.num_batches
@@ -100,8 +100,7 @@ class ContinuousRun:
                 self._admit()
                 self._consolidate()
                 work = [(d, *self._input(d)) for d in self.decode if d.live()]
-                if self.newcomers and self.newcomers.chunks:
-                    work.append((self.newcomers, self.newcomers.chunks.pop(0), True))
+                work += [(nc, nc.chunks.pop(0), True) for nc in self.newcomers if nc.chunks]
                 if not work and self.queue:  # every row idle and no newcomer fits beside the caches: start afresh
                     for d in self.decode:
                         self.space.free(d.kv)
@@ -204,20 +203,21 @@ class ContinuousRun:
         nc.ready = [(j, t) for j, (s, t) in enumerate(zip(nc.seqs, tokens)) if not s.done]
 
     def _adopt_ready(self) -> None:
-        """Ready newcomers take free rows; their cache goes once every one has a row."""
-        nc = self.newcomers
-        if not nc or nc.chunks:
-            return
-        free = [(d, i) for d in self.decode for i in d.free_rows()]
-        for (d, i), (j, token) in zip(free, list(nc.ready)):
-            s, length = nc.seqs[j], len(nc.seqs[j].prompt_ids)
-            self._move(nc.kv, j, d, i, length)
-            d.rows[i], d.tokens[i], d.positions[i], d.broken[i] = s, token, length, nc.broken[j]
-            nc.ready.remove((j, token))
-            self.e.stats.refills += 1
-        if not nc.ready:
-            self.space.free(nc.kv)
-            self.newcomers = None
+        """Ready newcomers take free rows, oldest first; a newcomer cache goes once every one
+        of its prompts has a row."""
+        for nc in list(self.newcomers):
+            if nc.chunks:
+                continue
+            free = [(d, i) for d in self.decode for i in d.free_rows()]
+            for (d, i), (j, token) in zip(free, list(nc.ready)):
+                s, length = nc.seqs[j], len(nc.seqs[j].prompt_ids)
+                self._move(nc.kv, j, d, i, length)
+                d.rows[i], d.tokens[i], d.positions[i], d.broken[i] = s, token, length, nc.broken[j]
+                nc.ready.remove((j, token))
+                self.e.stats.refills += 1
+            if not nc.ready:
+                self.space.free(nc.kv)
+                self.newcomers.remove(nc)
 
     def _move(self, src: BatchKV, j: int, d: _Decode, i: int, length: int) -> None:
         """Row `i` of batch `d` takes the newest `length` slots of row `j` of `src`."""
@@ -250,11 +250,16 @@ class ContinuousRun:
 
     # ---- admitting waiting prompts --------------------------------------------------------
     def _admit(self) -> None:
-        """Prefill waiting prompts ahead of the rows that will take them: one newcomer batch
-        at a time, once the first fill is prefilled, no more rows than a batch has, and no
-        bigger than the step limit and the KV budget allow."""
-        if self.newcomers or not self.queue or any(d.prompt for d in self.decode):
+        """Prefill waiting prompts ahead of the rows that will take them, once the first fill
+        is prefilled: a newcomer batch of at most bs prompts, no more than n such batches, and
+        no more newcomers than the rows they could take; each no bigger than the step limit
+        and the KV budget allow."""
+        if not self.queue or len(self.newcomers) >= self.e.num_batches or any(d.prompt for d in self.decode):
             return
+        rows = self.e.batch_size * self.e.num_batches
+        waiting = sum(len(nc.seqs) for nc in self.newcomers)
+        if self.newcomers and waiting + sum(d.computed() for d in self.decode if d.live()) >= rows:
+            return  # enough are on their way for every row
         for take in range(min(len(self.queue), self.e.batch_size), 0, -1):
             longest = max(len(self.queue[j].prompt_ids) for j in range(take))
             chunk = self._fitting_chunk(take, longest)
@@ -270,17 +275,23 @@ class ContinuousRun:
         seqs = [self.queue.popleft() for _ in range(take)]
         self.e.stats.prompt_tokens += sum(len(s.prompt_ids) for s in seqs)
         whole = prefill_input(seqs, longest, self.e._pad_id())
-        self.newcomers = _Newcomers(seqs, kv, chunks(whole, chunk), torch.full((take,), -1))
+        self.newcomers.append(_Newcomers(seqs, kv, chunks(whole, chunk), torch.full((take,), -1)))
 
     def _fitting_chunk(self, rows: int, longest: int) -> int:
         """The longest prefill chunk for `rows` newcomers that keeps the step within the first
         prefill step's activations (0: none does): beside decode batches of one token a row,
         newcomers may take longer chunks than a prefill of every batch at once."""
-        decode_rows = sum(d.computed() for d in self.decode if d.live())
+        # Newcomers already prefilling keep their chunk; those adopted meanwhile join the
+        # decode rows, which can thus grow to every row while this batch is prefilled.
+        others = [(len(nc.seqs), nc.chunks[0].ids.shape[1]) for nc in self.newcomers if nc.chunks]
+        live = sum(d.computed() for d in self.decode if d.live())
+        decode_rows = min(self.e.batch_size * self.e.num_batches, live + sum(len(nc.seqs) for nc in self.newcomers))
         chunk = longest  # the step limit, not the first fill's chunk, bounds a newcomer's chunk
         while chunk:
-            step = Step(tokens=decode_rows + rows * chunk, sequences=decode_rows + rows,
-                        batch=max(self.e.batch_size, rows), queries=chunk, keys=self.capacity)
+            step = Step(tokens=decode_rows + rows * chunk + sum(r * c for r, c in others),
+                        sequences=decode_rows + rows + sum(r for r, _ in others),
+                        batch=max(self.e.batch_size, rows), queries=max([chunk] + [c for _, c in others]),
+                        keys=self.capacity)
             if activation_bytes(self.spec, self.e.dtype.itemsize, step) <= self.step_limit:
                 return chunk
             chunk //= 2
