@@ -110,6 +110,17 @@ def plan_job(config, ckpt, dtype, device, budgets, seqs):
                      sequences=max(1, len(seqs)), sizes=ckpt.group_bytes(dtype, quant))
 
 
+def run_cost_model(config, ckpt, dtype, device) -> CostModel:
+    """The cost model the planner uses for this run (same profile, shape and exact group sizes),
+    for the engine's own per-step decisions (host compute under `auto`)."""
+    from klotski.quant import QuantSpec
+    quant = QuantSpec(optimize=config.quantize_optimize) if config.quantize == "hqq4" else None
+    shape = dataclasses.replace(as_shape(ckpt.spec), dtype=str(dtype).removeprefix("torch."))
+    profile = profile_for("auto", shape, device=device.type, link_gbps=config.emulate_link_gbps)
+    return CostModel(profile, shape, quant_bits=4 if config.quantize == "hqq4" else None,
+                     sizes=ckpt.group_bytes(dtype, quant))
+
+
 def engine_placement(plan, spec) -> Placement:
     tiers, kv = plan.group_tiers(spec.num_layers, spec.num_experts)
     # a dense first layer has no experts to place
