@@ -139,7 +139,7 @@ class EngineOps:
     """The profile's ops factory (planner/profile.py, `measure(ops=...)`): each op is the
     engine's own code as the pipeline calls it, on random weights of the shape's family."""
 
-    VERSION = 1  # of how _LayerOps composes the engine's functions; the code it calls is hashed
+    VERSION = 2  # of how _LayerOps composes the engine's functions; the code it calls is hashed
 
     @functools.cached_property
     def key(self) -> str:
@@ -221,6 +221,16 @@ class _LayerOps:
             return self.M.attention_block(h, w, cos, sin, mask, lambda k, v: kv.write(0, k, v), s,
                                           max_scores=ATTENTION_SCORE_CHUNK)
         return run
+
+    def attend(self, bs: int, ctx: int, new: int):
+        """The attention core alone (what host attention runs beside a host KV cache)."""
+        from klotski.models import layers as L
+        s, torch = self.spec, self.torch
+        heads, key_dim, _ = s.kv_cache_dims
+        q = self._x(bs, s.num_heads, new, key_dim)
+        keys, values = self._x(bs, heads, ctx, key_dim), self._x(bs, heads, ctx, key_dim)
+        mask = L.attention_mask(torch.ones(bs, ctx, dtype=torch.bool), new, None).to(self.device)
+        return lambda: L.attend(q, keys, values, mask)
 
     def gate(self, n: int):
         from klotski.models import layers as L

@@ -121,3 +121,17 @@ def test_auto_follows_the_cost_model(mixtral, baseline, host, chosen):
 def test_modes_are_checked():
     with pytest.raises(ConfigError, match=r"--host-experts 'yes': choose one of auto, on, off"):
         RunConfig(host_experts="yes")
+
+
+def test_host_rates_are_measured_with_the_engines_ops():
+    """What a GPU machine's profile records for its host: the engine's expert and attention
+    core timed on the CPU (here the CPU is all there is, so the path is run directly)."""
+    from klotski import tiny
+    from klotski.planning import EngineOps
+    from planner.profile import host_rates
+    from planner.shapes import ModelShape
+    shape = ModelShape.from_config(tiny.PRESETS["tiny"])
+    samples = {}
+    flops, bw = host_rates(shape, EngineOps(), {"tokens": [1, 8], "ctx": [16], "bs": [1, 2]}, 1, samples)
+    assert flops > 1e6 and bw > 1e6
+    assert len(samples["host_expert"]) == 2 and len(samples["host_attend"]) == 2
