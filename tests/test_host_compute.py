@@ -135,3 +135,18 @@ def test_host_rates_are_measured_with_the_engines_ops():
     flops, bw = host_rates(shape, EngineOps(), {"tokens": [1, 8], "ctx": [16], "bs": [1, 2]}, 1, samples)
     assert flops > 1e6 and bw > 1e6
     assert len(samples["host_expert"]) == 2 and len(samples["host_attend"]) == 2
+
+
+def test_flags_fill_the_config_and_the_summary_says_what_host_compute_did():
+    from klotski.cli import build_parser, config_from_args
+    from klotski.hostcompute import HostCompute
+    from klotski.run import _host_line
+    a = build_parser().parse_args(["generate", "jobs.jsonl", "--host-attention", "auto", "--host-experts", "on"])
+    config = config_from_args(a)
+    assert (config.host_attention, config.host_experts) == ("auto", "on")
+    assert config.to_json()["host_experts"] == "on"  # the report echoes the config
+    host = HostCompute.from_config(config)
+    host.experts.on_host, host.experts.bytes_not_moved = 3, 3 << 20
+    (line,) = _host_line(host.report())
+    assert "3 experts on the host (3.0 MiB not moved" in line and "; auto)" in line
+    assert _host_line(HostCompute().report()) == []
