@@ -19,6 +19,7 @@ from klotski import planning
 from klotski.channels import make_channels
 from klotski.checkpoint import Checkpoint
 from klotski.engine import Engine
+from klotski.hostcompute import HostCompute
 from klotski.pipeline import Pipeline
 from klotski.prefetch import FrequencyPredictor, NextGatePredictor
 from klotski.sequences import prepare
@@ -40,6 +41,7 @@ class RunPlan:
     device: torch.device
     dtype: torch.dtype
     plan: object | None = None  # the planner's Plan, when it decided
+    cost: object | None = None  # the run's CostModel, for the engine's own choices (host compute: auto)
 
 
 def plan_run(config, ckpt: Checkpoint, seqs, *, placement: Placement | None = None) -> RunPlan:
@@ -63,7 +65,10 @@ def plan_run(config, ckpt: Checkpoint, seqs, *, placement: Placement | None = No
     if config.quantize == "hqq4":  # a copy that cannot fit is refused now, not halfway through writing it
         from klotski.quantized import check_room
         check_room(ckpt, dtype, config.offload_dir, optimize=config.quantize_optimize)
-    return RunPlan(bs, n, chunk, placement, budgets, device, dtype, plan)
+    cost = None
+    if "auto" in (config.host_attention, config.host_experts):  # the cost model decides per layer and step
+        cost = planning.run_cost_model(config, ckpt, dtype, device)
+    return RunPlan(bs, n, chunk, placement, budgets, device, dtype, plan, cost)
 
 
 def make_predictor(config, ckpt: Checkpoint):
@@ -101,7 +106,8 @@ def build_engine(config, ckpt: Checkpoint, run_plan: RunPlan, *, predictor=None)
                         host_blocks=PinnedBlocks(pinned=True) if device.type == "cuda" else None,
                         disk_channel=channels["disk"], codec=codec, host_memory=host_memory)
     _check_sizes(cache, ckpt, dtype, config)
-    pipeline = Pipeline(ckpt.spec, cache, channels, config, trace, predictor, memory, device)
+    host = HostCompute.from_config(config, run_plan.cost)
+    pipeline = Pipeline(ckpt.spec, cache, channels, config, trace, predictor, memory, device, host)
     return Engine(config, ckpt, run_plan, pipeline=pipeline, cache=cache, predictor=predictor, channels=channels,
                   memory=memory, host_memory=host_memory, trace=trace, device=device, dtype=dtype)
 

@@ -24,7 +24,9 @@ CUDA differ, and both follow one discipline for every buffer a transfer touches:
 
 `link_gbps` (from `--emulate-link`) makes every host->device transfer take bytes /
 bandwidth on ONE link shared by all channels (as streams share a PCIe link), so a CPU run
-reproduces a PCIe card's compute/transfer ratio (on CUDA the real link is used). The `disk`
+reproduces a PCIe card's compute/transfer ratio (on CUDA the real link is used). PCIe is
+full duplex: device->host transfers (KV stores, the activations host compute takes down)
+occupy a second link of the same rate, so host compute is never charged nothing for them. The `disk`
 channel reads files into host memory: it is a worker thread on both paths.
 """
 from __future__ import annotations
@@ -35,7 +37,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-HOST_TO_DEVICE = "host_to_device"  # the link --emulate-link throttles
+HOST_TO_DEVICE = "host_to_device"  # the links --emulate-link throttles, one per direction
+DEVICE_TO_HOST = "device_to_host"
 
 
 class Ticket:
@@ -82,8 +85,10 @@ class EmulatedLink:
 
 
 class Channel:
-    def __init__(self, name: str, device: torch.device, trace, link: EmulatedLink | None = None):
-        self.name, self.device, self.trace, self.link = name, device, trace, link
+    def __init__(self, name: str, device: torch.device, trace, link: EmulatedLink | None = None,
+                 down: EmulatedLink | None = None):
+        self.name, self.device, self.trace = name, device, trace
+        self.links = {HOST_TO_DEVICE: link, DEVICE_TO_HOST: down}
         # the disk channel only reads files into host memory: host work, timed by the host clock
         self.cuda = device.type == "cuda" and name != "disk"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
@@ -101,7 +106,8 @@ class Channel:
                 for t in after:
                     t.wait()
                 start = time.perf_counter()
-                done_at = self.link.occupy(nbytes, start) if self.link and link == HOST_TO_DEVICE else None
+                emulated = self.links.get(link)
+                done_at = emulated.occupy(nbytes, start) if emulated else None
                 result = fn()
                 if done_at is not None:
                     time.sleep(max(0.0, done_at - time.perf_counter()))
@@ -143,9 +149,10 @@ class Channel:
 
 
 def make_channels(device: torch.device, trace, link_gbps: float | None) -> dict[str, Channel]:
-    link = EmulatedLink(link_gbps) if link_gbps else None  # one link, shared like PCIe
+    # one link each way, shared by every channel like PCIe
+    up, down = (EmulatedLink(link_gbps), EmulatedLink(link_gbps)) if link_gbps else (None, None)
     names = ("weights", "experts", "kv_load", "kv_store", "disk")
-    return {n: Channel(n, device, trace, None if n == "disk" else link) for n in names}
+    return {n: Channel(n, device, trace, *((None, None) if n == "disk" else (up, down))) for n in names}
 
 
 def pin(t: torch.Tensor, device: torch.device) -> torch.Tensor:

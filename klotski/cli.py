@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from klotski.config import BATCHINGS, OUTPUT_FORMATS, PREFETCH, SCHEDULES, RunConfig, parse_size
+from klotski.config import BATCHINGS, HOST_COMPUTE, OUTPUT_FORMATS, PREFETCH, SCHEDULES, RunConfig, parse_size
 from planner.shapes import FAMILY_FIELDS
 
 EXIT_OK, EXIT_FAILED_LINES, EXIT_USAGE, EXIT_STOPPED, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 3, 130, 143
@@ -74,6 +74,12 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="run HQQ's half-quadratic optimisation (~4%% less error, ~40x slower to quantize)")
     p.add_argument("--emulate-link", type=float, metavar="GBPS", dest="emulate_link_gbps",
                    help="throttle host->device transfers to GBPS GB/s to mimic a PCIe card on a CPU run")
+    p.add_argument("--host-attention", default="off", choices=HOST_COMPUTE,
+                   help="with the KV cache on the host, compute attention there (q down, output up) instead "
+                        "of moving the KV prefix: auto = where the cost model says it finishes sooner")
+    p.add_argument("--host-experts", default="off", choices=HOST_COMPUTE,
+                   help="compute a cold expert that lives on the host there (tokens down, outputs up) instead "
+                        "of moving it: auto = where the cost model says it finishes sooner")
     p.add_argument("--no-direct-io", action="store_true", help="read weights through the page cache")
 
 
@@ -223,6 +229,8 @@ def config_from_args(a: argparse.Namespace) -> RunConfig:
         host_memory=a.host_memory, offload_dir=a.offload_dir, device=a.device, dtype=a.dtype,
         schedule=a.schedule, batching=a.batching, prefetch=a.prefetch, attention=a.attention, quantize=a.quantize, quantize_optimize=a.quantize_optimize,
         emulate_link_gbps=a.emulate_link_gbps,
+        host_attention=getattr(a, "host_attention", RunConfig.host_attention),
+        host_experts=getattr(a, "host_experts", RunConfig.host_experts),
         direct_io=not a.no_direct_io, resume=not a.no_resume, include_token_ids=a.include_token_ids,
         output_format=a.output_format,
         report=a.report, trace=a.trace, progress=not a.no_progress,

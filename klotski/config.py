@@ -16,6 +16,7 @@ BATCHINGS = ("continuous", "static")
 PREFETCH = ("correlation", "next-gate", "none")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 OUTPUT_FORMATS = ("auto", "klotski", "openai")
+HOST_COMPUTE = ("auto", "on", "off")  # --host-attention, --host-experts
 
 class ConfigError(ValueError):
     """A flag or setting that cannot work; the message says which and what to use."""
@@ -62,6 +63,12 @@ class RunConfig:
     quantize: str = "none"
     quantize_optimize: bool = False   # HQQ's half-quadratic optimisation (slow on CPU)
     emulate_link_gbps: float | None = None
+    # Attention where a host KV cache lives / cold experts where they live (klotski/hostcompute.py):
+    # auto = the cost model decides per layer and step from the run's profile; off by default, as
+    # on a CPU-only machine the host is the device and auto would turn every emulated-link run
+    # into host compute.
+    host_attention: str = "off"
+    host_experts: str = "off"
     direct_io: bool = True
     resume: bool = True
     include_token_ids: bool = False
@@ -101,6 +108,10 @@ class RunConfig:
         if self.ray is None and self.workers is not None:
             raise ConfigError("--workers sets the number of Ray actors; it needs --ray (e.g. --ray local --workers 2)")
         _sparse(self.attention)
+        for name in ("host_attention", "host_experts"):
+            if getattr(self, name) not in HOST_COMPUTE:
+                raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)!r}: choose one of "
+                                  f"{', '.join(HOST_COMPUTE)}")
         if self.quantize not in ("none", "hqq4"):
             raise ConfigError(f"--quantize {self.quantize!r}: choose none or hqq4")
         if self.emulate_link_gbps is not None and self.emulate_link_gbps <= 0:

@@ -12,6 +12,10 @@ A step takes every batch of the group through the model layer by layer. Per laye
      their transfers finish, each released the moment it is done; `weights` starts on the
      next layer's attention as soon as there is room.
 
+Host compute (klotski/hostcompute.py decides, per layer and step): a batch whose KV cache is
+on the host may attend there (q down, the output up; no KV load), and a cold expert whose
+group is in host RAM may be computed there (its tokens down, the outputs up; no transfer).
+
 Variants for ablation (`RunConfig.schedule`): `simple` (one batch, whole next layer
 prefetched), `multibatch` (n batches, whole next layer: FlexGen style), `hot-prefetch`
 (gate + K hot experts, the rest on demand, id order), `klotski` (+ hot-first order and early
@@ -23,12 +27,14 @@ it touches weights only through the WeightCache.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
 
-from klotski.channels import pin
+from klotski.channels import DEVICE_TO_HOST, HOST_TO_DEVICE, pin
+from klotski.hostcompute import HostCompute
 from klotski.kvcache import BatchKV
 from klotski.models import layers as L
 from placement.tiers import OverBudget
@@ -63,8 +69,13 @@ class _Routed:
 
 
 class Pipeline:
-    def __init__(self, spec, cache, channels, config, trace, predictor, memory, device):
+    def __init__(self, spec, cache, channels, config, trace, predictor, memory, device, host: HostCompute | None = None):
         self.spec, self.cache, self.ch, self.config = spec, cache, channels, config
+        self.host = host or HostCompute.from_config(config)
+        # families whose attention core can run beside a host KV cache (not MLA: its keys are
+        # expanded from the latent by a projection, and its latent cache is small to move anyway)
+        self.host_attention_ok = getattr(spec.family, "HOST_ATTENTION", False)
+        self.host_experts: set = set()  # this layer's experts computed where they live
         self.M = spec.family  # the model's layer functions
         self.trace, self.predictor, self.memory, self.device = trace, predictor, memory, device
         self.schedule = config.schedule
@@ -103,7 +114,7 @@ class Pipeline:
                 if columns is not None:  # attend over the kept slots only
                     masks = {w: m.index_select(-1, columns) for w, m in masks.items()}
             hs.append(h)
-            ctx.append((self._upload(cos), self._upload(sin), {w: self._upload(m) for w, m in masks.items()}))
+            ctx.append((self._upload(cos), self._upload(sin), {w: self._upload(m) for w, m in masks.items()}, masks))
         broken = [torch.full((h.shape[0],), -1, device=h.device) for h in hs]
         for layer in range(self.window):  # already staged by the previous step, except on the first
             self.cache.stage(self._layer_keys(layer))
@@ -141,19 +152,24 @@ class Pipeline:
             self._want([("gate", layer)] + [("expert", layer, e) for e in hot] + ahead, "weights")
         w = self._get(("attn", layer))
         loads, stores = {}, []
-        if kvs[0].on_host:
+        at_host = [self._attend_on_host(kv) for kv in kvs]
+        moves = [kv.on_host and not h for kv, h in zip(kvs, at_host)]  # whose KV prefix comes up
+        if moves[0]:
             loads[0] = self._kv_load(kvs[0], layer)
         for k, kv in enumerate(kvs):
-            if kv.on_host and k + 1 < len(kvs):
+            if k + 1 < len(kvs) and moves[k + 1]:
                 # at most KV_BUFFERS batches on the device: the oldest store lands before the
                 # next batch's KV loads (behind this batch's compute)
                 while len(stores) > KV_BUFFERS - 2:
                     self._kv_stored(*stores.pop(0))
                 loads[k + 1] = self._kv_load(kvs[k + 1], layer)
+            if at_host[k]:
+                hs[k] = self._host_attention(layer, k, hs[k], w, ctx[k], kv)
+                continue
             buf = None
             if kv.on_host:
                 buf = self._wait(loads[k][0], f"kv.{layer}.{k}")
-            cos, sin, masks = ctx[k]
+            cos, sin, masks, _ = ctx[k]
             mask = masks[self.spec.window(layer)]
             with self.trace.span("compute", f"attn.{layer}.b{k}"):
                 hs[k] = self.M.attention_block(hs[k], w, cos, sin, mask,
@@ -169,6 +185,65 @@ class Pipeline:
             self._kv_stored(ticket, nbytes)
         self.cache.release(("attn", layer))
         self._pump()
+
+    def _attend_on_host(self, kv: BatchKV) -> bool:
+        if not (kv.on_host and self.host_attention_ok):
+            return False
+        return self.host.attend_on_host(kv.valid.shape[0], kv._old_count() + kv.new, kv.new)
+
+    def _host_attention(self, layer, k, h, w, ctx, kv: BatchKV):
+        """Batch k's attention with its KV cache on the host, computed there: the projections
+        run where the weights are; the new keys/values go straight into the host cache and q
+        follows them down; the attention core runs on the host over the host cache; the output
+        comes back up. Nothing of the prefix crosses the link."""
+        if layer in kv.stored:  # an earlier step's store of this layer writes beside the new slots
+            self._wait(kv.stored[layer], "kv_store")
+        cos, sin, _, host_masks = ctx
+        name = f"{layer}.b{k}"
+        counts = self.host.attention
+
+        def write_home(kk, vv):
+            kk, vv = self._ship([kk, vv], DEVICE_TO_HOST, f"kv.{name}")
+            return kv.write(layer, kk, vv)
+
+        def at_host(attend):
+            def run(q, keys, values, mask, **extra):
+                (q,) = self._ship([q], DEVICE_TO_HOST, f"q.{name}")
+                extra = {n: t.to(keys.device) for n, t in extra.items()}  # per-head constants (sinks)
+                with self._host_span(counts, f"attn.{name}"):
+                    out = attend(q, keys, values, mask.to(keys.device), **extra)
+                return self._ship([out], HOST_TO_DEVICE, f"attn_out.{name}")[0]
+            return run
+
+        counts.on_host += 1
+        counts.bytes_not_moved += kv.prefix_nbytes()
+        with self.trace.span("compute", f"attn.{layer}.b{k}"):
+            return self.M.attention_block(h, w, cos, sin, host_masks[self.spec.window(layer)], write_home, self.spec,
+                                          max_scores=ATTENTION_SCORE_CHUNK, attend_at=at_host)
+
+    def _ship(self, tensors: list, link: str, name: str) -> list:
+        """Activations across the link for host compute, on the KV channels (so an emulated link
+        charges them like any transfer), waited for: host compute needs them now."""
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        if link == DEVICE_TO_HOST:
+            ticket = self.ch["kv_store"].submit(lambda: [t.to("cpu") for t in tensors], name=name, nbytes=nbytes,
+                                                link=DEVICE_TO_HOST, after_compute=True, reads=tensors)
+        else:
+            channel = self.ch["kv_load"]
+            ticket = channel.submit(lambda: [channel.to_device(t, owned=True) for t in tensors], name=name,
+                                    nbytes=nbytes, link=HOST_TO_DEVICE)
+        return self._wait(ticket, name)
+
+    @contextmanager
+    def _host_span(self, counts, name: str):
+        """Host compute, timed by the host clock on its own lane (on CUDA too: no stream runs it)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            end = time.perf_counter()
+            counts.host_s += end - start
+            self.trace.add("host", name, start, end)
 
     def _kv_stored(self, ticket, nbytes: int) -> None:
         self._wait(ticket, "kv_store")
@@ -197,13 +272,31 @@ class Pipeline:
         for r, chosen in zip(routed, _to_host([r.experts for r in routed])):
             r.chosen = chosen
         new = sorted(set(torch.cat([r.chosen.flatten() for r in routed]).tolist()))
-        self._want([("expert", layer, e) for e in new], "experts", front=True)
+        self.host_experts = self._experts_on_host(layer, routed, new)
+        self._want([("expert", layer, e) for e in new if e not in self.host_experts], "experts", front=True)
         self.cache.release(("gate", layer))
         if self.spec.experts_in(layer):
             self.predictor.observe(layer - self.spec.dense_layers, [r.chosen for r in routed])
         if self.next_gate:
             self._speculate(layer + 1, hs)
         return routed, hot
+
+    def _experts_on_host(self, layer, routed, chosen) -> set:
+        """The selected experts computed where they live this step: not on the device nor on
+        their way, their group in host RAM, and the host deciding (HostCompute)."""
+        if self.host.experts_mode == "off" or not chosen:
+            return set()
+        counts = torch.bincount(torch.cat([r.chosen.flatten() for r in routed]), minlength=self.spec.num_experts)
+        out = set()
+        for e in chosen:
+            key = ("expert", layer, e)
+            if self.cache.present(key) or not self.cache.host_copy_available(key):
+                continue
+            if self.host.expert_on_host(int(counts[e]), self.cache.placement.tiers[key]):
+                out.add(e)
+        if out:  # a prefetch not started yet is not wanted any more
+            self.wants = [(k, c) for k, c in self.wants if not (k[:2] == ("expert", layer) and k[2] in out)]
+        return out
 
     def _speculate(self, layer, hs) -> None:
         """Next-gate prediction: layer+1's router on the hidden states entering this MoE,
@@ -236,18 +329,18 @@ class Pipeline:
         done = []
         for e in self._order(layer, chosen, hot):
             key = ("expert", layer, e)
-            w = self._get(key)
             self.upcoming.remove(key)
             picks = [pick(e) for pick in tokens_of]
+            if e in self.host_experts:
+                self._host_expert(key, routed, outs, picks, expert_ffn)
+                continue
+            w = self._get(key)
             with self.trace.span("compute", f"expert.{layer}.{e}"):
                 # One matmul over the tokens of all batches: the weight is shared n*bs ways
                 # (in chunks, so a long prefill does not blow the activation reserve).
                 x = torch.cat([r.x[tok] for r, (tok, _) in zip(routed, picks)])
                 y = torch.cat([expert_ffn(c, w) for c in x.split(PREFILL_EXPERT_CHUNK)])
-                for r, out, (tok, slot), y_k in zip(routed, outs, picks, y.split([len(p[0]) for p in picks])):
-                    # each token's output waits in its top-k slot, summed in slot order at the
-                    # end, so the order experts compute in never changes a bit of the result
-                    L.put_weighted(out, tok, slot, y_k, r.weights)
+                _put(routed, outs, picks, y)
             del w, x, y  # no reference outlives the group's reservation
             if self.schedule == "klotski":
                 self.cache.release(key)  # early release: room for the next transfer now
@@ -259,6 +352,23 @@ class Pipeline:
             self.cache.release(key)
         self._pump()
         return [h + L.combine(out, h.dtype, r.shared).view_as(h) for h, out, r in zip(hs, outs, routed)]
+
+    def _host_expert(self, key, routed, outs, picks, expert_ffn) -> None:
+        """One expert computed where it lives: its tokens of every batch go down, the outputs
+        come up into the same top-k slots, so the result is bit for bit the device path's."""
+        name = f"{key[1]}.{key[2]}"
+        with self.trace.span("compute", f"expert.{name}"):
+            x = torch.cat([r.x[tok] for r, (tok, _) in zip(routed, picks)])
+            (x,) = self._ship([x], DEVICE_TO_HOST, f"x.{name}")
+            with self._host_span(self.host.experts, f"expert.{name}"):
+                w = self.cache.host_weights(key)  # decoded here when packed
+                y = torch.cat([expert_ffn(c, w) for c in x.split(PREFILL_EXPERT_CHUNK)])
+                del w
+                self.cache.drop_host_weights(key)
+            (y,) = self._ship([y], HOST_TO_DEVICE, f"y.{name}")
+            _put(routed, outs, picks, y)
+        self.host.experts.on_host += 1
+        self.host.experts.bytes_not_moved += self.cache.moved[key]
 
     def _next_layer_prefetch(self, layer) -> list:
         """While this layer's experts compute, the link moves what the next layer needs first:
@@ -280,7 +390,8 @@ class Pipeline:
         rest = [e for e in chosen if e not in hot]
         yield from (e for e in hot if e in chosen)
         while rest:
-            ready = [e for e in rest if self.cache.ready(("expert", layer, e))]
+            # computed where they live: nothing to wait for
+            ready = [e for e in rest if e in self.host_experts or self.cache.ready(("expert", layer, e))]
             flying = [e for e in rest if self.cache.present(("expert", layer, e))]
             # FIFO channels: of those in flight, the oldest lands first
             e = ready[0] if ready else min(flying, key=lambda x: self._submitted(("expert", layer, x))) \
@@ -391,6 +502,13 @@ def _expert_ffn(family, spec):
     """The family's expert FFN `(x, w)`; bound to the checkpoint where its constants come from
     config.json (gpt-oss's clamp and sigmoid gain)."""
     return family.bind_expert_ffn(spec) if hasattr(family, "bind_expert_ffn") else family.expert_ffn
+
+
+def _put(routed, outs, picks, y) -> None:
+    """Each token's output waits in its top-k slot, summed in slot order at the end, so the
+    order (and the place) experts compute in never changes a bit of the result."""
+    for r, out, (tok, slot), y_k in zip(routed, outs, picks, y.split([len(p[0]) for p in picks])):
+        L.put_weighted(out, tok, slot, y_k, r.weights)
 
 
 def _to_host(experts: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -110,6 +110,17 @@ def plan_job(config, ckpt, dtype, device, budgets, seqs):
                      sequences=max(1, len(seqs)), sizes=ckpt.group_bytes(dtype, quant))
 
 
+def run_cost_model(config, ckpt, dtype, device) -> CostModel:
+    """The cost model the planner uses for this run (same profile, shape and exact group sizes),
+    for the engine's own per-step decisions (host compute under `auto`)."""
+    from klotski.quant import QuantSpec
+    quant = QuantSpec(optimize=config.quantize_optimize) if config.quantize == "hqq4" else None
+    shape = dataclasses.replace(as_shape(ckpt.spec), dtype=str(dtype).removeprefix("torch."))
+    profile = profile_for("auto", shape, device=device.type, link_gbps=config.emulate_link_gbps)
+    return CostModel(profile, shape, quant_bits=4 if config.quantize == "hqq4" else None,
+                     sizes=ckpt.group_bytes(dtype, quant))
+
+
 def engine_placement(plan, spec) -> Placement:
     tiers, kv = plan.group_tiers(spec.num_layers, spec.num_experts)
     # a dense first layer has no experts to place
@@ -128,7 +139,7 @@ class EngineOps:
     """The profile's ops factory (planner/profile.py, `measure(ops=...)`): each op is the
     engine's own code as the pipeline calls it, on random weights of the shape's family."""
 
-    VERSION = 1  # of how _LayerOps composes the engine's functions; the code it calls is hashed
+    VERSION = 2  # of how _LayerOps composes the engine's functions; the code it calls is hashed
 
     @functools.cached_property
     def key(self) -> str:
@@ -210,6 +221,16 @@ class _LayerOps:
             return self.M.attention_block(h, w, cos, sin, mask, lambda k, v: kv.write(0, k, v), s,
                                           max_scores=ATTENTION_SCORE_CHUNK)
         return run
+
+    def attend(self, bs: int, ctx: int, new: int):
+        """The attention core alone (what host attention runs beside a host KV cache)."""
+        from klotski.models import layers as L
+        s, torch = self.spec, self.torch
+        heads, key_dim, _ = s.kv_cache_dims
+        q = self._x(bs, s.num_heads, new, key_dim)
+        keys, values = self._x(bs, heads, ctx, key_dim), self._x(bs, heads, ctx, key_dim)
+        mask = L.attention_mask(torch.ones(bs, ctx, dtype=torch.bool), new, None).to(self.device)
+        return lambda: L.attend(q, keys, values, mask)
 
     def gate(self, n: int):
         from klotski.models import layers as L

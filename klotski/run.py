@@ -368,6 +368,7 @@ def build_report(engine, run_plan, *, ok: int, failed: int, skipped: int, wall_s
         "bubble": {"seconds": round(engine.trace.bubble_s, 4), "share": round(engine.trace.bubble_share(), 4),
                    "decode_share": round(engine.trace.bubble_share(decode_only=True), 4)},
         "prefetch": engine.predictor.report(),
+        "host_compute": engine.pipeline.host.report(),
     })
     return report
 
@@ -407,11 +408,23 @@ def summary(report: dict, out_path: Path) -> str:
                   "(static batching: a batch keeps its slots until its longest sequence ends)")]
               if report["decode_slot_utilisation"] is not None else []),
             *_prefetch_line(report["prefetch"]),
+            *_host_line(report.get("host_compute")),
             f"memory    peak device {mem['peak_device_bytes'] / 2**20:.1f} of {mem['budget_device_bytes'] / 2**20:.1f} MiB, "
             f"host {mem['peak_host_bytes'] / 2**20:.1f} of {mem['budget_host_bytes'] / 2**20:.1f} MiB",
         ]
     lines += [f"wall      {report['wall_s']:.1f} s", f"output    {out_path}"]
     return "\n".join(lines)
+
+
+def _host_line(host: dict | None) -> list[str]:
+    """What host compute did (attention beside a host KV cache, experts where they live)."""
+    if not host or host["attention"]["mode"] == host["experts"]["mode"] == "off":
+        return []
+    a, e = host["attention"], host["experts"]
+    return [f"host      attention on the host in {a['batches_layers_on_host']} batch-layers "
+            f"({a['kv_bytes_not_moved'] / 2**20:.1f} MiB of KV not moved, {a['host_s']:.2f} s; {a['mode']}), "
+            f"{e['experts_on_host']} experts on the host ({e['bytes_not_moved'] / 2**20:.1f} MiB not moved, "
+            f"{e['host_s']:.2f} s; {e['mode']})"]
 
 
 def _prefetch_line(prefetch: dict) -> list[str]:

@@ -174,6 +174,26 @@ class WeightCache:
         """What `release` could free to make room: every transient copy not being computed with."""
         return [k for k in (*self.unpacked, *self.loaded, *self.pending) if k not in self.held]
 
+    # ---- computing where a group lives (host compute) -----------------------------------
+    def host_copy_available(self, key) -> bool:
+        """Whether `key` sits in host RAM, or is being staged there from disk, so it could be
+        computed with on the host without crossing the host->device link."""
+        return key in self.host or key in self.staging
+
+    def host_weights(self, key) -> dict:
+        """Host tensors of `key` to compute with on the host: the host tier's copy, or the staged
+        disk read (waited for), decoded on the host when packed (HQQ, MXFP4). A decoded copy is
+        reserved in the host account until `drop_host_weights`."""
+        tensors = self.host[key] if key in self.host else self.staging[key].wait()
+        if not self._coded(key):
+            return tensors
+        self.host_memory.reserve(self.full[key], f"decoded {key} on the host")
+        return self.codec.decode(tensors)
+
+    def drop_host_weights(self, key) -> None:
+        if self._coded(key):
+            self.host_memory.free(self.full[key])
+
     # ---- the embedding: gathered where it lives ----------------------------------------
     def embedding_rows(self, ids: torch.Tensor):
         """(rows, index) such that rows[index] are the embeddings of `ids`: the whole table

@@ -14,7 +14,11 @@ klotski and has no model math of its own. An ops factory is called as
 `ops(shape, torch_dtype, torch_device)` and returns an object whose methods
 `attention(bs, ctx, new_tokens)`, `gate(tokens)`, `expert(tokens)`, `head(tokens)` and
 `dequant()` (one expert's weights) each prepare inputs on the device and return a
-zero-argument callable running that op once. The factory's `key` (text) names what is
+zero-argument callable running that op once; optionally `attend(bs, ctx, new_tokens)`, the
+attention core alone (scores and weighted values over cached keys). On a GPU machine the
+factory is also called with the cpu device to time host compute (an expert, the attention
+core) for `host_flops` / `host_mem_bw`; on a CPU-only machine the host is the device and
+those are the device's rates. The factory's `key` (text) names what is
 timed and is part of the cache key: change it whenever the timed code changes, so that no
 cached profile of the old code is served.
 
@@ -41,8 +45,8 @@ from planner.shapes import as_shape
 BUILTIN_DIR = Path(__file__).parent / "profiles"
 # The measuring harness (grid, timing, links); part of the cache key with the ops' own key.
 # 2: the engine's ops are injected; every timed call starts and ends synchronized, after an
-# untimed warm-up.
-# 3: each op's time is the fastest of its repetitions, not their median.
+# untimed warm-up. 3: host compute rates (host_flops, host_mem_bw); each op's time is the
+# fastest of its repetitions, not their median.
 PROFILE_VERSION = 3
 
 
@@ -242,10 +246,33 @@ def _measure(shape, make_ops, grid, device, link_gbps, reps, io_bytes, io_dir) -
     cm = CostModel(unit, shape)
     flops = max(cm.work(k, row[:-1])[0] / row[-1] for k in ("expert", "attention") for row in samples[k])
     mem_bw = max(cm.work(k, row[:-1])[1] / row[-1] for k in ("expert", "gate", "head") for row in samples[k])
+    host_flops, host_bw = flops, mem_bw  # CPU-only: the host is the device
+    if dev.type == "cuda":
+        host_flops, host_bw = host_rates(shape, make_ops, grid, reps, samples)
     machine["measure_s"] = round(time.perf_counter() - started, 2)
     return Profile(name="measured", device=dev.type, flops=flops, mem_bw=mem_bw, links=links,
                    samples=samples, shape_key=shape.key(), machine=machine,
-                   memory=_memory_capacity(dev))
+                   memory=_memory_capacity(dev), host_flops=host_flops, host_mem_bw=host_bw)
+
+
+def host_rates(shape, make_ops, grid, reps, samples=None) -> tuple[float, float]:
+    """Effective (FLOP/s, bytes/s) of host compute: the engine's expert FFN at a few token
+    counts and its attention core (when the ops have one) at decode, timed on the CPU. Rows
+    go into `samples` as `host_expert` / `host_attend` for the record."""
+    import torch
+
+    from planner.costmodel import CostModel
+
+    ops = make_ops(shape, getattr(torch, shape.dtype), torch.device("cpu"))
+    rows = {"expert": [[n, _timeit(ops.expert(n), reps, lambda: None)] for n in sorted(grid["tokens"])[:3]]}
+    if hasattr(ops, "attend"):
+        rows["attend"] = [[bs, ctx, 1, _timeit(ops.attend(bs, ctx, 1), reps, lambda: None)]
+                          for ctx in grid["ctx"] for bs in sorted(grid["bs"])[:2]]
+    cm = CostModel(Profile(name="unit", flops=1.0, mem_bw=1.0, links={}), shape)
+    work = [(cm.work(kind, row[:-1]), row[-1]) for kind, kind_rows in rows.items() for row in kind_rows]
+    if samples is not None:
+        samples.update({f"host_{kind}": kind_rows for kind, kind_rows in rows.items()})
+    return max(f / t for (f, _), t in work), max(b / t for (_, b), t in work)
 
 
 def _timeit(fn, reps: int, sync) -> float:

@@ -101,9 +101,14 @@ def attend_with_sinks(q, keys, values, mask, sinks):
     return torch.matmul(probs, values).transpose(1, 2).reshape(B, T, heads * D)
 
 
-def attention_block(h, w, cos, sin, mask, cache_write, spec, max_scores=None):
+HOST_ATTENTION = True  # attention_block takes `attend_at` (attention beside a host KV cache)
+
+
+def attention_block(h, w, cos, sin, mask, cache_write, spec, max_scores=None, attend_at=None):
+    # the sinks (one logit per head) travel with q where the attention runs
+    core = attend_at(attend_with_sinks) if attend_at else attend_with_sinks
     return L.attention_block(h, w, cos, sin, mask, cache_write, spec, qkv, max_scores,
-                             attend=functools.partial(attend_with_sinks, sinks=w["sinks"]))
+                             attend=functools.partial(core, sinks=w["sinks"]))
 
 
 def route(x, gate: dict, spec):

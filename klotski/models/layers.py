@@ -122,14 +122,18 @@ def combine(buffer: torch.Tensor, dtype: torch.dtype, shared: torch.Tensor | Non
 
 
 def attention_block(h, w: dict, cos, sin, mask, cache_write, spec, qkv, max_scores: int | None = None,
-                    attend=None):
+                    attend=None, attend_at=None):
     """Residual attention sub-layer for one batch. `qkv(x, w, spec)` is the family's projection
     to q [B, T, h, D], k, v [B, T, kvh, D] before RoPE. `cache_write(k, v)` stores this step's
     keys/values and returns every key/value the batch has so far. Queries are taken in
     chunks so that at most `max_scores` attention scores exist at once (a long prefill
     would otherwise hold B x heads x T x S of them); each query row's result is unchanged.
-    `attend` is the family's attention over (q, keys, values, mask) where it is not plain."""
+    `attend` is the family's attention over (q, keys, values, mask) where it is not plain;
+    `attend_at(attend)` runs it elsewhere (the host, beside a host KV cache: the caller moves
+    q in and the output back; the math is the same function)."""
     attend = attend or globals()["attend"]  # looked up per call: the profile's tests count the calls
+    if attend_at is not None:
+        attend = attend_at(attend)
     x = rms_norm(h, w["input_norm"], spec.rms_norm_eps)
     q, k, v = (t.transpose(1, 2) for t in qkv(x, w, spec))
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

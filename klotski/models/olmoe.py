@@ -38,5 +38,8 @@ def qkv(x, w: dict, spec):
             L.split_heads(v, spec.num_kv_heads, spec.head_dim))
 
 
-def attention_block(h, w, cos, sin, mask, cache_write, spec, max_scores=None):
-    return L.attention_block(h, w, cos, sin, mask, cache_write, spec, qkv, max_scores)
+HOST_ATTENTION = True  # attention_block takes `attend_at` (attention beside a host KV cache)
+
+
+def attention_block(h, w, cos, sin, mask, cache_write, spec, max_scores=None, attend_at=None):
+    return L.attention_block(h, w, cos, sin, mask, cache_write, spec, qkv, max_scores, attend_at=attend_at)

@@ -34,8 +34,11 @@ def gate_names(layer: int, fused: bool) -> dict[str, str]:
 
 
 # ---- math ------------------------------------------------------------------------------
-def attention_block(h, w, cos, sin, mask, cache_write, spec, max_scores=None):
-    return L.attention_block(h, w, cos, sin, mask, cache_write, spec, qkv, max_scores)
+HOST_ATTENTION = True  # attention_block takes `attend_at` (attention beside a host KV cache)
+
+
+def attention_block(h, w, cos, sin, mask, cache_write, spec, max_scores=None, attend_at=None):
+    return L.attention_block(h, w, cos, sin, mask, cache_write, spec, qkv, max_scores, attend_at=attend_at)
 
 
 def shared_ffn(x, gate: dict, spec):

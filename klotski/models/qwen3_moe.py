@@ -55,8 +55,11 @@ def qkv(x, w: dict, spec):
     return q, k, L.split_heads(L.linear(x, w, "v"), spec.num_kv_heads, spec.head_dim)
 
 
-def attention_block(h, w, cos, sin, mask, cache_write, spec, max_scores=None):
-    return L.attention_block(h, w, cos, sin, mask, cache_write, spec, qkv, max_scores)
+HOST_ATTENTION = True  # attention_block takes `attend_at` (attention beside a host KV cache)
+
+
+def attention_block(h, w, cos, sin, mask, cache_write, spec, max_scores=None, attend_at=None):
+    return L.attention_block(h, w, cos, sin, mask, cache_write, spec, qkv, max_scores, attend_at=attend_at)
 
 
 def route(x, gate: dict, spec):
