@@ -246,7 +246,7 @@ def solve(shape, cost, budgets, *, prompt_len: int, gen_len: int, longest_prompt
     if not found:
         raise _diagnose(first, min(batch_sizes), num_batches or 1)
     best = None
-    for _, bs, n, binding, ctx in sorted(found, key=lambda f: -f[0])[:max(1, finalists)]:
+    for _, bs, n, binding, ctx in sorted(found, key=lambda f: f[:4], reverse=True)[:max(1, finalists)]:
         at = _best_chunk(ctx, bs, n)
         # the MILP packs at least as well as the greedy search; keep the greedy layout if it fails
         layout = at.milp(bs, n) or at.greedy(bs, n)
