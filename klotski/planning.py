@@ -63,7 +63,7 @@ def profile_for(hardware: str, shape, *, device: str = "auto", link_gbps: float 
 
 
 def make_plan(shape, profile, *, device_memory, host_memory, prompt_len, gen_len, config, sequences=None,
-              longest_prompt=None, sizes=None):
+              longest_prompt=None, sizes=None, gen_lens=None):
     """Solve for (bs, n, prefill chunk, placement) under the budgets; what the user fixed stays
     fixed. Time is planned for `prompt_len` (the typical prompt: batches are formed by length,
     so padding is small), memory for `longest_prompt`. A refusal names the budget to raise
@@ -77,7 +77,10 @@ def make_plan(shape, profile, *, device_memory, host_memory, prompt_len, gen_len
         return solve(shape, cost, budgets, prompt_len=prompt_len, gen_len=gen_len, longest_prompt=longest_prompt,
                      batch_sizes=batch_sizes, max_sequences=sequences, schedule=config.schedule,
                      K=config.hot_experts, num_batches=1 if config.schedule == "simple" else config.num_batches,
-                     chunk=config.prefill_chunk)
+                     chunk=config.prefill_chunk, gen_lens=gen_lens,
+                     # the host-compute knobs, where this RunConfig has them (off until then)
+                     host_attention=getattr(config, "host_attention", "off"),
+                     host_experts=getattr(config, "host_experts", "off"))
     except Infeasible as e:
         raise BudgetRefused(e) from None
 

@@ -130,6 +130,11 @@ class CostModel:
             keys, toks = self.kv_context(int(ctx)), bs * new
             scored = keys - (new - 1) / 2 if new > 1 else keys
             return 4 * toks * scored * self._q, bs * keys * self.kv_bytes_per_token_layer + 2 * toks * self._q * b
+        if kind == "project":  # an attention layer without its core: norms, q/k/v/o, rotary
+            bs, new = point
+            toks = bs * new
+            return (2 * toks * s.hidden_size * (2 * self._q + 2 * self._kv),
+                    s.attention_params * b + 4 * toks * s.hidden_size * b)
         if kind == "attention":
             bs, ctx, new = point
             keys, toks = self.kv_context(int(ctx)), bs * new
@@ -156,6 +161,26 @@ class CostModel:
         """One attention layer for one batch: q/k/v/o projections, rotary, softmax attention
         of `new_tokens` queries per sequence over `ctx` positions (decode: 1; prefill: ctx)."""
         return self._time("attention", (bs, self.kv_context(ctx), new_tokens))
+
+    def t_attn_proj(self, bs: int, new_tokens: int = 1) -> float:
+        """One attention layer for one batch whose core runs elsewhere (on the host, next to
+        its KV): the projections, rotary and norms on the device. Measured profiles time
+        whole layers only, so this is the roofline (and the profile's 'project' overhead)."""
+        return self._time("project", (bs, new_tokens))
+
+    def t_host_attend(self, bs: int, ctx: int, new_tokens: int = 1) -> float:
+        """The attention core of one batch computed by the host over its host-resident KV,
+        with the link time of its inputs down and its output up."""
+        moved = self.attend_link_bytes(bs, ctx, new_tokens)["host"]
+        return (self.t_host("attend", (bs, self.kv_context(ctx), new_tokens))
+                + sum(self.t_io(nb, link) for link, nb in moved.items()))
+
+    def t_host_expert(self, tokens: float) -> float:
+        """One host-resident expert computed on the host: its tokens down, outputs up."""
+        if tokens <= 0:
+            return 0.0
+        acts = tokens * self.shape.hidden_size * self.shape.dtype_bytes
+        return self.t_host("expert", (max(1.0, tokens),)) + self.t_io(acts, "device_to_host") + self.t_io(acts)
 
     def t_gate(self, tokens: int) -> float:
         """Router for `tokens` tokens: linear, softmax, top-k."""

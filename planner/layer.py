@@ -44,26 +44,71 @@ class Phase:
     new: int
 
 
+@dataclass(frozen=True)
+class Host:
+    """Work the host CPU does next to host RAM (MoE-Gen's and Fiddler's moves). `attention`:
+    the attention core of every layer whose KV is on the host runs there (projections stay
+    on the device; q and the new keys/values go down, the output comes up; no KV prefix
+    crosses the link). `experts`: an expert that is not on the device is computed where it
+    lives — "auto" where CostModel.expert_on_host says that is sooner at the expected token
+    count, "on" always, "off" never. The host is its own lane, concurrent with the device
+    and the link: host attention of batch k overlaps the device projections of batch k+1
+    and every transfer; host experts overlap the device experts of the same layer."""
+    attention: bool = False
+    experts: str = "off"
+
+    def expert_here(self, cost, tokens: float, tier: str) -> bool:
+        if tier == "device" or tokens <= 0 or self.experts == "off":
+            return False
+        return self.experts == "on" or cost.expert_on_host(tokens, tier)
+
+
+NO_HOST = Host()
+
+
+def host_attention_here(io, host) -> bool:
+    return bool(host and host.attention and io.kv == "host")
+
+
+def attention_phase(cost, io, ph, host=None) -> tuple[float, float]:
+    """(time of one layer's attention over the n batches, host-lane share of it). With the
+    core on the host, batch k's core overlaps batch k+1's projections on the device: the
+    phase is one projection plus the slower of the two lanes over n batches."""
+    if not host_attention_here(io, host):
+        return ph.n * cost.t_attn(ph.bs, ph.ctx, ph.new), 0.0
+    proj, core = cost.t_attn_proj(ph.bs, ph.new), cost.t_host_attend(ph.bs, ph.ctx, ph.new)
+    return proj + ph.n * max(proj, core), ph.n * core
+
+
 def _used(m: float, tokens: float) -> float:
     """Probability that an expert with per-token marginal m serves at least one of `tokens`."""
     return 1.0 - (1.0 - min(1.0, m)) ** tokens
 
 
-def t_kv_batch(cost, io: LayerIO, ph: Phase) -> float:
+def t_kv_batch(cost, io: LayerIO, ph: Phase, host=None) -> float:
     """Loading one batch's KV cache for this layer (decode with the cache on host). It shares
-    the host→device link with the weights, so it is transfer, not cover."""
-    if io.kv != "host" or ph.new != 1:
+    the host→device link with the weights, so it is transfer, not cover. With host attention
+    only one batch's attention output comes up instead."""
+    if io.kv != "host":
+        return 0.0
+    if host_attention_here(io, host):
+        return cost.t_io(cost.attend_link_bytes(ph.bs, ph.ctx, ph.new)["host"]["host_to_device"])
+    if ph.new != 1:
         return 0.0
     return cost.t_io(cost.kv_bytes(ph.bs * cost.kv_context(ph.ctx), 1))
 
 
-def ineq_terms(cost, io: LayerIO, ph: Phase, marg, hot, schedule="klotski", with_kv=False):
+def ineq_terms(cost, io: LayerIO, ph: Phase, marg, hot, schedule="klotski", with_kv=False, host=None):
     """Left and right sides of inequalities (4)–(7) for one layer, generalised to per-expert
     tiers (a resident expert costs no transfer) and expected routing: expert e serves
     n·bs·m_e tokens and is needed with probability 1−(1−m_e)^(n·bs). `with_kv` adds the
-    KV-cache loads that share the link (the paper's inequalities leave them out)."""
+    KV-cache loads that share the link (the paper's inequalities leave them out). `host`
+    (a Host) moves attention cores and cold experts to the host lane: host attention is
+    cover like device attention; a host expert neither moves nor takes device time."""
     tokens = ph.n * ph.bs * ph.new
-    t_a = ph.n * cost.t_attn(ph.bs, ph.ctx, ph.new) + cost.t_dequant("attention")
+    t_a, host_a = attention_phase(cost, io, ph, host)
+    t_a += cost.t_dequant("attention")
+    host_e = 0.0
     t_g = ph.n * cost.t_gate(ph.bs * ph.new)
     deq = cost.t_dequant("expert")
     hot_c = hot_io = cold_c = cold_io = 0.0
@@ -71,6 +116,9 @@ def ineq_terms(cost, io: LayerIO, ph: Phase, marg, hot, schedule="klotski", with
     for e, m in enumerate(marg):
         used = _used(m, tokens)
         if used <= 0:
+            continue
+        if e not in hot and host and host.expert_here(cost, tokens * m / used, io.experts[e]):
+            host_e += used * cost.t_host_expert(tokens * m / used)
             continue
         t_c = used * (cost.t_expert(tokens * m / used) + deq)
         fetch = cost.t_fetch(cost.expert_bytes, io.experts[e])
@@ -88,7 +136,7 @@ def ineq_terms(cost, io: LayerIO, ph: Phase, marg, hot, schedule="klotski", with
     if with_kv:
         # Batches 1..n-1 load their KV during this layer's attention, and batch 0 of the
         # next layer during the experts, on the same link as the weights.
-        kv = t_kv_batch(cost, io, ph)
+        kv = t_kv_batch(cost, io, ph, host)
         io_g += (ph.n - 1) * kv
         io_a += kv
     # In expert-id order (hot-prefetch) a cold expert may be awaited before any hot one has
@@ -96,11 +144,12 @@ def ineq_terms(cost, io: LayerIO, ph: Phase, marg, hot, schedule="klotski", with
     cover = hot_c if schedule == "klotski" else 0.0
     lhs = [t_a, t_a + t_g, t_a + t_g + cover, t_a + t_g + cover + cold_c]
     rhs = [io_g, io_g + hot_io, io_g + hot_io + first, io_g + hot_io + cold_io + io_a]
-    parts = {"attn": t_a, "gate": t_g, "hot": hot_c, "cold": cold_c, "compute": t_a + t_g + hot_c + cold_c}
+    parts = {"attn": t_a, "gate": t_g, "hot": hot_c, "cold": cold_c, "compute": t_a + t_g + hot_c + cold_c,
+             "host_attn": host_a, "host_experts": host_e}
     return lhs, rhs, parts
 
 
-def flexgen_terms(cost, io: LayerIO, ph: Phase, marg, with_kv=False):
+def flexgen_terms(cost, io: LayerIO, ph: Phase, marg, with_kv=False, host=None):
     """Multi-batch without expert awareness (FlexGen zig-zag): while attention runs for all
     batches the whole MoE layer loads (the paper's Eq. 1); while the MoE layer runs batch by
     batch the next attention loads."""
@@ -114,40 +163,55 @@ def flexgen_terms(cost, io: LayerIO, ph: Phase, marg, with_kv=False):
             t_m += ph.n * used * (cost.t_expert(per_batch * m / used) + deq)
     io_moe = cost.t_fetch(cost.gate_bytes, io.gate) + sum(cost.t_fetch(cost.expert_bytes, t) for t in io.experts)
     if with_kv:  # every batch's KV loads during the attention phase, beside the MoE weights
-        io_moe += ph.n * t_kv_batch(cost, io, ph)
+        io_moe += ph.n * t_kv_batch(cost, io, ph, host)
     return t_a, t_m, io_moe
 
 
-def moved_bytes(cost, io: LayerIO, ph: Phase, marg, schedule) -> dict:
+def moved_bytes(cost, io: LayerIO, ph: Phase, marg, schedule, hot=(), host=None) -> dict:
     """Bytes one layer moves per forward pass, by link."""
     tokens = ph.n * ph.bs * ph.new
     whole = schedule in ("simple", "multibatch")
     h2d = sum(b for b, t in ((cost.attention_bytes, io.next_attn), (cost.gate_bytes, io.gate)) if t != "device")
-    h2d += sum(cost.expert_bytes * (1.0 if whole else _used(m, tokens))
-               for m, t in zip(marg, io.experts) if t != "device")
+    acts = 0.0  # host experts: their tokens go down and their outputs come up
+    for e, (m, t) in enumerate(zip(marg, io.experts)):
+        if t == "device":
+            continue
+        used = 1.0 if whole else _used(m, tokens)
+        if not whole and e not in hot and used > 0 and host and host.expert_here(cost, tokens * m / used, t):
+            acts += used * tokens * m / used * cost.shape.hidden_size * cost.shape.dtype_bytes
+        else:
+            h2d += cost.expert_bytes * used
+    h2d += acts
     disk = sum(b for b, t in ((cost.attention_bytes, io.attn), (cost.gate_bytes, io.gate)) if t == "disk")
     disk += cost.expert_bytes * sum(t == "disk" for t in io.experts)
     kv_load = kv_store = 0.0
+    if host_attention_here(io, host):
+        moved = cost.attend_link_bytes(ph.bs, ph.ctx, ph.new)["host"]
+        return {"host_to_device": h2d + ph.n * moved["host_to_device"], "disk_to_host": disk,
+                "device_to_host": acts + ph.n * moved["device_to_host"]}
     if io.kv == "host":
         if ph.new == 1:
             kv_load = ph.n * cost.kv_bytes(ph.bs * cost.kv_context(ph.ctx), 1)
         kv_store = ph.n * cost.kv_bytes(ph.bs * ph.new, 1)
-    return {"host_to_device": h2d + kv_load, "disk_to_host": disk, "device_to_host": kv_store}
+    return {"host_to_device": h2d + kv_load, "disk_to_host": disk, "device_to_host": kv_store + acts}
 
 
-def layer_time(cost, io: LayerIO, ph: Phase, marg, hot, schedule) -> tuple[float, float]:
+def layer_time(cost, io: LayerIO, ph: Phase, marg, hot, schedule, host=None) -> tuple[float, float]:
     """(layer time, bubble) for one layer and one batch group. The pipeline part is the
     computation plus the worst shortfall among the inequalities (a stall at one point delays
     every later point); and a layer is never faster than each link can move its bytes."""
     if schedule in ("simple", "multibatch"):
-        t_a, t_m, io_moe = flexgen_terms(cost, io, ph, marg, with_kv=True)
+        t_a, t_m, io_moe = flexgen_terms(cost, io, ph, marg, with_kv=True, host=host)
         io_a = cost.t_fetch(cost.attention_bytes, io.next_attn)
         compute = t_a + t_m
         pipe = max(t_a, io_moe) + max(t_m, io_a)
+        host = None  # whole layers move: no host experts
     else:
-        lhs, rhs, parts = ineq_terms(cost, io, ph, marg, hot, schedule, with_kv=True)
+        lhs, rhs, parts = ineq_terms(cost, io, ph, marg, hot, schedule, with_kv=True, host=host)
         compute = parts["compute"]
-        pipe = compute + max(0.0, *(r - c for c, r in zip(lhs, rhs)))
-    links = moved_bytes(cost, io, ph, marg, schedule)
+        # host experts run beside the device's experts, after the gates
+        pipe = max(compute + max(0.0, *(r - c for c, r in zip(lhs, rhs))),
+                   parts["attn"] + parts["gate"] + parts["host_experts"])
+    links = moved_bytes(cost, io, ph, marg, schedule, hot, host)
     t = max(pipe, *(cost.t_io(b, link) for link, b in links.items()))
     return t, t - compute

@@ -52,26 +52,29 @@ class Layout:
     head: str
 
 
-def _inputs(cost, bs, n, P, G, schedule, hot, marg, chunk, buffers):
+def _inputs(cost, bs, n, P, G, schedule, hot, marg, chunk, buffers, host_attention=False):
     """What both placers need: shape, layers, experts, working set, KV bytes per layer (whole
     context, and loaded per decode step on average), share of experts a layer uses."""
     s = cost.shape
     L, E = s.num_layers, s.num_experts
     ws = working_set(cost, bs=bs, n=n, prompt_len=P, gen_len=G, chunk=chunk, schedule=schedule, hot=hot,
-                     buffers=buffers)
+                     buffers=buffers, host_attention=host_attention)
     kv_layer = n * bs * cost.kv_context(P + G) * cost.kv_bytes_per_token_layer
-    kv_load = n * bs * cost.kv_context(P + G // 2) * cost.kv_bytes_per_token_layer
+    # with attention on the host the KV stays there and only q and outputs cross (small)
+    kv_load = 0 if host_attention else n * bs * cost.kv_context(P + G // 2) * cost.kv_bytes_per_token_layer
     used = 1.0 if schedule in ("simple", "multibatch") else sum(1 - (1 - min(1.0, m)) ** (n * bs) for m in marg) / E
     return s, L, E, ws, kv_layer, kv_load, used
 
 
 def place_milp(cost, bs, n, P, G, budgets: Budgets, schedule, hot, marg, *, chunk: int,
-               buffers: str = "overlap") -> Layout | None:
+               buffers: str = "overlap", host_attention: bool = False) -> Layout | None:
     """Small MILP: how many layers' attention / gates, how many experts, how many layers' KV
     on each tier; embeddings and head as single groups. Objective: the busiest link's time
     per decode step (host→device, disk→host, device→host), plus a small weight on the total
-    so that idle links are not filled for nothing."""
-    s, L, E, ws, kv_layer, kv_load, used = _inputs(cost, bs, n, P, G, schedule, hot, marg, chunk, buffers)
+    so that idle links are not filled for nothing. With `host_attention` the KV cache is on
+    the host (attention runs where it lives)."""
+    s, L, E, ws, kv_layer, kv_load, used = _inputs(cost, bs, n, P, G, schedule, hot, marg, chunk, buffers,
+                                                   host_attention)
     h2d, disk_bw, d2h = (cost.bandwidth(k) for k in ("host_to_device", "disk_to_host", "device_to_host"))
     staging = staging_bytes(cost)
 
@@ -94,6 +97,8 @@ def place_milp(cost, bs, n, P, G, budgets: Budgets, schedule, hot, marg, *, chun
     for k, var, total in (("attn", A, L), ("gate", Gt, L), ("exp", X, L * E), ("kv", KV, L)):
         prob += total * full[k] <= var["device"]
     prob += KV["device"] == L * full["kv"]  # the engine keeps a run's KV cache on one tier
+    if host_attention:
+        prob += KV["device"] == 0
     prob += A["disk"] + Gt["disk"] + X["disk"] + HD["disk"] <= (2 * L + L * E + 1) * anydisk
 
     head_b = cost.head_bytes
@@ -147,14 +152,15 @@ def place_milp(cost, bs, n, P, G, budgets: Budgets, schedule, hot, marg, *, chun
 
 
 def place_greedy(cost, bs, n, P, G, budgets: Budgets, schedule, hot, marg, *, chunk: int,
-                 buffers: str = "overlap") -> Layout | None:
+                 buffers: str = "overlap", host_attention: bool = False) -> Layout | None:
     """The MILP's problem solved by density: fill the device with the groups that save the
     most transfer seconds per byte, keep the rest on host (KV first: it cannot go to disk),
     spill to disk. Used to search (bs, n) quickly; the final placement is the MILP's."""
-    s, L, E, ws, kv_layer, kv_load, used = _inputs(cost, bs, n, P, G, schedule, hot, marg, chunk, buffers)
+    s, L, E, ws, kv_layer, kv_load, used = _inputs(cost, bs, n, P, G, schedule, hot, marg, chunk, buffers,
+                                                   host_attention)
     everything = (cost.weights_bytes() - cost.embed_bytes + L * kv_layer
                   + device_need(ws, buffers, {k: True for k in BUFFER_KINDS}))
-    if everything <= budgets.device:  # all resident: no transfer buffers needed at all
+    if everything <= budgets.device and not host_attention:  # all resident: no transfer buffers needed at all
         embed = "host" if cost.embed_bytes <= budgets.host else "disk"
         return Layout(attn={"device": L, "host": 0, "disk": 0}, gate={"device": L, "host": 0, "disk": 0},
                        experts={"device": L * E, "host": 0, "disk": 0}, kv={"device": L, "host": 0},
@@ -169,7 +175,7 @@ def place_greedy(cost, bs, n, P, G, budgets: Budgets, schedule, hot, marg, *, ch
     on_dev = {k: 0 for *_, k, _ in items}
     for _, size, kind, units in sorted(items, key=lambda x: -x[0]):
         take = units if size <= 0 or math.isinf(room) else min(units, int(room // size))
-        if kind == "kv" and take < units:  # the engine keeps a run's KV cache on one tier
+        if kind == "kv" and (take < units or host_attention):  # the engine keeps a run's KV on one tier
             take = 0
         on_dev[kind], room = take, room - take * size
     kv_host = (L - on_dev["kv"]) * kv_layer

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
-from planner.layer import INEQUALITIES, LayerIO, Phase, ineq_terms
+from planner.layer import INEQUALITIES, NO_HOST, LayerIO, Phase, ineq_terms
 from planner.place import TIERS, Layout
 from planner.workingset import device_need, staging_bytes, working_set
 from planner.units import format_bytes
@@ -30,6 +30,13 @@ class Plan:
     longest_prompt: int = 0      # what memory was planned for (prompt_len: what time was)
     prefill_chunk: int = 0       # prompt tokens per prefill pass
     buffers: str = "overlap"     # transfer buffers: "overlap", or "minimum" when only that fits
+    host_attention: bool = False  # attention cores on the host CPU, next to the KV cache
+    host_experts: str = "off"     # off | auto | on: off-device experts computed where they live
+    moves: list = field(default_factory=list)      # which host/batching moves, and why, in words
+    prefill_tokens_per_s: float = 0.0             # prompt tokens per second of prefill
+    decode_tokens_per_s: float = 0.0              # generated rows per second of decode
+    batching: str | None = None                   # continuous | static, when the job's lengths were given
+    slot_utilisation: dict = field(default_factory=dict)  # {"continuous": u, "static": u}
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -103,11 +110,42 @@ def _key_matches(key: str, layer: int, kind: str, expert: int | None) -> bool:
     return int(elo) <= expert <= int(ehi or elo)
 
 
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
+
+
+def host_moves(cost, bs, n, P, G, host, batching=None, utilisation=None) -> list[str]:
+    """Why the plan computes (or not) on the host, and its batching's slot utilisation."""
+    out, L, ctx = [], cost.shape.num_layers, P + G // 2
+    core = cost.t_host("attend", (1, ctx, 1))
+    if core != float("inf"):
+        kv = cost.attend_link_bytes(bs, ctx)["device"]["host_to_device"] * n * L
+        dev = n * L * (cost.t_io(kv / (n * L)) + cost._time("attend", (bs, ctx, 1)))
+        here = n * L * cost.t_host_attend(bs, ctx)
+        where = "on host" if host.attention else "on device"
+        out.append(f"attention {where}: KV prefix {format_bytes(kv)}/decode step over the link ({_ms(dev)}) "
+                   f"vs host {_ms(here)}")
+        if host.experts != "off":
+            lo, hi = 0, 1 << 16  # largest token count an off-device expert is still computed on host at
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if cost.expert_on_host(mid) else (lo, mid)
+            per = n * bs * cost.shape.top_k / cost.shape.num_experts
+            out.append(f"experts on host when ≤ {lo} tokens" + ("" if host.experts == "auto" else " (forced on)")
+                       + f" (decode averages {per:.3g} tokens per expert: "
+                       + ("host" if host.expert_here(cost, per, "host") else "moved to the device") + ")")
+    if utilisation:
+        other = "static" if batching == "continuous" else "continuous"
+        out.append(f"{batching} batching: expected slot utilisation {utilisation[batching]:.2f} "
+                   f"({other} {utilisation[other]:.2f})")
+    return out
+
+
 def make_plan(cost, shape, budgets, pred, bs, n, layout, ios, binding, schedule, K, hot, marg, P, G, *,
-              longest: int, chunk: int, buffers: str) -> Plan:
+              longest: int, chunk: int, buffers: str, host=NO_HOST, batching=None, utilisation=None) -> Plan:
     L, E = shape.num_layers, shape.num_experts
     ws = working_set(cost, bs=bs, n=n, prompt_len=longest, gen_len=G, chunk=chunk, schedule=schedule, hot=K,
-                     buffers=buffers)
+                     buffers=buffers, host_attention=host.attention)
     kv_layer = n * bs * cost.kv_context(longest + G) * cost.kv_bytes_per_token_layer
     by_tier = {t: 0.0 for t in TIERS}
     for t, c in layout.attn.items():
@@ -155,7 +193,7 @@ def make_plan(cost, shape, budgets, pred, bs, n, layout, ios, binding, schedule,
         "expected_distinct_experts": sum(1 - (1 - min(1.0, m)) ** (n * bs) for m in marg),
     }
     if schedule in ("klotski", "hot-prefetch"):
-        lhs, rhs, _ = ineq_terms(cost, io, dec, marg, hot, schedule)
+        lhs, rhs, _ = ineq_terms(cost, io, dec, marg, hot, schedule, host=host)
         per_layer["inequalities_ms"] = [{"name": nm, "lhs": l * 1e3, "rhs": r * 1e3}
                                         for nm, l, r in zip(INEQUALITIES, lhs, rhs)]
     return Plan(batch_size=bs, num_batches=n, hot_experts=K, schedule=schedule,
@@ -163,7 +201,11 @@ def make_plan(cost, shape, budgets, pred, bs, n, layout, ios, binding, schedule,
                 predicted_tokens_per_s=pred["tokens_per_s"], prefill_s=pred["prefill_s"], decode_s=pred["decode_s"],
                 binding=binding, peak_bytes=by_tier, per_layer=per_layer, prompt_len=P, gen_len=G,
                 placement_summary=summary, quant_bits=cost.quant_bits, longest_prompt=longest,
-                prefill_chunk=chunk, buffers=buffers)
+                prefill_chunk=chunk, buffers=buffers, host_attention=host.attention, host_experts=host.experts,
+                moves=host_moves(cost, bs, n, P, G, host, batching, utilisation),
+                prefill_tokens_per_s=pred.get("prefill_tokens_per_s", 0.0),
+                decode_tokens_per_s=pred.get("decode_tokens_per_s", 0.0), batching=batching,
+                slot_utilisation=dict(utilisation or {}))
 
 
 def format_plan(plan: Plan) -> str:
@@ -178,8 +220,11 @@ def format_plan(plan: Plan) -> str:
         + (f", weights HQQ {plan.quant_bits}-bit" if plan.quant_bits else "")
         + ("; transfer buffers at their minimum" if plan.buffers == "minimum" else ""),
         f"predicted {plan.predicted_tokens_per_s:.3g} tokens/s   prefill {plan.prefill_s:.3g} s + "
-        f"decode {plan.decode_s:.3g} s per batch group",
+        f"decode {plan.decode_s:.3g} s per batch group"
+        + (f" ({plan.prefill_tokens_per_s:.3g} prompt tokens/s, {plan.decode_tokens_per_s:.3g} decode rows/s)"
+           if plan.decode_tokens_per_s else ""),
         f"binding: {plan.binding}",
+        *(f"  {m}" for m in plan.moves),
         "",
         f"{'tier':<8}{'peak':>12}{'resident':>12}  groups",
     ]

@@ -16,6 +16,12 @@ Schedules (Section 9.5 of the paper and DESIGN.md):
   klotski       hot-prefetch + hot (and resident) experts first, then cold ones in arrival
                 order, each expert freed as soon as it is done
 
+Host compute (layer.Host): a `host` lane, FIFO like a transfer channel but timed in
+seconds, runs attention cores next to a host-resident KV cache (q and the new keys/values
+go down on the device→host link, the output comes up; batch k's core overlaps batch k+1's
+projections on the device) and cold experts computed where they live (issued once the
+layer's gates have run; the layer's expert phase ends when they are back).
+
 Steady-state boundary: each simulated step starts as if the previous one had prefetched
 layer 0's attention weights and first KV batch, and the disk window's first layers.
 """
@@ -25,16 +31,18 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from planner.layer import SCHEDULES, LayerIO, expert_slots
+from planner.layer import NO_HOST, SCHEDULES, Host, LayerIO, expert_slots, host_attention_here
 from planner.routing import RoutingSample
 from planner.shapes import as_shape
 from planner.workingset import DISK_WINDOW_LAYERS
 
 # Same lanes, in the same order, as the engine's traces (klotski/trace.py), so that real and
 # simulated runs open side by side; "wait" holds the compute lane's bubbles.
-LANES = ("compute", "wait", "weights", "experts", "kv_load", "kv_store", "disk")
+# "host" (the host CPU's work, its "bytes" seconds) comes last: the engine's traces may not
+# have it.
+LANES = ("compute", "wait", "weights", "experts", "kv_load", "kv_store", "disk", "host")
 LINK_OF = {"weights": "host_to_device", "experts": "host_to_device", "kv_load": "host_to_device",
-           "kv_store": "device_to_host", "disk": "disk_to_host"}
+           "kv_store": "device_to_host", "disk": "disk_to_host", "host": "host"}
 
 
 @dataclass
@@ -53,6 +61,8 @@ class SimResult:
     busy_s: dict                       # per lane, over the whole group (decode steps scaled)
     peak_device_buffer_bytes: float    # transient device buffers (weights in flight/in use, KV)
     events: list | None = field(default=None, repr=False)
+    prefill_tokens_per_s: float = 0.0  # prompt tokens per second of prefill
+    decode_tokens_per_s: float = 0.0   # generated rows per second of decode
 
     def chrome_trace(self) -> dict:
         """{"traceEvents": [...]} with one thread per lane, for chrome://tracing / Perfetto."""
@@ -115,9 +125,10 @@ class _Engine:
             return
         bw = self.bw[LINK_OF[lane]]
         # A fixed per-transfer latency is modelled as that many extra bytes on the link.
-        extra = self.latency * bw if math.isfinite(bw) else 0.0
+        extra = self.latency * bw if math.isfinite(bw) and lane != "host" else 0.0
         self.queues[lane].append(_Xfer(key, lane, nbytes + extra, prereq, slot, layer))
-        self.sizes[key] = nbytes if lane != "kv_store" and lane != "disk" else 0.0
+        # an attention output coming up is counted among the activations, not as a buffer
+        self.sizes[key] = nbytes if lane not in ("kv_store", "disk", "host") and key[0] != "HO" else 0.0
 
     def release(self, key, slot=False):
         self.buffers -= self.sizes.pop(key, 0.0)
@@ -237,8 +248,10 @@ class _Step:
     """Ops and transfers of one forward pass of the batch group (prefill: new = ctx = prompt
     length; decode: new = 1)."""
 
-    def __init__(self, cost, ios, head_tier, routing, schedule, bs, n, ctx, new, step, K, eng: _Engine):
+    def __init__(self, cost, ios, head_tier, routing, schedule, bs, n, ctx, new, step, K, eng: _Engine,
+                 host=NO_HOST):
         self.c, self.ios, self.head_tier, self.r, self.sch = cost, ios, head_tier, routing, schedule
+        self.host = host
         self.bs, self.n, self.ctx, self.new, self.step, self.K, self.e = bs, n, ctx, new, step, K, eng
         self.L, self.E = cost.shape.num_layers, cost.shape.num_experts
         self.kv_batch = cost.kv_bytes(bs * cost.kv_context(ctx), 1) if new == 1 else 0.0
@@ -303,6 +316,8 @@ class _Step:
 
     # attention: batch by batch, KV of the next batch loading meanwhile
     def _attention(self, j, io: LayerIO, whole):
+        if host_attention_here(io, self.host):
+            return self._host_attention(j, io, whole)
         c, e, n = self.c, self.e, self.n
         kv = io.kv == "host"
         ops = []
@@ -324,6 +339,35 @@ class _Step:
             ops.append(_Op(f"attn L{j} b{k}", dur, needs, start, end, layer=j))
         return ops
 
+    def _host_attention(self, j, io: LayerIO, whole):
+        """Projections on the device batch by batch; each batch's core on the host lane once
+        its q (and new keys/values) are down; its output comes up before its gate."""
+        c, e, n = self.c, self.e, self.n
+        moved = c.attend_link_bytes(self.bs, self.ctx, self.new)["host"]
+        core = c.t_host("attend", (self.bs, c.kv_context(self.ctx), self.new))
+        ops = []
+        for k in range(n):
+            start, end = [], []
+            if k == 0:
+                start.append(lambda j=j, io=io: self._prefetch_moe(j, io, whole))
+                if j == self.L - 1:
+                    start.append(lambda: self._fetch(("H",), "weights", c.head_bytes, self.head_tier, self.L - 1))
+
+            def core_of(j=j, k=k):
+                e.issue(("Q", j, k), "kv_store", moved["device_to_host"])
+                e.issue(("HA", j, k), "host", core, prereq=("Q", j, k))
+                e.issue(("HO", j, k), "kv_load", moved["host_to_device"], prereq=("HA", j, k))
+            end.append(core_of)
+            if k == n - 1:
+                end.append(lambda j=j: e.release(("A", j)))
+            dur = c.t_attn_proj(self.bs, self.new) + (c.t_dequant("attention") if k == 0 else 0.0)
+            ops.append(_Op(f"proj L{j} b{k}", dur, [("A", j)], start, end, layer=j))
+        return ops
+
+    def _gate_needs(self, j, k) -> list:
+        """A batch's gate waits for its hidden state: with host attention, the core's output."""
+        return [("HO", j, k)] if host_attention_here(self.ios[j], self.host) else []
+
     def _prefetch_moe(self, j, io: LayerIO, whole):
         """At the start of layer j's attention: the whole MoE layer (simple, multibatch), or
         the gate and the K hot experts predicted from routing statistics."""
@@ -340,7 +384,7 @@ class _Step:
         if j + 1 < self.L:
             nxt = self.ios[j + 1]
             self._fetch(("A", j + 1), "weights", self.c.attention_bytes, nxt.attn, j + 1)
-            if nxt.kv == "host" and self.kv_batch:
+            if nxt.kv == "host" and self.kv_batch and not host_attention_here(nxt, self.host):
                 self.e.issue(("KV", j + 1, 0), "kv_load", self.kv_batch)
 
     # MoE, FlexGen style
@@ -353,7 +397,8 @@ class _Step:
         ops = []
         for k in range(self.n):
             start = [lambda j=j: self._next_layer(j)] if k == 0 else []
-            ops.append(_Op(f"gate L{j} b{k}", c.t_gate(self.bs * self.new), layer_keys, start, layer=j))
+            ops.append(_Op(f"gate L{j} b{k}", c.t_gate(self.bs * self.new), layer_keys + self._gate_needs(j, k), start,
+                           layer=j))
             for x in range(self.E):
                 if counts[k][x]:
                     ops.append(_Op(f"expert L{j} e{x} b{k}", c.t_expert(counts[k][x]) + (deq if k == 0 else 0.0),
@@ -371,7 +416,12 @@ class _Step:
         c, e = self.c, self.e
         hot = self._hot(j)
         total = [sum(cnt[x] for cnt in counts) for x in range(self.E)]
-        queued = set(hot) | {x for x in range(self.E) if io.experts[x] == "device"}
+        # computed where they live, chosen (as the solver does) at the expected token count
+        tokens, marg = self.n * self.bs * self.new, self.r.marginals(j)
+        on_host = {x for x in range(self.E) if x not in hot and marg[x] > 0
+                   and self.host.expert_here(c, tokens * marg[x] / (1 - (1 - min(1.0, marg[x])) ** tokens),
+                                             io.experts[x])}
+        queued = set(hot) | {x for x in range(self.E) if io.experts[x] == "device"} | on_host
         cold_order = []
 
         def after_gate(k):
@@ -388,28 +438,37 @@ class _Step:
                     self._free_expert(j, x)
             e.release(("G", j))
 
+        def host_experts():
+            for x in sorted(on_host):
+                if total[x]:
+                    e.issue(("HE", j, x), "host", c.t_host_expert(total[x]))
+
         ops = []
         for k in range(self.n):
             end = [lambda k=k: after_gate(k)]
             if k == self.n - 1:  # the expert phase begins: next attention may load now
-                end += [unused_hot, lambda: self._next_layer(j)]
-            ops.append(_Op(f"gate L{j} b{k}", c.t_gate(self.bs * self.new), [("G", j)], on_end=end, layer=j))
+                end += [host_experts, unused_hot, lambda: self._next_layer(j)]
+            ops.append(_Op(f"gate L{j} b{k}", c.t_gate(self.bs * self.new), [("G", j)] + self._gate_needs(j, k),
+                           on_end=end, layer=j))
+        back = _Op(f"host experts L{j}", 0.0, [("HE", j, x) for x in sorted(on_host)], layer=j)
 
         def expert_ops():
             deq = c.t_dequant("expert")
+            back.needs = [("HE", j, x) for x in sorted(on_host) if total[x]]
             if self.sch == "klotski":
                 # Hot and resident experts first, most tokens first; then cold ones as they
                 # arrive (queue order on a FIFO channel); each freed as soon as it is done.
                 # Whatever has arrived runs rather than wait for the next in line.
-                early = sorted((x for x in range(self.E) if total[x] and x not in cold_order), key=lambda x: -total[x])
+                early = sorted((x for x in range(self.E) if total[x] and x not in cold_order and x not in on_host),
+                               key=lambda x: -total[x])
                 return [_Pool([_Op(f"expert L{j} e{x}", c.t_expert(total[x]) + deq, [("E", j, x)],
                                    on_end=[lambda x=x: self._free_expert(j, x)], layer=j)
-                               for x in early + cold_order], j)]
+                               for x in early + cold_order], j), back]
             out = [_Op(f"expert L{j} e{x}", c.t_expert(total[x]) + deq, [("E", j, x)], layer=j)
-                   for x in range(self.E) if total[x]]
+                   for x in range(self.E) if total[x] and x not in on_host]
             if out:
                 out[-1].on_end = (lambda: self._free_layer(j),)
-            return out
+            return out + [back]
         return ops + [_Deferred(expert_ops, j)]
 
 
@@ -433,13 +492,15 @@ def layer_ios_from(placement, shape) -> tuple[list[LayerIO], str]:
 
 def simulate(cost, shape=None, *, bs: int, n: int, schedule: str = "klotski", prompt_len: int, gen_len: int,
              routing: RoutingSample | None = None, placement=None, K: int | None = None, trace: bool = False,
-             decode_samples: int = 3) -> SimResult:
+             decode_samples: int = 3, host=None) -> SimResult:
     """Replay one batch group (n batches of bs sequences, prompt_len + gen_len tokens).
 
     Simulates the prefill pass and `decode_samples` decode steps spread over the context
     range, and integrates decode time over the gen_len−1 steps (Simpson's rule for 3).
     `placement` is a Plan or a tier(layer, kind, expert) callable; default: every weight and
-    the KV cache on host. `routing` defaults to uniform synthetic routing."""
+    the KV cache on host. `routing` defaults to uniform synthetic routing. `host` (a
+    layer.Host) moves work to the host lane; default: the plan's own choice (Plan's
+    host_attention / host_experts), else none."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule {schedule!r} is not one of {SCHEDULES}")
     shape = as_shape(shape if shape is not None else cost.shape)
@@ -449,7 +510,12 @@ def simulate(cost, shape=None, *, bs: int, n: int, schedule: str = "klotski", pr
     K = shape.top_k if K is None else K
     routing = routing or RoutingSample.synthetic(L, E, shape.top_k)
     ios, head_tier = layer_ios_from(placement, shape)
+    if host is None:
+        host = Host(attention=bool(getattr(placement, "host_attention", False)),
+                    experts=getattr(placement, "host_experts", "off") if schedule in ("klotski", "hot-prefetch")
+                    else "off")
     bw = {link: cost.bandwidth(link) for link in ("disk_to_host", "host_to_device", "device_to_host")}
+    bw["host"] = 1.0  # the host lane's "bytes" are seconds
     latency = float(getattr(cost.profile, "link_latency_s", 0.0))
     slots = expert_slots(schedule, E, K if schedule in ("klotski", "hot-prefetch") else 0)
     P, G = prompt_len, gen_len
@@ -460,7 +526,7 @@ def simulate(cost, shape=None, *, bs: int, n: int, schedule: str = "klotski", pr
     def run(ctx, new, step, weight, t0):
         nonlocal peak
         eng = _Engine(bw, latency, slots, trace, t0)
-        ops = _Step(cost, ios, head_tier, routing, schedule, bs, n, ctx, new, step, K, eng).build()
+        ops = _Step(cost, ios, head_tier, routing, schedule, bs, n, ctx, new, step, K, eng, host).build()
         idle = eng.run(ops)
         for lane, v in eng.busy.items():
             busy[lane] += v * weight
@@ -487,6 +553,8 @@ def simulate(cost, shape=None, *, bs: int, n: int, schedule: str = "klotski", pr
     total = prefill + decode
     tokens = n * bs * G
     return SimResult(schedule=schedule, batch_size=bs, num_batches=n, prompt_len=P, gen_len=G,
+                     prefill_tokens_per_s=n * bs * P / prefill if prefill else 0.0,
+                     decode_tokens_per_s=n * bs * steps / decode if decode else 0.0,
                      prefill_s=prefill, decode_s=decode, tokens_per_s=tokens / total if total else 0.0,
                      bubble_s=prefill_idle + decode_idle,
                      bubble_share=(prefill_idle + decode_idle) / total if total else 0.0,

@@ -16,8 +16,9 @@ import math
 from collections import Counter
 
 from planner.costmodel import popularity_marginals
-from planner.layer import (FLEXGEN_INEQUALITIES, INEQUALITIES, SCHEDULES, Phase, flexgen_terms, ineq_terms,
-                           layer_time)
+from planner.layer import (FLEXGEN_INEQUALITIES, INEQUALITIES, NO_HOST, SCHEDULES, Host, Phase, flexgen_terms,
+                           ineq_terms, layer_time)
+from planner.occupancy import BATCHING, slot_utilisation
 from planner.place import Budgets, layer_ios, place_greedy, place_milp
 from planner.workingset import chunk_candidates, device_need, prefill_chunk, staging_bytes, working_set
 from planner.report import Plan, format_plan, make_plan
@@ -40,7 +41,7 @@ def _hot_set(marg, K) -> frozenset:
     return frozenset(sorted(range(len(marg)), key=lambda e: -marg[e])[:K])
 
 
-def _required_n(cost, ios, bs, P, G, schedule, hot, marg, max_n):
+def _required_n(cost, ios, bs, P, G, schedule, hot, marg, max_n, host=NO_HOST):
     """Smallest n ≤ max_n meeting every inequality in every (distinct) layer, and for each
     inequality the smallest n meeting it alone (to name the binding one)."""
     if schedule == "simple":
@@ -53,10 +54,10 @@ def _required_n(cost, ios, bs, P, G, schedule, hot, marg, max_n):
         for io in set(ios):
             ph = Phase(bs, n, ctx, 1)
             if schedule == "multibatch":
-                t_a, t_m, io_moe = flexgen_terms(cost, io, ph, marg)
+                t_a, t_m, io_moe = flexgen_terms(cost, io, ph, marg, host=host)
                 pairs = [(t_a, io_moe), (t_m, cost.t_fetch(cost.attention_bytes, io.next_attn))]
             else:
-                lhs, rhs, _ = ineq_terms(cost, io, ph, marg, hot, schedule)
+                lhs, rhs, _ = ineq_terms(cost, io, ph, marg, hot, schedule, host=host)
                 pairs = list(zip(lhs, rhs))
             for i, (l, r) in enumerate(pairs):
                 ok[i] = ok[i] and l >= r * (1 - 1e-9)
@@ -69,16 +70,18 @@ def _required_n(cost, ios, bs, P, G, schedule, hot, marg, max_n):
 
 
 # ---- prediction ------------------------------------------------------------------------------
-def _predict(cost, ios, bs, n, P, G, schedule, hot, marg, layout, chunk=None) -> dict:
+def _predict(cost, ios, bs, n, P, G, schedule, hot, marg, layout, chunk=None, host=NO_HOST,
+             utilisation=1.0) -> dict:
     """Analytic times for one batch group: the prefill passes (one per chunk of `chunk`
     prompt tokens) and G−1 decode steps (decode evaluated at the mean context, attention cost
-    being linear in it)."""
+    being linear in it). `utilisation` (decode slot utilisation, see planner.occupancy) turns
+    computed rows into useful tokens: `tokens_per_s` is the useful rate."""
     groups = Counter(ios)  # layers with the same tiers have the same times
 
     def step(ph):
         t = bubble = 0.0
         for io, count in groups.items():
-            lt, lb = layer_time(cost, io, ph, marg, hot, schedule)
+            lt, lb = layer_time(cost, io, ph, marg, hot, schedule, host)
             t, bubble = t + count * lt, bubble + count * lb
         t += ph.n * cost.t_head(ph.bs) + cost.t_fetch(cost.head_bytes, layout.head)
         return t, bubble
@@ -89,7 +92,11 @@ def _predict(cost, ios, bs, n, P, G, schedule, hot, marg, layout, chunk=None) ->
     dec, db = step(Phase(bs, n, P + G // 2, 1))
     decode = dec * max(0, G - 1)
     tokens = n * bs * G
-    return {"prefill_s": prefill, "decode_s": decode, "tokens_per_s": tokens / max(prefill + decode, 1e-12),
+    computed = tokens / max(prefill + decode, 1e-12)
+    return {"prefill_s": prefill, "decode_s": decode, "tokens_per_s": computed * utilisation,
+            "computed_tokens_per_s": computed, "utilisation": utilisation,
+            "prefill_tokens_per_s": n * bs * P / max(prefill, 1e-12),
+            "decode_tokens_per_s": n * bs * max(0, G - 1) / max(decode, 1e-12) if G > 1 else 0.0,
             "prefill_bubble_s": pb, "decode_step_s": dec, "decode_bubble_s": db}
 
 
@@ -149,12 +156,17 @@ def _needs(ctx: "_Ctx", name: str, bs: int, n: int, minimum: float) -> str:
 
 # ---- the solver ------------------------------------------------------------------------------
 BATCH_SIZES = (1, 2) + tuple(range(4, 65, 4))
+# With the KV cache and attention on the host the device holds no KV: MoE-Gen's very large
+# batches become possible, and they are what amortises streaming every expert each step.
+LARGE_BATCH_SIZES = (128, 256, 512, 1024, 2048)
+MODES = ("auto", "on", "off")
 
 
 def solve(shape, cost, budgets, *, prompt_len: int, gen_len: int, longest_prompt: int | None = None,
           batch_sizes=BATCH_SIZES, max_n: int = 64, schedule: str = "klotski", K: int | None = None,
           num_batches: int | None = None, chunk: int | None = None, max_sequences: int | None = None,
-          popularity=None, finalists: int = 3) -> Plan:
+          popularity=None, finalists: int = 3, host_attention: str = "off", host_experts: str = "off",
+          gen_lens=None, batching: str = "continuous") -> Plan:
     """Best (batch size, n, placement) for generating `gen_len` tokens after `prompt_len`.
 
     `cost` is a CostModel for `shape`; `budgets` a Budgets or {"device", "host"[, "disk"]}
@@ -168,9 +180,26 @@ def solve(shape, cost, budgets, *, prompt_len: int, gen_len: int, longest_prompt
     what the MILP optimises too); the best `finalists` are then placed by the MILP and
     re-predicted, so the plan's placement is the MILP's. Raises Infeasible naming the short
     budget and the smallest value of it that works when nothing fits.
+
+    `host_attention` and `host_experts` (auto | on | off, the engine's knobs) let the host
+    CPU compute attention next to a host-resident KV cache and experts where they live (see
+    layer.Host). Under auto, host attention is tried for batch sizes where the cost model
+    finds it sooner than moving the KV prefix, and the faster plan wins; with it, batch
+    sizes up to LARGE_BATCH_SIZES are tried too (unless `batch_sizes` fixes one).
+    `gen_lens` (the job's max_new_tokens, in job order) and `batching` give the decode slot
+    utilisation (planner.occupancy) by which computed rows become useful tokens/s.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule {schedule!r} is not one of {SCHEDULES}")
+    for name, mode in (("host_attention", host_attention), ("host_experts", host_experts)):
+        if mode not in MODES:
+            raise ValueError(f"{name} {mode!r} is not one of {MODES}")
+    if batching not in BATCHING:
+        raise ValueError(f"batching {batching!r} is not one of {BATCHING}")
+    host_known = math.isfinite(cost.t_host("attend", (1, prompt_len, 1)))
+    if "on" in (host_attention, host_experts) and not host_known:
+        raise ValueError(f"host compute is on but hardware profile {getattr(cost.profile, 'name', '?')!r} has no host "
+                         "rates (a 'host' section with flops and mem_bw); set it to auto or off")
     shape = as_shape(shape)
     budgets = Budgets.of(budgets)
     E = shape.num_experts
@@ -181,28 +210,43 @@ def solve(shape, cost, budgets, *, prompt_len: int, gen_len: int, longest_prompt
     if schedule == "simple":
         num_batches = 1
     longest = max(prompt_len, longest_prompt or prompt_len)
-    found = []
-    for buffers in ("overlap", "minimum"):
-        ctx = _Ctx(cost, prompt_len, longest, gen_len, budgets, schedule, hot_n, hot, marg, max_n, buffers, chunk,
-                   max_sequences)
-        for bs in sorted(batch_sizes):
-            if ctx.greedy(bs, num_batches or 1) is None:
-                continue
-            if num_batches is not None:
-                layout = ctx.greedy(bs, num_batches)
-                need = ctx.required(bs, layout, num_batches)[1]
-                n, binding = num_batches, _binding(schedule, need, fixed=True)
-            else:
-                n, layout, binding = _choose_n(ctx, bs)
-            if buffers == "minimum":
-                binding = f"{binding}; memory: transfer buffers at their minimum (little overlap)"
-            found.append((ctx.predict(bs, n, layout)["tokens_per_s"], bs, n, binding))
-        if found:
-            break
+    experts = host_experts if host_known else "off"
+    attn_modes = {"off": (False,), "on": (True,), "auto": (False, True) if host_known else (False,)}[host_attention]
+    util = _Utilisation(gen_lens, batching)
+    found, first = [], None
+    for attn in attn_modes:
+        host = Host(attention=attn, experts=experts)
+        sizes = sorted(batch_sizes)
+        if attn and len(sizes) > 1:
+            sizes = sorted(set(sizes) | {b for b in LARGE_BATCH_SIZES if b > sizes[-1]})
+        if attn and host_attention == "auto":  # where the cost model would move the core
+            sizes = [b for b in sizes if cost.attention_on_host(b, prompt_len + gen_len // 2)]
+        for buffers in ("overlap", "minimum"):
+            ctx = _Ctx(cost, prompt_len, longest, gen_len, budgets, schedule, hot_n, hot, marg, max_n, buffers, chunk,
+                       max_sequences, host, util)
+            first = first or ctx
+            here = []
+            for bs in sizes:
+                if max_sequences is not None and bs > max(max_sequences, sizes[0]):
+                    continue
+                if ctx.greedy(bs, num_batches or 1) is None:
+                    continue
+                if num_batches is not None:
+                    layout = ctx.greedy(bs, num_batches)
+                    need = ctx.required(bs, layout, num_batches)[1]
+                    n, binding = num_batches, _binding(schedule, need, fixed=True)
+                else:
+                    n, layout, binding = _choose_n(ctx, bs)
+                if buffers == "minimum":
+                    binding = f"{binding}; memory: transfer buffers at their minimum (little overlap)"
+                here.append((ctx.predict(bs, n, layout)["tokens_per_s"], bs, n, binding, ctx))
+            found += here
+            if here:
+                break
     if not found:
-        raise _diagnose(ctx, min(batch_sizes), num_batches or 1)
+        raise _diagnose(first, min(batch_sizes), num_batches or 1)
     best = None
-    for _, bs, n, binding in sorted(found, reverse=True)[:max(1, finalists)]:
+    for _, bs, n, binding, ctx in sorted(found, key=lambda f: f[:4], reverse=True)[:max(1, finalists)]:
         at = _best_chunk(ctx, bs, n)
         # the MILP packs at least as well as the greedy search; keep the greedy layout if it fails
         layout = at.milp(bs, n) or at.greedy(bs, n)
@@ -211,7 +255,22 @@ def solve(shape, cost, budgets, *, prompt_len: int, gen_len: int, longest_prompt
             best = (pred, bs, n, layout, binding, at)
     pred, bs, n, layout, binding, at = best
     return make_plan(cost, shape, budgets, pred, bs, n, layout, at.ios(layout), binding, schedule, hot_n,
-                     hot, marg, prompt_len, gen_len, longest=longest, chunk=at.chunk(bs, n), buffers=at.buffers)
+                     hot, marg, prompt_len, gen_len, longest=longest, chunk=at.chunk(bs, n), buffers=at.buffers,
+                     host=at.host, batching=batching if gen_lens else None,
+                     utilisation={b: util(n * bs, b) for b in BATCHING} if gen_lens else None)
+
+
+class _Utilisation:
+    """Memoised slot utilisation of the job's output lengths per group size (1 without)."""
+
+    def __init__(self, gen_lens, batching):
+        self.lens, self.batching, self._memo = list(gen_lens or ()), batching, {}
+
+    def __call__(self, slots: int, batching: str | None = None) -> float:
+        key = (slots, batching or self.batching)
+        if key not in self._memo:
+            self._memo[key] = slot_utilisation(self.lens, slots, key[1]) if self.lens else 1.0
+        return self._memo[key]
 
 
 def _best_chunk(ctx: "_Ctx", bs: int, n: int) -> "_Ctx":
@@ -236,16 +295,18 @@ class _Ctx:
     length time is planned for, `P_mem` the one memory is planned for."""
 
     def __init__(self, cost, P, P_mem, G, budgets, schedule, hot_n, hot, marg, max_n, buffers, chunk=None,
-                 max_sequences=None):
+                 max_sequences=None, host=NO_HOST, util=None):
         self.cost, self.P, self.P_mem, self.G, self.budgets = cost, P, P_mem, G, budgets
         self.schedule, self.hot_n, self.hot, self.marg, self.max_n = schedule, hot_n, hot, marg, max_n
         self.buffers, self.fixed_chunk, self.max_sequences = buffers, chunk, max_sequences
+        self.host, self.util = host, util or _Utilisation(None, "continuous")
         self._placed, self._chunks = {}, {}
 
     def _like(self, **changes) -> "_Ctx":
         args = dict(cost=self.cost, P=self.P, P_mem=self.P_mem, G=self.G, budgets=self.budgets,
                     schedule=self.schedule, hot_n=self.hot_n, hot=self.hot, marg=self.marg, max_n=self.max_n,
-                    buffers=self.buffers, chunk=self.fixed_chunk, max_sequences=self.max_sequences)
+                    buffers=self.buffers, chunk=self.fixed_chunk, max_sequences=self.max_sequences,
+                    host=self.host, util=self.util)
         return _Ctx(**{**args, **changes})
 
     def with_budgets(self, budgets) -> "_Ctx":
@@ -264,7 +325,7 @@ class _Ctx:
     def working_set(self, bs, n, chunk=None) -> dict:
         return working_set(self.cost, bs=bs, n=n, prompt_len=self.P_mem, gen_len=self.G,
                            chunk=self.chunk(bs, n) if chunk is None else chunk, schedule=self.schedule,
-                           hot=self.hot_n, buffers=self.buffers)
+                           hot=self.hot_n, buffers=self.buffers, host_attention=self.host.attention)
 
     def chunk(self, bs, n) -> int:
         if self.fixed_chunk:
@@ -272,18 +333,20 @@ class _Ctx:
         if (bs, n) not in self._chunks:
             ws = self.working_set(bs, n, chunk=1)
             rest = device_need(ws, self.buffers) - ws["activations"]
-            self._chunks[bs, n] = prefill_chunk(self.cost, bs, n, self.P_mem, self.G, self.budgets.device, rest)
+            self._chunks[bs, n] = prefill_chunk(self.cost, bs, n, self.P_mem, self.G, self.budgets.device, rest,
+                                                self.host.attention)
         return self._chunks[bs, n]
 
     def greedy(self, bs, n):
         if (bs, n) not in self._placed:
             self._placed[bs, n] = place_greedy(self.cost, bs, n, self.P_mem, self.G, self.budgets, self.schedule,
-                                               self.hot_n, self.marg, chunk=self.chunk(bs, n), buffers=self.buffers)
+                                               self.hot_n, self.marg, chunk=self.chunk(bs, n), buffers=self.buffers,
+                                               host_attention=self.host.attention)
         return self._placed[bs, n]
 
     def milp(self, bs, n):
         return place_milp(self.cost, bs, n, self.P_mem, self.G, self.budgets, self.schedule, self.hot_n,
-                          self.marg, chunk=self.chunk(bs, n), buffers=self.buffers)
+                          self.marg, chunk=self.chunk(bs, n), buffers=self.buffers, host_attention=self.host.attention)
 
     def ios(self, layout):
         s = self.cost.shape
@@ -291,11 +354,11 @@ class _Ctx:
 
     def required(self, bs, layout, max_n=None):
         return _required_n(self.cost, self.ios(layout), bs, self.P, self.G, self.schedule, self.hot,
-                           self.marg, max_n or self.cap(bs))
+                           self.marg, max_n or self.cap(bs), self.host)
 
     def predict(self, bs, n, layout):
         return _predict(self.cost, self.ios(layout), bs, n, self.P, self.G, self.schedule, self.hot,
-                        self.marg, layout, self.chunk(bs, n))
+                        self.marg, layout, self.chunk(bs, n), self.host, self.util(n * bs))
 
 
 def _choose_n(ctx: _Ctx, bs):

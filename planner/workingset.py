@@ -48,7 +48,7 @@ class Step:
         return cls(tokens=n * bs, sequences=n * bs, batch=bs, queries=1, keys=context)
 
 
-def activation_bytes(shape, itemsize: int, step: Step) -> int:
+def activation_bytes(shape, itemsize: int, step: Step, host_attention: bool = False) -> int:
     """Device bytes of one forward step's activations.
 
     Alive for the whole step: the hidden states of every batch (residual, MoE input and
@@ -57,7 +57,9 @@ def activation_bytes(shape, itemsize: int, step: Step) -> int:
     expanded for grouped queries, scores in fp32 in chunks, context, output), the routing
     and one expert call over all tokens (gathered inputs, outputs, FFN intermediates in
     chunks; the top-k slots of weighted outputs in fp32; a shared expert's output and its
-    intermediates over the largest batch), and the fp32 logits of every sequence."""
+    intermediates over the largest batch), and the fp32 logits of every sequence. With
+    `host_attention` the keys, values and scores live on the host: the device holds only
+    the projections of one batch."""
     s, t = shape, step
     q, kv = s.attention_widths
     # keys/values over every head: expanded for grouped queries, or (MLA) kv_b's output from
@@ -67,9 +69,10 @@ def activation_bytes(shape, itemsize: int, step: Step) -> int:
     base = (4 * t.tokens * s.hidden_size * itemsize + t.tokens * t.keys
             + 2 * t.tokens * s.head_dim * itemsize)
     rows = t.batch * t.queries
-    attention = (rows * (2 * s.hidden_size + 2 * q + 2 * kv) * itemsize
-                 + t.batch * t.keys * per_key * itemsize
-                 + min(s.num_heads * rows * t.keys, ATTENTION_SCORE_CHUNK) * (3 * 4 + itemsize))
+    attention = rows * (2 * s.hidden_size + 2 * q + 2 * kv) * itemsize
+    if not host_attention:
+        attention += (t.batch * t.keys * per_key * itemsize
+                      + min(s.num_heads * rows * t.keys, ATTENTION_SCORE_CHUNK) * (3 * 4 + itemsize))
     moe = (t.tokens * (2 * s.num_experts * 4 + s.top_k * 12)
            + 3 * t.tokens * s.hidden_size * itemsize
            + 3 * min(t.tokens, PREFILL_EXPERT_CHUNK) * s.intermediate_size * itemsize
@@ -102,36 +105,37 @@ def chunk_candidates(prompt_len: int) -> list[int]:
 
 
 def prefill_chunk(cost, bs: int, n: int, prompt_len: int, gen_len: int, device_budget: float,
-                  rest: float) -> int:
+                  rest: float, host_attention: bool = False) -> int:
     """The prefill chunk for a group: the whole prompt where its activations take at most
     PREFILL_SHARE of the device (or no more than a decode step's), else the largest power of
     two that does; and never so large that the activations plus `rest` (the rest of the
     minimum working set) exceed the budget. One token per chunk always qualifies."""
     s, b = cost.shape, cost.shape.dtype_bytes
     context = prompt_len + gen_len
-    decode = activation_bytes(s, b, Step.decode(bs, n, context))
+    decode = activation_bytes(s, b, Step.decode(bs, n, context), host_attention)
     for c in chunk_candidates(prompt_len):
-        act = activation_bytes(s, b, Step.prefill(bs, n, c, context))
+        act = activation_bytes(s, b, Step.prefill(bs, n, c, context), host_attention)
         if act <= max(decode, PREFILL_SHARE * device_budget) and act + rest <= device_budget:
             return c
     return 1
 
 
 def working_set(cost, *, bs: int, n: int, prompt_len: int, gen_len: int, chunk: int, schedule: str,
-                hot: int, buffers: str = "overlap") -> dict:
+                hot: int, buffers: str = "overlap", host_attention: bool = False) -> dict:
     """Device bytes needed besides resident weights and a device-resident KV cache, assuming
     every weight group is off the device (placement drops a group kind's buffer when the whole
     kind is resident). Keys: activations, decoded (dequantized copies), then the buffers:
     attention, gate, expert, head, kv (host-resident KV). With buffers="minimum" the buffer
     entries are what the pipeline holds at once; the caller takes their max, not their sum
-    (attention and KV buffers are held together)."""
+    (attention and KV buffers are held together). With `host_attention` no KV comes to the
+    device: no KV buffers, and no keys among the activations."""
     from planner.layer import expert_slots
     s, b = cost.shape, cost.shape.dtype_bytes
     context = prompt_len + gen_len
     chunk = max(1, min(chunk, prompt_len))
-    act = max(activation_bytes(s, b, Step.prefill(bs, n, chunk, context)),
-              activation_bytes(s, b, Step.decode(bs, n, context)))
-    kv = kv_buffer_bytes(cost, bs, context)
+    act = max(activation_bytes(s, b, Step.prefill(bs, n, chunk, context), host_attention),
+              activation_bytes(s, b, Step.decode(bs, n, context), host_attention))
+    kv = 0 if host_attention else kv_buffer_bytes(cost, bs, context)
     if buffers == "minimum":
         return {"activations": act, "decoded": 0,
                 "attention_buffers": cost.attention_bytes + cost.attention_decoded,

@@ -294,11 +294,12 @@ def test_profile_cache_roundtrip(tmp_path):
 
 
 def test_builtin_profiles_state_sources():
-    for name in ("rtx3090-pcie4", "h800-pcie5"):
+    for name in ("rtx3090-pcie4", "h800-pcie5", "a5000-pcie4-512g"):
         p = load_profile(name)
         assert p.flops > 0 and p.links["host_to_device"] > 0 and p.memory["device"] > 0
-        for key in ("flops", "mem_bw"):
-            assert "source" in p.sources[key] and 0 < p.sources[key]["efficiency"] <= 1
+        assert p.host_flops > 0 and p.host_mem_bw > 0
+        for src in (p.sources["flops"], p.sources["mem_bw"], p.sources["host"]["flops"], p.sources["host"]["mem_bw"]):
+            assert "source" in src and 0 < src["efficiency"] <= 1
         assert all("source" in v for v in p.sources["links"].values())
 
 
