@@ -71,12 +71,13 @@ def main() -> None:
                 "tokens_per_s": report["tokens_per_s"], "decode_s": report["decode_s"], "prefill_s": report["prefill_s"],
                 "generated": report["tokens"]["generated"],
                 "decode_tokens_per_s": report["tokens"]["generated"] / report["decode_s"],
-                "slot_utilisation": report["decode_slot_utilisation"], "wall_s": report["wall_s"],
+                "slot_utilisation": report["decode_slot_utilisation"], "occupancy": report["decode_occupancy"],
+                "wall_s": report["wall_s"],
                 "batching": report["batching"], "output": str(output)})
             print(mode, json.dumps(runs[mode][-1]), flush=True)
     same = tokens["static"] == tokens["continuous"]
     med = {m: {k: statistics.median(x[k] for x in v) for k in ("tokens_per_s", "decode_tokens_per_s",
-                                                                "slot_utilisation", "wall_s")}
+                                                                "slot_utilisation", "occupancy", "wall_s")}
            for m, v in runs.items()}
     result = {"model": a.model, "device_memory": budget, "prompts": a.prompts, "bs": a.bs, "n": a.n, "link_gbps": a.link_gbps,
               "max_new_tokens": {"min": min(limits), "median": statistics.median(limits), "max": max(limits),

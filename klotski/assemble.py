@@ -42,6 +42,7 @@ class RunPlan:
     dtype: torch.dtype
     plan: object | None = None  # the planner's Plan, when it decided
     cost: object | None = None  # the run's CostModel, for the engine's own choices (host compute: auto)
+    host_modes: tuple = ("off", "off")  # host attention, host experts as run (planning.host_modes)
 
 
 def plan_run(config, ckpt: Checkpoint, seqs, *, placement: Placement | None = None) -> RunPlan:
@@ -65,10 +66,9 @@ def plan_run(config, ckpt: Checkpoint, seqs, *, placement: Placement | None = No
     if config.quantize == "hqq4":  # a copy that cannot fit is refused now, not halfway through writing it
         from klotski.quantized import check_room
         check_room(ckpt, dtype, config.offload_dir, optimize=config.quantize_optimize)
-    cost = None
-    if "auto" in (config.host_attention, config.host_experts):  # the cost model decides per layer and step
-        cost = planning.run_cost_model(config, ckpt, dtype, device)
-    return RunPlan(bs, n, chunk, placement, budgets, device, dtype, plan, cost)
+    modes = planning.host_modes(config, device, plan)
+    cost = planning.run_cost_model(config, ckpt, dtype, device) if "auto" in modes else None
+    return RunPlan(bs, n, chunk, placement, budgets, device, dtype, plan, cost, modes)
 
 
 def make_predictor(config, ckpt: Checkpoint):
@@ -106,7 +106,7 @@ def build_engine(config, ckpt: Checkpoint, run_plan: RunPlan, *, predictor=None)
                         host_blocks=PinnedBlocks(pinned=True) if device.type == "cuda" else None,
                         disk_channel=channels["disk"], codec=codec, host_memory=host_memory)
     _check_sizes(cache, ckpt, dtype, config)
-    host = HostCompute.from_config(config, run_plan.cost)
+    host = HostCompute(*run_plan.host_modes, run_plan.cost, asked=(config.host_attention, config.host_experts))
     pipeline = Pipeline(ckpt.spec, cache, channels, config, trace, predictor, memory, device, host)
     return Engine(config, ckpt, run_plan, pipeline=pipeline, cache=cache, predictor=predictor, channels=channels,
                   memory=memory, host_memory=host_memory, trace=trace, device=device, dtype=dtype)

@@ -150,6 +150,7 @@ class ContinuousRun:
             stats.decode_s += elapsed
             stats.decode_disk_bytes += e.trace.bytes[DISK_TO_HOST] - disk0
             stats.decode_rows += sum(d.kv.rows for d in decoding)
+            stats.decode_slots += e.batch_size * e.num_batches
             stats.decode_useful_rows += sum(s is not None for d in decoding for s in d.rows[:d.kv.rows])
         else:
             stats.prefill_s += elapsed

@@ -39,6 +39,7 @@ class Stats:
     decode_disk_bytes: int = 0  # read from disk while decode steps ran: the bigger-than-RAM bound
     decode_rows: int = 0        # sequence slots computed by decode steps
     decode_useful_rows: int = 0  # of those, slots whose sequence was still generating
+    decode_slots: int = 0       # rows the group has (n x bs, fewer in a job's last static group), per decode step
     refills: int = 0            # continuous batching: sequences that took a row another had finished in
     kv_realigns: int = 0        # continuous batching: times a cache's slots were moved to make room
     rows_moved: int = 0         # continuous batching: live rows moved at the end, out of free rows' way
@@ -48,6 +49,13 @@ class Stats:
         """Useful share of decode work: a static batch computes every slot until its longest
         sequence ends, so finished sequences' slots are work for nothing."""
         return self.decode_useful_rows / self.decode_rows if self.decode_rows else None
+
+    @property
+    def occupancy(self) -> float | None:
+        """Useful share of the group's rows over decode steps: continuous batching computes
+        live rows only (utilisation 1), so what idle rows cost shows here, as tokens a step
+        could have made but did not (rows waiting for a newcomer's prefill, the drain)."""
+        return self.decode_useful_rows / self.decode_slots if self.decode_slots else None
 
 
 class Engine:
@@ -141,6 +149,7 @@ class Engine:
                 self.stats.decode_s += elapsed
                 self.stats.decode_disk_bytes += self.trace.bytes[DISK_TO_HOST] - disk0
                 self.stats.decode_rows += sum(len(group[k]) for k in active)
+                self.stats.decode_slots += sum(len(b) for b in group)
                 self.stats.decode_useful_rows += sum(not s.done for k in active for s in group[k])
             inputs = {}
             for k, out in zip(active, logits):

@@ -32,6 +32,7 @@ class HostCompute:
     attention_mode: str = "off"
     experts_mode: str = "off"
     cost: object | None = None   # a planner CostModel, for `auto`
+    asked: tuple = ("off", "off")  # the knobs as given (auto resolves: planning.host_modes)
     attention: _Counts = field(default_factory=_Counts)
     experts: _Counts = field(default_factory=_Counts)
 
@@ -74,4 +75,5 @@ class HostCompute:
                               "kv_bytes_not_moved": a.bytes_not_moved, "host_s": round(a.host_s, 4)},
                 "experts": {"mode": self.experts_mode, "experts_on_host": e.on_host,
                             "bytes_not_moved": e.bytes_not_moved, "host_s": round(e.host_s, 4)},
+                "asked": {"attention": self.asked[0], "experts": self.asked[1]},
                 "priced_by": "the run's cost model" if self.cost is not None else None}

@@ -78,9 +78,8 @@ def make_plan(shape, profile, *, device_memory, host_memory, prompt_len, gen_len
                      batch_sizes=batch_sizes, max_sequences=sequences, schedule=config.schedule,
                      K=config.hot_experts, num_batches=1 if config.schedule == "simple" else config.num_batches,
                      chunk=config.prefill_chunk, gen_lens=gen_lens,
-                     # the host-compute knobs, where this RunConfig has them (off until then)
-                     host_attention=getattr(config, "host_attention", "off"),
-                     host_experts=getattr(config, "host_experts", "off"))
+                     host_attention=config.host_attention, host_experts=config.host_experts,
+                     batching=config.batching)
     except Infeasible as e:
         raise BudgetRefused(e) from None
 
@@ -110,7 +109,8 @@ def plan_job(config, ckpt, dtype, device, budgets, seqs):
     return make_plan(shape, profile, device_memory=budgets.device, host_memory=budgets.host,
                      prompt_len=-(-sum(lengths) // len(lengths)), longest_prompt=max(lengths),
                      gen_len=max((s.max_new_tokens for s in seqs), default=config.max_new_tokens), config=config,
-                     sequences=max(1, len(seqs)), sizes=ckpt.group_bytes(dtype, quant))
+                     sequences=max(1, len(seqs)), sizes=ckpt.group_bytes(dtype, quant),
+                     gen_lens=[s.max_new_tokens for s in seqs] or None)
 
 
 def run_cost_model(config, ckpt, dtype, device) -> CostModel:
@@ -122,6 +122,20 @@ def run_cost_model(config, ckpt, dtype, device) -> CostModel:
     profile = profile_for("auto", shape, device=device.type, link_gbps=config.emulate_link_gbps)
     return CostModel(profile, shape, quant_bits=4 if config.quantize == "hqq4" else None,
                      sizes=ckpt.group_bytes(dtype, quant))
+
+
+def host_modes(config, device, plan) -> tuple[str, str]:
+    """Host attention and host experts as the engine runs them. `auto` on a CPU-only machine
+    is off: the host is the device, so host compute saves (emulated) link bytes but never
+    runs beside anything. On a GPU, attention follows the plan (the solver chose it with the
+    overlap the simulator sees), and experts stay per call (the cost model at each expert's
+    actual token count)."""
+    modes = [config.host_attention, config.host_experts]
+    if device.type == "cpu":
+        return tuple("off" if m == "auto" else m for m in modes)
+    if modes[0] == "auto" and plan is not None:
+        modes[0] = "on" if plan.host_attention else "off"
+    return tuple(modes)
 
 
 def engine_placement(plan, spec) -> Placement:

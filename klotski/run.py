@@ -360,6 +360,7 @@ def build_report(engine, run_plan, *, ok: int, failed: int, skipped: int, wall_s
                "decode_disk_bytes": s.decode_disk_bytes,
                "decode_disk_gb_per_s": round(s.decode_disk_bytes / s.decode_s / 1e9, 4) if s.decode_s else None},
         "decode_slot_utilisation": round(s.slot_utilisation, 4) if s.slot_utilisation is not None else None,
+        "decode_occupancy": round(s.occupancy, 4) if s.occupancy is not None else None,
         "batching": {"mode": engine.config.batching, "refills": s.refills, "kv_realigns": s.kv_realigns,
                      "rows_moved": s.rows_moved,
                      "order": ("waiting prompts longest max_new_tokens first; a freed row takes the next"
@@ -402,9 +403,10 @@ def summary(report: dict, out_path: Path) -> str:
             f"plan      batch size {plan['batch_size']} x {plan['num_batches']} batches"
             + (f", prefill in chunks of {plan['prefill_chunk']} tokens" if plan["prefill_chunk"] else ""),
             f"bubble    {report['bubble']['share']:.1%} of compute time waiting on transfers",
-            *([f"slots     {report['decode_slot_utilisation']:.0%} of decode slots served a sequence still generating "
-               + ("(continuous batching: {} rows refilled)".format(report["batching"]["refills"])
-                  if report["batching"]["mode"] == "continuous" else
+            *([f"slots     {report['decode_slot_utilisation']:.0%} of decode rows computed served a sequence still "
+               f"generating; {report['decode_occupancy']:.0%} of the group's rows did "
+               + ("(continuous batching: {} rows refilled; finished rows are not computed)".format(
+                   report["batching"]["refills"]) if report["batching"]["mode"] == "continuous" else
                   "(static batching: a batch keeps its slots until its longest sequence ends)")]
               if report["decode_slot_utilisation"] is not None else []),
             *_prefetch_line(report["prefetch"]),

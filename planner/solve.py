@@ -197,6 +197,10 @@ def solve(shape, cost, budgets, *, prompt_len: int, gen_len: int, longest_prompt
     if batching not in BATCHING:
         raise ValueError(f"batching {batching!r} is not one of {BATCHING}")
     host_known = math.isfinite(cost.t_host("attend", (1, prompt_len, 1)))
+    if getattr(cost.profile, "device", "cuda") == "cpu":
+        # the host is the device: the same cores, so nothing computes beside anything (and
+        # the lanes of the simulator would pretend it did); `on` still runs, for measuring
+        host_attention, host_experts = (("off" if m == "auto" else m) for m in (host_attention, host_experts))
     if "on" in (host_attention, host_experts) and not host_known:
         raise ValueError(f"host compute is on but hardware profile {getattr(cost.profile, 'name', '?')!r} has no host "
                          "rates (a 'host' section with flops and mem_bw); set it to auto or off")

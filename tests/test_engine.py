@@ -79,3 +79,19 @@ def test_decode_slot_utilisation_counts_slots_of_finished_sequences_as_waste(che
     assert steps >= 1
     assert (engine.stats.decode_rows, engine.stats.decode_useful_rows) == (2 * steps, steps)
     assert engine.stats.slot_utilisation == 0.5
+
+
+def test_continuous_batching_computes_live_rows_and_reports_idle_ones_as_occupancy(checkpoints):
+    """The same two sequences under continuous batching: the short one's row is not computed
+    once it is done (utilisation 1), and the group's idle row shows as occupancy 1/2."""
+    reqs = [Request(id="short", line=1, prompt=PROMPTS[0], messages=None, max_new_tokens=1),
+            Request(id="long", line=2, prompt=PROMPTS[1], messages=None, max_new_tokens=8)]
+    engine, seqs, _ = open_engine(RunConfig(model=str(checkpoints["gqa"]), batch_size=2, num_batches=1,
+                                            progress=False), reqs)
+    done = {s.request.id: s for s in engine.run(seqs)}
+    engine.close()
+    long = done["long"]
+    steps = len(long.out) - 1 + (long.finish_reason == "stop")
+    assert (engine.stats.decode_rows, engine.stats.decode_useful_rows, engine.stats.decode_slots) == \
+        (steps, steps, 2 * steps)
+    assert engine.stats.slot_utilisation == 1.0 and engine.stats.occupancy == 0.5

@@ -107,7 +107,7 @@ def test_auto_follows_the_cost_model(mixtral, baseline, host, chosen):
     run_plan = plan_run(off, ckpt, seqs, placement=placement)
     cost = CostModel(_profile(*host), ckpt.spec, sizes=ckpt.group_bytes(run_plan.dtype))
     engine = build_engine(off.replace(host_attention="auto", host_experts="auto"), ckpt,
-                          dataclasses.replace(run_plan, cost=cost))
+                          dataclasses.replace(run_plan, cost=cost, host_modes=("auto", "auto")))
     done = {s.request.id: s.out for s in engine.run(seqs)}
     engine.close()
     assert [done[f"r{i}"] for i in range(len(PROMPTS))] == ref
@@ -116,6 +116,21 @@ def test_auto_follows_the_cost_model(mixtral, baseline, host, chosen):
     assert (host_report["attention"]["batches_layers_on_host"] > 0) == chosen
     assert (host_report["experts"]["experts_on_host"] > 0) == chosen
     assert (engine.trace.bytes["host_to_device"] < baseline["host_to_device"]) == chosen
+
+
+def test_auto_resolves_off_on_a_cpu_only_machine_and_to_the_plan_on_a_gpu():
+    """CPU-only: the host is the device, so `auto` never picks host compute (`on` still runs,
+    for measuring). GPU: attention does what the plan chose; experts stay per call."""
+    import torch
+    from types import SimpleNamespace
+    from klotski.planning import host_modes
+    both = RunConfig(host_attention="auto", host_experts="auto")
+    assert host_modes(both, torch.device("cpu"), None) == ("off", "off")
+    assert host_modes(both.replace(host_experts="on"), torch.device("cpu"), None) == ("off", "on")
+    for chose in (True, False):
+        plan = SimpleNamespace(host_attention=chose)
+        assert host_modes(both, torch.device("cuda"), plan) == ("on" if chose else "off", "auto")
+    assert host_modes(both, torch.device("cuda"), None) == ("auto", "auto")  # nothing planned: per call
 
 
 def test_modes_are_checked():
