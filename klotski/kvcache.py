@@ -99,6 +99,10 @@ class BatchKV:
             self._columns[key] = cols.to(device)
         return self._columns[key]
 
+    def step_slots(self) -> int:
+        """Slots this step attends over: the visible old ones and its own."""
+        return self._old_count() + self.new
+
     def _old_count(self) -> int:
         return self.filled if self.old_slots is None else len(self.old_slots)
 
@@ -173,7 +177,7 @@ class BatchKV:
 
     def step_nbytes(self) -> int:
         """Device bytes of one layer's loaded buffer for this step."""
-        return self._bytes(self._old_count() + self.new)
+        return self._bytes(self.step_slots())
 
     def prefix_nbytes(self) -> int:
         """Bytes a load moves: the old slots this step can see."""

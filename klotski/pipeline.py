@@ -189,7 +189,7 @@ class Pipeline:
     def _attend_on_host(self, kv: BatchKV) -> bool:
         if not (kv.on_host and self.host_attention_ok):
             return False
-        return self.host.attend_on_host(kv.valid.shape[0], kv._old_count() + kv.new, kv.new)
+        return self.host.attend_on_host(kv.rows, kv.step_slots(), kv.new)
 
     def _host_attention(self, layer, k, h, w, ctx, kv: BatchKV):
         """Batch k's attention with its KV cache on the host, computed there: the projections
