@@ -5,7 +5,8 @@ Static batching keeps a batch's rows until its longest sequence ends, so with mi
 finished takes the next waiting prompt:
 
 - The waiting prompts are taken longest-decode first (`max_new_tokens`, then prompt length),
-  so the long ones start early and the short ones fill the gaps behind them.
+  so the long ones start early and the short ones fill the gaps behind them; a newcomer
+  batch takes the longest prompts of the next few batches' worth, so it pads little.
 - Newcomers are prefilled ahead, up to bs at a time as an extra batch (up to n such batches
   in flight) that rides along the group's decode steps (chunked like any prefill, the step
   never bigger than the first prefill step the static schedule would run), in a KV cache of
@@ -40,6 +41,9 @@ from placement.tiers import OverBudget
 from planner.workingset import Step, activation_bytes
 
 
+LOOKAHEAD = 4  # batches' worth of waiting prompts a newcomer batch is chosen from, by length
+
+
 @dataclass
 class _Decode:
     """One decode batch: its rows (None = free), their next input token and position."""
@@ -67,13 +71,25 @@ class _Decode:
 
 @dataclass
 class _Newcomers:
-    """Prompts prefilled in a cache of their own; once sampled, those not yet adopted wait
+    """Prompts prefilled in a cache of their own, `done` columns of `whole` so far, each
+    step's chunk chosen then (`_newcomer_inputs`); once sampled, those not yet adopted wait
     in `ready` (their row in this cache, first token) for free rows."""
     seqs: list
     kv: BatchKV
-    chunks: list
+    whole: StepInput
     broken: torch.Tensor
+    done: int = 0
     ready: list = field(default_factory=list)
+
+    @property
+    def left(self) -> int:
+        """Prompt columns still to prefill."""
+        return self.whole.ids.shape[1] - self.done
+
+    def take(self, width: int) -> StepInput:
+        a, self.done = self.done, self.done + width
+        return StepInput(self.whole.ids[:, a:self.done], self.whole.valid[:, a:self.done],
+                         self.whole.positions[:, a:self.done])
 
 
 class ContinuousRun:
@@ -100,7 +116,7 @@ class ContinuousRun:
                 self._admit()
                 self._consolidate()
                 work = [(d, *self._input(d)) for d in self.decode if d.live()]
-                work += [(nc, nc.chunks.pop(0), True) for nc in self.newcomers if nc.chunks]
+                work += self._newcomer_inputs(sum(inp.ids.shape[0] for _, inp, _ in work))
                 if not work and self.queue:  # every row idle and no newcomer fits beside the caches: start afresh
                     for d in self.decode:
                         self.space.free(d.kv)
@@ -197,7 +213,7 @@ class ContinuousRun:
         src.rows[j] = None
 
     def _prefilled(self, nc: _Newcomers, out):
-        if nc.chunks:  # more of their prompts to prefill
+        if nc.left:  # more of their prompts to prefill
             return
         tokens, finished = self.e._sample(nc.seqs, out.logits, nc.broken)
         yield from finished
@@ -207,7 +223,7 @@ class ContinuousRun:
         """Ready newcomers take free rows, oldest first; a newcomer cache goes once every one
         of its prompts has a row."""
         for nc in list(self.newcomers):
-            if nc.chunks:
+            if nc.left:
                 continue
             free = [(d, i) for d in self.decode for i in d.free_rows()]
             for (d, i), (j, token) in zip(free, list(nc.ready)):
@@ -252,19 +268,29 @@ class ContinuousRun:
     # ---- admitting waiting prompts --------------------------------------------------------
     def _admit(self) -> None:
         """Prefill waiting prompts ahead of the rows that will take them, once the first fill
-        is prefilled: a newcomer batch of at most bs prompts, no more than n such batches, and
-        no more newcomers than the rows they could take; each no bigger than the step limit
-        and the KV budget allow."""
-        if not self.queue or len(self.newcomers) >= self.e.num_batches or any(d.prompt for d in self.decode):
+        is prefilled: a newcomer batch of at most bs prompts, no more than n such batches
+        prefilling and 2n in all, each no bigger than the step limit and the KV budget allow."""
+        n = self.e.num_batches
+        if not self.queue or sum(bool(nc.left) for nc in self.newcomers) >= n or any(d.prompt for d in self.decode):
             return
-        rows = self.e.batch_size * self.e.num_batches
-        waiting = sum(len(nc.seqs) for nc in self.newcomers)
-        if self.newcomers and waiting + sum(d.computed() for d in self.decode if d.live()) >= rows:
-            return  # enough are on their way for every row
+        # Up to n batches prefilling and n more prefilled, waiting for rows: prefill is what
+        # a job's short requests wait on, and a step's prompt tokens share its weights.
+        if len(self.newcomers) >= 2 * n:
+            return
+        # A batch pads to its longest prompt: of the next few bs waiting, the longest go
+        # together (the order by max_new_tokens holds at that grain)
+        head = sorted((self.queue.popleft() for _ in range(min(len(self.queue), LOOKAHEAD * self.e.batch_size))),
+                      key=lambda s: -len(s.prompt_ids))
+        self.queue.extendleft(reversed(head))
         for take in range(min(len(self.queue), self.e.batch_size), 0, -1):
             longest = max(len(self.queue[j].prompt_ids) for j in range(take))
-            chunk = self._fitting_chunk(take, longest)
-            if not chunk:
+            # one token a row beside everyone else's at their least, decode rows at their most
+            # (ready newcomers join them while this batch prefills): then every step has room
+            others = [(len(nc.seqs), 1) for nc in self.newcomers if nc.left]
+            live = sum(d.computed() for d in self.decode if d.live())
+            ready = sum(len(nc.seqs) for nc in self.newcomers if not nc.left)
+            decode_rows = min(self.e.batch_size * n - sum(r for r, _ in others), live + ready)
+            if not self._fitting_chunk(take, 1, decode_rows, others):
                 continue
             try:
                 kv, _ = self.space.allocate(take, longest)
@@ -276,27 +302,38 @@ class ContinuousRun:
         seqs = [self.queue.popleft() for _ in range(take)]
         self.e.stats.prompt_tokens += sum(len(s.prompt_ids) for s in seqs)
         whole = prefill_input(seqs, longest, self.e._pad_id())
-        self.newcomers.append(_Newcomers(seqs, kv, chunks(whole, chunk), torch.full((take,), -1)))
+        self.newcomers.append(_Newcomers(seqs, kv, whole, torch.full((take,), -1)))
 
-    def _fitting_chunk(self, rows: int, longest: int) -> int:
-        """The longest prefill chunk for `rows` newcomers that keeps the step within the first
-        prefill step's activations (0: none does): beside decode batches of one token a row,
-        newcomers may take longer chunks than a prefill of every batch at once."""
-        # Newcomers already prefilling keep their chunk; those adopted meanwhile join the
-        # decode rows, which can thus grow to every row while this batch is prefilled.
-        others = [(len(nc.seqs), nc.chunks[0].ids.shape[1]) for nc in self.newcomers if nc.chunks]
-        live = sum(d.computed() for d in self.decode if d.live())
-        decode_rows = min(self.e.batch_size * self.e.num_batches, live + sum(len(nc.seqs) for nc in self.newcomers))
-        chunk = longest  # the step limit, not the first fill's chunk, bounds a newcomer's chunk
-        while chunk:
+    def _newcomer_inputs(self, decode_rows: int) -> list:
+        """This step's chunk of each newcomer batch still prefilling, oldest first, each the
+        longest that keeps the step within the limit beside the decode rows and the others'
+        chunks (those not yet given one count one token a row)."""
+        prefilling = [nc for nc in self.newcomers if nc.left]
+        widths = [1] * len(prefilling)
+        for i, nc in enumerate(prefilling):
+            others = [(len(o.seqs), w) for j, (o, w) in enumerate(zip(prefilling, widths)) if j != i and w]
+            widths[i] = self._fitting_chunk(len(nc.seqs), nc.left, decode_rows, others)
+        return [(nc, nc.take(w), True) for nc, w in zip(prefilling, widths) if w]
+
+    def _fitting_chunk(self, rows: int, longest: int, decode_rows: int, others: list) -> int:
+        """The longest prefill chunk (at most `longest`) for `rows` newcomers that keeps the
+        step within the first prefill step's activations (0: none does), beside `decode_rows`
+        decode rows and other newcomer batches' (rows, chunk): beside decode batches of one
+        token a row, newcomers may take longer chunks than a prefill of every batch at once."""
+        def fits(chunk: int) -> bool:
             step = Step(tokens=decode_rows + rows * chunk + sum(r * c for r, c in others),
                         sequences=decode_rows + rows + sum(r for r, _ in others),
                         batch=max(self.e.batch_size, rows), queries=max([chunk] + [c for _, c in others]),
                         keys=self.capacity)
-            if activation_bytes(self.spec, self.e.dtype.itemsize, step) <= self.step_limit:
-                return chunk
-            chunk //= 2
-        return 0
+            return activation_bytes(self.spec, self.e.dtype.itemsize, step) <= self.step_limit
+
+        # the step limit, not the first fill's chunk, bounds a newcomer's chunk: the largest
+        # that fits (activations grow with the chunk), so a step's token budget is not halved away
+        lo, hi = 0, longest
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        return lo
 
 
 def prefill_input(batch: list[S.Sequence], length: int, pad: int) -> StepInput:
