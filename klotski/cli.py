@@ -86,7 +86,7 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
 def _add_plan_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny-mixtral", help="alias (mixtral-8x7b, mixtral-8x22b), directory or built-in")
     p.add_argument("--hardware", default="auto",
-                   help="auto (measure this machine), rtx3090-pcie4, h800-pcie5 or a profile JSON")
+                   help="auto (measure this machine), rtx3090-pcie4, h800-pcie5, a5000-pcie4-512g or a profile JSON")
     p.add_argument("--device-memory", "--gpu-memory", type=_size, metavar="SIZE")
     p.add_argument("--host-memory", "--cpu-memory", type=_size, metavar="SIZE")
     p.add_argument("--prompt-len", type=int, default=512)
@@ -97,6 +97,10 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schedule", default="klotski", choices=SCHEDULES)
     p.add_argument("--quantize", default="none", choices=("none", "hqq4"))
     p.add_argument("--emulate-link", type=float, metavar="GBPS", dest="emulate_link_gbps")
+    p.add_argument("--host-attention", default="off", choices=HOST_COMPUTE,
+                   help="let the plan compute attention beside a host KV cache (auto: where it is faster)")
+    p.add_argument("--host-experts", default="off", choices=HOST_COMPUTE,
+                   help="let the plan compute off-device experts where they live (auto: where it is faster)")
     _add_profile_device_flag(p)
 
 

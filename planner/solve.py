@@ -71,11 +71,14 @@ def _required_n(cost, ios, bs, P, G, schedule, hot, marg, max_n, host=NO_HOST):
 
 # ---- prediction ------------------------------------------------------------------------------
 def _predict(cost, ios, bs, n, P, G, schedule, hot, marg, layout, chunk=None, host=NO_HOST,
-             utilisation=1.0) -> dict:
+             utilisation=1.0, job=None) -> dict:
     """Analytic times for one batch group: the prefill passes (one per chunk of `chunk`
     prompt tokens) and G−1 decode steps (decode evaluated at the mean context, attention cost
     being linear in it). `utilisation` (decode slot utilisation, see planner.occupancy) turns
-    computed rows into useful tokens: `tokens_per_s` is the useful rate."""
+    computed rows into useful tokens: `tokens_per_s` is the useful rate. With `job` (the
+    job's max_new_tokens), the rate is the job's: every prompt prefilled once, in groups of
+    n·bs, and its tokens after the first decoded n·bs·utilisation to a step, so a job of
+    short answers is planned as prefill-heavy as it is, not as if each ran G tokens."""
     groups = Counter(ios)  # layers with the same tiers have the same times
 
     def step(ph):
@@ -93,7 +96,11 @@ def _predict(cost, ios, bs, n, P, G, schedule, hot, marg, layout, chunk=None, ho
     decode = dec * max(0, G - 1)
     tokens = n * bs * G
     computed = tokens / max(prefill + decode, 1e-12)
-    return {"prefill_s": prefill, "decode_s": decode, "tokens_per_s": computed * utilisation,
+    useful = computed * utilisation
+    if job:
+        steps = sum(max(0, g - 1) for g in job) / max(n * bs * utilisation, 1e-12)
+        useful = sum(job) / max(prefill * len(job) / (n * bs) + dec * steps, 1e-12)
+    return {"prefill_s": prefill, "decode_s": decode, "tokens_per_s": useful,
             "computed_tokens_per_s": computed, "utilisation": utilisation,
             "prefill_tokens_per_s": n * bs * P / max(prefill, 1e-12),
             "decode_tokens_per_s": n * bs * max(0, G - 1) / max(decode, 1e-12) if G > 1 else 0.0,
@@ -362,7 +369,7 @@ class _Ctx:
 
     def predict(self, bs, n, layout):
         return _predict(self.cost, self.ios(layout), bs, n, self.P, self.G, self.schedule, self.hot,
-                        self.marg, layout, self.chunk(bs, n), self.host, self.util(n * bs))
+                        self.marg, layout, self.chunk(bs, n), self.host, self.util(n * bs), self.util.lens)
 
 
 def _choose_n(ctx: _Ctx, bs):
