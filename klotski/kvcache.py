@@ -172,8 +172,8 @@ class BatchKV:
 
     # ---- host-tier moves (run on channels) ----------------------------------------------
     def _bytes(self, slots: int) -> int:
-        k, v = self.keys[0], self.values[0]
-        return slots * self.rows * (k[0, 0].numel() + v[0, 0].numel()) * k.element_size()
+        k, v = self.keys[0], self.values[0]  # [capacity, B, kv_heads, dim]: a row's slot is kv_heads x dim
+        return slots * self.rows * (k.shape[2] * k.shape[3] + v.shape[2] * v.shape[3]) * k.element_size()
 
     def step_nbytes(self) -> int:
         """Device bytes of one layer's loaded buffer for this step."""

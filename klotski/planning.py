@@ -45,9 +45,13 @@ def measure_here(shape, *, device: str = "auto", link_gbps: float | None = None,
     with the engine's own ops and cached in the user cache unless `refresh`."""
     from klotski import cachedir
     from klotski.writes import writing
+    from klotski.overhead import pipeline_overhead
     with writing(cachedir.profiles(), "the disk-speed probe of the hardware profile"):
-        return measure(shape, ops=EngineOps(), device=compute_device(device), link_gbps=link_gbps,
-                       refresh=refresh, cache_dir=cachedir.profiles())
+        profile = measure(shape, ops=EngineOps(), device=compute_device(device), link_gbps=link_gbps,
+                          refresh=refresh, cache_dir=cachedir.profiles())
+        # what the pipeline adds around the ops, per batch-layer, expert call, transfer, step
+        profile.overhead_s.update(pipeline_overhead(compute_device(device)))
+    return profile
 
 
 def profile_for(hardware: str, shape, *, device: str = "auto", link_gbps: float | None = None):
@@ -63,7 +67,7 @@ def profile_for(hardware: str, shape, *, device: str = "auto", link_gbps: float 
 
 
 def make_plan(shape, profile, *, device_memory, host_memory, prompt_len, gen_len, config, sequences=None,
-              longest_prompt=None, sizes=None, gen_lens=None):
+              longest_prompt=None, sizes=None, gen_lens=None, prompt_lens=None):
     """Solve for (bs, n, prefill chunk, placement) under the budgets; what the user fixed stays
     fixed. Time is planned for `prompt_len` (the typical prompt: batches are formed by length,
     so padding is small), memory for `longest_prompt`. A refusal names the budget to raise
@@ -77,7 +81,7 @@ def make_plan(shape, profile, *, device_memory, host_memory, prompt_len, gen_len
         return solve(shape, cost, budgets, prompt_len=prompt_len, gen_len=gen_len, longest_prompt=longest_prompt,
                      batch_sizes=batch_sizes, max_sequences=sequences, schedule=config.schedule,
                      K=config.hot_experts, num_batches=1 if config.schedule == "simple" else config.num_batches,
-                     chunk=config.prefill_chunk, gen_lens=gen_lens,
+                     chunk=config.prefill_chunk, gen_lens=gen_lens, prompt_lens=prompt_lens,
                      host_attention=config.host_attention, host_experts=config.host_experts,
                      batching=config.batching)
     except Infeasible as e:
@@ -110,7 +114,7 @@ def plan_job(config, ckpt, dtype, device, budgets, seqs):
                      prompt_len=-(-sum(lengths) // len(lengths)), longest_prompt=max(lengths),
                      gen_len=max((s.max_new_tokens for s in seqs), default=config.max_new_tokens), config=config,
                      sequences=max(1, len(seqs)), sizes=ckpt.group_bytes(dtype, quant),
-                     gen_lens=[s.max_new_tokens for s in seqs] or None)
+                     gen_lens=[s.max_new_tokens for s in seqs] or None, prompt_lens=lengths)
 
 
 def run_cost_model(config, ckpt, dtype, device) -> CostModel:

@@ -190,6 +190,16 @@ class CostModel:
         """One expert FFN over `tokens` tokens; 0 for none (the expert is not run)."""
         return 0.0 if tokens <= 0 else self._time("expert", (max(1.0, tokens),))
 
+    def t_pipeline(self, batch_layers: float = 0, expert_calls: float = 0, transfers: float = 0,
+                   steps: float = 0) -> float:
+        """What the engine's pipeline adds around the ops (routing bookkeeping, gathers, the
+        residency cache, submitting and awaiting transfers), per batch-layer, expert call,
+        transfer and step, as a measured profile records it (`overhead_s`; klotski/overhead.py).
+        Noise on a big model, most of a step on a tiny one; 0 where the profile has none."""
+        o = self.profile.overhead_s
+        return (batch_layers * o.get("batch_layer", 0.0) + expert_calls * o.get("expert_call", 0.0)
+                + transfers * o.get("transfer", 0.0) + steps * o.get("step", 0.0))
+
     def t_head(self, tokens: int) -> float:
         """Final norm + LM head logits for `tokens` tokens (one per sequence per step)."""
         return self._time("head", (max(1, tokens),))
@@ -254,6 +264,16 @@ class CostModel:
         if nbytes <= 0:
             return 0.0
         return nbytes / self.bandwidth(link) + float(getattr(self.profile, "link_latency_s", 0.0))
+
+    def t_copy(self, nbytes: float) -> float:
+        """Compute time a host->device copy takes from the model's own work: on a CPU-only
+        machine the "device" is the same RAM and cores, so every copy (the engine clones a
+        host-tier group into the device budget) is memory traffic the compute shares, whether
+        or not a link is emulated on top; on a GPU the DMA engine does it (0)."""
+        if getattr(self.profile, "device", "cuda") != "cpu" or nbytes <= 0:
+            return 0.0
+        machine = getattr(self.profile, "machine", {}) or {}
+        return nbytes / float(machine.get("measured_host_to_device") or self.profile.links["host_to_device"])
 
     def t_fetch(self, nbytes: float, tier: str) -> float:
         """Bringing a group to the device from `tier`. Disk-resident groups are staged through

@@ -213,5 +213,11 @@ def layer_time(cost, io: LayerIO, ph: Phase, marg, hot, schedule, host=None) -> 
         pipe = max(compute + max(0.0, *(r - c for c, r in zip(lhs, rhs))),
                    parts["attn"] + parts["gate"] + parts["host_experts"])
     links = moved_bytes(cost, io, ph, marg, schedule, hot, host)
-    t = max(pipe, *(cost.t_io(b, link) for link, b in links.items()))
-    return t, t - compute
+    copy = cost.t_copy(links["host_to_device"])  # CPU-only: copies share the compute's cores and RAM
+    tokens = ph.n * ph.bs * ph.new
+    calls = [1.0 if schedule in ("simple", "multibatch") else _used(m, tokens) for m in marg]
+    moves = sum(u for u, t in zip(calls, io.experts) if t != "device") + (io.next_attn != "device") \
+        + (io.gate != "device") + (ph.n if io.kv == "host" and not host_attention_here(io, host) else 0)
+    extra = cost.t_pipeline(batch_layers=ph.n, expert_calls=sum(calls), transfers=moves)
+    t = max(pipe + copy + extra, *(cost.t_io(b, link) for link, b in links.items()))
+    return t, t - compute - copy - extra

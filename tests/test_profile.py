@@ -86,6 +86,7 @@ def measured(monkeypatch):
         calls.append({"device": device, "ops": ops})
         return load_profile("rtx3090-pcie4")
     monkeypatch.setattr(planning, "measure", fake)
+    monkeypatch.setattr("klotski.overhead.pipeline_overhead", lambda device: {})
     return calls
 
 
@@ -112,3 +113,22 @@ def test_hardware_auto_measures_the_cpu_without_a_gpu(monkeypatch, measured, cap
 def test_a_builtin_profile_measures_nothing(measured, capsys):
     assert cli.main(["plan", "--model", "mixtral-8x7b", "--hardware", "rtx3090-pcie4", "--device", "cuda"]) == 0
     assert measured == []
+
+
+def test_pipeline_overhead_is_measured_once_and_priced_per_call(tmp_path, monkeypatch):
+    """The pipeline's own cost around the ops (klotski/overhead.py): the engine's pipeline with
+    the math stubbed out, cached per machine and pipeline source; the cost model adds it per
+    batch-layer, expert call, transfer and step."""
+    from klotski import overhead
+    from planner.costmodel import CostModel
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    found = overhead.pipeline_overhead("cpu", steps=3)
+    assert set(found) == set(overhead.KINDS) and all(v >= 0 for v in found.values())
+    assert sum(found.values()) > 0
+    monkeypatch.setattr(overhead, "_measure", lambda *a: pytest.fail("measured twice"))
+    assert overhead.pipeline_overhead("cpu", steps=3) == found
+    profile = load_profile("rtx3090-pcie4")
+    profile.overhead_s.update({"batch_layer": 1e-3, "expert_call": 1e-4, "transfer": 1e-5, "step": 1e-2})
+    cost = CostModel(profile, TINY)
+    assert cost.t_pipeline(batch_layers=2, expert_calls=3, transfers=4, steps=1) == pytest.approx(
+        2e-3 + 3e-4 + 4e-5 + 1e-2)

@@ -1,0 +1,130 @@
+"""What the pipeline itself costs per call on this machine, beyond the ops the profile times.
+
+The profile (planner/profile.py) times the model's ops one by one. A real step also pays
+for the pipeline around them: routing bookkeeping, token gathers and scatters, masks, the
+residency cache, trace spans, the host sync of the expert ids. On a big model that is
+noise; on a small one it is most of the step (the demo was predicted ~7x too fast without
+it). Here the engine's own Pipeline runs decode steps of the built-in tiny model, every
+group resident, with the model's math replaced by stubs that return at once, so what is
+timed is the pipeline alone; four runs separate its cost per batch and layer (attention +
+gate), per expert call, per transfer (experts fetched from the host: submitting, waiting,
+making room, the channel thread's share of the cores) and per step:
+
+    step(n batches, E experts chosen, X transfers) = step + L·n·batch_layer + L·E·expert_call
+                                                     + X·transfer
+
+The result is kept in the user cache per machine and pipeline source, and added to the
+profile's `overhead_s` (planner/costmodel.py: `t_pipeline`).
+"""
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import time
+
+import torch
+
+KINDS = ("batch_layer", "expert_call", "transfer", "step")
+
+
+class _Stubs:
+    """A family whose math is free: attention and experts return their input, the router
+    spreads tokens over the first `chosen` experts."""
+    HOST_ATTENTION = False
+
+    def __init__(self, chosen: int, top_k: int):
+        self.chosen, self.top_k = chosen, top_k
+
+    def attention_block(self, h, *args, **kwargs):
+        return h
+
+    def route(self, x, gate, spec):
+        idx = torch.arange(x.shape[0] * self.top_k, device=x.device).view(-1, self.top_k) % self.chosen
+        return torch.full(idx.shape, 1.0 / self.top_k, device=x.device), idx
+
+    def shared_ffn(self, x, gate, spec):
+        return None
+
+    def expert_ffn(self, x, w):
+        return x
+
+
+def _source_key(device: str) -> str:
+    from klotski import batching, pipeline
+    from planner.profile import machine_fingerprint
+    h = hashlib.sha256(json.dumps(machine_fingerprint(device), sort_keys=True).encode())
+    for module in (pipeline, batching):
+        h.update(inspect.getsource(module).encode())
+    return h.hexdigest()[:16]
+
+
+def pipeline_overhead(device: str = "cpu", steps: int = 12) -> dict[str, float]:
+    """Seconds per batch-layer, per expert call and per step the pipeline adds on `device`,
+    measured once per machine and pipeline source (user cache)."""
+    from klotski import cachedir
+    path = cachedir.profiles() / f"pipeline-overhead-{_source_key(device)}.json"
+    try:
+        return {k: float(v) for k, v in json.loads(path.read_text()).items() if k in KINDS}
+    except (OSError, ValueError):
+        pass
+    found = _measure(device, steps)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(found))
+        tmp.replace(path)
+    except OSError:
+        pass  # measured again next time
+    return found
+
+
+def _measure(device: str, steps: int) -> dict[str, float]:
+    from klotski.assemble import open_engine
+    from klotski.checkpoint import Checkpoint
+    from klotski.config import RunConfig
+    from klotski.jobs import Request
+    from klotski.pipeline import StepInput
+    from klotski.tiny import ensure_builtin
+    from placement.plan import Placement
+
+    cfg = RunConfig(model="tiny-mixtral", batch_size=2, num_batches=3, progress=False, dtype="float32",
+                    device=device, batching="static")
+    request = [Request(id="x", line=1, prompt="x", messages=None, max_new_tokens=1)]
+    probe = Checkpoint.open(str(ensure_builtin(cfg.model)))
+    keys = probe.spec.group_keys()  # bs, n and placement given: nothing is planned (no profile asked for)
+    probe.close()
+    bs = 2
+
+    def per_step(engine, n: int, chosen: int) -> float:
+        engine.pipeline.M = _Stubs(chosen, engine.spec.top_k)
+        space = engine.kv_space()
+        kvs = [space.allocate(bs, steps + 2)[0] for _ in range(n)]
+        ids = torch.zeros(bs, 1, dtype=torch.long)
+        times = []
+        for t in range(steps + 1):
+            inputs = [StepInput(ids, torch.ones_like(ids, dtype=torch.bool), torch.full((bs, 1), t)) for _ in kvs]
+            start = time.perf_counter()
+            engine.pipeline.forward(kvs, inputs)
+            times.append(time.perf_counter() - start)
+        space.close()
+        return min(times[1:])  # the first is a warm-up; another process only ever adds time
+
+    runs = {}
+    for where in ("device", "host"):
+        engine, _, _ = open_engine(cfg, request, placement=Placement.by_kind(keys, expert=where))
+        try:
+            if where == "device":
+                runs["one"], runs["three"], runs["few"] = (per_step(engine, 1, engine.spec.num_experts),
+                                                         per_step(engine, 3, engine.spec.num_experts),
+                                                         per_step(engine, 1, engine.spec.top_k))
+            else:
+                runs["moved"] = per_step(engine, 1, engine.spec.num_experts)
+            L, E, k = engine.spec.num_layers, engine.spec.num_experts, engine.spec.top_k
+        finally:
+            engine.close()
+    batch_layer = max(0.0, (runs["three"] - runs["one"]) / (2 * L))
+    expert_call = max(0.0, (runs["one"] - runs["few"]) / (L * (E - k))) if E > k else 0.0
+    transfer = max(0.0, (runs["moved"] - runs["one"]) / (L * E))
+    step = max(0.0, runs["one"] - L * batch_layer - L * E * expert_call)
+    return {"batch_layer": batch_layer, "expert_call": expert_call, "transfer": transfer, "step": step}
