@@ -349,3 +349,18 @@ def test_host_compute_is_chosen_only_where_it_finishes_sooner():
     # host compute is not free: a host 1000x slower loses even the one-token expert
     slow = CostModel(dataclasses.replace(gpu, host_flops=1.5e9, host_mem_bw=150e6), shape)
     assert not slow.expert_on_host(1) and not slow.attention_on_host(16, 512)
+
+
+def test_a_disturbed_profile_sample_does_not_steer_the_correction():
+    """One attention sample 100x off its neighbours (another process caught every repetition)
+    is left out of the nearest-sample correction; without it the cost model would carry the
+    disturbance to every point near it."""
+    shape = KNOWN_MODELS["mixtral-8x7b"]
+    unit = Profile(name="m", flops=1e12, mem_bw=1e11, links={"host_to_device": 1e10, "device_to_host": 1e10,
+                                                             "disk_to_host": 1e9})
+    cost = CostModel(unit, shape)
+    rows = [[bs, ctx, 1, cost.roofline("attention", (bs, ctx, 1)) * 2] for bs in (1, 4, 16) for ctx in (128, 512)]
+    rows[2][-1] *= 100  # bs 4, ctx 128
+    measured = dataclasses.replace(unit, samples={"attention": rows}, shape_key=as_shape(shape).key())
+    near = CostModel(measured, shape).t_attn(5, 128)
+    assert near == pytest.approx(2 * cost.roofline("attention", (5, 128, 1)), rel=0.01)
