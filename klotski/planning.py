@@ -114,7 +114,7 @@ def plan_job(config, ckpt, dtype, device, budgets, seqs):
                      prompt_len=-(-sum(lengths) // len(lengths)), longest_prompt=max(lengths),
                      gen_len=max((s.max_new_tokens for s in seqs), default=config.max_new_tokens), config=config,
                      sequences=max(1, len(seqs)), sizes=ckpt.group_bytes(dtype, quant),
-                     gen_lens=[s.max_new_tokens for s in seqs] or None, prompt_lens=lengths)
+                     gen_lens=[s.max_new_tokens for s in seqs] or None)
 
 
 def run_cost_model(config, ckpt, dtype, device) -> CostModel:
