@@ -45,6 +45,12 @@ class RunPlan:
     host_modes: tuple = ("off", "off")  # host attention, host experts as run (planning.host_modes)
 
 
+def pipeline_cost(device: str) -> dict:
+    """The pipeline's own cost per call on `device` (klotski/overhead.py), for measured profiles."""
+    from klotski.overhead import pipeline_overhead
+    return pipeline_overhead(device, open_engine)
+
+
 def plan_run(config, ckpt: Checkpoint, seqs, *, placement: Placement | None = None) -> RunPlan:
     """Budgets from the flags or the machine; bs, n, prefill chunk and placement from the
     planner wherever the user left them open. Raises planning.BudgetRefused (one line, with
@@ -54,7 +60,7 @@ def plan_run(config, ckpt: Checkpoint, seqs, *, placement: Placement | None = No
     simple = config.schedule == "simple"
     bs, n, chunk, plan = config.batch_size or 8, 1 if simple else (config.num_batches or 1), config.prefill_chunk, None
     if config.batch_size is None or (config.num_batches is None and not simple) or placement is None:
-        plan = planning.plan_job(config, ckpt, dtype, device, budgets, seqs)
+        plan = planning.plan_job(config, ckpt, dtype, device, budgets, seqs, pipeline_cost)
         bs = config.batch_size or plan.batch_size
         n = 1 if simple else (config.num_batches or plan.num_batches)
         chunk = plan.prefill_chunk if plan.prefill_chunk < plan.longest_prompt else None
@@ -67,7 +73,7 @@ def plan_run(config, ckpt: Checkpoint, seqs, *, placement: Placement | None = No
         from klotski.quantized import check_room
         check_room(ckpt, dtype, config.offload_dir, optimize=config.quantize_optimize)
     modes = planning.host_modes(config, device, plan)
-    cost = planning.run_cost_model(config, ckpt, dtype, device) if "auto" in modes else None
+    cost = planning.run_cost_model(config, ckpt, dtype, device, pipeline_cost) if "auto" in modes else None
     return RunPlan(bs, n, chunk, placement, budgets, device, dtype, plan, cost, modes)
 
 

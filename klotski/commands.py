@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from klotski import planning
+from klotski.assemble import pipeline_cost
 from klotski.config import RunConfig
 
 
@@ -21,7 +22,8 @@ def _config(a) -> RunConfig:
 def plan(a) -> int:
     from planner.solve import format_plan
     shape, config = planning.model_shape(a.model), _config(a)
-    profile = planning.profile_for(a.hardware, shape, device=config.device, link_gbps=config.emulate_link_gbps)
+    profile = planning.profile_for(a.hardware, shape, device=config.device, link_gbps=config.emulate_link_gbps,
+                                   pipeline_cost=pipeline_cost)
     result = planning.make_plan(shape, profile, device_memory=a.device_memory, host_memory=a.host_memory,
                                 prompt_len=a.prompt_len, gen_len=a.gen_len, config=config)
     print(result.to_json() if a.json else format_plan(result))
@@ -33,7 +35,8 @@ def simulate(a) -> int:
     from planner.routing import RoutingSample
     from planner.simulate import simulate as replay
     shape, config = planning.model_shape(a.model), _config(a)
-    profile = planning.profile_for(a.hardware, shape, device=config.device, link_gbps=config.emulate_link_gbps)
+    profile = planning.profile_for(a.hardware, shape, device=config.device, link_gbps=config.emulate_link_gbps,
+                                   pipeline_cost=pipeline_cost)
     chosen = planning.make_plan(shape, profile, device_memory=a.device_memory, host_memory=a.host_memory,
                                 prompt_len=a.prompt_len, gen_len=a.gen_len, config=config)
     cost = CostModel(profile, shape, quant_bits=4 if a.quantize == "hqq4" else None)
@@ -60,7 +63,8 @@ def simulate(a) -> int:
 def profile(a) -> int:
     config = RunConfig(model=a.model, device=a.device, emulate_link_gbps=a.emulate_link_gbps)
     result = planning.measure_here(planning.model_shape(config.model), device=config.device,
-                                   link_gbps=config.emulate_link_gbps, refresh=a.refresh)
+                                   link_gbps=config.emulate_link_gbps, refresh=a.refresh,
+                                   pipeline_cost=pipeline_cost)
     print(result.to_json())
     return 0
 

@@ -149,6 +149,9 @@ class BatchKV:
         dst, frm = slice(self.filled - length, self.filled), slice(src.filled - length, src.filled)
         for mine, theirs in ((self.keys, src.keys), (self.values, src.values)):
             for a, b in zip(mine, theirs):
+                # the row's old slots go invalid, and zero: a masked probability of 0 times a
+                # value its finished sequence left non-finite would still be NaN
+                a[:, row] = 0
                 a[dst, row] = b[frm, src_row]
         self.valid[row] = False
         self.valid[row, dst] = src.valid[src_row, frm]

@@ -59,16 +59,17 @@ def _source_key(device: str) -> str:
     return h.hexdigest()[:16]
 
 
-def pipeline_overhead(device: str = "cpu", steps: int = 12) -> dict[str, float]:
-    """Seconds per batch-layer, per expert call and per step the pipeline adds on `device`,
-    measured once per machine and pipeline source (user cache)."""
+def pipeline_overhead(device: str, open_engine, steps: int = 12) -> dict[str, float]:
+    """Seconds per batch-layer, expert call, transfer and step the pipeline adds on `device`,
+    measured once per machine and pipeline source (user cache). `open_engine` is the
+    composition root's (klotski.assemble), handed in so this module does not import it."""
     from klotski import cachedir
     path = cachedir.profiles() / f"pipeline-overhead-{_source_key(device)}.json"
     try:
         return {k: float(v) for k, v in json.loads(path.read_text()).items() if k in KINDS}
     except (OSError, ValueError):
         pass
-    found = _measure(device, steps)
+    found = _measure(device, steps, open_engine)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
@@ -79,8 +80,7 @@ def pipeline_overhead(device: str = "cpu", steps: int = 12) -> dict[str, float]:
     return found
 
 
-def _measure(device: str, steps: int) -> dict[str, float]:
-    from klotski.assemble import open_engine
+def _measure(device: str, steps: int, open_engine) -> dict[str, float]:
     from klotski.checkpoint import Checkpoint
     from klotski.config import RunConfig
     from klotski.jobs import Request

@@ -40,25 +40,25 @@ def compute_device(name: str) -> str:
     return name
 
 
-def measure_here(shape, *, device: str = "auto", link_gbps: float | None = None, refresh: bool = False):
+def measure_here(shape, *, device: str = "auto", link_gbps: float | None = None, refresh: bool = False,
+                 pipeline_cost=None):
     """This machine's profile for `shape` on `device` (auto: the GPU where there is one), timed
     with the engine's own ops and cached in the user cache unless `refresh`."""
     from klotski import cachedir
     from klotski.writes import writing
-    from klotski.overhead import pipeline_overhead
     with writing(cachedir.profiles(), "the disk-speed probe of the hardware profile"):
         profile = measure(shape, ops=EngineOps(), device=compute_device(device), link_gbps=link_gbps,
                           refresh=refresh, cache_dir=cachedir.profiles())
-        # what the pipeline adds around the ops, per batch-layer, expert call, transfer, step
-        profile.overhead_s.update(pipeline_overhead(compute_device(device)))
+        if pipeline_cost:  # what the pipeline adds around the ops (klotski/overhead.py, via assemble)
+            profile.overhead_s.update(pipeline_cost(compute_device(device)))
     return profile
 
 
-def profile_for(hardware: str, shape, *, device: str = "auto", link_gbps: float | None = None):
+def profile_for(hardware: str, shape, *, device: str = "auto", link_gbps: float | None = None, pipeline_cost=None):
     """`auto` measures this machine on `device` (cached); otherwise a built-in profile name or a
     JSON path (which says its own device)."""
     if hardware == "auto":
-        return measure_here(shape, device=device, link_gbps=link_gbps)
+        return measure_here(shape, device=device, link_gbps=link_gbps, pipeline_cost=pipeline_cost)
     if hardware not in builtin_profiles() and not Path(hardware).exists():
         from klotski.config import ConfigError
         raise ConfigError(f"--hardware {hardware!r}: not 'auto', a built-in profile "
@@ -101,14 +101,15 @@ class BudgetRefused(UserError):
         self.budget, self.needed = e.budget, e.needed
 
 
-def plan_job(config, ckpt, dtype, device, budgets, seqs):
+def plan_job(config, ckpt, dtype, device, budgets, seqs, pipeline_cost=None):
     """The planner's answer for this job on this machine, from the checkpoint's exact group
     sizes (quantized ones as they will be packed)."""
     from klotski.quant import QuantSpec
     quant = QuantSpec(optimize=config.quantize_optimize) if config.quantize == "hqq4" else None
     # plan in the compute dtype: that is what sits on the device and crosses the links
     shape = dataclasses.replace(as_shape(ckpt.spec), dtype=str(dtype).removeprefix("torch."))
-    profile = profile_for("auto", shape, device=device.type, link_gbps=config.emulate_link_gbps)
+    profile = profile_for("auto", shape, device=device.type, link_gbps=config.emulate_link_gbps,
+                          pipeline_cost=pipeline_cost)
     lengths = [len(s.prompt_ids) for s in seqs] or [1]
     return make_plan(shape, profile, device_memory=budgets.device, host_memory=budgets.host,
                      prompt_len=-(-sum(lengths) // len(lengths)), longest_prompt=max(lengths),
@@ -117,13 +118,14 @@ def plan_job(config, ckpt, dtype, device, budgets, seqs):
                      gen_lens=[s.max_new_tokens for s in seqs] or None)
 
 
-def run_cost_model(config, ckpt, dtype, device) -> CostModel:
+def run_cost_model(config, ckpt, dtype, device, pipeline_cost=None) -> CostModel:
     """The cost model the planner uses for this run (same profile, shape and exact group sizes),
     for the engine's own per-step decisions (host compute under `auto`)."""
     from klotski.quant import QuantSpec
     quant = QuantSpec(optimize=config.quantize_optimize) if config.quantize == "hqq4" else None
     shape = dataclasses.replace(as_shape(ckpt.spec), dtype=str(dtype).removeprefix("torch."))
-    profile = profile_for("auto", shape, device=device.type, link_gbps=config.emulate_link_gbps)
+    profile = profile_for("auto", shape, device=device.type, link_gbps=config.emulate_link_gbps,
+                          pipeline_cost=pipeline_cost)
     return CostModel(profile, shape, quant_bits=4 if config.quantize == "hqq4" else None,
                      sizes=ckpt.group_bytes(dtype, quant))
 

@@ -86,7 +86,7 @@ def measured(monkeypatch):
         calls.append({"device": device, "ops": ops})
         return load_profile("rtx3090-pcie4")
     monkeypatch.setattr(planning, "measure", fake)
-    monkeypatch.setattr("klotski.overhead.pipeline_overhead", lambda device: {})
+    monkeypatch.setattr("klotski.overhead.pipeline_overhead", lambda device, open_engine: {})
     return calls
 
 
@@ -120,13 +120,14 @@ def test_pipeline_overhead_is_measured_once_and_priced_per_call(tmp_path, monkey
     the math stubbed out, cached per machine and pipeline source; the cost model adds it per
     batch-layer, expert call, transfer and step."""
     from klotski import overhead
+    from klotski.assemble import open_engine
     from planner.costmodel import CostModel
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    found = overhead.pipeline_overhead("cpu", steps=3)
+    found = overhead.pipeline_overhead("cpu", open_engine, steps=3)
     assert set(found) == set(overhead.KINDS) and all(v >= 0 for v in found.values())
     assert sum(found.values()) > 0
     monkeypatch.setattr(overhead, "_measure", lambda *a: pytest.fail("measured twice"))
-    assert overhead.pipeline_overhead("cpu", steps=3) == found
+    assert overhead.pipeline_overhead("cpu", open_engine, steps=3) == found
     profile = load_profile("rtx3090-pcie4")
     profile.overhead_s.update({"batch_layer": 1e-3, "expert_call": 1e-4, "transfer": 1e-5, "step": 1e-2})
     cost = CostModel(profile, TINY)
