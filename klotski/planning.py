@@ -67,7 +67,7 @@ def profile_for(hardware: str, shape, *, device: str = "auto", link_gbps: float 
 
 
 def make_plan(shape, profile, *, device_memory, host_memory, prompt_len, gen_len, config, sequences=None,
-              longest_prompt=None, sizes=None, gen_lens=None, prompt_lens=None):
+              longest_prompt=None, sizes=None, gen_lens=None):
     """Solve for (bs, n, prefill chunk, placement) under the budgets; what the user fixed stays
     fixed. Time is planned for `prompt_len` (the typical prompt: batches are formed by length,
     so padding is small), memory for `longest_prompt`. A refusal names the budget to raise
@@ -81,7 +81,7 @@ def make_plan(shape, profile, *, device_memory, host_memory, prompt_len, gen_len
         return solve(shape, cost, budgets, prompt_len=prompt_len, gen_len=gen_len, longest_prompt=longest_prompt,
                      batch_sizes=batch_sizes, max_sequences=sequences, schedule=config.schedule,
                      K=config.hot_experts, num_batches=1 if config.schedule == "simple" else config.num_batches,
-                     chunk=config.prefill_chunk, gen_lens=gen_lens, prompt_lens=prompt_lens,
+                     chunk=config.prefill_chunk, gen_lens=gen_lens,
                      host_attention=config.host_attention, host_experts=config.host_experts,
                      batching=config.batching)
     except Infeasible as e:

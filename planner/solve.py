@@ -173,7 +173,7 @@ def solve(shape, cost, budgets, *, prompt_len: int, gen_len: int, longest_prompt
           batch_sizes=BATCH_SIZES, max_n: int = 64, schedule: str = "klotski", K: int | None = None,
           num_batches: int | None = None, chunk: int | None = None, max_sequences: int | None = None,
           popularity=None, finalists: int = 3, host_attention: str = "off", host_experts: str = "off",
-          gen_lens=None, batching: str = "continuous", prompt_lens=None) -> Plan:
+          gen_lens=None, batching: str = "continuous") -> Plan:
     """Best (batch size, n, placement) for generating `gen_len` tokens after `prompt_len`.
 
     `cost` is a CostModel for `shape`; `budgets` a Budgets or {"device", "host"[, "disk"]}
@@ -194,9 +194,7 @@ def solve(shape, cost, budgets, *, prompt_len: int, gen_len: int, longest_prompt
     finds it sooner than moving the KV prefix, and the faster plan wins; with it, batch
     sizes up to LARGE_BATCH_SIZES are tried too (unless `batch_sizes` fixes one).
     `gen_lens` (the job's max_new_tokens, in job order) and `batching` give the decode slot
-    utilisation (planner.occupancy) by which computed rows become useful tokens/s;
-    `prompt_lens` (the job's) the length prefill time is planned for at each batch size,
-    padding to a batch's longest included.
+    utilisation (planner.occupancy) by which computed rows become useful tokens/s.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule {schedule!r} is not one of {SCHEDULES}")
@@ -225,7 +223,7 @@ def solve(shape, cost, budgets, *, prompt_len: int, gen_len: int, longest_prompt
     longest = max(prompt_len, longest_prompt or prompt_len)
     experts = host_experts if host_known else "off"
     attn_modes = {"off": (False,), "on": (True,), "auto": (False, True) if host_known else (False,)}[host_attention]
-    util = _Utilisation(gen_lens, batching, prompt_lens)
+    util = _Utilisation(gen_lens, batching)
     found, first = [], None
     for attn in attn_modes:
         host = Host(attention=attn, experts=experts)
@@ -274,20 +272,10 @@ def solve(shape, cost, budgets, *, prompt_len: int, gen_len: int, longest_prompt
 
 
 class _Utilisation:
-    """Memoised slot utilisation of the job's output lengths per group size (1 without), and
-    the prompt length a batch of bs pads to on average, from the job's prompt lengths."""
+    """Memoised slot utilisation of the job's output lengths per group size (1 without)."""
 
-    def __init__(self, gen_lens, batching, prompt_lens=None):
+    def __init__(self, gen_lens, batching):
         self.lens, self.batching, self._memo = list(gen_lens or ()), batching, {}
-        self.prompts = sorted(prompt_lens or (), reverse=True)
-
-    def padded(self, bs: int, default: int) -> int:
-        """Mean length a prompt is prefilled at in batches of `bs` formed by length (each
-        pads to its batch's longest): what prefill time is spent on, padding included."""
-        if not self.prompts:
-            return default
-        rows = [(len(self.prompts[i:i + bs]), self.prompts[i]) for i in range(0, len(self.prompts), bs)]
-        return max(1, round(sum(r * m for r, m in rows) / len(self.prompts)))
 
     def __call__(self, slots: int, batching: str | None = None) -> float:
         key = (slots, batching or self.batching)
@@ -380,8 +368,7 @@ class _Ctx:
                            self.marg, max_n or self.cap(bs), self.host)
 
     def predict(self, bs, n, layout):
-        P = self.util.padded(bs, self.P)  # prefill pads each batch to its longest prompt
-        return _predict(self.cost, self.ios(layout), bs, n, P, self.G, self.schedule, self.hot,
+        return _predict(self.cost, self.ios(layout), bs, n, self.P, self.G, self.schedule, self.hot,
                         self.marg, layout, self.chunk(bs, n), self.host, self.util(n * bs), self.util.lens)
 
 
