@@ -61,11 +61,12 @@ class StepOutput:
 @dataclass
 class _Routed:
     """Router decisions of one batch at one layer, flattened over its B*T tokens."""
-    x: torch.Tensor        # normalised MoE input [N, H]
+    x: torch.Tensor        # normalised MoE input [N, H] of the batch's real tokens
     weights: torch.Tensor  # [N, k] (fp32 or the activation dtype, as the family routes)
     experts: torch.Tensor  # [N, k]
     shared: torch.Tensor | None  # the shared expert's output [N, H], for families with one
     chosen: torch.Tensor | None = None  # `experts` on the host (one copy per layer for all batches)
+    keep: torch.Tensor | None = None    # which of the B*T tokens are real (None: all of them)
 
 
 class Pipeline:
@@ -99,7 +100,7 @@ class Pipeline:
         act = self._activation_bytes(kvs, inputs)
         self.make_room(act, "activations")
         self.memory.reserve(act, "activations")
-        hs, ctx = [], []
+        hs, ctx, keeps = [], [], []
         windows = {spec.window(j) for j in range(spec.num_layers)}  # one mask per distinct window
         for kv, inp in zip(kvs, inputs):
             with self.trace.span("compute", "embed"):
@@ -114,6 +115,7 @@ class Pipeline:
                 if columns is not None:  # attend over the kept slots only
                     masks = {w: m.index_select(-1, columns) for w, m in masks.items()}
             hs.append(h)
+            keeps.append(_real_tokens(inp.valid, h.device))
             ctx.append((self._upload(cos), self._upload(sin), {w: self._upload(m) for w, m in masks.items()}, masks))
         broken = [torch.full((h.shape[0],), -1, device=h.device) for h in hs]
         for layer in range(self.window):  # already staged by the previous step, except on the first
@@ -124,7 +126,7 @@ class Pipeline:
             # last step of a run that is one window read for nothing).
             self.cache.stage(self._layer_keys((layer + self.window) % spec.num_layers))
             self._attention(layer, hs, ctx, kvs)
-            routed, hot = self._gates(layer, hs)
+            routed, hot = self._gates(layer, hs, keeps)
             hs = self._experts(layer, hs, routed, hot)
             broken = [_first_broken(b, layer, h) for b, h in zip(broken, hs)]
             if self.on_layer:
@@ -260,13 +262,13 @@ class Pipeline:
         return ticket, nbytes
 
     # ---- gate ---------------------------------------------------------------------------
-    def _gates(self, layer, hs):
+    def _gates(self, layer, hs, keeps):
         hot = self._predict(layer)
         gate = self._get(("gate", layer))
         routed = []
-        for k, h in enumerate(hs):
+        for k, (h, keep) in enumerate(zip(hs, keeps)):
             with self.trace.span("compute", f"gate.{layer}.b{k}"):
-                routed.append(self._route(h, gate))
+                routed.append(self._route(h, gate, keep))
         # The layer's one host sync for routing: every batch's expert ids at once; then every
         # selected expert not on the device goes on the experts channel.
         for r, chosen in zip(routed, _to_host([r.experts for r in routed])):
@@ -278,7 +280,7 @@ class Pipeline:
         if self.spec.experts_in(layer):
             self.predictor.observe(layer - self.spec.dense_layers, [r.chosen for r in routed])
         if self.next_gate:
-            self._speculate(layer + 1, hs)
+            self._speculate(layer + 1, hs, keeps)
         return routed, hot
 
     def _experts_on_host(self, layer, routed, chosen) -> set:
@@ -298,7 +300,7 @@ class Pipeline:
             self.wants = [(k, c) for k, c in self.wants if not (k[:2] == ("expert", layer) and k[2] in out)]
         return out
 
-    def _speculate(self, layer, hs) -> None:
+    def _speculate(self, layer, hs, keeps) -> None:
         """Next-gate prediction: layer+1's router on the hidden states entering this MoE,
         only if that gate has already arrived (a prediction must never stall compute)."""
         key = ("gate", layer)
@@ -306,14 +308,20 @@ class Pipeline:
             return
         gate = self.cache.get(key)
         with self.trace.span("compute", f"speculate.{layer}"):
-            picks = [self._route(h, gate, shared=False).experts for h in hs]
+            picks = [self._route(h, gate, keep, shared=False).experts for h, keep in zip(hs, keeps)]
         self.predictor.speculate(layer - self.spec.dense_layers, _to_host(picks))
 
-    def _route(self, h, gate, shared: bool = True) -> _Routed:
-        """The router's choice for one batch and, where the family has one, the shared expert's
-        output (it lives in the gate group, so it computes while that is held)."""
-        x = L.rms_norm(h, gate["post_norm"], self.spec.rms_norm_eps).reshape(-1, h.shape[-1])
-        return _Routed(x, *self.M.route(x, gate, self.spec), self.M.shared_ffn(x, gate, self.spec) if shared else None)
+    def _route(self, h, gate, keep, shared: bool = True) -> _Routed:
+        """The router's choice for one batch's real tokens and, where the family has one, the
+        shared expert's output (it lives in the gate group, so it computes while that is held).
+        Left padding is not routed: a padded prefill computes no expert (nor loads one) for
+        tokens nobody reads, and the predictor learns from real tokens only."""
+        x = h.reshape(-1, h.shape[-1])
+        if keep is not None:
+            x = x.index_select(0, keep)
+        x = L.rms_norm(x, gate["post_norm"], self.spec.rms_norm_eps)
+        return _Routed(x, *self.M.route(x, gate, self.spec), self.M.shared_ffn(x, gate, self.spec) if shared else None,
+                       keep=keep)
 
     # ---- experts ------------------------------------------------------------------------
     def _experts(self, layer, hs, routed, hot):
@@ -351,7 +359,7 @@ class Pipeline:
         for key in done + self._expert_keys(layer):  # end of layer: free the rest, incl. unused prefetches
             self.cache.release(key)
         self._pump()
-        return [h + L.combine(out, h.dtype, r.shared).view_as(h) for h, out, r in zip(hs, outs, routed)]
+        return [_residual(h, L.combine(out, h.dtype, r.shared), r.keep) for h, out, r in zip(hs, outs, routed)]
 
     def _host_expert(self, key, routed, outs, picks, expert_ffn) -> None:
         """One expert computed where it lives: its tokens of every batch go down, the outputs
@@ -502,6 +510,22 @@ def _expert_ffn(family, spec):
     """The family's expert FFN `(x, w)`; bound to the checkpoint where its constants come from
     config.json (gpt-oss's clamp and sigmoid gain)."""
     return family.bind_expert_ffn(spec) if hasattr(family, "bind_expert_ffn") else family.expert_ffn
+
+
+def _real_tokens(valid: torch.Tensor, device) -> torch.Tensor | None:
+    """Flat indices of a step's real (not left-padding) tokens; None when all are real (decode)."""
+    if bool(valid.all()):
+        return None
+    return valid.flatten().nonzero().flatten().to(device)
+
+
+def _residual(h, moe_out, keep):
+    """h plus the MoE output of its real tokens; padding keeps h (its keys are masked out, and
+    its own row is never read)."""
+    if keep is None:
+        return h + moe_out.view_as(h)
+    flat = h.reshape(-1, h.shape[-1])
+    return flat.index_copy(0, keep, flat.index_select(0, keep) + moe_out).view_as(h)
 
 
 def _put(routed, outs, picks, y) -> None:

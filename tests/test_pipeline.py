@@ -152,3 +152,27 @@ def test_decode_steps_are_timed_apart(checkpoints):
     busy, decode = engine.trace.busy, engine.trace.decode_busy
     assert 0 < decode["compute"] < busy["compute"]  # prefill steps are left out
     assert 0 <= engine.trace.bubble_share(decode_only=True) < 1
+
+
+def test_left_padding_is_not_routed(checkpoints, ref, monkeypatch):
+    """A padded prefill routes (and computes experts for) its real tokens only: the router of
+    the first step sees exactly the prompts' tokens, not batch x longest; tokens unchanged."""
+    from transformers import AutoTokenizer
+
+    from klotski.pipeline import Pipeline
+    seen = []
+    original = Pipeline._route
+
+    def counting(self, h, gate, keep, shared=True):
+        r = original(self, h, gate, keep, shared)
+        if self.layer == 0 and shared:
+            seen.append(r.x.shape[0])
+        return r
+
+    monkeypatch.setattr(Pipeline, "_route", counting)
+    ours, _ = engine_tokens(checkpoints["gqa"], batch_size=6, num_batches=1, prefill_chunk=1024)
+    lengths = [len(AutoTokenizer.from_pretrained(checkpoints["gqa"])(p)["input_ids"]) for p in PROMPTS]
+    assert ours == ref
+    # (the planner's overhead measure routes its own stub batches first: two tokens each)
+    assert [rows for rows in seen if rows > len(PROMPTS)] == [sum(lengths)]
+    assert sum(lengths) < len(PROMPTS) * max(lengths)
