@@ -46,8 +46,9 @@ BUILTIN_DIR = Path(__file__).parent / "profiles"
 # The measuring harness (grid, timing, links); part of the cache key with the ops' own key.
 # 2: the engine's ops are injected; every timed call starts and ends synchronized, after an
 # untimed warm-up. 3: host compute rates (host_flops, host_mem_bw); each op's time is the
-# fastest of its repetitions, not their median.
-PROFILE_VERSION = 3
+# fastest of its repetitions, not their median. 4: ops read their weights cold (EngineOps
+# cycles through copies), as the pipeline's steps do.
+PROFILE_VERSION = 4
 
 
 @dataclass
@@ -160,8 +161,8 @@ def measure(shape, *, ops, batch_sizes=(1, 4, 16), context_lengths=(128, 512), t
     every time) unless `refresh`.
 
     Attention is measured for decode at every (batch size, context) and for prefill at
-    every context with the two smallest batch sizes (prefill is costly and scales plainly
-    with batch). `link_gbps` (GB/s) replaces the host↔device bandwidth, as `--emulate-link`
+    every context with the two smallest batch sizes, and with the largest at the shortest
+    context (prefill is costly; a big batch's does not scale plainly from a small one's). `link_gbps` (GB/s) replaces the host↔device bandwidth, as `--emulate-link`
     throttles that channel in the engine.
     """
     shape = as_shape(shape)
@@ -218,7 +219,10 @@ def _measure(shape, make_ops, grid, device, link_gbps, reps, io_bytes, io_dir) -
         for ctx in grid["ctx"]:
             for bs in grid["bs"]:
                 samples["attention"].append([bs, ctx, 1, _timeit(ops.attention(bs, ctx, 1), reps, sync)])
-            for bs in sorted(grid["bs"])[:2]:
+            # the largest batch too at the shortest context: a big batch's prefill is not a
+            # small one's scaled (32 x 207 tokens ran 1.4x the bs-4 extrapolation here)
+            wide = sorted(grid["bs"])[:2] + ([max(grid["bs"])] if ctx == min(grid["ctx"]) else [])
+            for bs in sorted(set(wide)):
                 samples["attention"].append([bs, ctx, ctx, _timeit(ops.attention(bs, ctx, ctx), reps, sync)])
         for n in grid["tokens"]:
             samples["gate"].append([n, _timeit(ops.gate(n), reps, sync)])

@@ -71,14 +71,16 @@ def _required_n(cost, ios, bs, P, G, schedule, hot, marg, max_n, host=NO_HOST):
 
 # ---- prediction ------------------------------------------------------------------------------
 def _predict(cost, ios, bs, n, P, G, schedule, hot, marg, layout, chunk=None, host=NO_HOST,
-             utilisation=1.0, job=None) -> dict:
+             utilisation=1.0, job=None, prompts=None) -> dict:
     """Analytic times for one batch group: the prefill passes (one per chunk of `chunk`
     prompt tokens) and G−1 decode steps (decode evaluated at the mean context, attention cost
     being linear in it). `utilisation` (decode slot utilisation, see planner.occupancy) turns
     computed rows into useful tokens: `tokens_per_s` is the useful rate. With `job` (the
     job's max_new_tokens), the rate is the job's: every prompt prefilled once, in groups of
     n·bs, and its tokens after the first decoded n·bs·utilisation to a step, so a job of
-    short answers is planned as prefill-heavy as it is, not as if each ran G tokens."""
+    short answers is planned as prefill-heavy as it is, not as if each ran G tokens. With
+    `prompts` too (the job's prompt lengths), the job's prefill also pays the attention of its
+    left padding (`padded_attention_s`)."""
     groups = Counter(ios)  # layers with the same tiers have the same times
 
     def step(ph):
@@ -88,6 +90,7 @@ def _predict(cost, ios, bs, n, P, G, schedule, hot, marg, layout, chunk=None, ho
             t, bubble = t + count * lt, bubble + count * lb
         t += ph.n * cost.t_head(ph.bs) + cost.t_fetch(cost.head_bytes, layout.head) + cost.t_pipeline(steps=1)
         return t, bubble
+    longest_chunk = chunk or max(prompts or [P])
     chunk = max(1, min(chunk or P, P))
     passes = math.ceil(P / chunk)
     prefill, pb = step(Phase(bs, n, P, chunk))
@@ -99,12 +102,30 @@ def _predict(cost, ios, bs, n, P, G, schedule, hot, marg, layout, chunk=None, ho
     useful = computed * utilisation
     if job:
         steps = sum(max(0, g - 1) for g in job) / max(n * bs * utilisation, 1e-12)
-        useful = sum(job) / max(prefill * len(job) / (n * bs) + dec * steps, 1e-12)
+        padding = padded_attention_s(cost, bs, longest_chunk, P, prompts) if prompts else 0.0
+        useful = sum(job) / max(prefill * len(job) / (n * bs) + padding + dec * steps, 1e-12)
     return {"prefill_s": prefill, "decode_s": decode, "tokens_per_s": useful,
             "computed_tokens_per_s": computed, "utilisation": utilisation,
             "prefill_tokens_per_s": n * bs * P / max(prefill, 1e-12),
             "decode_tokens_per_s": n * bs * max(0, G - 1) / max(decode, 1e-12) if G > 1 else 0.0,
             "prefill_bubble_s": pb, "decode_step_s": dec, "decode_bubble_s": db}
+
+
+def padded_attention_s(cost, bs: int, chunk: int, P: int, prompts) -> float:
+    """What the job's prefill attention costs beyond the group model's (every batch at the
+    mean prompt `P`): the engine batches prompts longest first, `bs` to a batch, left-pads
+    each to its longest and runs attention over that rectangle in passes of `chunk` columns;
+    routing and experts skip the padding, so they are priced at real tokens already. On the
+    demo's prompts (53 to 207 tokens, one batch of 32) attention took 2.2x the mean-prompt
+    price in one pass, 4.5x in two."""
+    def passes(rows, length):
+        return sum(cost.t_attn(rows, min(start + chunk, length), min(chunk, length - start))
+                   for start in range(0, length, chunk))
+    lens = sorted(prompts, reverse=True)
+    padded = sum(passes(len(lens[i:i + bs]), lens[i]) for i in range(0, len(lens), bs))
+    short = max(1, min(chunk, P))  # the group model's passes: ceil(P / chunk), each over all P keys
+    charged = math.ceil(P / short) * cost.t_attn(bs, P, short)
+    return max(0.0, padded - len(lens) / bs * charged) * cost.shape.num_layers
 
 
 # ---- diagnosis of infeasibility ---------------------------------------------------------------
@@ -173,7 +194,7 @@ def solve(shape, cost, budgets, *, prompt_len: int, gen_len: int, longest_prompt
           batch_sizes=BATCH_SIZES, max_n: int = 64, schedule: str = "klotski", K: int | None = None,
           num_batches: int | None = None, chunk: int | None = None, max_sequences: int | None = None,
           popularity=None, finalists: int = 3, host_attention: str = "off", host_experts: str = "off",
-          gen_lens=None, batching: str = "continuous") -> Plan:
+          gen_lens=None, batching: str = "continuous", prompt_lens=None) -> Plan:
     """Best (batch size, n, placement) for generating `gen_len` tokens after `prompt_len`.
 
     `cost` is a CostModel for `shape`; `budgets` a Budgets or {"device", "host"[, "disk"]}
@@ -194,7 +215,8 @@ def solve(shape, cost, budgets, *, prompt_len: int, gen_len: int, longest_prompt
     finds it sooner than moving the KV prefix, and the faster plan wins; with it, batch
     sizes up to LARGE_BATCH_SIZES are tried too (unless `batch_sizes` fixes one).
     `gen_lens` (the job's max_new_tokens, in job order) and `batching` give the decode slot
-    utilisation (planner.occupancy) by which computed rows become useful tokens/s.
+    utilisation (planner.occupancy) by which computed rows become useful tokens/s;
+    `prompt_lens` (the job's prompt lengths) the attention of each batch's left padding.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule {schedule!r} is not one of {SCHEDULES}")
@@ -234,7 +256,7 @@ def solve(shape, cost, budgets, *, prompt_len: int, gen_len: int, longest_prompt
             sizes = [b for b in sizes if cost.attention_on_host(b, prompt_len + gen_len // 2)]
         for buffers in ("overlap", "minimum"):
             ctx = _Ctx(cost, prompt_len, longest, gen_len, budgets, schedule, hot_n, hot, marg, max_n, buffers, chunk,
-                       max_sequences, host, util)
+                       max_sequences, host, util, prompt_lens)
             first = first or ctx
             here = []
             for bs in sizes:
@@ -306,8 +328,9 @@ class _Ctx:
     length time is planned for, `P_mem` the one memory is planned for."""
 
     def __init__(self, cost, P, P_mem, G, budgets, schedule, hot_n, hot, marg, max_n, buffers, chunk=None,
-                 max_sequences=None, host=NO_HOST, util=None):
+                 max_sequences=None, host=NO_HOST, util=None, prompts=None):
         self.cost, self.P, self.P_mem, self.G, self.budgets = cost, P, P_mem, G, budgets
+        self.prompts = prompts
         self.schedule, self.hot_n, self.hot, self.marg, self.max_n = schedule, hot_n, hot, marg, max_n
         self.buffers, self.fixed_chunk, self.max_sequences = buffers, chunk, max_sequences
         self.host, self.util = host, util or _Utilisation(None, "continuous")
@@ -317,7 +340,7 @@ class _Ctx:
         args = dict(cost=self.cost, P=self.P, P_mem=self.P_mem, G=self.G, budgets=self.budgets,
                     schedule=self.schedule, hot_n=self.hot_n, hot=self.hot, marg=self.marg, max_n=self.max_n,
                     buffers=self.buffers, chunk=self.fixed_chunk, max_sequences=self.max_sequences,
-                    host=self.host, util=self.util)
+                    host=self.host, util=self.util, prompts=self.prompts)
         return _Ctx(**{**args, **changes})
 
     def with_budgets(self, budgets) -> "_Ctx":
@@ -369,7 +392,8 @@ class _Ctx:
 
     def predict(self, bs, n, layout):
         return _predict(self.cost, self.ios(layout), bs, n, self.P, self.G, self.schedule, self.hot,
-                        self.marg, layout, self.chunk(bs, n), self.host, self.util(n * bs), self.util.lens)
+                        self.marg, layout, self.chunk(bs, n), self.host, self.util(n * bs), self.util.lens,
+                        self.prompts)
 
 
 def _choose_n(ctx: _Ctx, bs):

@@ -364,3 +364,17 @@ def test_a_disturbed_profile_sample_does_not_steer_the_correction():
     measured = dataclasses.replace(unit, samples={"attention": rows}, shape_key=as_shape(shape).key())
     near = CostModel(measured, shape).t_attn(5, 128)
     assert near == pytest.approx(2 * cost.roofline("attention", (5, 128, 1)), rel=0.01)
+
+
+def test_job_prefill_pays_for_left_padding():
+    """Prompts of one length cost what the group model charges; one long prompt in a batch
+    makes the whole batch's attention run at its length (and in more passes)."""
+    from planner.solve import padded_attention_s
+    cost = CostModel(load_profile("rtx3090-pcie4"), as_shape("mixtral-8x7b"))
+    assert padded_attention_s(cost, 8, 512, 100, [100] * 16) == pytest.approx(0.0, abs=1e-12)
+    one_long = padded_attention_s(cost, 8, 512, 100, [100] * 15 + [400])
+    assert one_long > 0
+    # the same long prompt cut into 128-column passes pays each pass's keys again
+    assert padded_attention_s(cost, 8, 128, 100, [100] * 15 + [400]) > one_long
+    # at batch size 1 nothing pads: only the long prompt's own extra length is paid
+    assert padded_attention_s(cost, 1, 512, 100, [100] * 15 + [400]) < one_long

@@ -53,8 +53,25 @@ def test_dequant_op_rebuilds_one_expert_as_the_cache_decodes_it():
     assert {k: tuple(v.shape) for k, v in out.items()} == \
         {"w1": (128, 64), "w3": (128, 64), "w2": (64, 128)}
     assert all(v.dtype == torch.bfloat16 for v in out.values())
-    err = (out["w1"].float() - ops.expert_w["w1"].float()).norm() / ops.expert_w["w1"].float().norm()
+    err = (out["w1"].float() - ops.expert_w[0]["w1"].float()).norm() / ops.expert_w[0]["w1"].float().norm()
     assert err < 0.15  # a real HQQ 4-bit round trip, not random codes
+
+
+def test_ops_read_their_weights_cold():
+    """Each timed call reads another copy of its weights (a step never finds a weight in the
+    caches, so the profile must not either): distinct copies, visited in turn."""
+    ops = planning.EngineOps()(TINY, torch.float32, torch.device("cpu"))
+    copies = ops.expert_w
+    assert len(copies) == ops.MAX_COPIES  # a tiny expert: the copy cap, not the byte target, binds
+    assert len({c["w1"].data_ptr() for c in copies}) == len(copies)
+    assert not torch.equal(copies[0]["w1"], copies[1]["w1"])
+    seen = []
+    run = ops._cycle([lambda i=i: seen.append(i) for i in range(3)])
+    for _ in range(4):
+        run()
+    assert seen == [0, 1, 2, 0]
+    # a weight as large as the byte target is timed from one copy: it cannot stay cached
+    assert ops._count(ops.COLD_BYTES) == 1 and ops._count(ops.COLD_BYTES // 4) == 4
 
 
 def test_cache_key_changes_with_what_is_timed(monkeypatch, tmp_path):
