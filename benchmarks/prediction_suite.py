@@ -8,7 +8,9 @@ it stands (the first run of a model measures its profile: run the suite twice, o
 the configurations' models were used, to time generation only). Measured is the report's
 `tokens_per_s` (generated tokens over prefill + decode time); predicted is the report's
 `predicted_tokens_per_s`, the plan's for this job (its prompts, its max_new_tokens replayed
-through the group's slots under the run's batching).
+through the group's slots under the run's batching); replayed is the report's
+`replayed_tokens_per_s`, the same plan's cost model over the lengths the answers had (EOS
+known), which is the cost model's own error.
 """
 from __future__ import annotations
 
@@ -60,18 +62,20 @@ def main() -> None:
         if a.only and not any(part in name for part in a.only.split(",")):
             continue
         r = generate(job_file(job, tmp), tmp / f"run{i}.json", flags)
-        measured, predicted = r["tokens_per_s"], r["predicted_tokens_per_s"]
+        measured, predicted, replayed = r["tokens_per_s"], r["predicted_tokens_per_s"], r.get("replayed_tokens_per_s")
         rows.append({"config": name, "batch_size": r["plan"]["batch_size"], "num_batches": r["plan"]["num_batches"],
                      "generated": r["tokens"]["generated"], "prefill_s": r["prefill_s"], "decode_s": r["decode_s"],
-                     "measured": measured, "predicted": predicted,
-                     "ratio": predicted / measured if measured and predicted else None})
+                     "measured": measured, "predicted": predicted, "replayed": replayed,
+                     "ratio": predicted / measured if measured and predicted else None,
+                     "replayed_ratio": replayed / measured if measured and replayed else None})
         print(json.dumps(rows[-1]), flush=True)
-    print("| configuration | bs × n | measured tok/s | predicted tok/s | predicted / measured |")
-    print("|---|---|---|---|---|")
+    print("| configuration | bs × n | measured tok/s | predicted tok/s | predicted / measured "
+          "| replayed tok/s | replayed / measured |")
+    print("|---|---|---|---|---|---|---|")
+    fmt = lambda x: f"{x:.2f}" if x else "–"  # noqa: E731
     for row in rows:
-        ratio = f"{row['ratio']:.2f}" if row["ratio"] else "–"
         print(f"| {row['config']} | {row['batch_size']} × {row['num_batches']} | {row['measured']:.2f} | "
-              f"{row['predicted']:.2f} | {ratio} |")
+              f"{fmt(row['predicted'])} | {fmt(row['ratio'])} | {fmt(row['replayed'])} | {fmt(row['replayed_ratio'])} |")
     Path(a.out).write_text(json.dumps(rows, indent=1) + "\n")
 
 

@@ -105,18 +105,40 @@ class BudgetRefused(UserError):
 def plan_job(config, ckpt, dtype, device, budgets, seqs, pipeline_cost=None):
     """The planner's answer for this job on this machine, from the checkpoint's exact group
     sizes (quantized ones as they will be packed)."""
+    lengths = [len(s.prompt_ids) for s in seqs] or [1]
+    return _plan_lengths(config, ckpt, dtype, device, budgets, lengths, [s.max_new_tokens for s in seqs] or None,
+                         max((s.max_new_tokens for s in seqs), default=config.max_new_tokens), len(seqs),
+                         pipeline_cost, prompt_lens=lengths if seqs else None)
+
+
+def replayed_rate(config, ckpt, run_plan, prompt_lens, gen_lens, pipeline_cost=None) -> float | None:
+    """The plan's tokens/s for the job as it ran: the same plan (bs, n, chunk, budgets), its
+    cost model replayed over the prompts and the lengths the answers actually had. What the
+    planner would have said had it known where each answer stops (EOS), so set beside the
+    measured rate it tells the cost model's error apart from the job's unknowns."""
+    plan = run_plan.plan
+    if plan is None or not gen_lens:
+        return None
+    fixed = dataclasses.replace(config, batch_size=run_plan.batch_size, num_batches=run_plan.num_batches,
+                                prefill_chunk=plan.prefill_chunk)
+    again = _plan_lengths(fixed, ckpt, run_plan.dtype, run_plan.device, run_plan.budgets, list(prompt_lens),
+                          [max(1, g) for g in gen_lens], plan.gen_len, len(gen_lens), pipeline_cost,
+                          prompt_lens=list(prompt_lens))
+    return again.predicted_tokens_per_s
+
+
+def _plan_lengths(config, ckpt, dtype, device, budgets, lengths, gen_lens, gen_len, sequences, pipeline_cost,
+                  prompt_lens):
     from klotski.quant import QuantSpec
     quant = QuantSpec(optimize=config.quantize_optimize) if config.quantize == "hqq4" else None
     # plan in the compute dtype: that is what sits on the device and crosses the links
     shape = dataclasses.replace(as_shape(ckpt.spec), dtype=str(dtype).removeprefix("torch."))
     profile = profile_for("auto", shape, device=device.type, link_gbps=config.emulate_link_gbps,
                           pipeline_cost=pipeline_cost)
-    lengths = [len(s.prompt_ids) for s in seqs] or [1]
     return make_plan(shape, profile, device_memory=budgets.device, host_memory=budgets.host,
-                     prompt_len=-(-sum(lengths) // len(lengths)), longest_prompt=max(lengths),
-                     gen_len=max((s.max_new_tokens for s in seqs), default=config.max_new_tokens), config=config,
-                     sequences=max(1, len(seqs)), sizes=ckpt.group_bytes(dtype, quant),
-                     gen_lens=[s.max_new_tokens for s in seqs] or None, prompt_lens=lengths if seqs else None)
+                     prompt_len=-(-sum(lengths) // len(lengths)), longest_prompt=max(lengths), gen_len=gen_len,
+                     config=config, sequences=max(1, sequences), sizes=ckpt.group_bytes(dtype, quant),
+                     gen_lens=gen_lens, prompt_lens=prompt_lens)
 
 
 def run_cost_model(config, ckpt, dtype, device, pipeline_cost=None) -> CostModel:

@@ -19,6 +19,7 @@ import tempfile
 import threading
 import time
 import traceback
+from array import array
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,6 +119,7 @@ def _generate(config: RunConfig, jobs: Path, output: str | None) -> int:
 
     with writer:
         failed = errored = ok = 0
+        prompt_lens, gen_lens = array("I"), array("I")  # of the answers this run generated, for the replay
         # lines under a sidecar's watermark are done (but for the error lines run again)
         skipped = resume.start.line - len(resume.start.replay) if resume else 0
         # disable=None: tqdm turns itself off when stderr is not a terminal (logs, CI)
@@ -147,6 +149,8 @@ def _generate(config: RunConfig, jobs: Path, output: str | None) -> int:
                             err = model_error(seq)
                             errored += emit(error_record(err, fmt=config.output_format), err, err.row)
                         else:
+                            prompt_lens.append(len(seq.prompt_ids))
+                            gen_lens.append(len(seq.out))
                             ok += emit(result_record(seq, fmt="klotski" if parquet else config.output_format,
                                                      model=model_name, include_token_ids=config.include_token_ids),
                                        row=seq.request.row)
@@ -175,6 +179,7 @@ def _generate(config: RunConfig, jobs: Path, output: str | None) -> int:
             print(f"klotski: resumed {out_path}: {skipped} requests were already done", file=sys.stderr)
         report = build_report(engine, run_plan, ok=ok, failed=failed + errored, skipped=skipped,
                               wall_s=time.perf_counter() - t_start, config=config, model_dir=ckpt.directory)
+        report["replayed_tokens_per_s"] = _replayed(config, ckpt, run_plan, prompt_lens, gen_lens)
         report["resume"] = {"sidecar": resume is not None,
                             "skipped_by_watermark": resume.start.line if resume else 0,
                             "replayed_errors": len(resume.start.replay) if resume else 0}
@@ -326,6 +331,19 @@ def _stopped(e: Exception, out_path: Path, written: int) -> str:
     return f"internal error ({type(e).__name__}: {e}); {keep}; {details}"
 
 
+def _replayed(config, ckpt, run_plan, prompt_lens, gen_lens) -> float | None:
+    """The plan's rate over the lengths the answers had (planning.replayed_rate), rounded."""
+    from klotski.assemble import pipeline_cost
+    from klotski.planning import replayed_rate
+    if not run_plan or not gen_lens:
+        return None
+    try:
+        rate = replayed_rate(config, ckpt, run_plan, prompt_lens, gen_lens, pipeline_cost)
+    except (UserError, ValueError):  # the plan's budgets were refused for these lengths: no replay, not no report
+        return None
+    return round(rate, 3) if rate else None
+
+
 def build_report(engine, run_plan, *, ok: int, failed: int, skipped: int, wall_s: float, config,
                  model_dir) -> dict:
     report = {"tokens_per_s": 0.0, "predicted_tokens_per_s": None, "prefill_s": 0.0, "decode_s": 0.0,
@@ -399,7 +417,9 @@ def summary(report: dict, out_path: Path) -> str:
         lines += [
             f"speed     {report['tokens_per_s']:.1f} tok/s (prefill {report['prefill_s']:.2f} s, "
             f"decode {report['decode_s']:.2f} s)"
-            + (f"; planner predicted {report['predicted_tokens_per_s']:.1f}" if report["predicted_tokens_per_s"] else ""),
+            + (f"; planner predicted {report['predicted_tokens_per_s']:.1f}" if report["predicted_tokens_per_s"] else "")
+            + (f" ({report['replayed_tokens_per_s']:.1f} for the answers' actual lengths)"
+               if report.get("replayed_tokens_per_s") else ""),
             f"plan      batch size {plan['batch_size']} x {plan['num_batches']} batches"
             + (f", prefill in chunks of {plan['prefill_chunk']} tokens" if plan["prefill_chunk"] else ""),
             f"bubble    {report['bubble']['share']:.1%} of compute time waiting on transfers",

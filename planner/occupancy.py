@@ -12,6 +12,7 @@ whole distribution.
 from __future__ import annotations
 
 import heapq
+from collections import Counter
 from collections.abc import Sequence
 
 BATCHING = ("continuous", "static")
@@ -36,3 +37,24 @@ def slot_utilisation(gen_lens: Sequence[int], slots: int, batching: str = "conti
         end = max(end, t)
         heapq.heappush(free, t)
     return useful / (slots * end)
+
+
+def live_rows(gen_lens: Sequence[int], slots: int) -> Counter:
+    """Continuous batching replayed as `slot_utilisation` does: for each number of live rows
+    r, how many steps run with r. The engine computes live rows only, so a step of the final
+    drain costs what its few rows cost, not a full group's."""
+    lens = [int(x) for x in gen_lens if x > 0]
+    free = [0] * min(max(1, slots), len(lens))
+    heapq.heapify(free)
+    change = Counter()                   # step -> live rows gained (+) or lost (-) there
+    for n in lens:
+        start = heapq.heappop(free)
+        change[start] += 1
+        change[start + n] -= 1
+        heapq.heappush(free, start + n)
+    steps, live, last = Counter(), 0, 0
+    for t in sorted(change):
+        if live:
+            steps[live] += t - last
+        live, last = live + change[t], t
+    return steps

@@ -18,7 +18,7 @@ from collections import Counter
 from planner.costmodel import popularity_marginals
 from planner.layer import (FLEXGEN_INEQUALITIES, INEQUALITIES, NO_HOST, SCHEDULES, Host, Phase, flexgen_terms,
                            ineq_terms, layer_time)
-from planner.occupancy import BATCHING, slot_utilisation
+from planner.occupancy import BATCHING, live_rows, slot_utilisation
 from planner.place import Budgets, layer_ios, place_greedy, place_milp
 from planner.workingset import chunk_candidates, device_need, prefill_chunk, staging_bytes, working_set
 from planner.report import Plan, format_plan, make_plan
@@ -71,7 +71,7 @@ def _required_n(cost, ios, bs, P, G, schedule, hot, marg, max_n, host=NO_HOST):
 
 # ---- prediction ------------------------------------------------------------------------------
 def _predict(cost, ios, bs, n, P, G, schedule, hot, marg, layout, chunk=None, host=NO_HOST,
-             utilisation=1.0, job=None, prompts=None) -> dict:
+             utilisation=1.0, job=None, prompts=None, batching="continuous") -> dict:
     """Analytic times for one batch group: the prefill passes (one per chunk of `chunk`
     prompt tokens) and G−1 decode steps (decode evaluated at the mean context, attention cost
     being linear in it). `utilisation` (decode slot utilisation, see planner.occupancy) turns
@@ -80,7 +80,8 @@ def _predict(cost, ios, bs, n, P, G, schedule, hot, marg, layout, chunk=None, ho
     n·bs, and its tokens after the first decoded n·bs·utilisation to a step, so a job of
     short answers is planned as prefill-heavy as it is, not as if each ran G tokens. With
     `prompts` too (the job's prompt lengths), the job's prefill also pays the attention of its
-    left padding (`padded_attention_s`)."""
+    left padding (`padded_attention_s`). Under continuous `batching` a decode step is priced
+    at the rows it computes (the replay's live rows), static ones at the whole group."""
     groups = Counter(ios)  # layers with the same tiers have the same times
 
     def step(ph):
@@ -101,14 +102,35 @@ def _predict(cost, ios, bs, n, P, G, schedule, hot, marg, layout, chunk=None, ho
     computed = tokens / max(prefill + decode, 1e-12)
     useful = computed * utilisation
     if job:
-        steps = sum(max(0, g - 1) for g in job) / max(n * bs * utilisation, 1e-12)
         padding = padded_attention_s(cost, bs, longest_chunk, P, prompts) if prompts else 0.0
-        useful = sum(job) / max(prefill * len(job) / (n * bs) + padding + dec * steps, 1e-12)
+        if batching == "continuous":
+            price = _row_prices(lambda b, k: step(Phase(b, k, P + G // 2, 1))[0], bs, n)
+            decoding = sum(steps * price(rows) for rows, steps in live_rows([g - 1 for g in job], n * bs).items())
+        else:
+            decoding = dec * sum(max(0, g - 1) for g in job) / max(n * bs * utilisation, 1e-12)
+        useful = sum(job) / max(prefill * len(job) / (n * bs) + padding + decoding, 1e-12)
     return {"prefill_s": prefill, "decode_s": decode, "tokens_per_s": useful,
             "computed_tokens_per_s": computed, "utilisation": utilisation,
             "prefill_tokens_per_s": n * bs * P / max(prefill, 1e-12),
             "decode_tokens_per_s": n * bs * max(0, G - 1) / max(decode, 1e-12) if G > 1 else 0.0,
             "prefill_bubble_s": pb, "decode_step_s": dec, "decode_bubble_s": db}
+
+
+def _row_prices(step_s, bs: int, n: int):
+    """Seconds of a decode step with r live rows (r ≤ n·bs): the rows fill as few batches as
+    hold them; priced at the full group and at halvings of it, linear between."""
+    at, rows = {}, n * bs
+    while rows >= 1:
+        batches = min(n, -(-rows // bs))
+        at[rows] = step_s(-(-rows // batches), batches)
+        rows //= 2
+    known = sorted(at)
+
+    def price(r):
+        hi = next((k for k in known if k >= r), known[-1])
+        lo = max((k for k in known if k <= r), default=hi)
+        return at[lo] if hi == lo else at[lo] + (at[hi] - at[lo]) * (r - lo) / (hi - lo)
+    return price
 
 
 def padded_attention_s(cost, bs: int, chunk: int, P: int, prompts) -> float:
@@ -393,7 +415,7 @@ class _Ctx:
     def predict(self, bs, n, layout):
         return _predict(self.cost, self.ios(layout), bs, n, self.P, self.G, self.schedule, self.hot,
                         self.marg, layout, self.chunk(bs, n), self.host, self.util(n * bs), self.util.lens,
-                        self.prompts)
+                        self.prompts, self.util.batching)
 
 
 def _choose_n(ctx: _Ctx, bs):

@@ -44,11 +44,12 @@ def test_solver_scales_rows_by_slot_utilisation_and_says_so():
     u_c, u_s = slot_utilisation(lens, 16, "continuous"), slot_utilisation(lens, 16, "static")
     assert u_s == pytest.approx(36 / 64) and u_c > u_s
     # the job's rate: 64 prompts prefilled in 4 groups of 16; their tokens after the first
-    # decoded 16·u to a step
+    # decoded 16·u to a step. Static steps compute the whole group; continuous ones compute
+    # live rows only, so its drain costs less than full steps would
     step = plain.decode_s / (64 - 1)
-    for plan, u in ((cont, u_c), (stat, u_s)):
-        steps = sum(g - 1 for g in lens) / (16 * u)
-        assert plan.predicted_tokens_per_s == pytest.approx(sum(lens) / (4 * plain.prefill_s + steps * step))
+    full = {u: sum(lens) / (4 * plain.prefill_s + sum(g - 1 for g in lens) / (16 * u) * step) for u in (u_c, u_s)}
+    assert stat.predicted_tokens_per_s == pytest.approx(full[u_s])
+    assert full[u_c] < cont.predicted_tokens_per_s < sum(lens) / (4 * plain.prefill_s)
     assert cont.predicted_tokens_per_s > stat.predicted_tokens_per_s
     assert cont.slot_utilisation == {"continuous": pytest.approx(u_c), "static": pytest.approx(u_s)}
     assert any(m.startswith(f"continuous batching: expected slot utilisation {u_c:.2f} (static {u_s:.2f})")

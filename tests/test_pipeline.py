@@ -176,3 +176,18 @@ def test_left_padding_is_not_routed(checkpoints, ref, monkeypatch):
     # (the planner's overhead measure routes its own stub batches first: two tokens each)
     assert [rows for rows in seen if rows > len(PROMPTS)] == [sum(lengths)]
     assert sum(lengths) < len(PROMPTS) * max(lengths)
+
+
+def test_replayed_rate_is_the_plan_over_the_lengths_generated(checkpoints):
+    """The report's replay: the run's plan over the job's own lengths gives the plan's own
+    prediction back; over shorter answers (EOS early) a lower rate (the prefill is paid for
+    fewer tokens), and a job that stops at once a lower one still."""
+    from klotski.assemble import pipeline_cost
+    from klotski.planning import replayed_rate
+    cfg = RunConfig(model=str(checkpoints["gqa"]), progress=False, dtype="float32", max_new_tokens=16)
+    engine, seqs, _ = open_engine(cfg, requests(PROMPTS, 16))
+    engine.close()
+    prompts = [len(s.prompt_ids) for s in seqs]
+    rate = lambda lens: replayed_rate(engine.config, engine.ckpt, engine.run_plan, prompts, lens, pipeline_cost)  # noqa: E731
+    assert rate([16] * len(seqs)) == pytest.approx(engine.plan.predicted_tokens_per_s, rel=1e-6)
+    assert rate([1] * len(seqs)) < rate([4, 16, 2, 16, 8, 3]) < rate([16] * len(seqs))

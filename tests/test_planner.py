@@ -378,3 +378,19 @@ def test_job_prefill_pays_for_left_padding():
     assert padded_attention_s(cost, 8, 128, 100, [100] * 15 + [400]) > one_long
     # at batch size 1 nothing pads: only the long prompt's own extra length is paid
     assert padded_attention_s(cost, 1, 512, 100, [100] * 15 + [400]) < one_long
+
+
+def test_continuous_drain_is_priced_at_its_live_rows():
+    """The replay's live rows: two slots, answers of 3, 1 and 1 steps -> 2 rows for one step,
+    then the long answer alone for two; the steps sum to the replay's length and the rows to
+    the tokens. A drain step costs less than a full one, so the job's rate is above the rate
+    that prices every step at the whole group."""
+    from planner.occupancy import live_rows, slot_utilisation
+    from planner.solve import _row_prices
+    assert live_rows([3, 1, 1], 2) == {2: 2, 1: 1}
+    lens = [1, 9, 4, 4, 2, 7, 3, 30]
+    rows = live_rows(lens, 4)
+    assert sum(r * k for r, k in rows.items()) == sum(lens)
+    assert sum(lens) / (4 * sum(rows.values())) == pytest.approx(slot_utilisation(lens, 4))
+    price = _row_prices(lambda b, k: 1.0 + b * k, 4, 2)   # a step: fixed cost + a row's
+    assert price(8) == 9.0 and price(1) == 2.0 and price(3) == pytest.approx(4.0)
