@@ -331,12 +331,19 @@ def _stopped(e: Exception, out_path: Path, written: int) -> str:
     return f"internal error ({type(e).__name__}: {e}); {keep}; {details}"
 
 
+REPLAY_SAMPLE = 65536  # answers the replay prices at most (it walks every batch and slot)
+
+
 def _replayed(config, ckpt, run_plan, prompt_lens, gen_lens) -> float | None:
     """The plan's rate over the lengths the answers had (planning.replayed_rate), rounded."""
     from klotski.assemble import pipeline_cost
     from klotski.planning import replayed_rate
     if not run_plan or not gen_lens:
         return None
+    if len(gen_lens) > REPLAY_SAMPLE:  # a rate: an even sample of a long job's answers tells it
+        step = len(gen_lens) / REPLAY_SAMPLE
+        pick = [int(i * step) for i in range(REPLAY_SAMPLE)]
+        prompt_lens, gen_lens = [prompt_lens[i] for i in pick], [gen_lens[i] for i in pick]
     try:
         rate = replayed_rate(config, ckpt, run_plan, prompt_lens, gen_lens, pipeline_cost)
     except (UserError, ValueError):  # the plan's budgets were refused for these lengths: no replay, not no report
