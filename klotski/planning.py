@@ -105,10 +105,9 @@ class BudgetRefused(UserError):
 def plan_job(config, ckpt, dtype, device, budgets, seqs, pipeline_cost=None):
     """The planner's answer for this job on this machine, from the checkpoint's exact group
     sizes (quantized ones as they will be packed)."""
-    lengths = [len(s.prompt_ids) for s in seqs] or [1]
-    return _plan_lengths(config, ckpt, dtype, device, budgets, lengths, [s.max_new_tokens for s in seqs] or None,
-                         max((s.max_new_tokens for s in seqs), default=config.max_new_tokens), len(seqs),
-                         pipeline_cost, prompt_lens=lengths if seqs else None)
+    return _plan_lengths(config, ckpt, dtype, device, budgets, [len(s.prompt_ids) for s in seqs],
+                         [s.max_new_tokens for s in seqs],
+                         max((s.max_new_tokens for s in seqs), default=config.max_new_tokens), pipeline_cost)
 
 
 def replayed_rate(config, ckpt, run_plan, prompt_lens, gen_lens, pipeline_cost=None) -> float | None:
@@ -122,23 +121,24 @@ def replayed_rate(config, ckpt, run_plan, prompt_lens, gen_lens, pipeline_cost=N
     fixed = dataclasses.replace(config, batch_size=run_plan.batch_size, num_batches=run_plan.num_batches,
                                 prefill_chunk=plan.prefill_chunk)
     again = _plan_lengths(fixed, ckpt, run_plan.dtype, run_plan.device, run_plan.budgets, list(prompt_lens),
-                          [max(1, g) for g in gen_lens], plan.gen_len, len(gen_lens), pipeline_cost,
-                          prompt_lens=list(prompt_lens))
+                          [max(1, g) for g in gen_lens], plan.gen_len, pipeline_cost)
     return again.predicted_tokens_per_s
 
 
-def _plan_lengths(config, ckpt, dtype, device, budgets, lengths, gen_lens, gen_len, sequences, pipeline_cost,
-                  prompt_lens):
+def _plan_lengths(config, ckpt, dtype, device, budgets, prompt_lens, gen_lens, gen_len, pipeline_cost):
+    """The plan for a job of these prompt and answer lengths (time planned for the answers'
+    `gen_lens`, memory for `gen_len`); no lengths: one sequence of a one-token prompt."""
     from klotski.quant import QuantSpec
     quant = QuantSpec(optimize=config.quantize_optimize) if config.quantize == "hqq4" else None
     # plan in the compute dtype: that is what sits on the device and crosses the links
     shape = dataclasses.replace(as_shape(ckpt.spec), dtype=str(dtype).removeprefix("torch."))
     profile = profile_for("auto", shape, device=device.type, link_gbps=config.emulate_link_gbps,
                           pipeline_cost=pipeline_cost)
+    lengths = prompt_lens or [1]
     return make_plan(shape, profile, device_memory=budgets.device, host_memory=budgets.host,
                      prompt_len=-(-sum(lengths) // len(lengths)), longest_prompt=max(lengths), gen_len=gen_len,
-                     config=config, sequences=max(1, sequences), sizes=ckpt.group_bytes(dtype, quant),
-                     gen_lens=gen_lens, prompt_lens=prompt_lens)
+                     config=config, sequences=max(1, len(prompt_lens)), sizes=ckpt.group_bytes(dtype, quant),
+                     gen_lens=gen_lens or None, prompt_lens=prompt_lens or None)
 
 
 def run_cost_model(config, ckpt, dtype, device, pipeline_cost=None) -> CostModel:

@@ -162,8 +162,9 @@ def measure(shape, *, ops, batch_sizes=(1, 4, 16), context_lengths=(128, 512), t
 
     Attention is measured for decode at every (batch size, context) and for prefill at
     every context with the two smallest batch sizes, and with the largest at the shortest
-    context (prefill is costly; a big batch's does not scale plainly from a small one's). `link_gbps` (GB/s) replaces the host↔device bandwidth, as `--emulate-link`
-    throttles that channel in the engine.
+    context (prefill is costly; a big batch's does not scale plainly from a small one's).
+    `link_gbps` (GB/s) replaces the host↔device bandwidth, as `--emulate-link` throttles
+    that channel in the engine.
     """
     shape = as_shape(shape)
     grid = {"bs": list(batch_sizes), "ctx": list(context_lengths), "tokens": list(token_counts),

@@ -71,17 +71,17 @@ def _required_n(cost, ios, bs, P, G, schedule, hot, marg, max_n, host=NO_HOST):
 
 # ---- prediction ------------------------------------------------------------------------------
 def _predict(cost, ios, bs, n, P, G, schedule, hot, marg, layout, chunk=None, host=NO_HOST,
-             utilisation=1.0, job=None, prompts=None, batching="continuous") -> dict:
+             utilisation=1.0, job: "_Job | None" = None) -> dict:
     """Analytic times for one batch group: the prefill passes (one per chunk of `chunk`
     prompt tokens) and G−1 decode steps (decode evaluated at the mean context, attention cost
     being linear in it). `utilisation` (decode slot utilisation, see planner.occupancy) turns
     computed rows into useful tokens: `tokens_per_s` is the useful rate. With `job` (the
-    job's max_new_tokens), the rate is the job's: every prompt prefilled once, in groups of
+    job's lengths, `_Job`), the rate is the job's: every prompt prefilled once, in groups of
     n·bs, and its tokens after the first decoded n·bs·utilisation to a step, so a job of
-    short answers is planned as prefill-heavy as it is, not as if each ran G tokens. With
-    `prompts` too (the job's prompt lengths), the job's prefill also pays the attention of its
-    left padding (`padded_attention_s`). Under continuous `batching` a decode step is priced
-    at the rows it computes (the replay's live rows), static ones at the whole group."""
+    short answers is planned as prefill-heavy as it is, not as if each ran G tokens. The
+    job's prefill also pays the attention of its left padding (`padded_attention_s`, where
+    the prompt lengths are known). Under continuous batching a decode step is priced at the
+    rows it computes (the replay's live rows), under static at the whole group."""
     groups = Counter(ios)  # layers with the same tiers have the same times
 
     def step(ph):
@@ -91,7 +91,7 @@ def _predict(cost, ios, bs, n, P, G, schedule, hot, marg, layout, chunk=None, ho
             t, bubble = t + count * lt, bubble + count * lb
         t += ph.n * cost.t_head(ph.bs) + cost.t_fetch(cost.head_bytes, layout.head) + cost.t_pipeline(steps=1)
         return t, bubble
-    longest_chunk = chunk or max(prompts or [P])
+    longest_chunk = chunk or max(job.prompts if job and job.prompts else [P])
     chunk = max(1, min(chunk or P, P))
     passes = math.ceil(P / chunk)
     prefill, pb = step(Phase(bs, n, P, chunk))
@@ -101,14 +101,15 @@ def _predict(cost, ios, bs, n, P, G, schedule, hot, marg, layout, chunk=None, ho
     tokens = n * bs * G
     computed = tokens / max(prefill + decode, 1e-12)
     useful = computed * utilisation
-    if job:
-        padding = padded_attention_s(cost, bs, longest_chunk, P, prompts) if prompts else 0.0
-        if batching == "continuous":
+    if job and job.lens:
+        lens = job.lens
+        padding = job.padding(cost, bs, longest_chunk, P)
+        if job.batching == "continuous":
             price = _row_prices(lambda b, k: step(Phase(b, k, P + G // 2, 1))[0], bs, n)
-            decoding = sum(steps * price(rows) for rows, steps in live_rows([g - 1 for g in job], n * bs).items())
+            decoding = sum(steps * price(rows) for rows, steps in job.live(n * bs).items())
         else:
-            decoding = dec * sum(max(0, g - 1) for g in job) / max(n * bs * utilisation, 1e-12)
-        useful = sum(job) / max(prefill * len(job) / (n * bs) + padding + decoding, 1e-12)
+            decoding = dec * sum(max(0, g - 1) for g in lens) / max(n * bs * utilisation, 1e-12)
+        useful = sum(lens) / max(prefill * len(lens) / (n * bs) + padding + decoding, 1e-12)
     return {"prefill_s": prefill, "decode_s": decode, "tokens_per_s": useful,
             "computed_tokens_per_s": computed, "utilisation": utilisation,
             "prefill_tokens_per_s": n * bs * P / max(prefill, 1e-12),
@@ -138,8 +139,9 @@ def padded_attention_s(cost, bs: int, chunk: int, P: int, prompts) -> float:
     mean prompt `P`): the engine batches prompts longest first, `bs` to a batch, left-pads
     each to its longest and runs attention over that rectangle in passes of `chunk` columns;
     routing and experts skip the padding, so they are priced at real tokens already. On the
-    demo's prompts (53 to 207 tokens, one batch of 32) attention took 2.2x the mean-prompt
-    price in one pass, 4.5x in two."""
+    demo's prompts (53 to 207 tokens, one batch of 32, mean 94) a layer's attention took
+    413 ms in one pass of 207 columns and 304 ms in two of 128, against 88 ms priced at the
+    mean prompt."""
     def passes(rows, length):
         return sum(cost.t_attn(rows, min(start + chunk, length), min(chunk, length - start))
                    for start in range(0, length, chunk))
@@ -267,7 +269,7 @@ def solve(shape, cost, budgets, *, prompt_len: int, gen_len: int, longest_prompt
     longest = max(prompt_len, longest_prompt or prompt_len)
     experts = host_experts if host_known else "off"
     attn_modes = {"off": (False,), "on": (True,), "auto": (False, True) if host_known else (False,)}[host_attention]
-    util = _Utilisation(gen_lens, batching)
+    job = _Job(gen_lens, batching, prompt_lens)
     found, first = [], None
     for attn in attn_modes:
         host = Host(attention=attn, experts=experts)
@@ -278,7 +280,7 @@ def solve(shape, cost, budgets, *, prompt_len: int, gen_len: int, longest_prompt
             sizes = [b for b in sizes if cost.attention_on_host(b, prompt_len + gen_len // 2)]
         for buffers in ("overlap", "minimum"):
             ctx = _Ctx(cost, prompt_len, longest, gen_len, budgets, schedule, hot_n, hot, marg, max_n, buffers, chunk,
-                       max_sequences, host, util, prompt_lens)
+                       max_sequences, host, job)
             first = first or ctx
             here = []
             for bs in sizes:
@@ -312,20 +314,36 @@ def solve(shape, cost, budgets, *, prompt_len: int, gen_len: int, longest_prompt
     return make_plan(cost, shape, budgets, pred, bs, n, layout, at.ios(layout), binding, schedule, hot_n,
                      hot, marg, prompt_len, gen_len, longest=longest, chunk=at.chunk(bs, n), buffers=at.buffers,
                      host=at.host, batching=batching if gen_lens else None,
-                     utilisation={b: util(n * bs, b) for b in BATCHING} if gen_lens else None)
+                     utilisation={b: job(n * bs, b) for b in BATCHING} if gen_lens else None)
 
 
-class _Utilisation:
-    """Memoised slot utilisation of the job's output lengths per group size (1 without)."""
+class _Job:
+    """The job's lengths (max_new_tokens, prompt lengths) and what the solver derives from
+    them per candidate, memoised: every (bs, n) the search tries asks again. Calling it gives
+    the decode slot utilisation of a group of `slots` (1 without lengths)."""
 
-    def __init__(self, gen_lens, batching):
+    def __init__(self, gen_lens, batching, prompt_lens=None):
         self.lens, self.batching, self._memo = list(gen_lens or ()), batching, {}
+        self.prompts = list(prompt_lens or ())
+
+    def _memoised(self, key, compute):
+        if key not in self._memo:
+            self._memo[key] = compute()
+        return self._memo[key]
 
     def __call__(self, slots: int, batching: str | None = None) -> float:
-        key = (slots, batching or self.batching)
-        if key not in self._memo:
-            self._memo[key] = slot_utilisation(self.lens, slots, key[1]) if self.lens else 1.0
-        return self._memo[key]
+        key = ("utilisation", slots, batching or self.batching)
+        return self._memoised(key, lambda: slot_utilisation(self.lens, slots, key[2]) if self.lens else 1.0)
+
+    def live(self, slots: int):
+        """Decode steps per live-row count under continuous batching (occupancy.live_rows)."""
+        return self._memoised(("live", slots), lambda: live_rows([g - 1 for g in self.lens], slots))
+
+    def padding(self, cost, bs: int, chunk: int, P: int) -> float:
+        """`padded_attention_s` of the job's prompts (0 without them)."""
+        if not self.prompts:
+            return 0.0
+        return self._memoised(("padding", bs, chunk, P), lambda: padded_attention_s(cost, bs, chunk, P, self.prompts))
 
 
 def _best_chunk(ctx: "_Ctx", bs: int, n: int) -> "_Ctx":
@@ -350,19 +368,18 @@ class _Ctx:
     length time is planned for, `P_mem` the one memory is planned for."""
 
     def __init__(self, cost, P, P_mem, G, budgets, schedule, hot_n, hot, marg, max_n, buffers, chunk=None,
-                 max_sequences=None, host=NO_HOST, util=None, prompts=None):
+                 max_sequences=None, host=NO_HOST, job=None):
         self.cost, self.P, self.P_mem, self.G, self.budgets = cost, P, P_mem, G, budgets
-        self.prompts = prompts
         self.schedule, self.hot_n, self.hot, self.marg, self.max_n = schedule, hot_n, hot, marg, max_n
         self.buffers, self.fixed_chunk, self.max_sequences = buffers, chunk, max_sequences
-        self.host, self.util = host, util or _Utilisation(None, "continuous")
+        self.host, self.job = host, job or _Job(None, "continuous")
         self._placed, self._chunks = {}, {}
 
     def _like(self, **changes) -> "_Ctx":
         args = dict(cost=self.cost, P=self.P, P_mem=self.P_mem, G=self.G, budgets=self.budgets,
                     schedule=self.schedule, hot_n=self.hot_n, hot=self.hot, marg=self.marg, max_n=self.max_n,
                     buffers=self.buffers, chunk=self.fixed_chunk, max_sequences=self.max_sequences,
-                    host=self.host, util=self.util, prompts=self.prompts)
+                    host=self.host, job=self.job)
         return _Ctx(**{**args, **changes})
 
     def with_budgets(self, budgets) -> "_Ctx":
@@ -414,8 +431,7 @@ class _Ctx:
 
     def predict(self, bs, n, layout):
         return _predict(self.cost, self.ios(layout), bs, n, self.P, self.G, self.schedule, self.hot,
-                        self.marg, layout, self.chunk(bs, n), self.host, self.util(n * bs), self.util.lens,
-                        self.prompts, self.util.batching)
+                        self.marg, layout, self.chunk(bs, n), self.host, self.job(n * bs), self.job)
 
 
 def _choose_n(ctx: _Ctx, bs):
