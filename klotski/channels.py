@@ -92,7 +92,12 @@ class Channel:
         # the disk channel only reads files into host memory: host work, timed by the host clock
         self.cuda = device.type == "cuda" and name != "disk"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"klotski-{name}")
+        # On CPU a copy on a worker would start its own OpenMP team as wide as the machine,
+        # whose threads spin on the cores compute runs on: one thread per channel (measured on
+        # tiny-mixtral with a 2 GB/s link on 2 cores: 36.8 -> 66 tokens/s).
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"klotski-{name}",
+                                        initializer=None if self.cuda else torch.set_num_threads,
+                                        initargs=() if self.cuda else (1,))
 
     def submit(self, fn, *, name: str, nbytes: int = 0, link: str | None = HOST_TO_DEVICE,
                after: list[Ticket] = (), after_compute: bool = False, reads=()) -> Ticket:
