@@ -150,3 +150,28 @@ def test_pipeline_overhead_is_measured_once_and_priced_per_call(tmp_path, monkey
     cost = CostModel(profile, TINY)
     assert cost.t_pipeline(batch_layers=2, expert_calls=3, transfers=4, steps=1) == pytest.approx(
         2e-3 + 3e-4 + 4e-5 + 1e-2)
+
+
+def test_pipeline_overhead_stubs_reach_every_expert():
+    """The measure divides by every expert of a layer: its batch routes a token to each."""
+    from klotski import overhead
+    for experts, top_k in ((8, 2), (128, 8), (4, 4), (64, 6)):
+        rows = overhead._rows(experts, top_k)
+        _, idx = overhead._Stubs(experts, top_k).route(torch.zeros(rows, 4), None, None)
+        assert set(idx.flatten().tolist()) == set(range(experts))
+        assert all(len(set(r)) == top_k for r in idx.tolist())  # k distinct experts a token
+
+
+def test_cpu_channels_copy_on_one_thread_and_leave_compute_its_threads():
+    """A CPU channel's worker would otherwise start an OpenMP team as wide as the machine
+    beside the compute's own."""
+    from klotski.channels import make_channels
+    from klotski.trace import Trace
+    before = torch.get_num_threads()
+    channels = make_channels(torch.device("cpu"), Trace(False), None)
+    try:
+        assert all(c.submit(torch.get_num_threads, name="threads").wait() == 1 for c in channels.values())
+        assert torch.get_num_threads() == before
+    finally:
+        for c in channels.values():
+            c.close()
