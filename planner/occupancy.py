@@ -58,3 +58,49 @@ def live_rows(gen_lens: Sequence[int], slots: int) -> Counter:
             steps[live] += t - last
         live, last = live + change[t], t
     return steps
+
+
+def continuous_steps(prompt_lens: Sequence[int], gen_lens: Sequence[int], bs: int, n: int, chunk: int,
+                     lookahead: int = 4) -> tuple[list[int], Counter]:
+    """Continuous batching replayed step by step with its prefills, as klotski/batching.py
+    runs a window: the first n·bs requests (longest answers first) prefill together in place
+    (their prompts returned, priced as a static prefill); after that a step decodes the live
+    rows and carries up to n newcomer batches (≤ bs prompts each, the longest of the next
+    `lookahead` batches' worth, at most 2n prefilled or prefilling) whose chunks share the
+    first prefill step's tokens (n·bs·chunk) with the decode rows; a prefilled newcomer takes
+    rows as they free. Returns (first fill's prompt lengths, Counter of (live rows, newcomer
+    batches, their prompt tokens) -> steps). A job of short answers and long prompts waits on
+    these prefills, which `live_rows` (newcomers there at once) does not see."""
+    reqs = sorted(zip(gen_lens, prompt_lens), key=lambda r: (-r[0], -r[1]))
+    rows, budget = n * bs, n * bs * max(1, chunk)
+    first, queue = reqs[:rows], reqs[rows:]
+    live = [g - 1 for g, _ in first if g > 1]      # decode steps each live row has left
+    newcomers = []                                  # [answers, prompt columns left, prompts]
+    steps = Counter()
+    q = 0
+    while live or q < len(queue) or newcomers:
+        prefilling = [nc for nc in newcomers if nc[1]]
+        if q < len(queue) and len(prefilling) < n and len(newcomers) < 2 * n:
+            head = sorted(queue[q:q + lookahead * bs], key=lambda r: -r[1])
+            queue[q:q + len(head)] = head
+            batch = queue[q:q + bs]
+            q += len(batch)
+            # an answer of one token ends with its prefill: it never takes a row
+            newcomers.append([[g for g, _ in batch if g > 1], max(p for _, p in batch), len(batch)])
+            prefilling.append(newcomers[-1])
+        tokens, room = 0, budget - len(live)
+        for i, nc in enumerate(prefilling):        # oldest first, the others at a column a row
+            others = sum(o[2] for o in prefilling[i + 1:])
+            width = max(1, min(nc[1], (room - others) // nc[2]))
+            nc[1] -= width
+            room -= width * nc[2]
+            tokens += width * nc[2]
+        steps[(len(live), len(prefilling), tokens)] += 1
+        live = [left - 1 for left in live if left > 1]
+        for nc in [nc for nc in newcomers if not nc[1]]:   # prefilled: take free rows, oldest first
+            take = min(rows - len(live), len(nc[0]))
+            live += [g - 1 for g in nc[0][:take] if g > 1]
+            nc[0] = nc[0][take:]
+            if not nc[0]:
+                newcomers.remove(nc)
+    return [p for _, p in first], steps

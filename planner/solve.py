@@ -18,7 +18,7 @@ from collections import Counter
 from planner.costmodel import popularity_marginals
 from planner.layer import (FLEXGEN_INEQUALITIES, INEQUALITIES, NO_HOST, SCHEDULES, Host, Phase, flexgen_terms,
                            ineq_terms, layer_time)
-from planner.occupancy import BATCHING, live_rows, slot_utilisation
+from planner.occupancy import BATCHING, continuous_steps, live_rows, slot_utilisation
 from planner.place import Budgets, layer_ios, place_greedy, place_milp
 from planner.workingset import chunk_candidates, device_need, prefill_chunk, staging_bytes, working_set
 from planner.report import Plan, format_plan, make_plan
@@ -69,6 +69,10 @@ def _required_n(cost, ios, bs, P, G, schedule, hot, marg, max_n, host=NO_HOST):
     return None, need
 
 
+# The engine batches a job window by window (RunConfig.window lines, default 4096); the
+# continuous replay replays the first window and weights it to stand for the rest.
+WINDOW = REPLAYED = 4096
+
 # ---- prediction ------------------------------------------------------------------------------
 def _predict(cost, ios, bs, n, P, G, schedule, hot, marg, layout, chunk=None, host=NO_HOST,
              utilisation=1.0, job: "_Job | None" = None) -> dict:
@@ -104,17 +108,44 @@ def _predict(cost, ios, bs, n, P, G, schedule, hot, marg, layout, chunk=None, ho
     if job and job.lens:
         lens = job.lens
         padding = job.padding(cost, bs, longest_chunk, P)
-        if job.batching == "continuous":
-            price = _row_prices(lambda b, k: step(Phase(b, k, P + G // 2, 1))[0], bs, n)
+        price = _row_prices(lambda b, k: step(Phase(b, k, P + G // 2, 1))[0], bs, n)
+        if job.batching == "continuous" and len(job.prompts) == len(lens):
+            total = _continuous_s(job, cost, bs, n, P, longest_chunk, prefill, price,
+                                  lambda k, new: step(Phase(bs, k, P + G // 2, new))[0])
+        elif job.batching == "continuous":
             decoding = sum(steps * price(rows) for rows, steps in job.live(n * bs).items())
+            total = prefill * len(lens) / (n * bs) + padding + decoding
         else:
             decoding = dec * sum(max(0, g - 1) for g in lens) / max(n * bs * utilisation, 1e-12)
-        useful = sum(lens) / max(prefill * len(lens) / (n * bs) + padding + decoding, 1e-12)
+            total = prefill * len(lens) / (n * bs) + padding + decoding
+        useful = sum(lens) / max(total, 1e-12)
     return {"prefill_s": prefill, "decode_s": decode, "tokens_per_s": useful,
             "computed_tokens_per_s": computed, "utilisation": utilisation,
             "prefill_tokens_per_s": n * bs * P / max(prefill, 1e-12),
             "decode_tokens_per_s": n * bs * max(0, G - 1) / max(decode, 1e-12) if G > 1 else 0.0,
             "prefill_bubble_s": pb, "decode_step_s": dec, "decode_bubble_s": db}
+
+
+def _continuous_s(job, cost, bs, n, P, chunk, first_fill_s, price, mixed_s) -> float:
+    """Seconds of the job under continuous batching, replayed step by step with its
+    prefills (`occupancy.continuous_steps`, per window of the job): each window's first fill
+    is a static prefill (`first_fill_s`, plus its padding's attention); then a step of r live
+    rows alone costs `price(r)`, and one that carries newcomer batches is priced as one
+    forward over the decode batches and the newcomers together, their rows' tokens spread
+    over them (`mixed_s(batches, tokens a row)`)."""
+    total, memo = 0.0, {}
+    for first, steps, weight in job.continuous(bs, n, chunk):
+        total += weight * (first_fill_s + padded_attention_s(cost, bs, chunk, P, first))
+        for (rows, batches, tokens), count in steps.items():
+            if not batches:
+                total += weight * count * price(rows)
+                continue
+            k = min(n, -(-rows // bs)) + batches
+            key = (k, max(1, -(-(rows + tokens) // (k * bs))))
+            if key not in memo:
+                memo[key] = mixed_s(*key)
+            total += weight * count * memo[key]
+    return total
 
 
 def _row_prices(step_s, bs: int, n: int):
@@ -338,6 +369,17 @@ class _Job:
     def live(self, slots: int):
         """Decode steps per live-row count under continuous batching (occupancy.live_rows)."""
         return self._memoised(("live", slots), lambda: live_rows([g - 1 for g in self.lens], slots))
+
+    def continuous(self, bs: int, n: int, chunk: int) -> list:
+        """[(first fill's prompts, steps, weight)] of each replayed window of the job
+        (`occupancy.continuous_steps`): the first WINDOW requests' windows are replayed and
+        weighted to stand for the whole job."""
+        def replay():
+            seen = min(len(self.lens), REPLAYED)
+            weight = len(self.lens) / seen
+            return [(*continuous_steps(self.prompts[i:i + WINDOW], self.lens[i:i + WINDOW], bs, n, chunk), weight)
+                    for i in range(0, seen, WINDOW)]
+        return self._memoised(("continuous", bs, n, chunk), replay)
 
     def padding(self, cost, bs: int, chunk: int, P: int) -> float:
         """`padded_attention_s` of the job's prompts (0 without them)."""

@@ -189,3 +189,22 @@ def test_batching_flag_is_echoed_and_checked():
     with pytest.raises(ConfigError, match="--batching 'dynamic'"):
         RunConfig(batching="dynamic")
     assert RunConfig().to_json()["batching"] == "continuous"
+
+
+@pytest.mark.parametrize("chunk,bs,n", [(4, 2, 2), (2, 3, 1), (3, 2, 3)])
+def test_planner_replays_the_engines_continuous_steps(checkpoints, chunk, bs, n):
+    """The planner prices a continuous job by replaying it step by step, newcomer prefills
+    included (planner/occupancy.continuous_steps): over the lengths the run had, the replay
+    makes exactly the engine's steps with prompt tokens and computes its decode rows."""
+    from planner.occupancy import continuous_steps
+    many = [Request(id=f"r{i}", line=i + 1, prompt=PROMPTS[i % len(PROMPTS)], messages=None,
+                    max_new_tokens=[12, 2, 3, 1, 5][i % 5]) for i in range(17)]
+    cfg = RunConfig(model=str(checkpoints["gqa"]), progress=False, dtype="float32", batch_size=bs,
+                    num_batches=n, prefill_chunk=chunk)
+    engine, seqs, _ = open_engine(cfg, many)
+    done = list(engine.run(seqs))
+    engine.close()
+    first, steps = continuous_steps([len(s.prompt_ids) for s in done], [len(s.out) for s in done], bs, n, chunk)
+    assert engine.stats.refills > 0
+    assert engine.stats.prefill_passes == -(-max(first) // chunk) + sum(c for (_, b, _), c in steps.items() if b)
+    assert engine.stats.decode_rows == sum(rows * c for (rows, _, _), c in steps.items())
