@@ -115,7 +115,10 @@ def test_auto_follows_the_cost_model(mixtral, baseline, host, chosen):
     assert asked.attention.decided > 0 and asked.experts.decided > 0
     assert (host_report["attention"]["batches_layers_on_host"] > 0) == chosen
     assert (host_report["experts"]["experts_on_host"] > 0) == chosen
-    assert (engine.trace.bytes["host_to_device"] < baseline["host_to_device"]) == chosen
+    # with nothing on the host the bytes are the baseline's up to prefetch timing (which
+    # transfers land first decides a few evictions), so only a fall is asserted, where chosen
+    if chosen:
+        assert engine.trace.bytes["host_to_device"] < 0.9 * baseline["host_to_device"]
 
 
 def test_auto_resolves_off_on_a_cpu_only_machine_and_to_the_plan_on_a_gpu():
