@@ -1,9 +1,10 @@
 """The planner's predicted tokens/s against measured, on the benchmark configurations of
 docs/benchmarks.md that run on this machine (issue 14, part 3: within ±20% on each).
 
-    python benchmarks/prediction_suite.py [--only NAME,...] [--out benchmarks/results/prediction-suite.json]
+    python benchmarks/prediction_suite.py [--only NAME,...] [--repeats N] [--out benchmarks/results/prediction-suite.json]
 
-Each configuration runs once, in its own `klotski generate` process, from the user cache as
+Each configuration runs `--repeats` times (default 1; the row is the run of median measured
+tokens/s, the others' measured rates listed beside it), each in its own `klotski generate` process, from the user cache as
 it stands (the first run of a model measures its profile: run the suite twice, or once after
 the configurations' models were used, to time generation only). Measured is the report's
 `tokens_per_s` (generated tokens over prefill + decode time); predicted is the report's
@@ -55,19 +56,23 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", help="comma-separated configuration names (substrings)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "prediction-suite.json"))
+    ap.add_argument("--repeats", type=int, default=1)
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="klotski-prediction-"))
     rows = []
     for i, (name, (job, flags)) in enumerate(CONFIGS.items()):
         if a.only and not any(part in name for part in a.only.split(",")):
             continue
-        r = generate(job_file(job, tmp), tmp / f"run{i}.json", flags)
+        runs = sorted((generate(job_file(job, tmp), tmp / f"run{i}-{k}.json", flags) for k in range(a.repeats)),
+                      key=lambda run: run["tokens_per_s"])
+        r = runs[len(runs) // 2]
         measured, predicted, replayed = r["tokens_per_s"], r["predicted_tokens_per_s"], r.get("replayed_tokens_per_s")
         rows.append({"config": name, "batch_size": r["plan"]["batch_size"], "num_batches": r["plan"]["num_batches"],
                      "generated": r["tokens"]["generated"], "prefill_s": r["prefill_s"], "decode_s": r["decode_s"],
                      "measured": measured, "predicted": predicted, "replayed": replayed,
                      "ratio": predicted / measured if measured and predicted else None,
-                     "replayed_ratio": replayed / measured if measured and replayed else None})
+                     "replayed_ratio": replayed / measured if measured and replayed else None,
+                     "measured_runs": [run["tokens_per_s"] for run in runs]})
         print(json.dumps(rows[-1]), flush=True)
     print("| configuration | bs × n | measured tok/s | predicted tok/s | predicted / measured "
           "| replayed tok/s | replayed / measured |")
