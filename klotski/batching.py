@@ -104,6 +104,9 @@ class ContinuousRun:
         self.chunk = engine.prefill_chunk or max(len(s.prompt_ids) for s in seqs)
         first = Step.prefill(engine.batch_size, engine.num_batches, min(self.chunk, self.capacity), self.capacity)
         self.step_limit = activation_bytes(self.spec, engine.dtype.itemsize, first)
+        # a newcomer's cache beyond the planned ones is taken only if a step can still run
+        # beside it: its activations at their limit and the largest group it fetches
+        self.headroom = self.step_limit + engine.cache.largest_use()
         self.decode: list[_Decode] = []
         self.newcomers: list[_Newcomers] = []  # oldest first
 
@@ -293,7 +296,7 @@ class ContinuousRun:
             if not self._fitting_chunk(take, 1, decode_rows, others):
                 continue
             try:
-                kv, _ = self.space.allocate(take, longest)
+                kv, _ = self.space.allocate(take, longest, keep_free=self.headroom)
             except OverBudget:
                 continue
             break

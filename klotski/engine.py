@@ -214,8 +214,9 @@ class KVSpace:
         self.account = engine.host_memory if self.on_host else engine.memory
         self.held: dict[int, tuple[int, PinnedBlocks | None]] = {}  # id(kv) -> (bytes charged, its blocks)
 
-    def allocate(self, rows: int, capacity: int) -> tuple[BatchKV, int]:
-        """A cache for `rows` sequences of `capacity` slots; raises OverBudget if it does not fit."""
+    def allocate(self, rows: int, capacity: int, keep_free: int = 0) -> tuple[BatchKV, int]:
+        """A cache for `rows` sequences of `capacity` slots; raises OverBudget if it does not
+        fit with `keep_free` device bytes still free beside it (what the steps need)."""
         e, spec = self.e, self.e.spec
         heads, key_dim, value_dim = spec.kv_cache_dims  # MLA: its latent and rotary key
         shape = (spec.num_layers, rows, heads, key_dim, capacity)
@@ -224,7 +225,7 @@ class KVSpace:
         if blocks:  # one locked block per layer's keys and one per its values, each charged what it takes
             nbytes = spec.num_layers * sum(map(pinned.charge, BatchKV.tensor_nbytes(*shape[1:], e.dtype, value_dim)))
         if not self.on_host:
-            e.pipeline.make_room(nbytes, "KV cache")
+            e.pipeline.make_room(nbytes + keep_free, "KV cache")
         self.account.reserve(nbytes, "KV cache")
         kv = BatchKV(*shape, e.dtype, device=e.device, on_host=self.on_host, pin=lambda t: pin(t, e.device),
                      host_zeros=blocks.zeros if blocks else None, value_dim=value_dim)

@@ -144,6 +144,12 @@ class WeightCache:
         """Device bytes `decode` will reserve: a transient copy's reservation already covers it."""
         return self.full[key] if key in self.resident else 0
 
+    def largest_use(self) -> int:
+        """Device bytes computing with one group can take beyond what is resident: the largest
+        group fetched from another tier, or the largest resident one decoded for its use."""
+        moved = max((size for key, size in self.sizes.items() if key not in self.resident), default=0)
+        return max(moved, max((self.decode_nbytes(key) for key in self.resident if self._coded(key)), default=0))
+
     def decode(self, key) -> dict:
         """Dequantize `key` on the device for this use."""
         self.decoded.add(key)

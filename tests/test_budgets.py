@@ -172,3 +172,24 @@ def test_pinned_blocks_hold_exact_copies_at_their_charge():
     kv = blocks.zeros((4, 2, 3), torch.float16)
     assert kv.shape == (4, 2, 3) and not kv.any() and kv.data_ptr() % pinned.PAGE == 0
     blocks.close()
+
+
+@pytest.mark.parametrize("schedule", ["klotski", "multibatch"])
+def test_newcomers_caches_leave_the_steps_their_room(model, prompts, ref, schedule):
+    """Continuous batching allocates newcomers' KV caches beyond the planned ones: only
+    while a step can still run beside them (its activations and the largest group it
+    fetches). A quarter of the model, experts and attention on the host, 16-token chunks
+    (static batching runs in it; newcomers taking what room there was did not)."""
+    from klotski.checkpoint import Checkpoint
+    from placement.plan import Placement
+    ckpt = Checkpoint.open(str(model))
+    placement = Placement.by_kind(ckpt.spec.group_keys(), expert="host", attn="host", embed="host")
+    ckpt.close()
+    budget = _model_bytes(model) // 4
+    cfg = RunConfig(model=str(model), dtype="float32", batch_size=4, num_batches=1, prefill_chunk=16,
+                    max_new_tokens=NEW, device_memory=budget, progress=False, schedule=schedule)
+    engine, seqs, _ = open_engine(cfg, _requests(prompts), placement=placement)
+    done = {s.request.id: s.out for s in engine.run(seqs)}
+    engine.close()
+    assert [done[f"r{i}"] for i in range(len(prompts))] == ref
+    assert engine.memory.peak <= budget and engine.stats.refills > 0
