@@ -66,7 +66,7 @@ def _source_key(device: str) -> str:
     return h.hexdigest()[:16]
 
 
-def pipeline_overhead(device: str, open_engine, steps: int = 24) -> dict[str, float]:
+def pipeline_overhead(device: str, open_engine, steps: int = 16, rounds: int = 11) -> dict[str, float]:
     """Seconds per batch-layer, expert call, transfer and step the pipeline adds on `device`,
     measured once per machine and pipeline source (user cache). `open_engine` is the
     composition root's (klotski.assemble), handed in so this module does not import it."""
@@ -76,7 +76,7 @@ def pipeline_overhead(device: str, open_engine, steps: int = 24) -> dict[str, fl
         return {k: float(v) for k, v in json.loads(path.read_text()).items() if k in KINDS}
     except (OSError, ValueError):
         pass
-    found = _measure(device, steps, open_engine)
+    found = _measure(device, steps, rounds, open_engine)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
@@ -87,7 +87,7 @@ def pipeline_overhead(device: str, open_engine, steps: int = 24) -> dict[str, fl
     return found
 
 
-def _measure(device: str, steps: int, open_engine) -> dict[str, float]:
+def _measure(device: str, steps: int, rounds: int, open_engine) -> dict[str, float]:
     from klotski.checkpoint import Checkpoint
     from klotski.config import RunConfig
     from klotski.jobs import Request
@@ -120,21 +120,25 @@ def _measure(device: str, steps: int, open_engine) -> dict[str, float]:
         # ~30% under the typical step on tiny-mixtral)
         return statistics.median(times[1:])
 
-    runs = {}
-    for where in ("device", "host"):
-        engine, _, _ = open_engine(cfg, request, placement=Placement.by_kind(keys, expert=where))
-        try:
-            if where == "device":
-                runs["one"], runs["three"], runs["few"] = (per_step(engine, 1, engine.spec.num_experts),
-                                                         per_step(engine, 3, engine.spec.num_experts),
-                                                         per_step(engine, 1, engine.spec.top_k))
-            else:
-                runs["moved"] = per_step(engine, 1, engine.spec.num_experts)
-            L, E, k = engine.spec.num_layers, engine.spec.num_experts, engine.spec.top_k
-        finally:
+    # Both engines open at once and the four runs interleaved, each term the median over
+    # rounds: a term is a difference of two runs, and apart (one after the other) the
+    # machine's drift between them moved `transfer` 3x from one measure to the next.
+    engines = {where: open_engine(cfg, request, placement=Placement.by_kind(keys, expert=where))[0]
+               for where in ("device", "host")}
+    try:
+        spec = engines["device"].spec
+        L, E, k = spec.num_layers, spec.num_experts, spec.top_k
+        terms = []
+        for _ in range(rounds):
+            one, three, few = (per_step(engines["device"], 1, E), per_step(engines["device"], 3, E),
+                               per_step(engines["device"], 1, k))
+            moved = per_step(engines["host"], 1, E)
+            batch_layer = max(0.0, (three - one) / (2 * L))
+            expert_call = max(0.0, (one - few) / (L * (E - k))) if E > k else 0.0
+            terms.append({"batch_layer": batch_layer, "expert_call": expert_call,
+                          "transfer": max(0.0, (moved - one) / (L * E)),
+                          "step": max(0.0, one - L * batch_layer - L * E * expert_call)})
+    finally:
+        for engine in engines.values():
             engine.close()
-    batch_layer = max(0.0, (runs["three"] - runs["one"]) / (2 * L))
-    expert_call = max(0.0, (runs["one"] - runs["few"]) / (L * (E - k))) if E > k else 0.0
-    transfer = max(0.0, (runs["moved"] - runs["one"]) / (L * E))
-    step = max(0.0, runs["one"] - L * batch_layer - L * E * expert_call)
-    return {"batch_layer": batch_layer, "expert_call": expert_call, "transfer": transfer, "step": step}
+    return {kind: statistics.median(t[kind] for t in terms) for kind in KINDS}

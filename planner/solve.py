@@ -107,19 +107,19 @@ def _predict(cost, ios, bs, n, P, G, schedule, hot, marg, layout, chunk=None, ho
     useful = computed * utilisation
     if job and job.lens:
         lens = job.lens
-        # a group prefills in passes over its longest prompt, not the mean one: each pass
-        # more streams the off-device weights and pays the step's overheads once more, as a
-        # decode step of the whole group does (`dec`)
-        padding = job.padding(cost, bs, longest_chunk, P) + dec * job.extra_passes(bs, n, longest_chunk, passes)
         price = _row_prices(lambda b, k: step(Phase(b, k, P + G // 2, 1))[0], bs, n)
         if job.batching == "continuous" and len(job.prompts) == len(lens):
             total = _continuous_s(job, cost, bs, n, P, longest_chunk, (prefill, passes, dec), price,
                                   lambda k, new: step(Phase(bs, k, P + G // 2, new))[0])
-        elif job.batching == "continuous":
-            decoding = sum(steps * price(rows) for rows, steps in job.live(n * bs).items())
-            total = prefill * len(lens) / (n * bs) + padding + decoding
         else:
-            decoding = dec * sum(max(0, g - 1) for g in lens) / max(n * bs * utilisation, 1e-12)
+            # a group prefills in passes over its longest prompt, not the mean one: each pass
+            # more streams the off-device weights and pays the step's overheads once more, as
+            # a decode step of the whole group does (`dec`)
+            padding = job.padding(cost, bs, longest_chunk, P) + dec * job.extra_passes(bs, n, longest_chunk, passes)
+            if job.batching == "continuous":
+                decoding = sum(steps * price(rows) for rows, steps in job.live(n * bs).items())
+            else:
+                decoding = dec * sum(max(0, g - 1) for g in lens) / max(n * bs * utilisation, 1e-12)
             total = prefill * len(lens) / (n * bs) + padding + decoding
         useful = sum(lens) / max(total, 1e-12)
     return {"prefill_s": prefill, "decode_s": decode, "tokens_per_s": useful,
