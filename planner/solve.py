@@ -109,13 +109,10 @@ def _predict(cost, ios, bs, n, P, G, schedule, hot, marg, layout, chunk=None, ho
         lens = job.lens
         price = _row_prices(lambda b, k: step(Phase(b, k, P + G // 2, 1))[0], bs, n)
         if job.batching == "continuous" and len(job.prompts) == len(lens):
-            total = _continuous_s(job, cost, bs, n, P, longest_chunk, (prefill, passes, dec), price,
+            total = _continuous_s(job, cost, bs, n, P, longest_chunk, prefill, price,
                                   lambda k, new: step(Phase(bs, k, P + G // 2, new))[0])
         else:
-            # a group prefills in passes over its longest prompt, not the mean one: each pass
-            # more streams the off-device weights and pays the step's overheads once more, as
-            # a decode step of the whole group does (`dec`)
-            padding = job.padding(cost, bs, longest_chunk, P) + dec * job.extra_passes(bs, n, longest_chunk, passes)
+            padding = job.padding(cost, bs, longest_chunk, P)
             if job.batching == "continuous":
                 decoding = sum(steps * price(rows) for rows, steps in job.live(n * bs).items())
             else:
@@ -129,19 +126,16 @@ def _predict(cost, ios, bs, n, P, G, schedule, hot, marg, layout, chunk=None, ho
             "prefill_bubble_s": pb, "decode_step_s": dec, "decode_bubble_s": db}
 
 
-def _continuous_s(job, cost, bs, n, P, chunk, first_fill, price, mixed_s) -> float:
+def _continuous_s(job, cost, bs, n, P, chunk, first_fill_s, price, mixed_s) -> float:
     """Seconds of the job under continuous batching, replayed step by step with its
     prefills (`occupancy.continuous_steps`, per window of the job): each window's first fill
-    is a static prefill (`first_fill`: the seconds and passes of a group at the mean prompt,
-    and a pass's fixed cost, since the fill passes over its longest prompt), plus its
-    padding's attention; then a step of r live rows alone costs `price(r)`, and one that
+    is a static prefill (`first_fill_s`, a group at the mean prompt), plus its padding's
+    attention; then a step of r live rows alone costs `price(r)`, and one that
     carries newcomer batches is priced as one forward over the decode batches and the
     newcomers together, their rows' tokens spread over them (`mixed_s(batches, tokens a row)`)."""
     total, memo = 0.0, {}
     for first, steps, weight in job.continuous(bs, n, chunk):
-        fill_s, passes, pass_s = first_fill
-        total += weight * (fill_s + pass_s * (-(-max(first) // chunk) - passes)
-                           + padded_attention_s(cost, bs, chunk, P, first))
+        total += weight * (first_fill_s + padded_attention_s(cost, bs, chunk, P, first))
         for (rows, batches, tokens), count in steps.items():
             if not batches:
                 total += weight * count * price(rows)
@@ -386,15 +380,6 @@ class _Job:
             return [(*continuous_steps(self.prompts[i:i + WINDOW], self.lens[i:i + WINDOW], bs, n, chunk), weight)
                     for i in range(0, seen, WINDOW)]
         return self._memoised(("continuous", bs, n, chunk), replay)
-
-    def extra_passes(self, bs: int, n: int, chunk: int, passes: int) -> int:
-        """Prefill passes the job's groups make beyond `passes` each: the engine sorts a
-        window's prompts longest first, n·bs to a group, and prefills a group in passes of
-        `chunk` over its longest prompt (0 without prompt lengths)."""
-        def count():
-            lens, size = sorted(self.prompts, reverse=True), n * bs
-            return sum(-(-lens[i] // chunk) - passes for i in range(0, len(lens), size))
-        return self._memoised(("passes", bs, n, chunk, passes), count) if self.prompts else 0
 
     def padding(self, cost, bs: int, chunk: int, P: int) -> float:
         """`padded_attention_s` of the job's prompts (0 without them)."""

@@ -209,18 +209,3 @@ def test_planner_replays_the_engines_continuous_steps(checkpoints, chunk, bs, n)
     assert engine.stats.prefill_passes == -(-max(first) // chunk) + sum(c for (_, b, _), c in steps.items() if b)
     assert engine.stats.decode_rows == sum(rows * c for (rows, _, _), c in steps.items())
 
-
-@pytest.mark.parametrize("chunk,bs,n", [(4, 2, 2), (3, 3, 1)])
-def test_planner_counts_the_engines_static_prefill_passes(checkpoints, chunk, bs, n):
-    """Static batching prefills each group over its longest prompt: the planner's count of
-    the passes (`_Job.extra_passes` beyond none) is the engine's."""
-    from planner.solve import _Job
-    many = [Request(id=f"r{i}", line=i + 1, prompt=PROMPTS[i % len(PROMPTS)], messages=None,
-                    max_new_tokens=2) for i in range(13)]
-    cfg = RunConfig(model=str(checkpoints["gqa"]), progress=False, dtype="float32", batch_size=bs,
-                    num_batches=n, prefill_chunk=chunk, batching="static")
-    engine, seqs, _ = open_engine(cfg, many)
-    done = list(engine.run(seqs))
-    engine.close()
-    job = _Job([len(s.out) for s in done], "static", [len(s.prompt_ids) for s in done])
-    assert engine.stats.prefill_passes == job.extra_passes(bs, n, chunk, 0)
