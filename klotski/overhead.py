@@ -123,9 +123,10 @@ def _measure(device: str, steps: int, rounds: int, open_engine) -> dict[str, flo
     # Both engines open at once and the four runs interleaved, each term the median over
     # rounds: a term is a difference of two runs, and apart (one after the other) the
     # machine's drift between them moved `transfer` 3x from one measure to the next.
-    engines = {where: open_engine(cfg, request, placement=Placement.by_kind(keys, expert=where))[0]
-               for where in ("device", "host")}
+    engines = {}
     try:
+        for where in ("device", "host"):
+            engines[where] = open_engine(cfg, request, placement=Placement.by_kind(keys, expert=where))[0]
         spec = engines["device"].spec
         L, E, k = spec.num_layers, spec.num_experts, spec.top_k
         terms = []

@@ -71,7 +71,7 @@ def _required_n(cost, ios, bs, P, G, schedule, hot, marg, max_n, host=NO_HOST):
 
 # The engine batches a job window by window (RunConfig.window lines, default 4096); the
 # continuous replay replays the first window and weights it to stand for the rest.
-WINDOW = REPLAYED = 4096
+WINDOW = 4096
 
 # ---- prediction ------------------------------------------------------------------------------
 def _predict(cost, ios, bs, n, P, G, schedule, hot, marg, layout, chunk=None, host=NO_HOST,
@@ -107,14 +107,17 @@ def _predict(cost, ios, bs, n, P, G, schedule, hot, marg, layout, chunk=None, ho
     useful = computed * utilisation
     if job and job.lens:
         lens = job.lens
-        price = _row_prices(lambda b, k: step(Phase(b, k, P + G // 2, 1))[0], bs, n)
+
+        def live_price():  # a continuous step computes its live rows only (static: `dec`, the whole group)
+            return _row_prices(lambda b, k: step(Phase(b, k, P + G // 2, 1))[0], bs, n)
         if job.batching == "continuous" and len(job.prompts) == len(lens):
-            total = _continuous_s(job, cost, bs, n, P, longest_chunk, prefill, price,
+            total = _continuous_s(job, cost, bs, n, P, longest_chunk, prefill, live_price(),
                                   lambda k, new: step(Phase(bs, k, P + G // 2, new))[0])
         else:
             padding = job.padding(cost, bs, longest_chunk, P)
             if job.batching == "continuous":
-                decoding = sum(steps * price(rows) for rows, steps in job.live(n * bs).items())
+                at = live_price()
+                decoding = sum(steps * at(rows) for rows, steps in job.live(n * bs).items())
             else:
                 decoding = dec * sum(max(0, g - 1) for g in lens) / max(n * bs * utilisation, 1e-12)
             total = prefill * len(lens) / (n * bs) + padding + decoding
@@ -128,24 +131,23 @@ def _predict(cost, ios, bs, n, P, G, schedule, hot, marg, layout, chunk=None, ho
 
 def _continuous_s(job, cost, bs, n, P, chunk, first_fill_s, price, mixed_s) -> float:
     """Seconds of the job under continuous batching, replayed step by step with its
-    prefills (`occupancy.continuous_steps`, per window of the job): each window's first fill
-    is a static prefill (`first_fill_s`, a group at the mean prompt), plus its padding's
-    attention; then a step of r live rows alone costs `price(r)`, and one that
+    prefills (`occupancy.continuous_steps`, the job's first window standing for all): the
+    first fill is a static prefill (`first_fill_s`, a group at the mean prompt), plus its
+    padding's attention; then a step of r live rows alone costs `price(r)`, and one that
     carries newcomer batches is priced as one forward over the decode batches and the
     newcomers together, their rows' tokens spread over them (`mixed_s(batches, tokens a row)`)."""
-    total, memo = 0.0, {}
-    for first, steps, weight in job.continuous(bs, n, chunk):
-        total += weight * (first_fill_s + padded_attention_s(cost, bs, chunk, P, first))
-        for (rows, batches, tokens), count in steps.items():
-            if not batches:
-                total += weight * count * price(rows)
-                continue
-            k = min(n, -(-rows // bs)) + batches
-            key = (k, max(1, -(-(rows + tokens) // (k * bs))))
-            if key not in memo:
-                memo[key] = mixed_s(*key)
-            total += weight * count * memo[key]
-    return total
+    first, steps, weight = job.continuous(bs, n, chunk)
+    total, memo = first_fill_s + padded_attention_s(cost, bs, chunk, P, first), {}
+    for (rows, batches, tokens), count in steps.items():
+        if not batches:
+            total += count * price(rows)
+            continue
+        k = min(n, -(-rows // bs)) + batches
+        key = (k, max(1, -(-(rows + tokens) // (k * bs))))
+        if key not in memo:
+            memo[key] = mixed_s(*key)
+        total += count * memo[key]
+    return weight * total
 
 
 def _row_prices(step_s, bs: int, n: int):
@@ -370,15 +372,12 @@ class _Job:
         """Decode steps per live-row count under continuous batching (occupancy.live_rows)."""
         return self._memoised(("live", slots), lambda: live_rows([g - 1 for g in self.lens], slots))
 
-    def continuous(self, bs: int, n: int, chunk: int) -> list:
-        """[(first fill's prompts, steps, weight)] of each replayed window of the job
-        (`occupancy.continuous_steps`): the first WINDOW requests' windows are replayed and
-        weighted to stand for the whole job."""
+    def continuous(self, bs: int, n: int, chunk: int) -> tuple[list, Counter, float]:
+        """(first fill's prompts, steps, weight) of the job's first window replayed
+        (`occupancy.continuous_steps`), weighted to stand for the whole job."""
         def replay():
-            seen = min(len(self.lens), REPLAYED)
-            weight = len(self.lens) / seen
-            return [(*continuous_steps(self.prompts[i:i + WINDOW], self.lens[i:i + WINDOW], bs, n, chunk), weight)
-                    for i in range(0, seen, WINDOW)]
+            first, steps = continuous_steps(self.prompts[:WINDOW], self.lens[:WINDOW], bs, n, chunk)
+            return first, steps, len(self.lens) / min(len(self.lens), WINDOW)
         return self._memoised(("continuous", bs, n, chunk), replay)
 
     def padding(self, cost, bs: int, chunk: int, P: int) -> float:
