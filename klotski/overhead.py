@@ -8,10 +8,12 @@ it). Here the engine's own Pipeline runs decode steps of the built-in tiny model
 group resident, with the model's math replaced by stubs that return at once, so what is
 timed is the pipeline alone; four runs separate its cost per batch and layer (attention +
 gate), per expert call, per transfer (experts fetched from the host: submitting, waiting,
-making room, the channel thread's share of the cores) and per step:
+making room, the channel thread's share of the cores) and per step; a fifth, with the KV
+cache on the host, its cost per batch-layer (a prefix load and a store submitted, waited for
+and freed: 1.5-2 ms a batch-layer on 2 cores, where a transfer is ~0.1-0.3):
 
-    step(n batches, E experts chosen, X transfers) = step + L·n·batch_layer + L·E·expert_call
-                                                     + X·transfer
+    step(n batches, E experts chosen, X transfers, KV on host or not)
+        = step + L·n·batch_layer + L·E·expert_call + X·transfer + [KV on host] L·n·kv_layer
 
 The result is kept in the user cache per machine and pipeline source, and added to the
 profile's `overhead_s` (planner/costmodel.py: `t_pipeline`).
@@ -26,7 +28,7 @@ import time
 
 import torch
 
-KINDS = ("batch_layer", "expert_call", "transfer", "step")
+KINDS = ("batch_layer", "expert_call", "transfer", "kv_layer", "step")
 
 
 class _Stubs:
@@ -120,24 +122,26 @@ def _measure(device: str, steps: int, rounds: int, open_engine) -> dict[str, flo
         # ~30% under the typical step on tiny-mixtral)
         return statistics.median(times[1:])
 
-    # Both engines open at once and the four runs interleaved, each term the median over
+    # The engines open at once and the five runs interleaved, each term the median over
     # rounds: a term is a difference of two runs, and apart (one after the other) the
     # machine's drift between them moved `transfer` 3x from one measure to the next.
     engines = {}
+    layouts = {"device": {}, "host": {"expert": "host"}, "kv": {"kv": "host"}}
     try:
-        for where in ("device", "host"):
-            engines[where] = open_engine(cfg, request, placement=Placement.by_kind(keys, expert=where))[0]
+        for name, where in layouts.items():
+            engines[name] = open_engine(cfg, request, placement=Placement.by_kind(keys, **where))[0]
         spec = engines["device"].spec
         L, E, k = spec.num_layers, spec.num_experts, spec.top_k
         terms = []
         for _ in range(rounds):
             one, three, few = (per_step(engines["device"], 1, E), per_step(engines["device"], 3, E),
                                per_step(engines["device"], 1, k))
-            moved = per_step(engines["host"], 1, E)
+            moved, kv = per_step(engines["host"], 1, E), per_step(engines["kv"], 1, E)
             batch_layer = max(0.0, (three - one) / (2 * L))
             expert_call = max(0.0, (one - few) / (L * (E - k))) if E > k else 0.0
             terms.append({"batch_layer": batch_layer, "expert_call": expert_call,
                           "transfer": max(0.0, (moved - one) / (L * E)),
+                          "kv_layer": max(0.0, (kv - one) / L),
                           "step": max(0.0, one - L * batch_layer - L * E * expert_call)})
     finally:
         for engine in engines.values():

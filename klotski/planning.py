@@ -15,7 +15,7 @@ from placement.plan import Placement
 from planner.costmodel import CostModel
 from planner.profile import builtin_profiles, load_profile, measure
 from planner.shapes import KNOWN_MODELS, as_shape
-from planner.solve import BATCH_SIZES, Budgets, Infeasible, solve
+from planner.solve import BATCH_SIZES, Budgets, Infeasible, Plan, solve
 from planner.units import format_size_flag
 
 _FLAGS = {"device": "--device-memory", "host": "--host-memory"}
@@ -110,11 +110,12 @@ def plan_job(config, ckpt, dtype, device, budgets, seqs, pipeline_cost=None):
                          max((s.max_new_tokens for s in seqs), default=config.max_new_tokens), pipeline_cost)
 
 
-def replayed_rate(config, ckpt, run_plan, prompt_lens, gen_lens, pipeline_cost=None) -> float | None:
-    """The plan's tokens/s for the job as it ran: the same plan (bs, n, chunk, budgets), its
-    cost model replayed over the prompts and the lengths the answers actually had. What the
-    planner would have said had it known where each answer stops (EOS), so set beside the
-    measured rate it tells the cost model's error apart from the job's unknowns."""
+def replayed_plan(config, ckpt, run_plan, prompt_lens, gen_lens, pipeline_cost=None) -> Plan | None:
+    """The plan for the job as it ran: the same plan (bs, n, chunk, budgets), its cost model
+    replayed over the prompts and the lengths the answers actually had. Its tokens/s (and its
+    job's prefill and decode seconds) are what the planner would have said had it known where
+    each answer stops (EOS), so set beside the measured ones they tell the cost model's error
+    apart from the job's unknowns."""
     plan = run_plan.plan
     if plan is None or not gen_lens:
         return None
@@ -122,7 +123,7 @@ def replayed_rate(config, ckpt, run_plan, prompt_lens, gen_lens, pipeline_cost=N
                                 prefill_chunk=plan.prefill_chunk)
     again = _plan_lengths(fixed, ckpt, run_plan.dtype, run_plan.device, run_plan.budgets, list(prompt_lens),
                           [max(1, g) for g in gen_lens], plan.gen_len, pipeline_cost)
-    return again.predicted_tokens_per_s
+    return again
 
 
 def _plan_lengths(config, ckpt, dtype, device, budgets, prompt_lens, gen_lens, gen_len, pipeline_cost):

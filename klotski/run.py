@@ -179,7 +179,7 @@ def _generate(config: RunConfig, jobs: Path, output: str | None) -> int:
             print(f"klotski: resumed {out_path}: {skipped} requests were already done", file=sys.stderr)
         report = build_report(engine, run_plan, ok=ok, failed=failed + errored, skipped=skipped,
                               wall_s=time.perf_counter() - t_start, config=config, model_dir=ckpt.directory)
-        report["replayed_tokens_per_s"] = _replayed(config, ckpt, run_plan, prompt_lens, gen_lens)
+        report.update(_replayed(config, ckpt, run_plan, prompt_lens, gen_lens))
         report["resume"] = {"sidecar": resume is not None,
                             "skipped_by_watermark": resume.start.line if resume else 0,
                             "replayed_errors": len(resume.start.replay) if resume else 0}
@@ -334,21 +334,29 @@ def _stopped(e: Exception, out_path: Path, written: int) -> str:
 REPLAY_SAMPLE = 65536  # answers the replay prices at most (it walks every batch and slot)
 
 
-def _replayed(config, ckpt, run_plan, prompt_lens, gen_lens) -> float | None:
-    """The plan's rate over the lengths the answers had (planning.replayed_rate), rounded."""
+def _replayed(config, ckpt, run_plan, prompt_lens, gen_lens) -> dict:
+    """The plan over the lengths the answers had (planning.replayed_plan): its tokens/s, and
+    its prefill and decode seconds for the whole job, to set beside the measured ones."""
     from klotski.assemble import pipeline_cost
-    from klotski.planning import replayed_rate
+    from klotski.planning import replayed_plan
+    none = {"replayed_tokens_per_s": None}
     if not run_plan or not gen_lens:
-        return None
+        return none
+    scale = 1.0
     if len(gen_lens) > REPLAY_SAMPLE:  # a rate: an even sample of a long job's answers tells it
         step = len(gen_lens) / REPLAY_SAMPLE
         pick = [int(i * step) for i in range(REPLAY_SAMPLE)]
         prompt_lens, gen_lens = [prompt_lens[i] for i in pick], [gen_lens[i] for i in pick]
+        scale = step
     try:
-        rate = replayed_rate(config, ckpt, run_plan, prompt_lens, gen_lens, pipeline_cost)
+        plan = replayed_plan(config, ckpt, run_plan, prompt_lens, gen_lens, pipeline_cost)
     except (UserError, ValueError):  # the plan's budgets were refused for these lengths: no replay, not no report
-        return None
-    return round(rate, 3) if rate else None
+        return none
+    if not plan or not plan.predicted_tokens_per_s:
+        return none
+    return {"replayed_tokens_per_s": round(plan.predicted_tokens_per_s, 3),
+            "replayed_prefill_s": round(plan.job_prefill_s * scale, 4),
+            "replayed_decode_s": round(plan.job_decode_s * scale, 4)}
 
 
 def build_report(engine, run_plan, *, ok: int, failed: int, skipped: int, wall_s: float, config,
@@ -425,7 +433,8 @@ def summary(report: dict, out_path: Path) -> str:
             f"speed     {report['tokens_per_s']:.1f} tok/s (prefill {report['prefill_s']:.2f} s, "
             f"decode {report['decode_s']:.2f} s)"
             + (f"; planner predicted {report['predicted_tokens_per_s']:.1f}" if report["predicted_tokens_per_s"] else "")
-            + (f" ({report['replayed_tokens_per_s']:.1f} for the answers' actual lengths)"
+            + (f" ({report['replayed_tokens_per_s']:.1f} for the answers' actual lengths: prefill "
+               f"{report['replayed_prefill_s']:.2f} s, decode {report['replayed_decode_s']:.2f} s)"
                if report.get("replayed_tokens_per_s") else ""),
             f"plan      batch size {plan['batch_size']} x {plan['num_batches']} batches"
             + (f", prefill in chunks of {plan['prefill_chunk']} tokens" if plan["prefill_chunk"] else ""),

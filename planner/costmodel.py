@@ -120,6 +120,16 @@ class CostModel:
         the whole cache in the engine, which keeps every slot)."""
         return ctx
 
+    def kv_loaded(self, bs: int, ctx: int, new_tokens: int = 1) -> float:
+        """Bytes of one batch's KV prefix a step loads for one layer, its cache on the host:
+        a decode step reads every old slot; a prefill pass over a prompt of `ctx` tokens in
+        chunks of `new_tokens` reads the chunks before it, (passes − 1)·chunk/2 slots on
+        average (none for a prompt in one pass)."""
+        if new_tokens == 1:
+            return self.kv_bytes(bs * self.kv_context(ctx), 1)
+        prefix = (math.ceil(ctx / max(1, new_tokens)) - 1) * new_tokens / 2
+        return self.kv_bytes(bs * max(0.0, prefix), 1)
+
     # ---- compute ------------------------------------------------------------------------
     def work(self, kind: str, point: Sequence[float]) -> tuple[float, float]:
         """(FLOPs, bytes touched) of one call of op `kind` at `point`:
@@ -191,14 +201,16 @@ class CostModel:
         return 0.0 if tokens <= 0 else self._time("expert", (max(1.0, tokens),))
 
     def t_pipeline(self, batch_layers: float = 0, expert_calls: float = 0, transfers: float = 0,
-                   steps: float = 0) -> float:
+                   steps: float = 0, kv_layers: float = 0) -> float:
         """What the engine's pipeline adds around the ops (routing bookkeeping, gathers, the
         residency cache, submitting and awaiting transfers), per batch-layer, expert call,
-        transfer and step, as a measured profile records it (`overhead_s`; klotski/overhead.py).
-        Noise on a big model, most of a step on a tiny one; 0 where the profile has none."""
+        transfer, step and batch-layer whose KV cache comes from the host, as a measured
+        profile records it (`overhead_s`; klotski/overhead.py). Noise on a big model, most of
+        a step on a tiny one; 0 where the profile has none."""
         o = self.profile.overhead_s
         return (batch_layers * o.get("batch_layer", 0.0) + expert_calls * o.get("expert_call", 0.0)
-                + transfers * o.get("transfer", 0.0) + steps * o.get("step", 0.0))
+                + transfers * o.get("transfer", 0.0) + steps * o.get("step", 0.0)
+                + kv_layers * o.get("kv_layer", 0.0))
 
     def t_head(self, tokens: int) -> float:
         """Final norm + LM head logits for `tokens` tokens (one per sequence per step)."""

@@ -86,16 +86,14 @@ def _used(m: float, tokens: float) -> float:
 
 
 def t_kv_batch(cost, io: LayerIO, ph: Phase, host=None) -> float:
-    """Loading one batch's KV cache for this layer (decode with the cache on host). It shares
+    """Loading one batch's KV prefix for this layer (its cache on the host). It shares
     the host→device link with the weights, so it is transfer, not cover. With host attention
     only one batch's attention output comes up instead."""
     if io.kv != "host":
         return 0.0
     if host_attention_here(io, host):
         return cost.t_io(cost.attend_link_bytes(ph.bs, ph.ctx, ph.new)["host"]["host_to_device"])
-    if ph.new != 1:
-        return 0.0
-    return cost.t_io(cost.kv_bytes(ph.bs * cost.kv_context(ph.ctx), 1))
+    return cost.t_io(cost.kv_loaded(ph.bs, ph.ctx, ph.new))
 
 
 def ineq_terms(cost, io: LayerIO, ph: Phase, marg, hot, schedule="klotski", with_kv=False, host=None):
@@ -190,8 +188,7 @@ def moved_bytes(cost, io: LayerIO, ph: Phase, marg, schedule, hot=(), host=None)
         return {"host_to_device": h2d + ph.n * moved["host_to_device"], "disk_to_host": disk,
                 "device_to_host": acts + ph.n * moved["device_to_host"]}
     if io.kv == "host":
-        if ph.new == 1:
-            kv_load = ph.n * cost.kv_bytes(ph.bs * cost.kv_context(ph.ctx), 1)
+        kv_load = ph.n * cost.kv_loaded(ph.bs, ph.ctx, ph.new)
         kv_store = ph.n * cost.kv_bytes(ph.bs * ph.new, 1)
     return {"host_to_device": h2d + kv_load, "disk_to_host": disk, "device_to_host": kv_store + acts}
 
@@ -217,7 +214,8 @@ def layer_time(cost, io: LayerIO, ph: Phase, marg, hot, schedule, host=None) -> 
     tokens = ph.n * ph.bs * ph.new
     calls = [1.0 if schedule in ("simple", "multibatch") else _used(m, tokens) for m in marg]
     moves = sum(u for u, t in zip(calls, io.experts) if t != "device") + (io.next_attn != "device") \
-        + (io.gate != "device") + (ph.n if io.kv == "host" and not host_attention_here(io, host) else 0)
-    extra = cost.t_pipeline(batch_layers=ph.n, expert_calls=sum(calls), transfers=moves)
+        + (io.gate != "device")
+    kv_layers = ph.n if io.kv == "host" and not host_attention_here(io, host) else 0
+    extra = cost.t_pipeline(batch_layers=ph.n, expert_calls=sum(calls), transfers=moves, kv_layers=kv_layers)
     t = max(pipe + copy + extra, *(cost.t_io(b, link) for link, b in links.items()))
     return t, t - compute - copy - extra

@@ -37,6 +37,8 @@ class Plan:
     decode_tokens_per_s: float = 0.0              # generated rows per second of decode
     batching: str | None = None                   # continuous | static, when the job's lengths were given
     slot_utilisation: dict = field(default_factory=dict)  # {"continuous": u, "static": u}
+    job_prefill_s: float = 0.0   # the whole job's prefill and decode seconds, when its lengths were given
+    job_decode_s: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -205,7 +207,8 @@ def make_plan(cost, shape, budgets, pred, bs, n, layout, ios, binding, schedule,
                 moves=host_moves(cost, bs, n, P, G, host, batching, utilisation),
                 prefill_tokens_per_s=pred.get("prefill_tokens_per_s", 0.0),
                 decode_tokens_per_s=pred.get("decode_tokens_per_s", 0.0), batching=batching,
-                slot_utilisation=dict(utilisation or {}))
+                slot_utilisation=dict(utilisation or {}), job_prefill_s=pred.get("job_prefill_s", 0.0),
+                job_decode_s=pred.get("job_decode_s", 0.0))
 
 
 def format_plan(plan: Plan) -> str:

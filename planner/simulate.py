@@ -254,7 +254,7 @@ class _Step:
         self.host = host
         self.bs, self.n, self.ctx, self.new, self.step, self.K, self.e = bs, n, ctx, new, step, K, eng
         self.L, self.E = cost.shape.num_layers, cost.shape.num_experts
-        self.kv_batch = cost.kv_bytes(bs * cost.kv_context(ctx), 1) if new == 1 else 0.0
+        self.kv_batch = cost.kv_loaded(bs, ctx, new)
         self.kv_new = cost.kv_bytes(bs * new, 1)
         self.held = {}  # layer -> expert keys holding a device buffer
 

@@ -105,14 +105,15 @@ def _predict(cost, ios, bs, n, P, G, schedule, hot, marg, layout, chunk=None, ho
     tokens = n * bs * G
     computed = tokens / max(prefill + decode, 1e-12)
     useful = computed * utilisation
+    job_split = {}
     if job and job.lens:
         lens = job.lens
 
         def live_price():  # a continuous step computes its live rows only (static: `dec`, the whole group)
             return _row_prices(lambda b, k: step(Phase(b, k, P + G // 2, 1))[0], bs, n)
         if job.batching == "continuous" and len(job.prompts) == len(lens):
-            total = _continuous_s(job, cost, bs, n, P, longest_chunk, prefill, live_price(),
-                                  lambda k, new: step(Phase(bs, k, P + G // 2, new))[0])
+            job_prefill, job_decode = _continuous_s(job, cost, bs, n, P, longest_chunk, prefill, live_price(),
+                                                    lambda k, new: step(Phase(bs, k, P + G // 2, new))[0])
         else:
             padding = job.padding(cost, bs, longest_chunk, P)
             if job.batching == "continuous":
@@ -120,34 +121,39 @@ def _predict(cost, ios, bs, n, P, G, schedule, hot, marg, layout, chunk=None, ho
                 decoding = sum(steps * at(rows) for rows, steps in job.live(n * bs).items())
             else:
                 decoding = dec * sum(max(0, g - 1) for g in lens) / max(n * bs * utilisation, 1e-12)
-            total = prefill * len(lens) / (n * bs) + padding + decoding
-        useful = sum(lens) / max(total, 1e-12)
+            job_prefill, job_decode = prefill * len(lens) / (n * bs) + padding, decoding
+        useful = sum(lens) / max(job_prefill + job_decode, 1e-12)
+        job_split = {"job_prefill_s": job_prefill, "job_decode_s": job_decode}
     return {"prefill_s": prefill, "decode_s": decode, "tokens_per_s": useful,
             "computed_tokens_per_s": computed, "utilisation": utilisation,
             "prefill_tokens_per_s": n * bs * P / max(prefill, 1e-12),
             "decode_tokens_per_s": n * bs * max(0, G - 1) / max(decode, 1e-12) if G > 1 else 0.0,
-            "prefill_bubble_s": pb, "decode_step_s": dec, "decode_bubble_s": db}
+            "prefill_bubble_s": pb, "decode_step_s": dec, "decode_bubble_s": db, **job_split}
 
 
-def _continuous_s(job, cost, bs, n, P, chunk, first_fill_s, price, mixed_s) -> float:
-    """Seconds of the job under continuous batching, replayed step by step with its
+def _continuous_s(job, cost, bs, n, P, chunk, first_fill_s, price, mixed_s) -> tuple[float, float]:
+    """Seconds of the job's prefill and decode under continuous batching, replayed step by step with its
     prefills (`occupancy.continuous_steps`, the job's first window standing for all): the
     first fill is a static prefill (`first_fill_s`, a group at the mean prompt), plus its
     padding's attention; then a step of r live rows alone costs `price(r)`, and one that
     carries newcomer batches is priced as one forward over the decode batches and the
-    newcomers together, their rows' tokens spread over them (`mixed_s(batches, tokens a row)`)."""
+    newcomers together, their rows' tokens spread over them (`mixed_s(batches, tokens a row)`).
+    A step with rows decoding counts as decode, as the engine counts it."""
     first, steps, weight = job.continuous(bs, n, chunk)
-    total, memo = first_fill_s + padded_attention_s(cost, bs, chunk, P, first), {}
+    prefill, decode, memo = first_fill_s + padded_attention_s(cost, bs, chunk, P, first), 0.0, {}
     for (rows, batches, tokens), count in steps.items():
         if not batches:
-            total += count * price(rows)
+            decode += count * price(rows)
             continue
         k = min(n, -(-rows // bs)) + batches
         key = (k, max(1, -(-(rows + tokens) // (k * bs))))
         if key not in memo:
             memo[key] = mixed_s(*key)
-        total += count * memo[key]
-    return weight * total
+        if rows:
+            decode += count * memo[key]
+        else:
+            prefill += count * memo[key]
+    return weight * prefill, weight * decode
 
 
 def _row_prices(step_s, bs: int, n: int):

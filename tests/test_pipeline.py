@@ -181,13 +181,18 @@ def test_left_padding_is_not_routed(checkpoints, ref, monkeypatch):
 def test_replayed_rate_is_the_plan_over_the_lengths_generated(checkpoints):
     """The report's replay: the run's plan over the job's own lengths gives the plan's own
     prediction back; over shorter answers (EOS early) a lower rate (the prefill is paid for
-    fewer tokens), and a job that stops at once a lower one still."""
+    fewer tokens), and a job that stops at once a lower one still; its job's prefill and
+    decode seconds are the time that rate is over."""
     from klotski.assemble import pipeline_cost
-    from klotski.planning import replayed_rate
+    from klotski.planning import replayed_plan
     cfg = RunConfig(model=str(checkpoints["gqa"]), progress=False, dtype="float32", max_new_tokens=16)
     engine, seqs, _ = open_engine(cfg, requests(PROMPTS, 16))
     engine.close()
     prompts = [len(s.prompt_ids) for s in seqs]
-    rate = lambda lens: replayed_rate(engine.config, engine.ckpt, engine.run_plan, prompts, lens, pipeline_cost)  # noqa: E731
+    plan = lambda lens: replayed_plan(engine.config, engine.ckpt, engine.run_plan, prompts, lens, pipeline_cost)  # noqa: E731
+    rate = lambda lens: plan(lens).predicted_tokens_per_s  # noqa: E731
     assert rate([16] * len(seqs)) == pytest.approx(engine.plan.predicted_tokens_per_s, rel=1e-6)
     assert rate([1] * len(seqs)) < rate([4, 16, 2, 16, 8, 3]) < rate([16] * len(seqs))
+    short = plan([4, 16, 2, 16, 8, 3])
+    assert short.job_prefill_s > 0 and short.job_decode_s > 0
+    assert 49 / (short.job_prefill_s + short.job_decode_s) == pytest.approx(short.predicted_tokens_per_s, rel=1e-6)
