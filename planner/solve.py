@@ -116,6 +116,13 @@ def _predict(cost, ios, bs, n, P, G, schedule, hot, marg, layout, chunk=None, ho
                                                     lambda k, new: step(Phase(bs, k, P + G // 2, new))[0])
         else:
             padding = job.padding(cost, bs, longest_chunk, P)
+            if job.batching == "static" and job.prompts:
+                # a static group runs the passes of its longest prompt, each streaming every
+                # off-device weight again: the passes beyond the mean prompt's at a pass's
+                # cost less its attention (`padding` prices that)
+                extra = job.static_passes(n * bs, longest_chunk) - passes * len(lens) / (n * bs)
+                beside = prefill / passes - n * cost.shape.num_layers * cost.t_attn(bs, P, chunk)
+                padding += max(0.0, extra) * max(0.0, beside)
             if job.batching == "continuous":
                 at = live_price()
                 decoding = sum(steps * at(rows) for rows, steps in job.live(n * bs).items())
@@ -385,6 +392,17 @@ class _Job:
             first, steps = continuous_steps(self.prompts[:WINDOW], self.lens[:WINDOW], bs, n, chunk)
             return first, steps, len(self.lens) / min(len(self.lens), WINDOW)
         return self._memoised(("continuous", bs, n, chunk), replay)
+
+    def static_passes(self, group: int, chunk: int) -> int:
+        """Prefill passes of the job under static batching: each window's prompts longest
+        first, `group` to a group, each group in passes of `chunk` over its longest."""
+        def count():
+            total = 0
+            for start in range(0, len(self.prompts), WINDOW):
+                lens = sorted(self.prompts[start:start + WINDOW], reverse=True)
+                total += sum(math.ceil(lens[i] / chunk) for i in range(0, len(lens), group))
+            return total
+        return self._memoised(("passes", group, chunk), count)
 
     def padding(self, cost, bs: int, chunk: int, P: int) -> float:
         """`padded_attention_s` of the job's prompts (0 without them)."""

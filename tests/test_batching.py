@@ -209,3 +209,21 @@ def test_planner_replays_the_engines_continuous_steps(checkpoints, chunk, bs, n)
     assert engine.stats.prefill_passes == -(-max(first) // chunk) + sum(c for (_, b, _), c in steps.items() if b)
     assert engine.stats.decode_rows == sum(rows * c for (rows, _, _), c in steps.items())
 
+
+
+@pytest.mark.parametrize("chunk,bs,n", [(4, 2, 2), (3, 2, 3)])
+def test_planner_counts_the_engines_static_prefill_passes(checkpoints, chunk, bs, n):
+    """Under static batching a group runs the prefill passes of its longest prompt; the
+    planner counts them (and prices those beyond the mean prompt's) as the engine runs them."""
+    from planner.solve import _Job
+    many = [Request(id=f"r{i}", line=i + 1, prompt=PROMPTS[i % len(PROMPTS)] * (1 + i % 3), messages=None,
+                    max_new_tokens=[12, 2, 3, 1, 5][i % 5]) for i in range(17)]
+    cfg = RunConfig(model=str(checkpoints["gqa"]), progress=False, dtype="float32", batch_size=bs,
+                    num_batches=n, prefill_chunk=chunk, batching="static")
+    engine, seqs, _ = open_engine(cfg, many)
+    done = list(engine.run(seqs))
+    engine.close()
+    prompts = [len(s.prompt_ids) for s in done]
+    job = _Job([len(s.out) for s in done], "static", prompts)
+    assert engine.stats.prefill_passes == job.static_passes(n * bs, chunk)
+    assert job.static_passes(n * bs, chunk) > -(-len(prompts) // (n * bs)) * -(-sum(prompts) // len(prompts) // chunk)
