@@ -10,10 +10,13 @@ timed is the pipeline alone; four runs separate its cost per batch and layer (at
 gate), per expert call, per transfer (experts fetched from the host: submitting, waiting,
 making room, the channel thread's share of the cores) and per step; a fifth, with the KV
 cache on the host, its cost per batch-layer (a prefix load and a store submitted, waited for
-and freed: 1.5-2 ms a batch-layer on 2 cores, where a transfer is ~0.1-0.3):
+and freed: 0.4-2 ms a batch-layer on 2 cores, where a transfer is ~0.1-0.3); a sixth, WIDE
+tokens a row, its cost per token-layer beyond a decode step's one token a row (masks, rotary
+tables, gathers and scatters of a prefill's tokens; the profile's ops time none of it):
 
-    step(n batches, E experts chosen, X transfers, KV on host or not)
+    step(n batches of r rows and t tokens a row, E experts chosen, X transfers, KV on host or not)
         = step + L·n·batch_layer + L·E·expert_call + X·transfer + [KV on host] L·n·kv_layer
+          + L·n·r·(t − 1)·token
 
 The result is kept in the user cache per machine and pipeline source, and added to the
 profile's `overhead_s` (planner/costmodel.py: `t_pipeline`).
@@ -28,7 +31,8 @@ import time
 
 import torch
 
-KINDS = ("batch_layer", "expert_call", "transfer", "kv_layer", "step")
+KINDS = ("batch_layer", "expert_call", "transfer", "kv_layer", "token", "step")
+WIDE = 8  # tokens a row in the run that prices a prefill's tokens beyond a decode step's one
 
 
 class _Stubs:
@@ -105,14 +109,15 @@ def _measure(device: str, steps: int, rounds: int, open_engine) -> dict[str, flo
     bs = _rows(probe.spec.num_experts, probe.spec.top_k)
     probe.close()
 
-    def per_step(engine, n: int, chosen: int) -> float:
+    def per_step(engine, n: int, chosen: int, new: int = 1) -> float:
         engine.pipeline.M = _Stubs(chosen, engine.spec.top_k)
         space = engine.kv_space()
-        kvs = [space.allocate(bs, steps + 2)[0] for _ in range(n)]
-        ids = torch.zeros(bs, 1, dtype=torch.long)
+        kvs = [space.allocate(bs, (steps + 2) * new)[0] for _ in range(n)]
+        ids = torch.zeros(bs, new, dtype=torch.long)
         times = []
         for t in range(steps + 1):
-            inputs = [StepInput(ids, torch.ones_like(ids, dtype=torch.bool), torch.full((bs, 1), t)) for _ in kvs]
+            at = torch.arange(t * new, (t + 1) * new).expand(bs, new)
+            inputs = [StepInput(ids, torch.ones_like(ids, dtype=torch.bool), at) for _ in kvs]
             start = time.perf_counter()
             engine.pipeline.forward(kvs, inputs)
             times.append(time.perf_counter() - start)
@@ -122,7 +127,7 @@ def _measure(device: str, steps: int, rounds: int, open_engine) -> dict[str, flo
         # ~30% under the typical step on tiny-mixtral)
         return statistics.median(times[1:])
 
-    # The engines open at once and the five runs interleaved, each term the median over
+    # The engines open at once and the six runs interleaved, each term the median over
     # rounds: a term is a difference of two runs, and apart (one after the other) the
     # machine's drift between them moved `transfer` 3x from one measure to the next.
     engines = {}
@@ -137,11 +142,13 @@ def _measure(device: str, steps: int, rounds: int, open_engine) -> dict[str, flo
             one, three, few = (per_step(engines["device"], 1, E), per_step(engines["device"], 3, E),
                                per_step(engines["device"], 1, k))
             moved, kv = per_step(engines["host"], 1, E), per_step(engines["kv"], 1, E)
+            wide = per_step(engines["device"], 1, E, WIDE)
             batch_layer = max(0.0, (three - one) / (2 * L))
             expert_call = max(0.0, (one - few) / (L * (E - k))) if E > k else 0.0
             terms.append({"batch_layer": batch_layer, "expert_call": expert_call,
                           "transfer": max(0.0, (moved - one) / (L * E)),
                           "kv_layer": max(0.0, (kv - one) / L),
+                          "token": max(0.0, (wide - one) / (L * bs * (WIDE - 1))),
                           "step": max(0.0, one - L * batch_layer - L * E * expert_call)})
     finally:
         for engine in engines.values():

@@ -201,16 +201,16 @@ class CostModel:
         return 0.0 if tokens <= 0 else self._time("expert", (max(1.0, tokens),))
 
     def t_pipeline(self, batch_layers: float = 0, expert_calls: float = 0, transfers: float = 0,
-                   steps: float = 0, kv_layers: float = 0) -> float:
+                   steps: float = 0, kv_layers: float = 0, tokens: float = 0) -> float:
         """What the engine's pipeline adds around the ops (routing bookkeeping, gathers, the
         residency cache, submitting and awaiting transfers), per batch-layer, expert call,
-        transfer, step and batch-layer whose KV cache comes from the host, as a measured
-        profile records it (`overhead_s`; klotski/overhead.py). Noise on a big model, most of
+        transfer, step, batch-layer whose KV cache comes from the host and token-layer beyond
+        one a row (`tokens`: a prefill's), as a measured profile records it (`overhead_s`; klotski/overhead.py). Noise on a big model, most of
         a step on a tiny one; 0 where the profile has none."""
         o = self.profile.overhead_s
         return (batch_layers * o.get("batch_layer", 0.0) + expert_calls * o.get("expert_call", 0.0)
                 + transfers * o.get("transfer", 0.0) + steps * o.get("step", 0.0)
-                + kv_layers * o.get("kv_layer", 0.0))
+                + kv_layers * o.get("kv_layer", 0.0) + tokens * o.get("token", 0.0))
 
     def t_head(self, tokens: int) -> float:
         """Final norm + LM head logits for `tokens` tokens (one per sequence per step)."""

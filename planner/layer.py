@@ -216,6 +216,7 @@ def layer_time(cost, io: LayerIO, ph: Phase, marg, hot, schedule, host=None) -> 
     moves = sum(u for u, t in zip(calls, io.experts) if t != "device") + (io.next_attn != "device") \
         + (io.gate != "device")
     kv_layers = ph.n if io.kv == "host" and not host_attention_here(io, host) else 0
-    extra = cost.t_pipeline(batch_layers=ph.n, expert_calls=sum(calls), transfers=moves, kv_layers=kv_layers)
+    extra = cost.t_pipeline(batch_layers=ph.n, expert_calls=sum(calls), transfers=moves, kv_layers=kv_layers,
+                            tokens=ph.n * ph.bs * (ph.new - 1))
     t = max(pipe + copy + extra, *(cost.t_io(b, link) for link, b in links.items()))
     return t, t - compute - copy - extra

@@ -136,7 +136,8 @@ def test_a_builtin_profile_measures_nothing(measured, capsys):
 def test_pipeline_overhead_is_measured_once_and_priced_per_call(tmp_path, monkeypatch):
     """The pipeline's own cost around the ops (klotski/overhead.py): the engine's pipeline with
     the math stubbed out, cached per machine and pipeline source; the cost model adds it per
-    batch-layer, expert call, transfer, step and batch-layer with its KV cache on the host."""
+    batch-layer, expert call, transfer, step, batch-layer with its KV cache on the host and
+    token beyond one a row."""
     from klotski import overhead
     from klotski.assemble import open_engine
     from planner.costmodel import CostModel
@@ -148,10 +149,10 @@ def test_pipeline_overhead_is_measured_once_and_priced_per_call(tmp_path, monkey
     assert overhead.pipeline_overhead("cpu", open_engine, steps=3) == found
     profile = load_profile("rtx3090-pcie4")
     profile.overhead_s.update({"batch_layer": 1e-3, "expert_call": 1e-4, "transfer": 1e-5, "step": 1e-2,
-                               "kv_layer": 1e-6})
+                               "kv_layer": 1e-6, "token": 1e-7})
     cost = CostModel(profile, TINY)
-    assert cost.t_pipeline(batch_layers=2, expert_calls=3, transfers=4, steps=1, kv_layers=5) == pytest.approx(
-        2e-3 + 3e-4 + 4e-5 + 1e-2 + 5e-6)
+    assert cost.t_pipeline(batch_layers=2, expert_calls=3, transfers=4, steps=1, kv_layers=5, tokens=6) == \
+        pytest.approx(2e-3 + 3e-4 + 4e-5 + 1e-2 + 5e-6 + 6e-7)
 
 
 def test_pipeline_overhead_stubs_reach_every_expert():
