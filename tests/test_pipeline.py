@@ -189,7 +189,8 @@ def test_replayed_rate_is_the_plan_over_the_lengths_generated(checkpoints):
     engine, seqs, _ = open_engine(cfg, requests(PROMPTS, 16))
     engine.close()
     prompts = [len(s.prompt_ids) for s in seqs]
-    plan = lambda lens: replayed_plan(engine.config, engine.ckpt, engine.run_plan, prompts, lens, pipeline_cost)  # noqa: E731
+    def plan(lens):
+        return replayed_plan(engine.config, engine.ckpt, engine.run_plan, prompts, lens, pipeline_cost)
     rate = lambda lens: plan(lens).predicted_tokens_per_s  # noqa: E731
     assert rate([16] * len(seqs)) == pytest.approx(engine.plan.predicted_tokens_per_s, rel=1e-6)
     assert rate([1] * len(seqs)) < rate([4, 16, 2, 16, 8, 3]) < rate([16] * len(seqs))
