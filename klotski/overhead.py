@@ -73,7 +73,7 @@ def _source_key(device: str) -> str:
 
 
 def pipeline_overhead(device: str, open_engine, steps: int = 16, rounds: int = 11) -> dict[str, float]:
-    """Seconds per batch-layer, expert call, transfer and step the pipeline adds on `device`,
+    """Seconds the pipeline adds on `device` per each of KINDS (the module docstring's terms),
     measured once per machine and pipeline source (user cache). `open_engine` is the
     composition root's (klotski.assemble), handed in so this module does not import it."""
     from klotski import cachedir

@@ -127,8 +127,8 @@ class CostModel:
         average (none for a prompt in one pass)."""
         if new_tokens == 1:
             return self.kv_bytes(bs * self.kv_context(ctx), 1)
-        prefix = (math.ceil(ctx / max(1, new_tokens)) - 1) * new_tokens / 2
-        return self.kv_bytes(bs * max(0.0, prefix), 1)
+        prefix = (math.ceil(ctx / new_tokens) - 1) * new_tokens / 2
+        return self.kv_bytes(bs * prefix, 1)
 
     # ---- compute ------------------------------------------------------------------------
     def work(self, kind: str, point: Sequence[float]) -> tuple[float, float]:

@@ -139,10 +139,10 @@ def _predict(cost, ios, bs, n, P, G, schedule, hot, marg, layout, chunk=None, ho
 
 
 def _continuous_s(job, cost, bs, n, P, chunk, first_fill_s, price, mixed_s) -> tuple[float, float]:
-    """Seconds of the job's prefill and decode under continuous batching, replayed step by step with its
-    prefills (`occupancy.continuous_steps`, the job's first window standing for all): the
-    first fill is a static prefill (`first_fill_s`, a group at the mean prompt), plus its
-    padding's attention; then a step of r live rows alone costs `price(r)`, and one that
+    """Seconds of the job's prefill and decode under continuous batching, replayed step by
+    step with its prefills (`occupancy.continuous_steps`, the job's first window standing
+    for all): the first fill is a static prefill (`first_fill_s`, a group at the mean
+    prompt), plus its padding's attention; then a step of r live rows alone costs `price(r)`, and one that
     carries newcomer batches is priced as one forward over the decode batches and the
     newcomers together, their rows' tokens spread over them (`mixed_s(batches, tokens a row)`).
     A step with rows decoding counts as decode, as the engine counts it."""
