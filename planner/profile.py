@@ -49,8 +49,10 @@ BUILTIN_DIR = Path(__file__).parent / "profiles"
 # fastest of its repetitions, not their median. 4: ops read their weights cold (EngineOps
 # cycles through copies), as the pipeline's steps do. 5: on a CPU the host->device rate is
 # an expert-sized clone on a one-thread worker, as the engine's channels copy. 6: chunked
-# prefill (a few new tokens over a long context) is sampled too.
-PROFILE_VERSION = 6
+# prefill (a few new tokens over a long context) is sampled too. 7: each op's time is the
+# median of its repetitions again (what a step pays; the fastest ran 0.73 ms for an expert
+# the pipeline paid 1.0 ms for, call after call), and decode batches of 64 are sampled.
+PROFILE_VERSION = 7
 # A chunked prefill pass (new tokens ≪ context) is neither a decode step nor a whole prompt:
 # tiny-mixtral's 8 tokens over 128 ran 0.90 ms where the whole-prompt samples priced 0.65.
 CHUNK_SAMPLE = 8
@@ -157,7 +159,7 @@ def profile_key(shape, device: str, link_gbps: float | None, grid: dict, ops_key
 
 
 # ---- measuring ------------------------------------------------------------------------------
-def measure(shape, *, ops, batch_sizes=(1, 4, 16), context_lengths=(128, 512), token_counts=(1, 8, 64, 512),
+def measure(shape, *, ops, batch_sizes=(1, 4, 16, 64), context_lengths=(128, 512), token_counts=(1, 8, 64, 512),
             device: str = "cpu", link_gbps: float | None = None, refresh: bool = False,
             cache_dir: str | os.PathLike | None = None, reps: int = 5, io_bytes: int = 64 << 20,
             io_dir: str | os.PathLike | None = None) -> Profile:
@@ -292,12 +294,14 @@ def host_rates(shape, make_ops, grid, reps, samples=None) -> tuple[float, float]
 
 
 def _timeit(fn, reps: int, sync) -> float:
-    """The fastest of up to `reps` timed calls after one untimed warm-up (which, on a GPU,
+    """The median of up to `reps` timed calls after one untimed warm-up (which, on a GPU,
     also pays for kernel loading, library handles and the allocator's first blocks). Each
     timed call starts and ends synchronized, so it holds its own work and nothing queued
-    before; ops slower than ~1/reps s get fewer repetitions. The fastest, not the median:
-    another process on the machine only ever adds time, and a profile measured beside one
-    (a median of 86 ms for a 0.5 ms attention call was seen) misplans every later run."""
+    before; ops slower than ~1/reps s get fewer repetitions. The median, not the fastest:
+    a step pays an op's typical time (the fastest of 5 priced smollm2-moe's expert at 8
+    tokens 0.73 ms, its attention at bs 16 0.78; the same ops ran 0.96-1.0 and 0.88-0.92
+    call after call, in the pipeline too). A sample disturbed throughout by another process
+    is dropped by the cost model (planner/costmodel.py: OUTLIER)."""
     def once() -> float:
         sync()
         t0 = time.perf_counter()
@@ -309,7 +313,7 @@ def _timeit(fn, reps: int, sync) -> float:
     sync()
     times = [once()]
     times += [once() for _ in range(max(1, min(reps, int(1.0 / max(times[0], 1e-6)))) - 1)]
-    return min(times)
+    return statistics.median(times)
 
 
 def _copy_bandwidth(nbytes, src, dst, reps, sync) -> float:

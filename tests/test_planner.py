@@ -380,6 +380,61 @@ def test_job_prefill_pays_for_left_padding():
     assert padded_attention_s(cost, 1, 512, 100, [100] * 15 + [400]) < one_long
 
 
+def test_decode_attends_over_the_padded_width():
+    """A decode row reads its batch's slots: a batch is as wide as its longest prompt. One
+    long prompt among short ones prices the decode as if every prompt were that long; at
+    batch size 1 nothing pads."""
+    from planner.solve import _Job
+    prompts = [400] + [100] * 7
+    assert _Job([8] * 8, "static", prompts).padded_prompt(8) == 400
+    assert _Job([8] * 8, "static", prompts).padded_prompt(1) == pytest.approx(sum(prompts) / 8)
+    assert _Job([8] * 8, "static", prompts, window=4).padded_prompt(4) == pytest.approx((400 * 4 + 100 * 4) / 8)
+    shape = as_shape("mixtral-8x7b")
+    cost = CostModel(load_profile("rtx3090-pcie4"), shape)
+    budgets = {"device": 40e9, "host": 400e9}
+
+    def decode_s(lens):
+        return solve(shape, cost, budgets, prompt_len=sum(lens) // len(lens), gen_len=8, longest_prompt=max(lens),
+                     batch_sizes=(8,), num_batches=1, gen_lens=[8] * len(lens), prompt_lens=lens,
+                     batching="static").job_decode_s
+    # every row decodes over the long prompt's width: as if each prompt were that long
+    assert decode_s(prompts) == pytest.approx(decode_s([400] * 8), rel=1e-9)
+    assert decode_s(prompts) > decode_s([sum(prompts) // 8] * 8)
+
+
+def test_continuous_first_fill_is_priced_at_its_own_prompts():
+    """The first fill takes the longest answers first and, among equal ones, the longest
+    prompts: with every answer of one length it is the job's longest prompts, not its mean."""
+    from planner.solve import _continuous_s, _Job
+    cost = CostModel(load_profile("rtx3090-pcie4"), as_shape("mixtral-8x7b"))
+    job = _Job([16] * 64, "continuous", [50] * 28 + [400] * 8 + [50] * 28)
+    seen = []
+    _continuous_s(job, cost, 4, 2, 512, lambda p: seen.append(p) or 0.0, lambda rows: 0.0, lambda k, new: 0.0)
+    assert seen == [400]
+
+
+def test_profile_times_an_op_at_its_median():
+    """A step pays an op's typical time, not its luckiest: the profile takes the median of
+    the timed calls (the warm-up is not one of them)."""
+    from planner.profile import _timeit
+    waits = iter([0.05, 0.001, 0.02, 0.02, 0.02, 0.001])
+    assert _timeit(lambda: time.sleep(next(waits)), 5, lambda: None) == pytest.approx(0.02, abs=0.008)
+
+
+def test_job_padding_follows_the_engines_windows():
+    """The engine forms batches by length within a window of the job's lines: long and short
+    prompts alternating pad every batch to the long one when each window holds both, and not
+    at all when one window holds the whole job (the long ones then batch together)."""
+    from planner.solve import _Job
+    cost = CostModel(load_profile("rtx3090-pcie4"), as_shape("mixtral-8x7b"))
+    prompts = [400, 100] * 8
+    whole = _Job([8] * 16, "static", prompts).padding(cost, 8, 512, 250)
+    windowed = _Job([8] * 16, "static", prompts, window=8).padding(cost, 8, 512, 250)
+    assert windowed > whole * 1.2
+    assert _Job([8] * 16, "static", prompts, window=8).static_passes(8, 128) == 2 * 4  # each window: one group of 4 passes
+    assert _Job([8] * 16, "static", prompts).static_passes(8, 128) == 4 + 1
+
+
 def test_continuous_drain_is_priced_at_its_live_rows():
     """The replay's live rows: two slots, answers of 3, 1 and 1 steps -> 2 rows for one step,
     then the long answer alone for two; the steps sum to the replay's length and the rows to
