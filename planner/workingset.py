@@ -62,8 +62,9 @@ def activation_bytes(shape, itemsize: int, step: Step, host_attention: bool = Fa
     the projections of one batch."""
     s, t = shape, step
     q, kv = s.attention_widths
-    # keys/values over every head: expanded for grouped queries, or (MLA) kv_b's output from
-    # the latent (values are a view of it) and the keys assembled with their rotary part
+    # keys/values over every head, as grouped queries once expanded them (layers.attend no
+    # longer does: kept as a bound, not yet measured down), or (MLA) kv_b's output from the
+    # latent (values are a view of it) and the keys assembled with their rotary part
     per_key = 2 * q if not s.kv_lora_rank else kv - s.num_heads * s.head_dim + q
     kv //= 2
     base = (4 * t.tokens * s.hidden_size * itemsize + t.tokens * t.keys
