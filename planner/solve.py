@@ -127,6 +127,10 @@ def _predict(cost, ios, bs, n, P, G, schedule, hot, marg, layout, chunk=None, ho
             if job.batching == "continuous":
                 at = live_price()
                 decoding = sum(steps * at(rows) for rows, steps in job.live(n * bs).items())
+            elif len(job.prompts) == len(lens):
+                # a static batch leaves the group's steps once all its rows are done
+                decoding = sum(steps * step(Phase(bs, k, ctx, 1))[0]
+                               for (k, _), steps in job.static_decode(bs, n, longest_chunk).items())
             else:
                 decoding = dec * sum(max(0, g - 1) for g in lens) / max(n * bs * utilisation, 1e-12)
             job_prefill, job_decode = prefill * len(lens) / (n * bs) + padding, decoding
@@ -382,7 +386,7 @@ class _Job:
 
     def windows(self) -> list[list[int]]:
         """The job's prompt lengths as the engine batches them: window by window."""
-        return [self.prompts[a:a + self.window] for a in range(0, len(self.prompts), self.window)]
+        return [[self.prompts[i] for i in w] for w in self._windows_of(range(len(self.prompts)))]
 
     def _memoised(self, key, compute):
         if key not in self._memo:
@@ -416,6 +420,36 @@ class _Job:
                 total += sum(math.ceil(lens[i] / chunk) for i in range(0, len(lens), group))
             return total
         return self._memoised(("passes", group, chunk), count)
+
+    def static_decode(self, bs: int, n: int, chunk: int) -> Counter:
+        """Decode steps of the job under static batching, by (batches, rows) they compute:
+        the engine forms each window's groups longest prompt first (a stable sort), n batches
+        of bs; a batch prefills in passes of `chunk` over its own longest prompt, then decodes
+        (beside the group's longer prefills, in steps counted as prefill) until its last row is
+        done, and leaves the group's steps. With a few long answers a group runs most of its
+        decode steps on the one batch that holds them."""
+        def count():
+            steps = Counter()
+            for window in self._windows_of(range(len(self.prompts))):
+                order = sorted(window, key=lambda i: -self.prompts[i])
+                batches = [order[i:i + bs] for i in range(0, len(order), bs)]
+                for g in range(0, len(batches), n):
+                    group = [(math.ceil(max(self.prompts[i] for i in b) / chunk),
+                              max(self.lens[i] for i in b) - 1, len(b)) for b in batches[g:g + n]]
+                    prefill = max(passes for passes, _, _ in group)
+                    ends = sorted((passes + life, rows) for passes, life, rows in group)
+                    last = prefill
+                    for k, (end, _) in enumerate(ends):  # batches k.. are active until `end`
+                        if end > last:
+                            steps[(len(ends) - k, sum(rows for _, rows in ends[k:]))] += end - last
+                            last = end
+            return steps
+        return self._memoised(("static decode", bs, n, chunk), count)
+
+    def _windows_of(self, indices) -> list:
+        """`indices` (the job's lines, in order) cut into the engine's windows."""
+        indices = list(indices)
+        return [indices[a:a + self.window] for a in range(0, len(indices), self.window)]
 
     def padded_prompt(self, bs: int) -> float:
         """The prompt width a decode row attends over, on average: the engine left-pads each

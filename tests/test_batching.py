@@ -213,8 +213,9 @@ def test_planner_replays_the_engines_continuous_steps(checkpoints, chunk, bs, n)
 
 @pytest.mark.parametrize("chunk,bs,n", [(4, 2, 2), (3, 2, 3)])
 def test_planner_counts_the_engines_static_prefill_passes(checkpoints, chunk, bs, n):
-    """Under static batching a group runs the prefill passes of its longest prompt; the
-    planner counts them (and prices those beyond the mean prompt's) as the engine runs them."""
+    """Under static batching a group runs the prefill passes of its longest prompt, and a
+    batch decodes until its own last row is done; the planner counts both as the engine
+    runs them."""
     from planner.solve import _Job
     many = [Request(id=f"r{i}", line=i + 1, prompt=PROMPTS[i % len(PROMPTS)] * (1 + i % 3), messages=None,
                     max_new_tokens=[12, 2, 3, 1, 5][i % 5]) for i in range(17)]
@@ -223,7 +224,12 @@ def test_planner_counts_the_engines_static_prefill_passes(checkpoints, chunk, bs
     engine, seqs, _ = open_engine(cfg, many)
     done = list(engine.run(seqs))
     engine.close()
-    prompts = [len(s.prompt_ids) for s in done]
-    job = _Job([len(s.out) for s in done], "static", prompts)
+    out = {s.request.id: len(s.out) for s in done}  # the job's order: groups break length ties by it
+    prompts = [len(s.prompt_ids) for s in seqs]
+    job = _Job([out[s.request.id] for s in seqs], "static", prompts)
     assert engine.stats.prefill_passes == job.static_passes(n * bs, chunk)
+    # and its decode steps, each computing the rows of the batches not yet done
+    decode = job.static_decode(bs, n, chunk)
+    assert engine.stats.decode_rows == sum(rows * steps for (_, rows), steps in decode.items())
+    assert sum(decode.values()) < sum(max(len(s.out) for s in done[i:i + n * bs]) - 1 for i in range(0, 17, n * bs))
     assert job.static_passes(n * bs, chunk) > -(-len(prompts) // (n * bs)) * -(-sum(prompts) // len(prompts) // chunk)
