@@ -122,8 +122,9 @@ class Channel:
                 emulated = self.links.get(link)
                 done_at = emulated.occupy(nbytes, start) if emulated else None
                 result = fn()
-                if done_at is not None and done_at - time.perf_counter() > SLEEP_GRAIN:
-                    time.sleep(done_at - time.perf_counter())
+                ahead = done_at - time.perf_counter() if done_at is not None else 0.0
+                if ahead > SLEEP_GRAIN:
+                    time.sleep(ahead)
                 self.trace.add(self.name, name, start, time.perf_counter(), nbytes, link)
                 return result
 

@@ -74,7 +74,8 @@ def _predict(cost, ios, bs, n, P, G, schedule, hot, marg, layout, chunk=None, ho
              utilisation=1.0, job: "_Job | None" = None) -> dict:
     """Analytic times for one batch group: the prefill passes (one per chunk of `chunk`
     prompt tokens) and G−1 decode steps (decode evaluated at the mean context, attention cost
-    being linear in it). `utilisation` (decode slot utilisation, see planner.occupancy) turns
+    being linear in it; with the job's prompts, over the batches' padded width:
+    `_Job.padded_prompt`). `utilisation` (decode slot utilisation, see planner.occupancy) turns
     computed rows into useful tokens: `tokens_per_s` is the useful rate. With `job` (the
     job's lengths, `_Job`), the rate is the job's: every prompt prefilled once, in groups of
     n·bs, and its tokens after the first decoded n·bs·utilisation to a step, so a job of
@@ -273,7 +274,8 @@ def solve(shape, cost, budgets, *, prompt_len: int, gen_len: int, longest_prompt
           batch_sizes=BATCH_SIZES, max_n: int = 64, schedule: str = "klotski", K: int | None = None,
           num_batches: int | None = None, chunk: int | None = None, max_sequences: int | None = None,
           popularity=None, finalists: int = 3, host_attention: str = "off", host_experts: str = "off",
-          gen_lens=None, batching: str = "continuous", prompt_lens=None, window: int | None = None) -> Plan:
+          gen_lens=None, batching: str = "continuous", prompt_lens=None,
+          window: int | None = None) -> Plan:
     """Best (batch size, n, placement) for generating `gen_len` tokens after `prompt_len`.
 
     `cost` is a CostModel for `shape`; `budgets` a Budgets or {"device", "host"[, "disk"]}
@@ -382,11 +384,16 @@ class _Job:
     def __init__(self, gen_lens, batching, prompt_lens=None, window: int | None = None):
         self.lens, self.batching, self._memo = list(gen_lens or ()), batching, {}
         self.prompts = list(prompt_lens or ())
-        self.window = max(1, window or len(self.lens) or len(self.prompts) or 1)
+        self.window = window or max(1, len(self.lens), len(self.prompts))
 
-    def windows(self) -> list[list[int]]:
-        """The job's prompt lengths as the engine batches them: window by window."""
-        return [[self.prompts[i] for i in w] for w in self._windows_of(range(len(self.prompts)))]
+    def ordered(self) -> list[list[int]]:
+        """The job's lines as the engine batches them: window by window, each window's
+        longest prompt first (a stable sort, as `Engine.groups` sorts)."""
+        def order():
+            starts = range(0, len(self.prompts), self.window)
+            return [sorted(range(a, min(a + self.window, len(self.prompts))), key=lambda i: -self.prompts[i])
+                    for a in starts]
+        return self._memoised(("ordered",), order)
 
     def _memoised(self, key, compute):
         if key not in self._memo:
@@ -414,11 +421,7 @@ class _Job:
         """Prefill passes of the job under static batching: each window's prompts longest
         first, `group` to a group, each group in passes of `chunk` over its longest."""
         def count():
-            total = 0
-            for window in self.windows():
-                lens = sorted(window, reverse=True)
-                total += sum(math.ceil(lens[i] / chunk) for i in range(0, len(lens), group))
-            return total
+            return sum(math.ceil(self.prompts[o[i]] / chunk) for o in self.ordered() for i in range(0, len(o), group))
         return self._memoised(("passes", group, chunk), count)
 
     def static_decode(self, bs: int, n: int, chunk: int) -> Counter:
@@ -430,11 +433,10 @@ class _Job:
         decode steps on the one batch that holds them."""
         def count():
             steps = Counter()
-            for window in self._windows_of(range(len(self.prompts))):
-                order = sorted(window, key=lambda i: -self.prompts[i])
+            for order in self.ordered():
                 batches = [order[i:i + bs] for i in range(0, len(order), bs)]
                 for g in range(0, len(batches), n):
-                    group = [(math.ceil(max(self.prompts[i] for i in b) / chunk),
+                    group = [(math.ceil(self.prompts[b[0]] / chunk),
                               max(self.lens[i] for i in b) - 1, len(b)) for b in batches[g:g + n]]
                     prefill = max(passes for passes, _, _ in group)
                     ends = sorted((passes + life, rows) for passes, life, rows in group)
@@ -446,11 +448,6 @@ class _Job:
             return steps
         return self._memoised(("static decode", bs, n, chunk), count)
 
-    def _windows_of(self, indices) -> list:
-        """`indices` (the job's lines, in order) cut into the engine's windows."""
-        indices = list(indices)
-        return [indices[a:a + self.window] for a in range(0, len(indices), self.window)]
-
     def padded_prompt(self, bs: int) -> float:
         """The prompt width a decode row attends over, on average: the engine left-pads each
         batch of `bs` (formed longest first within a window) to its longest prompt, and every
@@ -458,10 +455,7 @@ class _Job:
         batch of 32) that is 207 where the mean prompt is 94; a decode step's attention there
         measured 2.9 ms a layer against 1.1 priced at the mean."""
         def width():
-            total = 0
-            for window in self.windows():
-                lens = sorted(window, reverse=True)
-                total += sum(lens[i] * len(lens[i:i + bs]) for i in range(0, len(lens), bs))
+            total = sum(self.prompts[o[i]] * len(o[i:i + bs]) for o in self.ordered() for i in range(0, len(o), bs))
             return total / max(1, len(self.prompts))
         return self._memoised(("width", bs), width)
 
@@ -470,7 +464,8 @@ class _Job:
         if not self.prompts:
             return 0.0
         return self._memoised(("padding", bs, chunk, P),
-                              lambda: sum(padded_attention_s(cost, bs, chunk, P, w) for w in self.windows()))
+                              lambda: sum(padded_attention_s(cost, bs, chunk, P, [self.prompts[i] for i in o])
+                                          for o in self.ordered()))
 
 
 def _best_chunk(ctx: "_Ctx", bs: int, n: int) -> "_Ctx":
