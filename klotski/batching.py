@@ -167,6 +167,7 @@ class ContinuousRun:
         e.trace.resolve()
         if decoding:  # a step that decodes counts as decode time; newcomers' prefill rides along
             stats.decode_s += elapsed
+            stats.decode_prompt_tokens += sum(int(inp.valid.sum()) for _, inp, prefill in work if prefill)
             stats.decode_disk_bytes += e.trace.bytes[DISK_TO_HOST] - disk0
             stats.decode_rows += sum(d.kv.rows for d in decoding)
             stats.decode_slots += e.batch_size * e.num_batches

@@ -395,7 +395,7 @@ def build_report(engine, run_plan, *, ok: int, failed: int, skipped: int, wall_s
         "decode_slot_utilisation": round(s.slot_utilisation, 4) if s.slot_utilisation is not None else None,
         "decode_occupancy": round(s.occupancy, 4) if s.occupancy is not None else None,
         "batching": {"mode": engine.config.batching, "refills": s.refills, "kv_realigns": s.kv_realigns,
-                     "rows_moved": s.rows_moved,
+                     "rows_moved": s.rows_moved, "prompt_tokens_in_decode_steps": s.decode_prompt_tokens,
                      "order": ("waiting prompts longest max_new_tokens first; a freed row takes the next"
                                if engine.config.batching == "continuous" else
                                "longest prompts first, n batches of bs per group")},
@@ -441,8 +441,10 @@ def summary(report: dict, out_path: Path) -> str:
             f"bubble    {report['bubble']['share']:.1%} of compute time waiting on transfers",
             *([f"slots     {report['decode_slot_utilisation']:.0%} of decode rows computed served a sequence still "
                f"generating; {report['decode_occupancy']:.0%} of the group's rows did "
-               + ("(continuous batching: {} rows refilled; finished rows are not computed)".format(
-                   report["batching"]["refills"]) if report["batching"]["mode"] == "continuous" else
+               + ("(continuous batching: {} rows refilled, {} prompt tokens prefilled inside decode "
+                  "steps; finished rows are not computed)".format(
+                   report["batching"]["refills"], report["batching"]["prompt_tokens_in_decode_steps"])
+                  if report["batching"]["mode"] == "continuous" else
                   "(static batching: a batch keeps its slots until its longest sequence ends)")]
               if report["decode_slot_utilisation"] is not None else []),
             *_prefetch_line(report["prefetch"]),

@@ -117,6 +117,21 @@ def test_continuous_serves_more_of_the_decode_slots(checkpoints):
     assert continuous.stats.decode_rows < static.stats.decode_rows  # fewer row-steps for the same tokens
     # no finished row is computed: live rows close ranks in front and steps take only those
     assert continuous.stats.slot_utilisation == 1.0 and continuous.stats.rows_moved > 0
+    # the newcomers' prompts are prefilled inside decode steps, each real token once (no
+    # padding); the first fill's are not, and static batching never mixes the two
+    assert static.stats.decode_prompt_tokens == 0
+
+
+def test_newcomers_prompts_are_counted_once_inside_decode_steps(checkpoints):
+    """Whole prompts in one pass: the first fill prefills on its own step; every later
+    prompt's real tokens (no padding) ride inside decode steps, once each."""
+    cfg = RunConfig(model=str(checkpoints["gqa"]), progress=False, dtype="float32", batch_size=2, num_batches=2)
+    engine, seqs, errors = open_engine(cfg, _requests())
+    queue = sorted(seqs, key=lambda s: (-s.max_new_tokens, -len(s.prompt_ids)))  # the engine's order
+    list(engine.run(seqs))
+    engine.close()
+    newcomers = queue[cfg.batch_size * cfg.num_batches:]
+    assert engine.stats.decode_prompt_tokens == sum(len(s.prompt_ids) for s in newcomers) > 0
 
 
 def test_quarter_budget_stays_exact_and_within_budget(checkpoints, reference):
