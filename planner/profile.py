@@ -52,7 +52,13 @@ BUILTIN_DIR = Path(__file__).parent / "profiles"
 # prefill (a few new tokens over a long context) is sampled too. 7: each op's time is the
 # median of its repetitions again (what a step pays; the fastest ran 0.73 ms for an expert
 # the pipeline paid 1.0 ms for, call after call), and decode batches of 64 are sampled.
-PROFILE_VERSION = 7
+# 8: the grid is timed ROUNDS times over and each point takes the median of its rounds.
+PROFILE_VERSION = 8
+# This VM's speed moved by a fifth within minutes: one measure priced smollm2-moe's expert at
+# 8 tokens 0.74 ms (and every other op about as much faster) where two measures minutes later
+# gave 0.91 and 0.93 and the same op timed alone 0.88-0.95; a run meets the typical pace, so
+# each point is the median of passes spread over the measure.
+ROUNDS = 3
 # A chunked prefill pass (new tokens ≪ context) is neither a decode step nor a whole prompt:
 # tiny-mixtral's 8 tokens over 128 ran 0.90 ms where the whole-prompt samples priced 0.65.
 CHUNK_SAMPLE = 8
@@ -222,26 +228,9 @@ def _measure(shape, make_ops, grid, device, link_gbps, reps, io_bytes, io_dir) -
         def sync():
             pass
     ops = make_ops(shape, dt, dev)
-    samples: dict[str, list[list[float]]] = {"attention": [], "gate": [], "expert": [], "head": [], "dequant": []}
 
     with torch.inference_mode():
-        for ctx in grid["ctx"]:
-            for bs in grid["bs"]:
-                samples["attention"].append([bs, ctx, 1, _timeit(ops.attention(bs, ctx, 1), reps, sync)])
-            # the largest batch too at the shortest context: a big batch's prefill is not a
-            # small one's scaled (32 x 207 tokens ran 1.4x the bs-4 extrapolation here)
-            wide = sorted(grid["bs"])[:2] + ([max(grid["bs"])] if ctx == min(grid["ctx"]) else [])
-            for bs in sorted(set(wide)):
-                samples["attention"].append([bs, ctx, ctx, _timeit(ops.attention(bs, ctx, ctx), reps, sync)])
-            for bs in sorted(grid["bs"])[:2]:
-                new = min(CHUNK_SAMPLE, ctx // 2)
-                samples["attention"].append([bs, ctx, new, _timeit(ops.attention(bs, ctx, new), reps, sync)])
-        for n in grid["tokens"]:
-            samples["gate"].append([n, _timeit(ops.gate(n), reps, sync)])
-            samples["expert"].append([n, _timeit(ops.expert(n), reps, sync)])
-        for n in sorted({1, max(grid["bs"])}):
-            samples["head"].append([n, _timeit(ops.head(n), reps, sync)])
-        samples["dequant"].append([shape.expert_params, _timeit(ops.dequant(), reps, sync)])
+        samples = median_of_rounds([_time_grid(ops, shape, grid, reps, sync) for _ in range(ROUNDS)])
         links = {"host_to_device": _copy_bandwidth(io_bytes, "cpu", dev, reps, sync),
                  "device_to_host": _copy_bandwidth(io_bytes, dev, "cpu", reps, sync)}
         if dev.type == "cpu":
@@ -271,6 +260,35 @@ def _measure(shape, make_ops, grid, device, link_gbps, reps, io_bytes, io_dir) -
     return Profile(name="measured", device=dev.type, flops=flops, mem_bw=mem_bw, links=links,
                    samples=samples, shape_key=shape.key(), machine=machine,
                    memory=_memory_capacity(dev), host_flops=host_flops, host_mem_bw=host_bw)
+
+
+def median_of_rounds(rounds: list[dict[str, list[list[float]]]]) -> dict[str, list[list[float]]]:
+    """Each point of the grid at the median of its time over the rounds (same points, same order)."""
+    return {kind: [row[:-1] + [statistics.median(r[kind][i][-1] for r in rounds)] for i, row in enumerate(rows)]
+            for kind, rows in rounds[0].items()}
+
+
+def _time_grid(ops, shape, grid, reps, sync) -> dict[str, list[list[float]]]:
+    """One round of the grid: each op at each of its points, [point..., seconds] rows."""
+    samples: dict[str, list[list[float]]] = {"attention": [], "gate": [], "expert": [], "head": [], "dequant": []}
+    for ctx in grid["ctx"]:
+        for bs in grid["bs"]:
+            samples["attention"].append([bs, ctx, 1, _timeit(ops.attention(bs, ctx, 1), reps, sync)])
+        # the largest batch too at the shortest context: a big batch's prefill is not a
+        # small one's scaled (32 x 207 tokens ran 1.4x the bs-4 extrapolation here)
+        wide = sorted(grid["bs"])[:2] + ([max(grid["bs"])] if ctx == min(grid["ctx"]) else [])
+        for bs in sorted(set(wide)):
+            samples["attention"].append([bs, ctx, ctx, _timeit(ops.attention(bs, ctx, ctx), reps, sync)])
+        for bs in sorted(grid["bs"])[:2]:
+            new = min(CHUNK_SAMPLE, ctx // 2)
+            samples["attention"].append([bs, ctx, new, _timeit(ops.attention(bs, ctx, new), reps, sync)])
+    for n in grid["tokens"]:
+        samples["gate"].append([n, _timeit(ops.gate(n), reps, sync)])
+        samples["expert"].append([n, _timeit(ops.expert(n), reps, sync)])
+    for n in sorted({1, max(grid["bs"])}):
+        samples["head"].append([n, _timeit(ops.head(n), reps, sync)])
+    samples["dequant"].append([shape.expert_params, _timeit(ops.dequant(), reps, sync)])
+    return samples
 
 
 def host_rates(shape, make_ops, grid, reps, samples=None) -> tuple[float, float]:

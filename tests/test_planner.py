@@ -421,6 +421,15 @@ def test_profile_times_an_op_at_its_median():
     assert _timeit(lambda: time.sleep(next(waits)), 5, lambda: None) == pytest.approx(0.02, abs=0.008)
 
 
+def test_profile_point_is_the_median_of_its_rounds():
+    """A pass over the grid caught in a fast (or slow) moment of the machine moves no point:
+    each takes the median of its rounds."""
+    from planner.profile import median_of_rounds
+    rounds = [{"expert": [[8, 0.91e-3], [64, 2.4e-3]]}, {"expert": [[8, 0.74e-3], [64, 2.0e-3]]},
+              {"expert": [[8, 0.93e-3], [64, 2.5e-3]]}]
+    assert median_of_rounds(rounds) == {"expert": [[8, 0.91e-3], [64, 2.4e-3]]}
+
+
 def test_job_padding_follows_the_engines_windows():
     """The engine forms batches by length within a window of the job's lines: long and short
     prompts alternating pad every batch to the long one when each window holds both, and not

@@ -1,4 +1,5 @@
 """StreamingLLM-style KV sparsity: exact when nothing is dropped, and a real truncation otherwise."""
+import pytest
 import torch
 
 from conftest import engine_tokens, reference_tokens
@@ -67,3 +68,28 @@ def test_query_chunking_bounds_scores_and_keeps_results():
     whole = attention_block(h, w, cos, sin, mask, lambda k, v: (k, v), spec)
     chunked = attention_block(h, w, cos, sin, mask, lambda k, v: (k, v), spec, max_scores=2 * 4 * 50 * 7)
     torch.testing.assert_close(chunked, whole, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("cache_scores", [4 * 50 * 50 * 2, 4 * 50 * 7])  # two rows a block; one row, 7 queries
+def test_cpu_score_blocks_cover_every_row_and_query(monkeypatch, cache_scores):
+    """On a CPU the scores are computed in cache-sized blocks of rows (and of queries, when one
+    row is too many); every row's padding, window and causal mask stays its own."""
+    from klotski.models import layers as M
+    torch.manual_seed(0)
+    B, T, heads, kv_heads, D = 5, 50, 4, 2, 16
+    q, keys, values = torch.randn(B, heads, T, D), torch.randn(B, kv_heads, T, D), torch.randn(B, kv_heads, T, D)
+    valid = torch.ones(B, T, dtype=torch.bool)
+    valid[1, :20] = valid[4, :35] = False  # left padding differs by row
+    mask = M.attention_mask(valid, T, 16)
+    whole = M.attend(q, keys, values, mask)
+    calls = []
+
+    def attend(*args):
+        calls.append(args[0].shape[:3])
+        return M.attend(*args)
+    monkeypatch.setattr(M, "CACHE_SCORES", cache_scores)
+    rows, step = M.score_blocks(B, heads, T, T, None, cpu=True)
+    assert (rows, step) == ((2, T) if cache_scores == 4 * 50 * 50 * 2 else (1, 7))
+    torch.testing.assert_close(M.in_blocks(attend, q, keys, values, mask, None), whole, atol=1e-6, rtol=1e-6)
+    assert len(calls) == -(-B // rows) * -(-T // step) and all(b * h * t * T <= cache_scores for b, h, t in calls)
+    assert M.score_blocks(B, heads, T, T, None, cpu=False) == (B, T)  # a GPU keeps the batch whole

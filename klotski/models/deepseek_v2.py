@@ -183,10 +183,7 @@ def attention_block(h, w, cos, sin, mask, cache_write, spec, max_scores=None, ro
     query = torch.cat((q_pass, q_rot), dim=-1)
     keys, values = expand(latent, k_rot, w["kv_b"], spec)
     scale = softmax_scale(spec)
-    S = keys.shape[2]
-    step = T if max_scores is None else max(1, max_scores // (B * heads * S))
-    out = torch.cat([_attend(query[:, :, i:i + step], keys, values, mask[:, :, i:i + step], scale)
-                     for i in range(0, T, step)], dim=1) if step < T else _attend(query, keys, values, mask, scale)
+    out = L.in_blocks(lambda q_, k_, v_, m_: _attend(q_, k_, v_, m_, scale), query, keys, values, mask, max_scores)
     return h + F.linear(out, w["o"])
 
 
