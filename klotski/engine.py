@@ -43,7 +43,7 @@ class Stats:
     refills: int = 0            # continuous batching: sequences that took a row another had finished in
     kv_realigns: int = 0        # continuous batching: times a cache's slots were moved to make room
     rows_moved: int = 0         # continuous batching: live rows moved at the end, out of free rows' way
-    decode_prompt_tokens: int = 0  # continuous batching: newcomers' prompt tokens prefilled inside decode steps
+    decode_prompt_tokens: int = 0  # continuous batching: prompt tokens prefilled by steps that also decode
 
     @property
     def slot_utilisation(self) -> float | None:
