@@ -37,14 +37,18 @@ def _tight(engine):
 
 @pytest.mark.parametrize("schedule", ["klotski", "hot-prefetch", "multibatch", "simple"])
 @pytest.mark.parametrize("n", [1, 2, 4])
-def test_tight_budget_kv_on_host_experts_on_disk(checkpoints, ref, schedule, n):
+# a fast emulated link keeps every channel on its worker thread (without one a CPU copy runs
+# on the scheduling thread): the threaded state machine must stay exact too
+@pytest.mark.parametrize("link", [None, 1000.0], ids=["inline", "threads"])
+def test_tight_budget_kv_on_host_experts_on_disk(checkpoints, ref, schedule, n, link):
     _, probe = engine_tokens(checkpoints["gqa"], prompts=["x"], max_new_tokens=1)
     keys = probe.spec.group_keys()
     placement = Placement.by_kind(keys, kv="host", embed="host", head="device", attn="host", gate="host",
                                   expert="disk")
     budget = _tight(probe)
     ours, engine = engine_tokens(checkpoints["gqa"], placement=placement, device_memory=budget,
-                                 batch_size=max(1, 6 // n), num_batches=n, schedule=schedule)
+                                 batch_size=max(1, 6 // n), num_batches=n, schedule=schedule,
+                                 emulate_link_gbps=link)
     assert ours == ref
     assert engine.memory.peak <= budget
     assert engine.pipeline.experts_loaded > 0                  # experts really moved

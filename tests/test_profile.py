@@ -167,14 +167,48 @@ def test_pipeline_overhead_stubs_reach_every_expert():
 
 def test_cpu_channels_copy_on_one_thread_and_leave_compute_its_threads():
     """A CPU channel's worker would otherwise start an OpenMP team as wide as the machine
-    beside the compute's own."""
+    beside the compute's own. With no link to emulate, a copy runs on the thread that
+    submits it (the disk channel keeps its worker)."""
+    import threading
+
     from klotski.channels import make_channels
     from klotski.trace import Trace
-    before = torch.get_num_threads()
+    before, me = torch.get_num_threads(), threading.get_ident()
+    for link in (2.0, None):
+        channels = make_channels(torch.device("cpu"), Trace(False), link)
+        try:
+            for name, c in channels.items():
+                threads, thread = c.submit(lambda: (torch.get_num_threads(), threading.get_ident()),
+                                           name="threads").wait()
+                if link is None and name != "disk":
+                    assert thread == me and threads == before
+                else:
+                    assert thread != me and threads == 1
+            assert torch.get_num_threads() == before
+        finally:
+            for c in channels.values():
+                c.close()
+
+
+def test_an_inline_copy_never_overtakes_queued_work():
+    """A channel is first in, first out: work waiting on another channel goes to the worker,
+    and whatever follows it queues behind it instead of running at once."""
+    import threading
+
+    from klotski.channels import make_channels
+    from klotski.trace import Trace
     channels = make_channels(torch.device("cpu"), Trace(False), None)
+    release, order = threading.Event(), []
     try:
-        assert all(c.submit(torch.get_num_threads, name="threads").wait() == 1 for c in channels.values())
-        assert torch.get_num_threads() == before
+        disk = channels["disk"].submit(release.wait, name="read")
+        first = channels["experts"].submit(lambda: order.append(1), name="a", after=[disk])
+        second = channels["experts"].submit(lambda: order.append(2), name="b")
+        assert order == []  # neither ran on this thread
+        release.set()
+        first.wait(), second.wait()
+        assert order == [1, 2]
+        third = channels["experts"].submit(lambda: order.append(3), name="c")
+        assert third.done() and order == [1, 2, 3]  # nothing queued: it ran at once
     finally:
         for c in channels.values():
             c.close()
