@@ -45,10 +45,11 @@ class RunPlan:
     host_modes: tuple = ("off", "off")  # host attention, host experts as run (planning.host_modes)
 
 
-def pipeline_cost(device: str) -> dict:
-    """The pipeline's own cost per call on `device` (klotski/overhead.py), for measured profiles."""
+def pipeline_cost(device: str, emulated_link: bool = False) -> dict:
+    """The pipeline's own cost per call on `device` (klotski/overhead.py), for measured profiles:
+    with an emulated link the CPU channels copy on their threads, without one inline."""
     from klotski.overhead import pipeline_overhead
-    return pipeline_overhead(device, open_engine)
+    return pipeline_overhead(device, open_engine, emulated_link=emulated_link)
 
 
 def plan_run(config, ckpt: Checkpoint, seqs, *, placement: Placement | None = None) -> RunPlan:

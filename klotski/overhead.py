@@ -18,7 +18,9 @@ tables, gathers and scatters of a prefill's tokens; the profile's ops time none 
         = step + L·n·batch_layer + L·E·expert_call + X·transfer + [KV on host] L·n·kv_layer
           + L·n·r·(t − 1)·token
 
-The result is kept in the user cache per machine and pipeline source, and added to the
+The result is kept in the user cache per machine, pipeline source and channel mode (a run
+with `--emulate-link` copies on the channels' threads, one without copies inline on a CPU;
+tiny-mixtral's threaded transfer and KV terms ran 1.8x and 2.4x the inline ones), and added to the
 profile's `overhead_s` (planner/costmodel.py: `t_pipeline`).
 """
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch
 
 KINDS = ("batch_layer", "expert_call", "transfer", "kv_layer", "token", "step")
 WIDE = 8  # tokens a row in the run that prices a prefill's tokens beyond a decode step's one
+FAST_LINK = 1e6  # GB/s: channels on their threads, no transfer held back
 
 
 class _Stubs:
@@ -72,17 +75,22 @@ def _source_key(device: str) -> str:
     return h.hexdigest()[:16]
 
 
-def pipeline_overhead(device: str, open_engine, steps: int = 16, rounds: int = 11) -> dict[str, float]:
+def pipeline_overhead(device: str, open_engine, steps: int = 16, rounds: int = 11,
+                      emulated_link: bool = False) -> dict[str, float]:
     """Seconds the pipeline adds on `device` per each of KINDS (the module docstring's terms),
-    measured once per machine and pipeline source (user cache). `open_engine` is the
-    composition root's (klotski.assemble), handed in so this module does not import it."""
+    measured once per machine, pipeline source and channel mode (user cache): with
+    `emulated_link` the channels run on their threads, as a run with `--emulate-link` does
+    (through a link too fast to hold anything back); without, a CPU copies inline.
+    `open_engine` is the composition root's (klotski.assemble), handed in so this module does
+    not import it."""
     from klotski import cachedir
-    path = cachedir.profiles() / f"pipeline-overhead-{_source_key(device)}.json"
+    mode = "-threads" if emulated_link else ""
+    path = cachedir.profiles() / f"pipeline-overhead-{_source_key(device)}{mode}.json"
     try:
         return {k: float(v) for k, v in json.loads(path.read_text()).items() if k in KINDS}
     except (OSError, ValueError):
         pass
-    found = _measure(device, steps, rounds, open_engine)
+    found = _measure(device, steps, rounds, open_engine, FAST_LINK if emulated_link else None)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
@@ -93,7 +101,7 @@ def pipeline_overhead(device: str, open_engine, steps: int = 16, rounds: int = 1
     return found
 
 
-def _measure(device: str, steps: int, rounds: int, open_engine) -> dict[str, float]:
+def _measure(device: str, steps: int, rounds: int, open_engine, link_gbps: float | None) -> dict[str, float]:
     from klotski.checkpoint import Checkpoint
     from klotski.config import RunConfig
     from klotski.jobs import Request
@@ -102,7 +110,7 @@ def _measure(device: str, steps: int, rounds: int, open_engine) -> dict[str, flo
     from placement.plan import Placement
 
     cfg = RunConfig(model="tiny-mixtral", batch_size=2, num_batches=3, progress=False, dtype="float32",
-                    device=device, batching="static")
+                    device=device, batching="static", emulate_link_gbps=link_gbps)
     request = [Request(id="x", line=1, prompt="x", messages=None, max_new_tokens=1)]
     probe = Checkpoint.open(str(ensure_builtin(cfg.model)))
     keys = probe.spec.group_keys()  # bs, n and placement given: nothing is planned (no profile asked for)

@@ -51,7 +51,7 @@ def measure_here(shape, *, device: str = "auto", link_gbps: float | None = None,
         profile = measure(shape, ops=EngineOps(), device=compute_device(device), link_gbps=link_gbps,
                           refresh=refresh, cache_dir=cachedir.profiles())
         if pipeline_cost:  # what the pipeline adds around the ops (klotski/overhead.py, via assemble)
-            profile.overhead_s.update(pipeline_cost(compute_device(device)))
+            profile.overhead_s.update(pipeline_cost(compute_device(device), emulated_link=bool(link_gbps)))
     return profile
 
 

@@ -104,7 +104,7 @@ def measured(monkeypatch):
         calls.append({"device": device, "ops": ops})
         return load_profile("rtx3090-pcie4")
     monkeypatch.setattr(planning, "measure", fake)
-    monkeypatch.setattr("klotski.overhead.pipeline_overhead", lambda device, open_engine: {})
+    monkeypatch.setattr("klotski.overhead.pipeline_overhead", lambda device, open_engine, **kw: {})
     return calls
 
 
@@ -163,6 +163,25 @@ def test_pipeline_overhead_stubs_reach_every_expert():
         _, idx = overhead._Stubs(experts, top_k).route(torch.zeros(rows, 4), None, None)
         assert set(idx.flatten().tolist()) == set(range(experts))
         assert all(len(set(r)) == top_k for r in idx.tolist())  # k distinct experts a token
+
+
+def test_pipeline_cost_is_measured_in_the_runs_channel_mode(monkeypatch, tmp_path):
+    """A run with an emulated link copies on the channels' threads, one without copies
+    inline: each is priced by its own measure, cached apart."""
+    from klotski import overhead
+    from klotski.assemble import open_engine
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    links = []
+
+    def fake(device, steps, rounds, open_engine, link_gbps):
+        links.append(link_gbps)
+        return {k: 1e-3 if link_gbps else 1e-4 for k in overhead.KINDS}
+    monkeypatch.setattr(overhead, "_measure", fake)
+    threaded = overhead.pipeline_overhead("cpu", open_engine, emulated_link=True)
+    inline = overhead.pipeline_overhead("cpu", open_engine)
+    assert links == [overhead.FAST_LINK, None] and threaded != inline
+    assert overhead.pipeline_overhead("cpu", open_engine, emulated_link=True) == threaded  # cached, apart
+    assert links == [overhead.FAST_LINK, None]
 
 
 def test_cpu_channels_copy_on_one_thread_and_leave_compute_its_threads():
