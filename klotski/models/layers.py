@@ -173,9 +173,9 @@ def score_blocks(B: int, heads: int, T: int, S: int, max_scores: int | None, cpu
     """(rows, queries) of one block of an attention whose scores are B x heads x T x S: at most
     `max_scores` scores at once (memory), and on a CPU at most CACHE_SCORES (speed). Every row
     and query attends over all its keys in any block, so each result is unchanged."""
-    cap = min(max_scores or B * heads * T * S, CACHE_SCORES if cpu else B * heads * T * S)
-    rows = max(1, min(B, cap // (heads * T * S)))
-    return rows, T if rows > 1 or heads * T * S <= cap else max(1, cap // (heads * S))
+    whole, row = B * heads * T * S, heads * T * S
+    cap = min(max_scores or whole, CACHE_SCORES if cpu else whole)
+    return max(1, min(B, cap // row)), T if row <= cap else max(1, cap // (heads * S))
 
 
 def embed(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
