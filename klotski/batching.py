@@ -38,7 +38,7 @@ from klotski.kvcache import BatchKV
 from klotski.pipeline import StepInput
 from placement.cache import DISK_TO_HOST
 from placement.tiers import OverBudget
-from planner.workingset import Step, activation_bytes
+from planner.workingset import continuous_step_limit, widest_chunk
 
 
 LOOKAHEAD = 4  # batches' worth of waiting prompts a newcomer batch is chosen from, by length
@@ -102,8 +102,8 @@ class ContinuousRun:
         # room for the window's longest request, as static batching gives its batch
         self.capacity = max(len(s.prompt_ids) + s.max_new_tokens for s in seqs)
         self.chunk = engine.prefill_chunk or max(len(s.prompt_ids) for s in seqs)
-        first = Step.prefill(engine.batch_size, engine.num_batches, min(self.chunk, self.capacity), self.capacity)
-        self.step_limit = activation_bytes(self.spec, engine.dtype.itemsize, first)
+        self.step_limit = continuous_step_limit(self.spec, engine.dtype.itemsize, engine.batch_size,
+                                                engine.num_batches, self.chunk, self.capacity)
         # a newcomer's cache beyond the planned ones is taken only if a step can still run
         # beside it: its activations at their limit and the largest group it fetches
         self.headroom = self.step_limit + engine.cache.largest_use()
@@ -290,11 +290,11 @@ class ContinuousRun:
             longest = max(len(self.queue[j].prompt_ids) for j in range(take))
             # one token a row beside everyone else's at their least, decode rows at their most
             # (ready newcomers join them while this batch prefills): then every step has room
-            others = [(len(nc.seqs), 1) for nc in self.newcomers if nc.left]
+            others = [(len(nc.seqs), 1, nc.done) for nc in self.newcomers if nc.left]
             live = sum(d.computed() for d in self.decode if d.live())
             ready = sum(len(nc.seqs) for nc in self.newcomers if not nc.left)
-            decode_rows = min(self.e.batch_size * n - sum(r for r, _ in others), live + ready)
-            if not self._fitting_chunk(take, 1, decode_rows, others):
+            decode_rows = min(self.e.batch_size * n - sum(r for r, _, _ in others), live + ready)
+            if not self._fitting_chunk((take, 0, 1), decode_rows, others):
                 continue
             try:
                 kv, _ = self.space.allocate(take, longest, keep_free=self.headroom)
@@ -315,29 +315,17 @@ class ContinuousRun:
         prefilling = [nc for nc in self.newcomers if nc.left]
         widths = [1] * len(prefilling)
         for i, nc in enumerate(prefilling):
-            others = [(len(o.seqs), w) for j, (o, w) in enumerate(zip(prefilling, widths)) if j != i and w]
-            widths[i] = self._fitting_chunk(len(nc.seqs), nc.left, decode_rows, others)
+            others = [(len(o.seqs), w, o.done) for j, (o, w) in enumerate(zip(prefilling, widths)) if j != i and w]
+            widths[i] = self._fitting_chunk((len(nc.seqs), nc.done, nc.left), decode_rows, others)
         return [(nc, nc.take(w), True) for nc, w in zip(prefilling, widths) if w]
 
-    def _fitting_chunk(self, rows: int, longest: int, decode_rows: int, others: list) -> int:
-        """The longest prefill chunk (at most `longest`) for `rows` newcomers that keeps the
-        step within the first prefill step's activations (0: none does), beside `decode_rows`
-        decode rows and other newcomer batches' (rows, chunk): beside decode batches of one
-        token a row, newcomers may take longer chunks than a prefill of every batch at once."""
-        def fits(chunk: int) -> bool:
-            step = Step(tokens=decode_rows + rows * chunk + sum(r * c for r, c in others),
-                        sequences=decode_rows + rows + sum(r for r, _ in others),
-                        batch=max(self.e.batch_size, rows), queries=max([chunk] + [c for _, c in others]),
-                        keys=self.capacity)
-            return activation_bytes(self.spec, self.e.dtype.itemsize, step) <= self.step_limit
-
-        # the step limit, not the first fill's chunk, bounds a newcomer's chunk: the largest
-        # that fits (activations grow with the chunk), so a step's token budget is not halved away
-        lo, hi = 0, longest
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-        return lo
+    def _fitting_chunk(self, batch: tuple, decode_rows: int, others: list) -> int:
+        """The longest chunk for a newcomer batch (rows, columns done, columns left) within
+        the first prefill step's activations: each batch's attention over its own keys, so
+        newcomers early in their prompts take longer chunks than a prefill of every batch at
+        once (workingset.widest_chunk, which the planner's replay uses too)."""
+        return widest_chunk(self.spec, self.e.dtype.itemsize, self.step_limit, decode_rows, self.e.batch_size,
+                            self.capacity, batch, others)
 
 
 def prefill_input(batch: list[S.Sequence], length: int, pad: int) -> StepInput:

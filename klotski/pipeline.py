@@ -500,9 +500,8 @@ class Pipeline:
 
     def _activation_bytes(self, kvs, inputs) -> int:
         """This step's activation reserve, by the planner's own formula (workingset.py)."""
-        step = Step(tokens=sum(i.ids.numel() for i in inputs), sequences=sum(i.ids.shape[0] for i in inputs),
-                    batch=max(i.ids.shape[0] for i in inputs), queries=max(i.ids.shape[1] for i in inputs),
-                    keys=max(kv.filled + i.ids.shape[1] for kv, i in zip(kvs, inputs)))
+        step = Step.of_batches((i.ids.shape[0], i.ids.shape[1], kv.filled + i.ids.shape[1])
+                               for kv, i in zip(kvs, inputs))
         return activation_bytes(self.spec, self.cache.dtype.itemsize, step)
 
 

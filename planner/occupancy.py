@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 BATCHING = ("continuous", "static")
 
@@ -60,22 +60,25 @@ def live_rows(gen_lens: Sequence[int], slots: int) -> Counter:
     return steps
 
 
-def continuous_steps(prompt_lens: Sequence[int], gen_lens: Sequence[int], bs: int, n: int, chunk: int,
-                     lookahead: int = 4) -> tuple[list[int], Counter]:
+def continuous_steps(prompt_lens: Sequence[int], gen_lens: Sequence[int], bs: int, n: int,
+                     widest: Callable[[tuple, int, list], int], lookahead: int = 4) -> tuple[list[int], Counter]:
     """Continuous batching replayed step by step with its prefills, as klotski/batching.py
     runs a window: the first n·bs requests (longest answers first) prefill together in place
     (their prompts returned, priced as a static prefill); after that a step decodes the live
     rows and carries up to n newcomer batches (≤ bs prompts each, the longest of the next
-    `lookahead` batches' worth, at most 2n prefilled or prefilling) whose chunks share the
-    first prefill step's tokens (n·bs·chunk) with the decode rows; a prefilled newcomer takes
-    rows as they free. Returns (first fill's prompt lengths, Counter of (live rows, newcomer
-    batches, their prompt tokens) -> steps). A job of short answers and long prompts waits on
-    these prefills, which `live_rows` (newcomers there at once) does not see."""
+    `lookahead` batches' worth, at most 2n prefilled or prefilling), each taking the chunk
+    `widest((rows, columns done, columns left), decode rows, others)` allows beside the
+    decode rows and the other newcomers (rows, chunk, columns done), oldest first, those not
+    yet given one at a column a row (the engine's rule: workingset.widest_chunk within the
+    first prefill step's activations); a prefilled newcomer takes rows as they free. Returns
+    (first fill's prompt lengths, Counter of (live rows, newcomer batches, their prompt
+    tokens) -> steps). A job of short answers and long prompts waits on these prefills,
+    which `live_rows` (newcomers there at once) does not see."""
     reqs = sorted(zip(gen_lens, prompt_lens), key=lambda r: (-r[0], -r[1]))
-    rows, budget = n * bs, n * bs * max(1, chunk)
+    rows = n * bs
     first, queue = reqs[:rows], reqs[rows:]
     live = [g - 1 for g, _ in first if g > 1]      # decode steps each live row has left
-    newcomers = []                                  # [answers, prompt columns left, prompts]
+    newcomers = []                                  # [answers, columns left, prompts, columns done]
     steps = Counter()
     q = 0
     while live or q < len(queue) or newcomers:
@@ -86,16 +89,16 @@ def continuous_steps(prompt_lens: Sequence[int], gen_lens: Sequence[int], bs: in
             batch = queue[q:q + bs]
             q += len(batch)
             # an answer of one token ends with its prefill: it never takes a row
-            newcomers.append([[g for g, _ in batch if g > 1], max(p for _, p in batch), len(batch)])
+            newcomers.append([[g for g, _ in batch if g > 1], max(p for _, p in batch), len(batch), 0])
             prefilling.append(newcomers[-1])
-        tokens, room = 0, budget - len(live)
-        for i, nc in enumerate(prefilling):        # oldest first, the others at a column a row
-            others = sum(o[2] for o in prefilling[i + 1:])
-            width = max(1, min(nc[1], (room - others) // nc[2]))
-            nc[1] -= width
-            room -= width * nc[2]
-            tokens += width * nc[2]
-        steps[(len(live), len(prefilling), tokens)] += 1
+        widths = [1] * len(prefilling)
+        for i, nc in enumerate(prefilling):
+            others = [(o[2], w, o[3]) for j, (o, w) in enumerate(zip(prefilling, widths)) if j != i and w]
+            widths[i] = widest((nc[2], nc[3], nc[1]), len(live), others)
+        for nc, w in zip(prefilling, widths):
+            nc[1], nc[3] = nc[1] - w, nc[3] + w
+        tokens = sum(w * nc[2] for nc, w in zip(prefilling, widths))
+        steps[(len(live), sum(w > 0 for w in widths), tokens)] += 1
         live = [left - 1 for left in live if left > 1]
         for nc in [nc for nc in newcomers if not nc[1]]:   # prefilled: take free rows, oldest first
             take = min(rows - len(live), len(nc[0]))

@@ -20,7 +20,8 @@ from planner.layer import (FLEXGEN_INEQUALITIES, INEQUALITIES, NO_HOST, SCHEDULE
                            ineq_terms, layer_time)
 from planner.occupancy import BATCHING, continuous_steps, live_rows, slot_utilisation
 from planner.place import Budgets, layer_ios, place_greedy, place_milp
-from planner.workingset import chunk_candidates, device_need, prefill_chunk, staging_bytes, working_set
+from planner.workingset import (chunk_candidates, device_need, newcomer_chunks, prefill_chunk, staging_bytes,
+                                working_set)
 from planner.report import Plan, format_plan, make_plan
 from planner.shapes import as_shape
 from planner.units import format_bytes
@@ -155,7 +156,7 @@ def _continuous_s(job, cost, bs, n, chunk, fill_s, price, mixed_s) -> tuple[floa
     engine counts it. The first fill takes the longest answers first, and among equal ones
     the longest prompts: with every answer of one length, medium-mixtral's first fill was
     twice the job's mean prompt, and priced at the mean it came out 0.8 s against 1.9."""
-    first, steps, weight = job.continuous(bs, n, chunk)
+    first, steps, weight = job.continuous(cost.shape, bs, n, chunk)
     mean = -(-sum(first) // max(1, len(first)))
     prefill, decode, memo = fill_s(mean) + padded_attention_s(cost, bs, chunk, mean, first), 0.0, {}
     for (rows, batches, tokens), count in steps.items():
@@ -408,12 +409,15 @@ class _Job:
         """Decode steps per live-row count under continuous batching (occupancy.live_rows)."""
         return self._memoised(("live", slots), lambda: live_rows([g - 1 for g in self.lens], slots))
 
-    def continuous(self, bs: int, n: int, chunk: int) -> tuple[list, Counter, float]:
+    def continuous(self, shape, bs: int, n: int, chunk: int) -> tuple[list, Counter, float]:
         """(first fill's prompts, steps, weight) of the job's first window replayed
-        (`occupancy.continuous_steps`), weighted to stand for the whole job."""
+        (`occupancy.continuous_steps`), weighted to stand for the whole job; newcomers' chunks
+        are sized as the engine sizes them (`workingset.newcomer_chunks`)."""
         def replay():
             w = self.window
-            first, steps = continuous_steps(self.prompts[:w], self.lens[:w], bs, n, chunk)
+            prompts, lens = self.prompts[:w], self.lens[:w]
+            widest = newcomer_chunks(shape, shape.dtype_bytes, bs, n, chunk, max(map(sum, zip(prompts, lens))))
+            first, steps = continuous_steps(prompts, lens, bs, n, widest)
             return first, steps, len(self.lens) / min(len(self.lens), w)
         return self._memoised(("continuous", bs, n, chunk), replay)
 

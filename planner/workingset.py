@@ -30,12 +30,16 @@ PREFILL_SHARE = 0.25            # a prefill chunk's activations may take this mu
 class Step:
     """The shape of one forward step of a group, as activations see it: `tokens` new tokens
     over all batches, `sequences` sequences (one logits row each), and the largest single
-    batch's attention: `batch` sequences x `queries` new tokens x `keys` cache slots."""
+    batch's attention: `batch` sequences x `queries` new tokens x `keys` cache slots. Where
+    the batches differ (a continuous step: decode rows beside newcomers' prefill chunks),
+    `attention` holds each batch's (rows, queries, keys): attention runs one batch at a
+    time, so the largest of them counts, not the product of the largest sides."""
     tokens: int
     sequences: int
     batch: int
     queries: int
     keys: int
+    attention: tuple = ()
 
     @classmethod
     def prefill(cls, bs: int, n: int, chunk: int, context: int) -> "Step":
@@ -46,6 +50,17 @@ class Step:
     @classmethod
     def decode(cls, bs: int, n: int, context: int) -> "Step":
         return cls(tokens=n * bs, sequences=n * bs, batch=bs, queries=1, keys=context)
+
+    @classmethod
+    def of_batches(cls, shapes) -> "Step":
+        """A step over batches of their own (rows, queries, keys)."""
+        shapes = tuple(shapes)
+        return cls(tokens=sum(r * q for r, q, _ in shapes), sequences=sum(r for r, _, _ in shapes),
+                   batch=max(r for r, _, _ in shapes), queries=max(q for _, q, _ in shapes),
+                   keys=max(k for _, _, k in shapes), attention=shapes)
+
+    def batches(self) -> tuple:
+        return self.attention or ((self.batch, self.queries, self.keys),)
 
 
 def activation_bytes(shape, itemsize: int, step: Step, host_attention: bool = False) -> int:
@@ -69,11 +84,16 @@ def activation_bytes(shape, itemsize: int, step: Step, host_attention: bool = Fa
     kv //= 2
     base = (4 * t.tokens * s.hidden_size * itemsize + t.tokens * t.keys
             + 2 * t.tokens * s.head_dim * itemsize)
-    rows = t.batch * t.queries
-    attention = rows * (2 * s.hidden_size + 2 * q + 2 * kv) * itemsize
-    if not host_attention:
-        attention += (t.batch * t.keys * per_key * itemsize
-                      + min(s.num_heads * rows * t.keys, ATTENTION_SCORE_CHUNK) * (3 * 4 + itemsize))
+    rows = max(r * n for r, n, _ in t.batches())
+
+    def one_batch(batch: int, queries: int, keys: int) -> int:
+        new = batch * queries
+        out = new * (2 * s.hidden_size + 2 * q + 2 * kv) * itemsize
+        if not host_attention:
+            out += (batch * keys * per_key * itemsize
+                    + min(s.num_heads * new * keys, ATTENTION_SCORE_CHUNK) * (3 * 4 + itemsize))
+        return out
+    attention = max(one_batch(*b) for b in t.batches())
     moe = (t.tokens * (2 * s.num_experts * 4 + s.top_k * 12)
            + 3 * t.tokens * s.hidden_size * itemsize
            + 3 * min(t.tokens, PREFILL_EXPERT_CHUNK) * s.intermediate_size * itemsize
@@ -83,6 +103,43 @@ def activation_bytes(shape, itemsize: int, step: Step, host_attention: bool = Fa
         moe += t.tokens * s.hidden_size * itemsize + 3 * rows * shared * itemsize
     head = t.sequences * (s.vocab_size * 4 + s.hidden_size * itemsize)
     return base + max(attention, moe, head)
+
+
+def widest_chunk(shape, itemsize: int, limit: int, decode_rows: int, bs: int, context: int,
+                 batch: tuple, others: list) -> int:
+    """The longest prefill chunk for a newcomer `batch` (rows, columns done, columns left)
+    whose step stays within `limit` activation bytes beside `decode_rows` decode rows (in
+    batches of bs over the whole `context`, a bound on how the engine holds them) and other
+    newcomer batches (rows, chunk, columns done); 0 when not even one column fits. The
+    engine sizes its newcomers' chunks with it and the planner's replay of continuous
+    batching does the same (planner.occupancy)."""
+    decode = [(bs, 1, context)] * (decode_rows // bs) + ([(decode_rows % bs, 1, context)] if decode_rows % bs else [])
+    rest = decode + [(r, c, done + c) for r, c, done in others]
+    rows, done, left = batch
+
+    def fits(chunk: int) -> bool:
+        step = Step.of_batches(rest + [(rows, chunk, done + chunk)])
+        return activation_bytes(shape, itemsize, step) <= limit
+
+    lo, hi = 0, left  # activations grow with the chunk: the largest that fits
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
+
+
+def continuous_step_limit(shape, itemsize: int, bs: int, n: int, chunk: int, context: int) -> int:
+    """The activations a continuous step may take: the first prefill step's, n batches of bs
+    prompts in chunks of `chunk` over the window's longest `context` (what the plan reserved)."""
+    return activation_bytes(shape, itemsize, Step.prefill(bs, n, min(chunk, context), context))
+
+
+def newcomer_chunks(shape, itemsize: int, bs: int, n: int, chunk: int, context: int):
+    """Continuous batching's rule for newcomers' chunks, `widest(batch, decode_rows, others)`
+    (`widest_chunk` within `continuous_step_limit`), for the planner's replay."""
+    limit = continuous_step_limit(shape, itemsize, bs, n, chunk, context)
+    return lambda batch, decode_rows, others: widest_chunk(shape, itemsize, limit, decode_rows, bs, context,
+                                                           batch, others)
 
 
 def staging_bytes(cost) -> int:

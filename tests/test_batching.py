@@ -131,6 +131,54 @@ def test_newcomers_prompts_are_counted_once_inside_decode_steps(checkpoints):
     assert engine.stats.decode_prompt_tokens == sum(len(s.prompt_ids) for s in newcomers) > 0
 
 
+def test_newcomers_take_the_widest_chunk_their_own_keys_allow(checkpoints, reference):
+    """A newcomer's chunk is bounded by the first prefill step's activations with each batch's
+    attention over its own keys: early in its prompt it takes more columns than the first
+    fill's chunk, no step's reserve exceeds that limit, and tokens stay exact."""
+    from planner.workingset import continuous_step_limit
+    cfg = RunConfig(model=str(checkpoints["gqa"]), progress=False, dtype="float32", batch_size=2, num_batches=2,
+                    prefill_chunk=2)
+    engine, seqs, _ = open_engine(cfg, _requests())
+    charged, widths = [], []
+    reserve = engine.pipeline._activation_bytes
+
+    def spy(kvs, inputs):
+        charged.append(reserve(kvs, inputs))
+        widths.extend(i.ids.shape[1] for i in inputs)
+        return charged[-1]
+    engine.pipeline._activation_bytes = spy
+    done = {s.request.id: list(s.out) for s in engine.run(seqs)}
+    engine.close()
+    assert [done[f"r{i}"] for i in range(len(PROMPTS))] == reference["gqa"]
+    capacity = max(len(s.prompt_ids) + s.max_new_tokens for s in seqs)
+    limit = continuous_step_limit(engine.spec, 4, 2, 2, 2, capacity)
+    assert max(charged) <= limit
+    assert max(widths) > 2  # a newcomer beyond the first fill's chunk
+
+
+def test_widest_chunk_is_the_longest_that_fits():
+    """Attention is one batch's at a time: a step's reserve counts its largest batch's, not
+    the largest rows times the largest keys; the chunk rule takes the longest that fits."""
+    from planner.shapes import ModelShape
+    from planner.workingset import Step, activation_bytes, widest_chunk
+    shape = ModelShape.from_config({"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 128,
+                                    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                                    "num_hidden_layers": 2, "num_local_experts": 8, "num_experts_per_tok": 2,
+                                    "vocab_size": 512})
+    mixed = Step.of_batches([(8, 1, 600), (8, 16, 40)])
+    assert activation_bytes(shape, 4, mixed) < activation_bytes(shape, 4, Step(tokens=136, sequences=16, batch=8,
+                                                                                queries=16, keys=600))
+    limit = activation_bytes(shape, 4, Step.prefill(8, 2, 8, 600))
+    for done in (0, 100, 400):
+        c = widest_chunk(shape, 4, limit, 12, 8, 600, (8, done, 500), [(4, 1, 30)])
+
+        def fits(chunk):
+            return activation_bytes(shape, 4, Step.of_batches([(8, 1, 600), (4, 1, 600), (4, 1, 31),
+                                                               (8, chunk, done + chunk)])) <= limit
+        assert fits(c) and not fits(c + 1)
+    assert widest_chunk(shape, 4, limit, 12, 8, 600, (8, 0, 500), []) > 8  # wider than the first fill's
+
+
 def test_quarter_budget_stays_exact_and_within_budget(checkpoints, reference):
     store = TensorStore(checkpoints["gqa"])
     budget = sum(e.nbytes for e in store.entries.values()) // 4  # a quarter of the model
@@ -209,6 +257,7 @@ def test_planner_replays_the_engines_continuous_steps(checkpoints, chunk, bs, n)
     included (planner/occupancy.continuous_steps): over the lengths the run had, the replay
     makes exactly the engine's steps with prompt tokens and computes its decode rows."""
     from planner.occupancy import continuous_steps
+    from planner.workingset import newcomer_chunks
     many = [Request(id=f"r{i}", line=i + 1, prompt=PROMPTS[i % len(PROMPTS)], messages=None,
                     max_new_tokens=[12, 2, 3, 1, 5][i % 5]) for i in range(17)]
     cfg = RunConfig(model=str(checkpoints["gqa"]), progress=False, dtype="float32", batch_size=bs,
@@ -216,7 +265,9 @@ def test_planner_replays_the_engines_continuous_steps(checkpoints, chunk, bs, n)
     engine, seqs, _ = open_engine(cfg, many)
     done = list(engine.run(seqs))
     engine.close()
-    first, steps = continuous_steps([len(s.prompt_ids) for s in done], [len(s.out) for s in done], bs, n, chunk)
+    capacity = max(len(s.prompt_ids) + s.max_new_tokens for s in done)
+    widest = newcomer_chunks(engine.spec, 4, bs, n, chunk, capacity)
+    first, steps = continuous_steps([len(s.prompt_ids) for s in done], [len(s.out) for s in done], bs, n, widest)
     assert engine.stats.refills > 0
     assert engine.stats.prefill_passes == -(-max(first) // chunk) + sum(c for (_, b, _), c in steps.items() if b)
     assert engine.stats.decode_rows == sum(rows * c for (rows, _, _), c in steps.items())
