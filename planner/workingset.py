@@ -84,7 +84,7 @@ def activation_bytes(shape, itemsize: int, step: Step, host_attention: bool = Fa
     kv //= 2
     base = (4 * t.tokens * s.hidden_size * itemsize + t.tokens * t.keys
             + 2 * t.tokens * s.head_dim * itemsize)
-    rows = max(r * n for r, n, _ in t.batches())
+    largest = max(b * new for b, new, _ in t.batches())  # one batch's new tokens
 
     def one_batch(batch: int, queries: int, keys: int) -> int:
         new = batch * queries
@@ -100,7 +100,7 @@ def activation_bytes(shape, itemsize: int, step: Step, host_attention: bool = Fa
            + t.tokens * s.top_k * s.hidden_size * 4)
     shared = max(s.shared_intermediate_size, s.dense_intermediate_size)  # or a dense layer's MLP
     if shared:
-        moe += t.tokens * s.hidden_size * itemsize + 3 * rows * shared * itemsize
+        moe += t.tokens * s.hidden_size * itemsize + 3 * largest * shared * itemsize
     head = t.sequences * (s.vocab_size * 4 + s.hidden_size * itemsize)
     return base + max(attention, moe, head)
 
