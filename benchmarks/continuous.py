@@ -42,6 +42,12 @@ def write_job(count: int, out: Path) -> list[int]:
     return limits
 
 
+def _median(values):
+    """The median, or None where a report had no such figure."""
+    values = list(values)
+    return None if None in values else statistics.median(values)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny-mixtral")
@@ -72,13 +78,16 @@ def main() -> None:
                 "generated": report["tokens"]["generated"],
                 "decode_tokens_per_s": report["tokens"]["generated"] / report["decode_s"],
                 "slot_utilisation": report["decode_slot_utilisation"], "occupancy": report["decode_occupancy"],
-                "wall_s": report["wall_s"],
+                "wall_s": report["wall_s"], "predicted_tokens_per_s": report["predicted_tokens_per_s"],
+                "replayed_tokens_per_s": report["replayed_tokens_per_s"],
                 "batching": report["batching"], "output": str(output)})
             print(mode, json.dumps(runs[mode][-1]), flush=True)
     same = tokens["static"] == tokens["continuous"]
-    med = {m: {k: statistics.median(x[k] for x in v) for k in ("tokens_per_s", "decode_tokens_per_s",
-                                                                "slot_utilisation", "occupancy", "wall_s")}
-           for m, v in runs.items()}
+    keys = ("tokens_per_s", "decode_tokens_per_s", "slot_utilisation", "occupancy", "wall_s",
+            "predicted_tokens_per_s", "replayed_tokens_per_s")
+    med = {m: {k: _median(x[k] for x in v) for k in keys} for m, v in runs.items()}
+    for m in med.values():  # the planner's rate for the job against the measured one (issue 14, part 3)
+        m["predicted_over_measured"] = (m["predicted_tokens_per_s"] or 0) / m["tokens_per_s"]
     result = {"model": a.model, "device_memory": budget, "prompts": a.prompts, "bs": a.bs, "n": a.n, "link_gbps": a.link_gbps,
               "max_new_tokens": {"min": min(limits), "median": statistics.median(limits), "max": max(limits),
                                  "total": sum(limits)},

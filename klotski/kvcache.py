@@ -45,6 +45,7 @@ class BatchKV:
         self.capacity = capacity
         self.rows = batch  # rows a step computes: the first `rows` of the batch
         self.old_slots = None
+        self.first = 0  # the oldest slot a step loads: before it, no computed row has a token
         self._columns = {}  # device -> this step's columns there
         self.stored: dict = {}
 
@@ -81,13 +82,18 @@ class BatchKV:
         self.new = t
         self.old_slots = None
         self._columns = {}
+        # Slots before the computed rows' oldest token are padding to every one of them (a
+        # continuous batch's finished rows left them behind): neither loaded nor attended.
+        used = torch.nonzero(self.valid[:r, :self.filled].any(0))
+        self.first = int(used[0]) if len(used) else self.filled
         if recent is not None:
             old = self.valid[:r, :self.filled]
             rank = old.long().cumsum(-1) - 1
             last_query = self.filled + t - 1
             keep = old & ((rank < sink) | (torch.arange(self.filled) > last_query - recent))
             self.old_slots = torch.nonzero(keep.any(0)).flatten()
-        return self.valid[:r, :self.filled + t]
+            self.first = 0  # the kept slots are absolute
+        return self.valid[:r, self.first:self.filled + t]
 
     def step_columns(self, device="cpu") -> torch.Tensor | None:
         """Cache slots this step attends over, in buffer order (None = all of them)."""
@@ -104,7 +110,7 @@ class BatchKV:
         return self._old_count() + self.new
 
     def _old_count(self) -> int:
-        return self.filled if self.old_slots is None else len(self.old_slots)
+        return self.filled - self.first if self.old_slots is None else len(self.old_slots)
 
     def end_step(self) -> None:
         self.filled += self.new
@@ -171,7 +177,8 @@ class BatchKV:
         if buf is None and self.old_slots is not None:
             cols = self.step_columns(keys.device)
             return _heads(keys.index_select(0, cols)), _heads(values.index_select(0, cols))
-        return _heads(keys[:end]), _heads(values[:end])
+        start = self.first if buf is None else 0  # a loaded buffer starts at the first slot
+        return _heads(keys[start:end]), _heads(values[start:end])
 
     # ---- host-tier moves (run on channels) ----------------------------------------------
     def _bytes(self, slots: int) -> int:
@@ -200,7 +207,7 @@ class BatchKV:
         keys = torch.empty((old + self.new, *k.shape[1:]), dtype=k.dtype, device=device)
         values = torch.empty((old + self.new, *v.shape[1:]), dtype=v.dtype, device=device)
         if self.old_slots is None:
-            src_k, src_v = k[:old], v[:old]
+            src_k, src_v = k[self.first:self.filled], v[self.first:self.filled]
         else:
             src_k, src_v = self.pin(k.index_select(0, self.old_slots)), self.pin(v.index_select(0, self.old_slots))
         keys[:old].copy_(src_k, non_blocking=True)

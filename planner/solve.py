@@ -109,14 +109,16 @@ def _predict(cost, ios, bs, n, P, G, schedule, hot, marg, layout, chunk=None, ho
     if job and job.lens:
         lens = job.lens
 
-        def live_price():  # a continuous step computes its live rows only (static: `dec`, the whole group)
-            return _row_prices(lambda b, k: step(Phase(b, k, ctx, 1))[0], bs, n)
+        def live_price(at=ctx):  # a continuous step computes its live rows only (static: `dec`, the whole group)
+            return _row_prices(lambda b, k: step(Phase(b, k, at, 1))[0], bs, n)
         if job.batching == "continuous" and len(job.prompts) == len(lens):
             def fill_s(p):  # the first fill: a group at its own mean prompt, in passes of the chunk
                 width = max(1, min(longest_chunk, p))
                 return step(Phase(bs, n, p, width))[0] * math.ceil(p / width)
-            job_prefill, job_decode = _continuous_s(job, cost, bs, n, longest_chunk, fill_s, live_price(),
-                                                    lambda k, new: step(Phase(bs, k, ctx, new))[0])
+            # its rows attend their batch's longest-lived row's slots (occupancy.continuous_steps)
+            at = max(1, round(job.continuous(cost.shape, bs, n, longest_chunk)[3]))
+            job_prefill, job_decode = _continuous_s(job, cost, bs, n, longest_chunk, fill_s, live_price(at),
+                                                    lambda k, new: step(Phase(bs, k, at, new))[0])
         else:
             padding = job.padding(cost, bs, longest_chunk, P)
             if job.batching == "static" and job.prompts:
@@ -156,7 +158,7 @@ def _continuous_s(job, cost, bs, n, chunk, fill_s, price, mixed_s) -> tuple[floa
     engine counts it. The first fill takes the longest answers first, and among equal ones
     the longest prompts: with every answer of one length, medium-mixtral's first fill was
     twice the job's mean prompt, and priced at the mean it came out 0.8 s against 1.9."""
-    first, steps, weight = job.continuous(cost.shape, bs, n, chunk)
+    first, steps, weight, _ = job.continuous(cost.shape, bs, n, chunk)
     mean = -(-sum(first) // max(1, len(first)))
     prefill, decode, memo = fill_s(mean) + padded_attention_s(cost, bs, chunk, mean, first), 0.0, {}
     for (rows, batches, tokens), count in steps.items():
@@ -409,16 +411,16 @@ class _Job:
         """Decode steps per live-row count under continuous batching (occupancy.live_rows)."""
         return self._memoised(("live", slots), lambda: live_rows([g - 1 for g in self.lens], slots))
 
-    def continuous(self, shape, bs: int, n: int, chunk: int) -> tuple[list, Counter, float]:
-        """(first fill's prompts, steps, weight) of the job's first window replayed
+    def continuous(self, shape, bs: int, n: int, chunk: int) -> tuple[list, Counter, float, float]:
+        """(first fill's prompts, steps, weight, slots a decode row attends) of the job's first window replayed
         (`occupancy.continuous_steps`), weighted to stand for the whole job; newcomers' chunks
         are sized as the engine sizes them (`workingset.newcomer_chunks`)."""
         def replay():
             w = self.window
             prompts, lens = self.prompts[:w], self.lens[:w]
             widest = newcomer_chunks(shape, shape.dtype_bytes, bs, n, chunk, max(map(sum, zip(prompts, lens))))
-            first, steps = continuous_steps(prompts, lens, bs, n, widest)
-            return first, steps, len(self.lens) / min(len(self.lens), w)
+            first, steps, span = continuous_steps(prompts, lens, bs, n, widest)
+            return first, steps, len(self.lens) / min(len(self.lens), w), span
         return self._memoised(("continuous", bs, n, chunk), replay)
 
     def static_passes(self, group: int, chunk: int) -> int:

@@ -244,6 +244,25 @@ def test_a_step_over_fewer_rows_touches_only_those_rows():
         kv.begin_step(torch.ones(1, 1, dtype=torch.bool))
 
 
+def test_slots_no_computed_row_holds_are_neither_loaded_nor_attended():
+    """A host cache loads from the computed rows' oldest token on: the slots a finished row
+    left behind cost no link bytes, and the keys a step attends are the same slots."""
+    kv = BatchKV(1, 3, 1, 2, 8, torch.float32, on_host=True)
+    kv.keys[0][:5] = torch.arange(5 * 3 * 2, dtype=torch.float32).view(5, 3, 1, 2)
+    kv.valid[2, 0:5] = True  # a long row, finished and about to be dropped
+    kv.valid[:2, 3:5] = True
+    kv.filled = 5
+    kv.use_rows(3)
+    assert kv.begin_step(torch.ones(3, 1, dtype=torch.bool)).shape == (3, 6) and kv.prefix_nbytes() == 5 * 3 * 2 * 2 * 4
+    kv.end_step()
+    kv.use_rows(2)
+    valid = kv.begin_step(torch.ones(2, 1, dtype=torch.bool))
+    assert valid.shape == (2, 4) and valid.all()  # slots 3..5 and the new one
+    assert kv.prefix_nbytes() == 3 * 2 * 2 * 2 * 4
+    keys, _, offset = kv.load(0, "cpu")
+    assert offset == 3 and torch.equal(keys[:3], kv.keys[0][3:6, :2])
+
+
 def test_batching_flag_is_echoed_and_checked():
     from klotski.config import ConfigError
     with pytest.raises(ConfigError, match="--batching 'dynamic'"):
@@ -267,7 +286,7 @@ def test_planner_replays_the_engines_continuous_steps(checkpoints, chunk, bs, n)
     engine.close()
     capacity = max(len(s.prompt_ids) + s.max_new_tokens for s in done)
     widest = newcomer_chunks(engine.spec, 4, bs, n, chunk, capacity)
-    first, steps = continuous_steps([len(s.prompt_ids) for s in done], [len(s.out) for s in done], bs, n, widest)
+    first, steps, _ = continuous_steps([len(s.prompt_ids) for s in done], [len(s.out) for s in done], bs, n, widest)
     assert engine.stats.refills > 0
     assert engine.stats.prefill_passes == -(-max(first) // chunk) + sum(c for (_, b, _), c in steps.items() if b)
     assert engine.stats.decode_rows == sum(rows * c for (rows, _, _), c in steps.items())
