@@ -87,6 +87,7 @@ class Pipeline:
         self.wants: list = []    # prefetches in priority order: (key, channel name)
         self.experts_loaded = 0
         self.upcoming: list = []  # this layer's experts in expected compute order
+        self.kv_ahead = None      # (layer, load) of batch 0's host KV, issued during the layer before
         self.layer = -1
         self.on_layer = None     # optional callback(layer, hidden states per batch), for tests
 
@@ -127,11 +128,13 @@ class Pipeline:
             self.cache.stage(self._layer_keys((layer + self.window) % spec.num_layers))
             self._attention(layer, hs, ctx, kvs)
             routed, hot = self._gates(layer, hs, keeps)
+            self._load_kv_ahead(layer + 1, kvs)
             hs = self._experts(layer, hs, routed, hot)
             broken = [_first_broken(b, layer, h) for b, h in zip(broken, hs)]
             if self.on_layer:
                 self.on_layer(layer, hs)
             self.cache.unstage(self._layer_keys(layer))
+        assert self.kv_ahead is None, "a KV load issued ahead was never used"
         for kv in kvs:
             kv.end_step()
         head = self._get(("head",))
@@ -157,7 +160,8 @@ class Pipeline:
         at_host = [self._attend_on_host(kv) for kv in kvs]
         moves = [kv.on_host and not h for kv, h in zip(kvs, at_host)]  # whose KV prefix comes up
         if moves[0]:
-            loads[0] = self._kv_load(kvs[0], layer)
+            ahead, self.kv_ahead = self.kv_ahead, None
+            loads[0] = ahead[1] if ahead and ahead[0] == layer else self._kv_load(kvs[0], layer)
         for k, kv in enumerate(kvs):
             if k + 1 < len(kvs) and moves[k + 1]:
                 # at most KV_BUFFERS batches on the device: the oldest store lands before the
@@ -250,6 +254,16 @@ class Pipeline:
     def _kv_stored(self, ticket, nbytes: int) -> None:
         self._wait(ticket, "kv_store")
         self.memory.free(nbytes)
+
+    def _load_kv_ahead(self, layer: int, kvs) -> None:
+        """Batch 0's host KV for `layer`, on the link behind this layer's experts (asked for
+        already) and beside their compute, as inequality (7) has it: waited for at the start
+        of that layer's attention, it left the link idle while the device waited."""
+        kv = kvs[0]
+        # only into free room: evicting this layer's experts for it would cost more than it hides
+        if (layer < self.spec.num_layers and kv.on_host and not self._attend_on_host(kv)
+                and self.memory.fits(kv.step_nbytes())):
+            self.kv_ahead = (layer, self._kv_load(kv, layer))
 
     def _kv_load(self, kv: BatchKV, layer: int):
         nbytes = kv.step_nbytes()

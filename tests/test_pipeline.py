@@ -87,6 +87,26 @@ def test_misplaced_kv_block_is_caught(checkpoints, ref, monkeypatch):
     assert ours != ref
 
 
+def test_first_batchs_kv_comes_up_during_the_layer_before(checkpoints, ref, monkeypatch):
+    """With the KV cache on the host, batch 0's KV for layer l+1 is loaded while layer l's
+    experts run (inequality (7)), not after them; tokens stay exact."""
+    from klotski.pipeline import Pipeline
+    issued = []
+    load = Pipeline._kv_load
+
+    def spy(self, kv, layer):
+        issued.append((layer, self.layer))
+        return load(self, kv, layer)
+    monkeypatch.setattr(Pipeline, "_kv_load", spy)
+    _, probe = engine_tokens(checkpoints["gqa"], prompts=["x"], max_new_tokens=1)
+    placement = Placement.by_kind(probe.spec.group_keys(), kv="host")
+    issued.clear()
+    ours, engine = engine_tokens(checkpoints["gqa"], placement=placement, batch_size=3, num_batches=2)
+    assert ours == ref
+    ahead = [layer for layer, now in issued if layer == now + 1]
+    assert ahead and set(ahead) == set(range(1, engine.spec.num_layers))
+
+
 @pytest.mark.parametrize("schedule", ["klotski", "multibatch"])
 def test_quantized_weights_move_packed_and_give_identical_tokens_on_any_placement(checkpoints, tmp_path, schedule):
     """HQQ output differs from bf16/fp32 by design, but must not depend on where bytes live."""
