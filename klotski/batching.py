@@ -102,8 +102,10 @@ class ContinuousRun:
         # room for the window's longest request, as static batching gives its batch
         self.capacity = max(len(s.prompt_ids) + s.max_new_tokens for s in seqs)
         self.chunk = engine.prefill_chunk or max(len(s.prompt_ids) for s in seqs)
+        # every step's attention beside the host cache: the plan reserved no keys or scores
+        self.host_attention = self.space.on_host and engine.pipeline.always_host_attention()
         self.step_limit = continuous_step_limit(self.spec, engine.dtype.itemsize, engine.batch_size,
-                                                engine.num_batches, self.chunk, self.capacity)
+                                                engine.num_batches, self.chunk, self.capacity, self.host_attention)
         # a newcomer's cache beyond the planned ones is taken only if a step can still run
         # beside it: its activations at their limit and the largest group it fetches
         self.headroom = self.step_limit + engine.cache.largest_use()
@@ -325,7 +327,7 @@ class ContinuousRun:
         newcomers early in their prompts take longer chunks than a prefill of every batch at
         once (workingset.widest_chunk, which the planner's replay uses too)."""
         return widest_chunk(self.spec, self.e.dtype.itemsize, self.step_limit, decode_rows, self.e.batch_size,
-                            self.capacity, batch, others)
+                            self.capacity, batch, others, self.host_attention)
 
 
 def prefill_input(batch: list[S.Sequence], length: int, pad: int) -> StepInput:

@@ -88,6 +88,7 @@ class Pipeline:
         self.experts_loaded = 0
         self.upcoming: list = []  # this layer's experts in expected compute order
         self.kv_ahead = None      # (layer, load) of batch 0's host KV, issued during the layer before
+        self.at_host: list = []   # this step's batches whose attention runs beside their host KV
         self.layer = -1
         self.on_layer = None     # optional callback(layer, hidden states per batch), for tests
 
@@ -98,6 +99,9 @@ class Pipeline:
         anywhere, its hidden states stopped being finite."""
         spec = self.spec
         self.predictor.begin_step()
+        # where each batch's attention runs this step, decided once: the activation reserve
+        # depends on it (a host batch's keys and scores stay on the host)
+        self.at_host = [self._attend_on_host(kv, inp.ids.shape[1]) for kv, inp in zip(kvs, inputs)]
         act = self._activation_bytes(kvs, inputs)
         self.make_room(act, "activations")
         self.memory.reserve(act, "activations")
@@ -157,7 +161,7 @@ class Pipeline:
             self._want([("gate", layer)] + [("expert", layer, e) for e in hot] + ahead, "weights")
         w = self._get(("attn", layer))
         loads, stores = {}, []
-        at_host = [self._attend_on_host(kv) for kv in kvs]
+        at_host = self.at_host
         moves = [kv.on_host and not h for kv, h in zip(kvs, at_host)]  # whose KV prefix comes up
         if moves[0]:
             ahead, self.kv_ahead = self.kv_ahead, None
@@ -192,10 +196,16 @@ class Pipeline:
         self.cache.release(("attn", layer))
         self._pump()
 
-    def _attend_on_host(self, kv: BatchKV) -> bool:
+    def always_host_attention(self) -> bool:
+        """Every host-KV batch attends beside its cache (`--host-attention on`), as planned."""
+        return self.host.attention_mode == "on" and self.host_attention_ok
+
+    def _attend_on_host(self, kv: BatchKV, new: int) -> bool:
+        """Batch `kv`'s attention beside its host cache this step, `new` tokens a row (its
+        slots bounded by the cache's filled ones: decided before the step begins)."""
         if not (kv.on_host and self.host_attention_ok):
             return False
-        return self.host.attend_on_host(kv.rows, kv.step_slots(), kv.new)
+        return self.host.attend_on_host(kv.rows, kv.filled + new, new)
 
     def _host_attention(self, layer, k, h, w, ctx, kv: BatchKV):
         """Batch k's attention with its KV cache on the host, computed there: the projections
@@ -261,7 +271,7 @@ class Pipeline:
         of that layer's attention, it left the link idle while the device waited."""
         kv = kvs[0]
         # only into free room: evicting this layer's experts for it would cost more than it hides
-        if (layer < self.spec.num_layers and kv.on_host and not self._attend_on_host(kv)
+        if (layer < self.spec.num_layers and kv.on_host and not self.at_host[0]
                 and self.memory.fits(kv.step_nbytes())):
             self.kv_ahead = (layer, self._kv_load(kv, layer))
 
@@ -516,7 +526,8 @@ class Pipeline:
         """This step's activation reserve, by the planner's own formula (workingset.py)."""
         step = Step.of_batches((i.ids.shape[0], i.ids.shape[1], kv.filled + i.ids.shape[1])
                                for kv, i in zip(kvs, inputs))
-        return activation_bytes(self.spec, self.cache.dtype.itemsize, step)
+        # as the plan reserved it when every batch attends beside its host cache
+        return activation_bytes(self.spec, self.cache.dtype.itemsize, step, host_attention=all(self.at_host))
 
 
 def _expert_ffn(family, spec):

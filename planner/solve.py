@@ -116,9 +116,9 @@ def _predict(cost, ios, bs, n, P, G, schedule, hot, marg, layout, chunk=None, ho
                 width = max(1, min(longest_chunk, p))
                 return step(Phase(bs, n, p, width))[0] * math.ceil(p / width)
             # its rows attend their batch's longest-lived row's slots (occupancy.continuous_steps)
-            at = max(1, round(job.continuous(cost.shape, bs, n, longest_chunk)[3]))
+            at = max(1, round(job.continuous(cost.shape, bs, n, longest_chunk, host.attention)[3]))
             job_prefill, job_decode = _continuous_s(job, cost, bs, n, longest_chunk, fill_s, live_price(at),
-                                                    lambda k, new: step(Phase(bs, k, at, new))[0])
+                                                    lambda k, new: step(Phase(bs, k, at, new))[0], host.attention)
         else:
             padding = job.padding(cost, bs, longest_chunk, P)
             if job.batching == "static" and job.prompts:
@@ -147,7 +147,7 @@ def _predict(cost, ios, bs, n, P, G, schedule, hot, marg, layout, chunk=None, ho
             "prefill_bubble_s": pb, "decode_step_s": dec, "decode_bubble_s": db, **job_split}
 
 
-def _continuous_s(job, cost, bs, n, chunk, fill_s, price, mixed_s) -> tuple[float, float]:
+def _continuous_s(job, cost, bs, n, chunk, fill_s, price, mixed_s, host_attention=False) -> tuple[float, float]:
     """Seconds of the job's prefill and decode under continuous batching, replayed step by
     step with its prefills (`occupancy.continuous_steps`, the job's first window standing
     for all): the first fill is a static prefill of the prompts it takes (`fill_s(p)`, a
@@ -158,7 +158,7 @@ def _continuous_s(job, cost, bs, n, chunk, fill_s, price, mixed_s) -> tuple[floa
     engine counts it. The first fill takes the longest answers first, and among equal ones
     the longest prompts: with every answer of one length, medium-mixtral's first fill was
     twice the job's mean prompt, and priced at the mean it came out 0.8 s against 1.9."""
-    first, steps, weight, _ = job.continuous(cost.shape, bs, n, chunk)
+    first, steps, weight, _ = job.continuous(cost.shape, bs, n, chunk, host_attention)
     mean = -(-sum(first) // max(1, len(first)))
     prefill, decode, memo = fill_s(mean) + padded_attention_s(cost, bs, chunk, mean, first), 0.0, {}
     for (rows, batches, tokens), count in steps.items():
@@ -411,17 +411,19 @@ class _Job:
         """Decode steps per live-row count under continuous batching (occupancy.live_rows)."""
         return self._memoised(("live", slots), lambda: live_rows([g - 1 for g in self.lens], slots))
 
-    def continuous(self, shape, bs: int, n: int, chunk: int) -> tuple[list, Counter, float, float]:
+    def continuous(self, shape, bs: int, n: int, chunk: int,
+                   host_attention: bool = False) -> tuple[list, Counter, float, float]:
         """(first fill's prompts, steps, weight, slots a decode row attends) of the job's first window replayed
         (`occupancy.continuous_steps`), weighted to stand for the whole job; newcomers' chunks
         are sized as the engine sizes them (`workingset.newcomer_chunks`)."""
         def replay():
             w = self.window
             prompts, lens = self.prompts[:w], self.lens[:w]
-            widest = newcomer_chunks(shape, shape.dtype_bytes, bs, n, chunk, max(map(sum, zip(prompts, lens))))
+            widest = newcomer_chunks(shape, shape.dtype_bytes, bs, n, chunk, max(map(sum, zip(prompts, lens))),
+                                     host_attention)
             first, steps, span = continuous_steps(prompts, lens, bs, n, widest)
             return first, steps, len(self.lens) / min(len(self.lens), w), span
-        return self._memoised(("continuous", bs, n, chunk), replay)
+        return self._memoised(("continuous", bs, n, chunk, host_attention), replay)
 
     def static_passes(self, group: int, chunk: int) -> int:
         """Prefill passes of the job under static batching: each window's prompts longest

@@ -106,7 +106,7 @@ def activation_bytes(shape, itemsize: int, step: Step, host_attention: bool = Fa
 
 
 def widest_chunk(shape, itemsize: int, limit: int, decode_rows: int, bs: int, context: int,
-                 batch: tuple, others: list) -> int:
+                 batch: tuple, others: list, host_attention: bool = False) -> int:
     """The longest prefill chunk for a newcomer `batch` (rows, columns done, columns left)
     whose step stays within `limit` activation bytes beside `decode_rows` decode rows (in
     batches of bs over the whole `context`, a bound on how the engine holds them) and other
@@ -119,7 +119,7 @@ def widest_chunk(shape, itemsize: int, limit: int, decode_rows: int, bs: int, co
 
     def fits(chunk: int) -> bool:
         step = Step.of_batches(rest + [(rows, chunk, done + chunk)])
-        return activation_bytes(shape, itemsize, step) <= limit
+        return activation_bytes(shape, itemsize, step, host_attention) <= limit
 
     lo, hi = 0, left  # activations grow with the chunk: the largest that fits
     while lo < hi:
@@ -128,18 +128,20 @@ def widest_chunk(shape, itemsize: int, limit: int, decode_rows: int, bs: int, co
     return lo
 
 
-def continuous_step_limit(shape, itemsize: int, bs: int, n: int, chunk: int, context: int) -> int:
+def continuous_step_limit(shape, itemsize: int, bs: int, n: int, chunk: int, context: int,
+                          host_attention: bool = False) -> int:
     """The activations a continuous step may take: the first prefill step's, n batches of bs
-    prompts in chunks of `chunk` over the window's longest `context` (what the plan reserved)."""
-    return activation_bytes(shape, itemsize, Step.prefill(bs, n, min(chunk, context), context))
+    prompts in chunks of `chunk` over the window's longest `context` (what the plan reserved;
+    with `host_attention`, keys and scores stay beside the host cache)."""
+    return activation_bytes(shape, itemsize, Step.prefill(bs, n, min(chunk, context), context), host_attention)
 
 
-def newcomer_chunks(shape, itemsize: int, bs: int, n: int, chunk: int, context: int):
+def newcomer_chunks(shape, itemsize: int, bs: int, n: int, chunk: int, context: int, host_attention: bool = False):
     """Continuous batching's rule for newcomers' chunks, `widest(batch, decode_rows, others)`
     (`widest_chunk` within `continuous_step_limit`), for the planner's replay."""
-    limit = continuous_step_limit(shape, itemsize, bs, n, chunk, context)
+    limit = continuous_step_limit(shape, itemsize, bs, n, chunk, context, host_attention)
     return lambda batch, decode_rows, others: widest_chunk(shape, itemsize, limit, decode_rows, bs, context,
-                                                           batch, others)
+                                                           batch, others, host_attention)
 
 
 def staging_bytes(cost) -> int:

@@ -82,9 +82,11 @@ def test_prompts_span_the_lengths_wanted(model, prompts):
     assert min(lengths) <= 12 and 50 <= max(lengths) <= 60
 
 
-@pytest.mark.parametrize("schedule", ["klotski", "multibatch"])
+# with attention beside a host KV cache the plan reserves no keys or scores on the device,
+# and the run must charge what the plan reserved
+@pytest.mark.parametrize("schedule, host_attention", [("klotski", "off"), ("multibatch", "off"), ("klotski", "on")])
 def test_every_budget_runs_exactly_within_it_or_names_a_minimum_that_does(model, prompts, ref, schedule,
-                                                                          monkeypatch):
+                                                                          host_attention, monkeypatch):
     total = _model_bytes(model)
     reads = []
     real_read = TensorStore.read
@@ -94,13 +96,13 @@ def test_every_budget_runs_exactly_within_it_or_names_a_minimum_that_does(model,
         budget = total * eighths // 8
         reads.clear()
         try:
-            ours, engine = _run(model, prompts, budget, schedule=schedule)
+            ours, engine = _run(model, prompts, budget, schedule=schedule, host_attention=host_attention)
         except BudgetRefused as e:
             assert not reads, "refused after reading weights"
             assert e.budget == "device" and budget < e.needed
             budget = parse_size(format_size_flag(e.needed))  # what the user types, from the message
             assert f"--device-memory {format_size_flag(e.needed)}" in str(e)
-            ours, engine = _run(model, prompts, budget, schedule=schedule)
+            ours, engine = _run(model, prompts, budget, schedule=schedule, host_attention=host_attention)
             outcomes.append(("refused", eighths))
         else:
             outcomes.append(("ran", eighths))
