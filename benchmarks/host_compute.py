@@ -4,9 +4,10 @@ they live, each on and off, side by side.
     python benchmarks/host_compute.py [--prompts 16] [--max-new-tokens 32] [--bs 4] [--n 2]
                                       [--link-gbps 2] [--repeats 3]
 
-Four runs per repeat (order rotating), each its own `klotski generate` process, on a model
-whose KV cache and experts live on the host (a device budget small enough; the placement is
-in each report): off/off, `--host-attention on`, `--host-experts on`, both. Reported per
+Four runs per repeat (order rotating), each its own `klotski generate` process, at a device
+budget too small for the model: off/off, `--host-attention on`, `--host-experts on`, both.
+The planner places each configuration within that budget (host attention keeps the KV cache
+on the host and frees the device of keys and scores; the placement is in each report). Reported per
 configuration (medians over repeats): link bytes per generated token each way, tokens/s,
 what host compute did (report["host_compute"]); every run's tokens must be identical.
 Writes benchmarks/results/host-compute.json.
@@ -36,7 +37,7 @@ def main() -> None:
     ap.add_argument("--link-gbps", type=float, default=2.0)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device-memory", type=int, default=7_000_000,
-                    help="bytes; the default puts tiny-mixtral's experts and KV cache on the host")
+                    help="bytes; the default holds about half of tiny-mixtral's experts on the device")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "host-compute.json"))
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="klotski-host-compute-"))
