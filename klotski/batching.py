@@ -38,7 +38,7 @@ from klotski.kvcache import BatchKV
 from klotski.pipeline import StepInput
 from placement.cache import DISK_TO_HOST
 from placement.tiers import OverBudget
-from planner.workingset import continuous_step_limit, widest_chunk
+from planner.workingset import continuous_step_limit, newcomer_chunks
 
 
 LOOKAHEAD = 4  # batches' worth of waiting prompts a newcomer batch is chosen from, by length
@@ -104,8 +104,10 @@ class ContinuousRun:
         self.chunk = engine.prefill_chunk or max(len(s.prompt_ids) for s in seqs)
         # every step's attention beside the host cache: the plan reserved no keys or scores
         self.host_attention = self.space.on_host and engine.pipeline.always_host_attention()
-        self.step_limit = continuous_step_limit(self.spec, engine.dtype.itemsize, engine.batch_size,
-                                                engine.num_batches, self.chunk, self.capacity, self.host_attention)
+        args = (self.spec, engine.dtype.itemsize, engine.batch_size, engine.num_batches, self.chunk, self.capacity,
+                self.host_attention)
+        self.step_limit = continuous_step_limit(*args)
+        self.widest = newcomer_chunks(*args)  # a newcomer batch's chunk, as the planner replays it
         # a newcomer's cache beyond the planned ones is taken only if a step can still run
         # beside it: its activations at their limit and the largest group it fetches
         self.headroom = self.step_limit + engine.cache.largest_use()
@@ -296,7 +298,7 @@ class ContinuousRun:
             live = sum(d.computed() for d in self.decode if d.live())
             ready = sum(len(nc.seqs) for nc in self.newcomers if not nc.left)
             decode_rows = min(self.e.batch_size * n - sum(r for r, _, _ in others), live + ready)
-            if not self._fitting_chunk((take, 0, 1), decode_rows, others):
+            if not self.widest((take, 0, 1), decode_rows, others):
                 continue
             try:
                 kv, _ = self.space.allocate(take, longest, keep_free=self.headroom)
@@ -318,16 +320,8 @@ class ContinuousRun:
         widths = [1] * len(prefilling)
         for i, nc in enumerate(prefilling):
             others = [(len(o.seqs), w, o.done) for j, (o, w) in enumerate(zip(prefilling, widths)) if j != i and w]
-            widths[i] = self._fitting_chunk((len(nc.seqs), nc.done, nc.left), decode_rows, others)
+            widths[i] = self.widest((len(nc.seqs), nc.done, nc.left), decode_rows, others)
         return [(nc, nc.take(w), True) for nc, w in zip(prefilling, widths) if w]
-
-    def _fitting_chunk(self, batch: tuple, decode_rows: int, others: list) -> int:
-        """The longest chunk for a newcomer batch (rows, columns done, columns left) within
-        the first prefill step's activations: each batch's attention over its own keys, so
-        newcomers early in their prompts take longer chunks than a prefill of every batch at
-        once (workingset.widest_chunk, which the planner's replay uses too)."""
-        return widest_chunk(self.spec, self.e.dtype.itemsize, self.step_limit, decode_rows, self.e.batch_size,
-                            self.capacity, batch, others, self.host_attention)
 
 
 def prefill_input(batch: list[S.Sequence], length: int, pad: int) -> StepInput:

@@ -82,17 +82,18 @@ class BatchKV:
         self.new = t
         self.old_slots = None
         self._columns = {}
-        # Slots before the computed rows' oldest token are padding to every one of them (a
-        # continuous batch's finished rows left them behind): neither loaded nor attended.
-        used = torch.nonzero(self.valid[:r, :self.filled].any(0))
-        self.first = int(used[0]) if len(used) else self.filled
-        if recent is not None:
-            old = self.valid[:r, :self.filled]
+        old = self.valid[:r, :self.filled]
+        if recent is not None:  # the kept slots, absolute
             rank = old.long().cumsum(-1) - 1
             last_query = self.filled + t - 1
             keep = old & ((rank < sink) | (torch.arange(self.filled) > last_query - recent))
             self.old_slots = torch.nonzero(keep.any(0)).flatten()
-            self.first = 0  # the kept slots are absolute
+            self.first = 0
+        else:
+            # Slots before the computed rows' oldest token are padding to every one of them (a
+            # continuous batch's finished rows left them behind): neither loaded nor attended.
+            used = torch.nonzero(old.any(0))
+            self.first = int(used[0]) if len(used) else self.filled
         return self.valid[:r, self.first:self.filled + t]
 
     def step_columns(self, device="cpu") -> torch.Tensor | None:

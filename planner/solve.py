@@ -116,9 +116,10 @@ def _predict(cost, ios, bs, n, P, G, schedule, hot, marg, layout, chunk=None, ho
                 width = max(1, min(longest_chunk, p))
                 return step(Phase(bs, n, p, width))[0] * math.ceil(p / width)
             # its rows attend their batch's longest-lived row's slots (occupancy.continuous_steps)
-            at = max(1, round(job.continuous(cost.shape, bs, n, longest_chunk, host.attention)[3]))
-            job_prefill, job_decode = _continuous_s(job, cost, bs, n, longest_chunk, fill_s, live_price(at),
-                                                    lambda k, new: step(Phase(bs, k, at, new))[0], host.attention)
+            replay = job.continuous(cost.shape, bs, n, longest_chunk, host.attention)
+            at = max(1, round(replay[3]))
+            job_prefill, job_decode = _continuous_s(replay, cost, bs, n, longest_chunk, fill_s, live_price(at),
+                                                    lambda k, new: step(Phase(bs, k, at, new))[0])
         else:
             padding = job.padding(cost, bs, longest_chunk, P)
             if job.batching == "static" and job.prompts:
@@ -147,10 +148,10 @@ def _predict(cost, ios, bs, n, P, G, schedule, hot, marg, layout, chunk=None, ho
             "prefill_bubble_s": pb, "decode_step_s": dec, "decode_bubble_s": db, **job_split}
 
 
-def _continuous_s(job, cost, bs, n, chunk, fill_s, price, mixed_s, host_attention=False) -> tuple[float, float]:
-    """Seconds of the job's prefill and decode under continuous batching, replayed step by
-    step with its prefills (`occupancy.continuous_steps`, the job's first window standing
-    for all): the first fill is a static prefill of the prompts it takes (`fill_s(p)`, a
+def _continuous_s(replay, cost, bs, n, chunk, fill_s, price, mixed_s) -> tuple[float, float]:
+    """Seconds of the job's prefill and decode under continuous batching, from its replay step
+    by step with its prefills (`_Job.continuous`: `occupancy.continuous_steps` over the job's
+    first window, weighted to stand for all): the first fill is a static prefill of the prompts it takes (`fill_s(p)`, a
     group at their mean prompt p), plus its padding's attention; then a step of r live rows
     alone costs `price(r)`, and one that carries newcomer batches is priced as one forward
     over the decode batches and the newcomers together, their rows' tokens spread over them
@@ -158,7 +159,7 @@ def _continuous_s(job, cost, bs, n, chunk, fill_s, price, mixed_s, host_attentio
     engine counts it. The first fill takes the longest answers first, and among equal ones
     the longest prompts: with every answer of one length, medium-mixtral's first fill was
     twice the job's mean prompt, and priced at the mean it came out 0.8 s against 1.9."""
-    first, steps, weight, _ = job.continuous(cost.shape, bs, n, chunk, host_attention)
+    first, steps, weight, _ = replay
     mean = -(-sum(first) // max(1, len(first)))
     prefill, decode, memo = fill_s(mean) + padded_attention_s(cost, bs, chunk, mean, first), 0.0, {}
     for (rows, batches, tokens), count in steps.items():

@@ -138,7 +138,8 @@ def continuous_step_limit(shape, itemsize: int, bs: int, n: int, chunk: int, con
 
 def newcomer_chunks(shape, itemsize: int, bs: int, n: int, chunk: int, context: int, host_attention: bool = False):
     """Continuous batching's rule for newcomers' chunks, `widest(batch, decode_rows, others)`
-    (`widest_chunk` within `continuous_step_limit`), for the planner's replay."""
+    (`widest_chunk` within `continuous_step_limit`): the engine sizes its newcomers with it
+    and the planner's replay (planner.occupancy) does the same."""
     limit = continuous_step_limit(shape, itemsize, bs, n, chunk, context, host_attention)
     return lambda batch, decode_rows, others: widest_chunk(shape, itemsize, limit, decode_rows, bs, context,
                                                            batch, others, host_attention)

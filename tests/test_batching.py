@@ -135,7 +135,7 @@ def test_newcomers_take_the_widest_chunk_their_own_keys_allow(checkpoints, refer
     """A newcomer's chunk is bounded by the first prefill step's activations with each batch's
     attention over its own keys: early in its prompt it takes more columns than the first
     fill's chunk, no step's reserve exceeds that limit, and tokens stay exact."""
-    from planner.workingset import continuous_step_limit
+    from planner.workingset import Step, activation_bytes, continuous_step_limit
     cfg = RunConfig(model=str(checkpoints["gqa"]), progress=False, dtype="float32", batch_size=2, num_batches=2,
                     prefill_chunk=2)
     engine, seqs, _ = open_engine(cfg, _requests())
@@ -153,7 +153,10 @@ def test_newcomers_take_the_widest_chunk_their_own_keys_allow(checkpoints, refer
     capacity = max(len(s.prompt_ids) + s.max_new_tokens for s in seqs)
     limit = continuous_step_limit(engine.spec, 4, 2, 2, 2, capacity)
     assert max(charged) <= limit
-    assert max(widths) > 2  # a newcomer beyond the first fill's chunk
+    # sized over the window's whole context, alone in its step, a newcomer could take no more
+    over_context = max(c for c in range(1, capacity) if activation_bytes(
+        engine.spec, 4, Step(tokens=2 * c, sequences=2, batch=2, queries=c, keys=capacity)) <= limit)
+    assert max(widths) > over_context
 
 
 def test_widest_chunk_is_the_longest_that_fits():

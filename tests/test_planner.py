@@ -409,7 +409,8 @@ def test_continuous_first_fill_is_priced_at_its_own_prompts():
     cost = CostModel(load_profile("rtx3090-pcie4"), as_shape("mixtral-8x7b"))
     job = _Job([16] * 64, "continuous", [50] * 28 + [400] * 8 + [50] * 28)
     seen = []
-    _continuous_s(job, cost, 4, 2, 512, lambda p: seen.append(p) or 0.0, lambda rows: 0.0, lambda k, new: 0.0)
+    _continuous_s(job.continuous(cost.shape, 4, 2, 512), cost, 4, 2, 512, lambda p: seen.append(p) or 0.0,
+                  lambda rows: 0.0, lambda k, new: 0.0)
     assert seen == [400]
 
 
