@@ -87,7 +87,8 @@ def main() -> None:
             "predicted_tokens_per_s", "replayed_tokens_per_s")
     med = {m: {k: _median(x[k] for x in v) for k in keys} for m, v in runs.items()}
     for m in med.values():  # the planner's rate for the job against the measured one (issue 14, part 3)
-        m["predicted_over_measured"] = (m["predicted_tokens_per_s"] or 0) / m["tokens_per_s"]
+        m["predicted_over_measured"] = (m["predicted_tokens_per_s"] / m["tokens_per_s"]
+                                        if m["predicted_tokens_per_s"] is not None else None)
     result = {"model": a.model, "device_memory": budget, "prompts": a.prompts, "bs": a.bs, "n": a.n, "link_gbps": a.link_gbps,
               "max_new_tokens": {"min": min(limits), "median": statistics.median(limits), "max": max(limits),
                                  "total": sum(limits)},
