@@ -39,7 +39,7 @@ def main() -> int:
     from conftest import reference_tokens
     from test_budgets import SHAPE, budget_prompts
 
-    from klotski import tiny
+    from klotski.builtin import tiny
     from placement.store import TensorStore
     work = Path(tempfile.mkdtemp(prefix="klotski-sweep-"))
     model = tiny.build_checkpoint(work / "model", "tiny", **SHAPE)

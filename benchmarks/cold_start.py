@@ -60,7 +60,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cold-start.json"))
     a = ap.parse_args()
-    from klotski import tiny
+    from klotski.builtin import tiny
     work = Path(tempfile.mkdtemp(prefix="klotski-cold-"))
     model = tiny.build_checkpoint(work / "model", "medium", routing="skewed")
     jobs = write_jobs(ROOT / "jobs" / "wikitext.jsonl", 48, work / "jobs.jsonl")

@@ -3,7 +3,7 @@ Qwen3-style model (128 experts top-8) bigger than the device budget, over an emu
 
     python benchmarks/families.py [--prompts 24] [--reps 3] [--link 2] [--parts agreement,schedules]
 
-Agreement: each family's small random checkpoint (klotski.tiny_family) saved in fp32 and in
+Agreement: each family's small random checkpoint (klotski.builtin.families) saved in fp32 and in
 bf16; the same left-padded prompts through transformers' greedy generate and through Klotski
 in that dtype (one batch, defaults). Reported: prompts whose tokens are all identical, and the
 share of generated tokens before each prompt's first difference (bf16 sums in other orders
@@ -38,8 +38,8 @@ def agreement(family: str, prompts: list[str], new_tokens: int, tmp: Path, dtype
 
     from klotski.assemble import open_engine
     from klotski.config import RunConfig
-    from klotski.jobs import Request
-    from klotski.tiny_family import build_family
+    from klotski.io.jobs import Request
+    from klotski.builtin.families import build_family
 
     path = build_family(tmp / f"{family}-{dtype}", family, dtype=dtype)
     tok = AutoTokenizer.from_pretrained(path, padding_side="left")
@@ -63,7 +63,7 @@ def agreement(family: str, prompts: list[str], new_tokens: int, tmp: Path, dtype
 
 
 def schedules(a, tmp: Path) -> list[dict]:
-    from klotski.tiny_family import build_family
+    from klotski.builtin.families import build_family
     model = build_family(tmp / "qwen3-style", "qwen3_moe", dtype="bfloat16", **QWEN3_STYLE)
     total = sum(f.stat().st_size for f in model.glob("*.safetensors"))
     device = f"{total // 3}B"
@@ -100,7 +100,7 @@ def main():
     tmp = Path(tempfile.mkdtemp())
     result = {}
     if "agreement" in a.parts:
-        from klotski.tiny_family import FAMILIES
+        from klotski.builtin.families import FAMILIES
         lines = (ROOT / "jobs/wikitext.jsonl").read_text().splitlines()[:a.prompts]
         prompts = [json.loads(l)["prompt"] for l in lines]
         result["agreement"] = [agreement(f, prompts, a.new_tokens, tmp, d) for f in FAMILIES

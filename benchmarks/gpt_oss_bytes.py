@@ -3,9 +3,9 @@
     python benchmarks/gpt_oss_bytes.py [--prompts 8] [--new-tokens 16] [--reps 3]
 
 One small-but-not-trivial gpt-oss (hidden 512, expert width 512, 4 layers, 32 experts top-4,
-a 128-token window on alternate layers; klotski.tiny_family built by transformers' own classes)
+a 128-token window on alternate layers; klotski.builtin.families built by transformers' own classes)
 saved in bf16, and the same checkpoint with its experts packed into the MXFP4 layout OpenAI
-publishes (klotski.tiny_family.pack_mxfp4; everything else bf16, as published). Both run in
+publishes (klotski.builtin.families.pack_mxfp4; everything else bf16, as published). Both run in
 bf16 with the same placement (every expert on the host, everything else on the device), the
 same device budget (the bf16 model + 64 MiB), schedule and prompts, one after the other in this process, each `--reps`
 times. Reported per form: host->device bytes per generated token from the run's trace (the
@@ -36,10 +36,10 @@ PROMPTS = ["The history of the city begins", "A river is a natural flowing water
 
 def run(path: Path, prompts: list[str], new_tokens: int, device_memory: int | None) -> dict:
     from klotski.assemble import open_engine
-    from klotski.checkpoint import Checkpoint
+    from klotski.io.checkpoint import Checkpoint
     from klotski.config import RunConfig
-    from klotski.jobs import Request
-    from placement.plan import Placement
+    from klotski.io.jobs import Request
+    from placement.placement import Placement
 
     ckpt = Checkpoint.open(str(path))
     spec = ckpt.spec
@@ -69,7 +69,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gpt_oss_bytes.json"))
     a = ap.parse_args()
-    from klotski.tiny_family import build_family, pack_mxfp4
+    from klotski.builtin.families import build_family, pack_mxfp4
 
     prompts = (PROMPTS * (1 + a.prompts // len(PROMPTS)))[:a.prompts]
     with tempfile.TemporaryDirectory() as tmp:

@@ -36,7 +36,7 @@ PREDICTORS = ("exact-path", "co-occurrence", "frequency", "next-gate", "none")
 
 
 def model_dir(work: Path, experts: int, top_k: int, a) -> Path:
-    from klotski.tiny import build_checkpoint
+    from klotski.builtin.tiny import build_checkpoint
     return build_checkpoint(work / f"m{experts}x{top_k}", "tiny", routing="skewed", num_local_experts=experts,
                             num_experts_per_tok=top_k, hidden_size=a.hidden, intermediate_size=a.inter,
                             num_hidden_layers=a.layers)
@@ -56,8 +56,8 @@ def _counting(table, found: list) -> None:
 def make_predictor(name: str, spec, learned: dict, found: list):
     """A predictor for one run, starting from (a copy of) what `learned` holds for it; None
     for next-gate and none, which the engine builds from the config."""
-    from klotski.cooccurrence import CooccurrenceTable
-    from klotski.prefetch import CorrelationPredictor, CorrelationTable, FrequencyPredictor
+    from klotski.prefetch.cooccurrence import CooccurrenceTable
+    from klotski.prefetch.predictors import CorrelationPredictor, CorrelationTable, FrequencyPredictor
     shape = (spec.num_layers, spec.num_experts, spec.top_k)
     if name == "exact-path":
         table = copy.deepcopy(learned.get(name)) or CorrelationTable(*shape)
@@ -86,9 +86,9 @@ def learned_state(name: str, predictor):
 
 def run_once(model: Path, prompts: list[str], name: str, learned: dict, a) -> dict:
     from klotski.assemble import open_engine
-    from klotski.checkpoint import Checkpoint
+    from klotski.io.checkpoint import Checkpoint
     from klotski.config import RunConfig
-    from klotski.jobs import Request
+    from klotski.io.jobs import Request
     spec = Checkpoint.open(model).spec
     prefetch = name if name in ("next-gate", "none") else "correlation"
     config = RunConfig(model=str(model), progress=False, batch_size=a.bs, num_batches=a.n,
@@ -155,11 +155,11 @@ def compare(a) -> dict:
 
 def sweep(a) -> dict:
     """Exact-path against co-occurrence as the number of possible expert sets grows: the
-    measurement behind klotski.correlate.EXACT_PATH_MAX_SETS. No link or budget: only the
+    measurement behind klotski.prefetch.correlate.EXACT_PATH_MAX_SETS. No link or budget: only the
     metrics, the exact table's size and the predictors' own time matter here."""
     from klotski.assemble import open_engine
     from klotski.config import RunConfig
-    from klotski.jobs import Request
+    from klotski.io.jobs import Request
     work = Path(tempfile.mkdtemp(prefix="klotski-sweep-"))
     prompts = [json.loads(l)["prompt"] for l in Path(a.jobs).read_text().splitlines()[: a.bs * a.n * a.groups]]
     print("| experts | top-k | sets C(E,k) | table | precision | hot accuracy | served share "
@@ -194,7 +194,7 @@ def sweep(a) -> dict:
 
 
 def _spec(model):
-    from klotski.checkpoint import Checkpoint
+    from klotski.io.checkpoint import Checkpoint
     return Checkpoint.open(model).spec
 
 

@@ -35,8 +35,8 @@ def main():
     ap.add_argument("--quantize", default="none,hqq4")
     ap.add_argument("--json")
     a = ap.parse_args()
-    from klotski import cachedir
-    from klotski.tiny import build_checkpoint
+    from klotski.util import cachedir
+    from klotski.builtin.tiny import build_checkpoint
     model = cachedir.models() / f"{a.preset}-mixtral-skewed"
     if not (model / "config.json").exists():
         build_checkpoint(model, a.preset, routing="skewed")

@@ -2,7 +2,7 @@
 greedy agreement, unquantized vs quantized, on the `small` preset.
 
 The quantized model is transformers' own Mixtral with every attention and expert
-projection replaced by `dequantize(quantize(W))` from klotski.quant — the same arithmetic
+projection replaced by `dequantize(quantize(W))` from klotski.compress.hqq — the same arithmetic
 the engine runs — so the comparison isolates the quantization error.
 
     python benchmarks/quant_quality.py --prompts 64 --new-tokens 16
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def quantize_model(model, spec):
-    from klotski import quant
+    from klotski.compress import hqq as quant
     with torch.no_grad():
         for name, p in model.named_parameters():
             base = name.rsplit(".", 1)[0].rsplit(".", 1)[-1]
@@ -63,8 +63,8 @@ def main():
     a = ap.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from klotski import quant
-    from klotski.tiny import build_checkpoint
+    from klotski.compress import hqq as quant
+    from klotski.builtin.tiny import build_checkpoint
     model_dir = build_checkpoint(Path(tempfile.mkdtemp()) / a.preset, a.preset)
     prompts = [json.loads(l)["prompt"] for l in (ROOT / "jobs/wikitext.jsonl").read_text().splitlines()[: a.prompts]]
     tok = AutoTokenizer.from_pretrained(model_dir)

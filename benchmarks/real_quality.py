@@ -1,7 +1,7 @@
 """Quality of bf16, HQQ 4-bit and sparse attention on a *trained* model (`smollm2-moe`).
 
 The tiny presets have random weights, so agreement and perplexity measured on them say
-little. `smollm2-moe` is SmolLM2-135M-Instruct upcycled into a Mixtral (klotski/smollm.py),
+little. `smollm2-moe` is SmolLM2-135M-Instruct upcycled into a Mixtral (klotski/builtin/smollm.py),
 whose greedy output is the trained dense model's; this script measures on it:
 
 * Greedy agreement with the fp32 run, all through `klotski generate` (one process each):
@@ -110,8 +110,8 @@ def run_perplexity(texts: list[str], threads: int) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import quant_quality  # noqa: E402  (benchmarks/quant_quality.py: quantize_model, perplexity)
-    from klotski import quant
-    from klotski.smollm import ensure
+    from klotski.compress import hqq as quant
+    from klotski.builtin.smollm import ensure
 
     torch.set_num_threads(threads)
     model_dir = ensure(MODEL)

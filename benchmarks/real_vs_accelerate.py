@@ -62,7 +62,7 @@ def main():
     ap.add_argument("--json", help="write the summary here")
     a = ap.parse_args()
     t_start = time.perf_counter()
-    from klotski.smollm import ensure
+    from klotski.builtin.smollm import ensure
     model_dir = ensure(MODEL)  # the built checkpoint; both systems read the same files
     env = child_env(a.threads)
     work = Path(a.work or tempfile.mkdtemp(prefix="real-vs-accelerate-"))

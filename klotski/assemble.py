@@ -3,7 +3,7 @@ over. Nothing else constructs a cache, a pipeline or an engine.
 
     Checkpoint.open   files, shapes, tokenizer, fingerprint           nothing loaded
     prepare           the job's sequences (tokenized)
-    plan_run          bs, n, prefill chunk, placement                 a refusal happens here
+    setup_run          bs, n, prefill chunk, placement                 a refusal happens here
     build_engine      codec (the quantized copy, made once) -> predictor -> channels and
                       memory accounts -> cache (tiers filled) -> pipeline -> Engine
 
@@ -16,22 +16,22 @@ from dataclasses import dataclass
 import torch
 
 from klotski import planning
-from klotski.channels import make_channels
-from klotski.checkpoint import Checkpoint
-from klotski.engine import Engine
-from klotski.hostcompute import HostCompute
-from klotski.pipeline import Pipeline
-from klotski.prefetch import FrequencyPredictor, NextGatePredictor
-from klotski.sequences import prepare
-from klotski.trace import Trace
+from klotski.runtime.channels import make_channels
+from klotski.io.checkpoint import Checkpoint
+from klotski.runtime.engine import Engine
+from klotski.runtime.hostcompute import HostCompute
+from klotski.runtime.pipeline import Pipeline
+from klotski.prefetch.predictors import FrequencyPredictor, NextGatePredictor
+from klotski.runtime.sequences import prepare
+from klotski.runtime.trace import Trace
 from placement.cache import WeightCache
 from placement.pinned import PinnedBlocks
-from placement.plan import Placement
+from placement.placement import Placement
 from placement.tiers import Budgets, Memory, detect_budgets
 
 
 @dataclass(frozen=True)
-class RunPlan:
+class RunSetup:
     """What the run does, decided before anything is loaded."""
     batch_size: int
     num_batches: int
@@ -46,13 +46,13 @@ class RunPlan:
 
 
 def pipeline_cost(device: str, emulated_link: bool = False) -> dict:
-    """The pipeline's own cost per call on `device` (klotski/overhead.py), for measured profiles:
+    """The pipeline's own cost per call on `device` (klotski/runtime/overhead.py), for measured profiles:
     with an emulated link the CPU channels copy on their threads, without one inline."""
-    from klotski.overhead import pipeline_overhead
+    from klotski.runtime.overhead import pipeline_overhead
     return pipeline_overhead(device, open_engine, emulated_link=emulated_link)
 
 
-def plan_run(config, ckpt: Checkpoint, seqs, *, placement: Placement | None = None) -> RunPlan:
+def setup_run(config, ckpt: Checkpoint, seqs, *, placement: Placement | None = None) -> RunSetup:
     """Budgets from the flags or the machine; bs, n, prefill chunk and placement from the
     planner wherever the user left them open. Raises planning.BudgetRefused (one line, with
     the minimum that works) when nothing fits."""
@@ -71,51 +71,51 @@ def plan_run(config, ckpt: Checkpoint, seqs, *, placement: Placement | None = No
         raise ConfigError(f"--quantize hqq4: {ckpt.directory} ships its experts in MXFP4 already (4.25 bits a "
                           "weight, kept packed on every tier); run without --quantize")
     if config.quantize == "hqq4":  # a copy that cannot fit is refused now, not halfway through writing it
-        from klotski.quantized import check_room
+        from klotski.compress.quantized import check_room
         check_room(ckpt, dtype, config.offload_dir, optimize=config.quantize_optimize)
     modes = planning.host_modes(config, device, plan)
     cost = planning.run_cost_model(config, ckpt, dtype, device, pipeline_cost) if "auto" in modes else None
-    return RunPlan(bs, n, chunk, placement, budgets, device, dtype, plan, cost, modes)
+    return RunSetup(bs, n, chunk, placement, budgets, device, dtype, plan, cost, modes)
 
 
 def make_predictor(config, ckpt: Checkpoint):
     spec, how = ckpt.spec, config.prefetch
     if how == "correlation":
-        from klotski.correlate import learning_predictor
+        from klotski.prefetch.correlate import learning_predictor
         return learning_predictor(ckpt)
     if how == "next-gate":
         return NextGatePredictor(spec.num_layers, spec.num_experts)
     return FrequencyPredictor(spec.num_layers, spec.num_experts, name="none")  # K = 0: nothing is predicted
 
 
-def build_engine(config, ckpt: Checkpoint, run_plan: RunPlan, *, predictor=None) -> Engine:
+def build_engine(config, ckpt: Checkpoint, setup: RunSetup, *, predictor=None) -> Engine:
     """Fill the tiers as planned and wire the pipeline; the only step that reads weights."""
-    device, dtype = run_plan.device, run_plan.dtype
+    device, dtype = setup.device, setup.dtype
     codec = None
     if config.quantize == "hqq4":
-        from klotski.quantized import QuantCodec, ensure_quantized
+        from klotski.compress.quantized import QuantCodec, ensure_quantized
         codec = QuantCodec(ensure_quantized(ckpt, dtype, config.offload_dir, optimize=config.quantize_optimize),
                            dtype)
     elif ckpt.spec.expert_format == "mxfp4":  # experts stay packed as shipped, decoded on the device
-        from klotski.mxfp4 import Mxfp4Codec
+        from klotski.compress.mxfp4 import Mxfp4Codec
         codec = Mxfp4Codec(ckpt.store, ckpt.spec, dtype)
     predictor = predictor or make_predictor(config, ckpt)
     trace = Trace(keep_events=bool(config.trace), cuda=device.type == "cuda")
     channels = make_channels(device, trace, config.emulate_link_gbps)
-    memory = Memory(run_plan.budgets.device, "device")
+    memory = Memory(setup.budgets.device, "device")
     if device.type == "cuda":  # the real allocator's peak is read against the budget from here (report)
         memory.runtime_bytes = _cublas_workspace(device, dtype)
         torch.cuda.reset_peak_memory_stats(device)
         memory.allocator_baseline = torch.cuda.memory_allocated(device)
-    host_memory = Memory(run_plan.budgets.host, "host")
-    cache = WeightCache(ckpt.store, run_plan.placement, ckpt.spec.group_refs, dtype, memory,
+    host_memory = Memory(setup.budgets.host, "host")
+    cache = WeightCache(ckpt.store, setup.placement, ckpt.spec.group_refs, dtype, memory,
                         to_device=lambda t: t.to(device),
                         host_blocks=PinnedBlocks(pinned=True) if device.type == "cuda" else None,
                         disk_channel=channels["disk"], codec=codec, host_memory=host_memory)
     _check_sizes(cache, ckpt, dtype, config)
-    host = HostCompute(*run_plan.host_modes, run_plan.cost, asked=(config.host_attention, config.host_experts))
+    host = HostCompute(*setup.host_modes, setup.cost, asked=(config.host_attention, config.host_experts))
     pipeline = Pipeline(ckpt.spec, cache, channels, config, trace, predictor, memory, device, host)
-    return Engine(config, ckpt, run_plan, pipeline=pipeline, cache=cache, predictor=predictor, channels=channels,
+    return Engine(config, ckpt, setup, pipeline=pipeline, cache=cache, predictor=predictor, channels=channels,
                   memory=memory, host_memory=host_memory, trace=trace, device=device, dtype=dtype)
 
 
@@ -136,7 +136,7 @@ def _cublas_workspace(device, dtype) -> int:
 def _check_sizes(cache: WeightCache, ckpt: Checkpoint, dtype, config) -> None:
     """The planner sized every group from the checkpoint's headers (and the quantized layout);
     the cache measured the real thing. They must agree, or a budget could be broken."""
-    from klotski.quant import QuantSpec
+    from klotski.compress.hqq import QuantSpec
     quant = QuantSpec(optimize=config.quantize_optimize) if config.quantize == "hqq4" else None
     for key in cache.moved:
         planned = ckpt.group_nbytes(key, dtype, quant)[0]
@@ -147,5 +147,5 @@ def open_engine(config, requests, *, placement: Placement | None = None, predict
     """Checkpoint, sequences, plan and engine for `requests`: (engine, sequences, line errors)."""
     ckpt = Checkpoint.open(config.model, direct_io=config.direct_io)
     seqs, errors = prepare(requests, ckpt.tokenizer, ckpt.spec, config)
-    run_plan = plan_run(config, ckpt, seqs, placement=placement)
-    return build_engine(config, ckpt, run_plan, predictor=predictor), seqs, errors
+    setup = setup_run(config, ckpt, seqs, placement=placement)
+    return build_engine(config, ckpt, setup, predictor=predictor), seqs, errors

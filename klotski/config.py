@@ -63,7 +63,7 @@ class RunConfig:
     quantize: str = "none"
     quantize_optimize: bool = False   # HQQ's half-quadratic optimisation (slow on CPU)
     emulate_link_gbps: float | None = None
-    # Attention where a host KV cache lives / cold experts where they live (klotski/hostcompute.py):
+    # Attention where a host KV cache lives / cold experts where they live (klotski/runtime/hostcompute.py):
     # auto = the cost model decides per layer and step from the run's profile; off by default, as
     # on a CPU-only machine the host is the device and auto would turn every emulated-link run
     # into host compute.
@@ -80,7 +80,7 @@ class RunConfig:
     ray: str | None = None            # --ray: a Ray cluster's address ("auto" joins, "local" starts one); None = no Ray
     workers: int | None = None        # Ray actors (engines); None = one per GPU, else one per node
     shard: int = 512                  # job lines handed to a Ray actor at a time (the unit rerun if it dies)
-    prompt_field: str = "prompt"      # a dataset input's columns (klotski/dataset_files.py)
+    prompt_field: str = "prompt"      # a dataset input's columns (klotski/io/dataset_files.py)
     messages_field: str = "messages"
     id_field: str = "id"
 

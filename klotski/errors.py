@@ -18,7 +18,7 @@ class RunStopped(Exception):
 
 
 def _user_errors():
-    from klotski.jobs import JobFileError
+    from klotski.io.jobs import JobFileError
     errors = [ConfigError, ModelNotFound, CheckpointError, JobFileError, UserError]
     try:
         from planner.solve import Infeasible

@@ -11,7 +11,7 @@ import itertools
 from pathlib import Path
 
 from klotski.errors import UserError
-from placement.plan import Placement
+from placement.placement import Placement
 from planner.costmodel import CostModel
 from planner.profile import builtin_profiles, load_profile, measure
 from planner.shapes import KNOWN_MODELS, as_shape
@@ -25,7 +25,7 @@ def model_shape(model: str):
     """Shape of `--model` without loading weights: an alias, or a directory's config.json."""
     if model.lower() in KNOWN_MODELS:
         return as_shape(model.lower())
-    from klotski.models import registry
+    from klotski.io import registry
     from klotski.models.spec import ModelSpec
     return as_shape(ModelSpec.from_dir(registry.resolve(model)))
 
@@ -45,12 +45,12 @@ def measure_here(shape, *, device: str = "auto", link_gbps: float | None = None,
                  pipeline_cost=None):
     """This machine's profile for `shape` on `device` (auto: the GPU where there is one), timed
     with the engine's own ops and cached in the user cache unless `refresh`."""
-    from klotski import cachedir
-    from klotski.writes import writing
+    from klotski.util import cachedir
+    from klotski.util.writes import writing
     with writing(cachedir.profiles(), "the disk-speed probe of the hardware profile"):
         profile = measure(shape, ops=EngineOps(), device=compute_device(device), link_gbps=link_gbps,
                           refresh=refresh, cache_dir=cachedir.profiles())
-        if pipeline_cost:  # what the pipeline adds around the ops (klotski/overhead.py, via assemble)
+        if pipeline_cost:  # what the pipeline adds around the ops (klotski/runtime/overhead.py, via assemble)
             profile.overhead_s.update(pipeline_cost(compute_device(device), emulated_link=bool(link_gbps)))
     return profile
 
@@ -110,18 +110,18 @@ def plan_job(config, ckpt, dtype, device, budgets, seqs, pipeline_cost=None):
                          max((s.max_new_tokens for s in seqs), default=config.max_new_tokens), pipeline_cost)
 
 
-def replayed_plan(config, ckpt, run_plan, prompt_lens, gen_lens, pipeline_cost=None) -> Plan | None:
+def replayed_plan(config, ckpt, setup, prompt_lens, gen_lens, pipeline_cost=None) -> Plan | None:
     """The plan for the job as it ran: the same plan (bs, n, chunk, budgets), its cost model
     replayed over the prompts and the lengths the answers actually had. Its tokens/s (and its
     job's prefill and decode seconds) are what the planner would have said had it known where
     each answer stops (EOS), so set beside the measured ones they tell the cost model's error
     apart from the job's unknowns."""
-    plan = run_plan.plan
+    plan = setup.plan
     if plan is None or not gen_lens:
         return None
-    fixed = dataclasses.replace(config, batch_size=run_plan.batch_size, num_batches=run_plan.num_batches,
+    fixed = dataclasses.replace(config, batch_size=setup.batch_size, num_batches=setup.num_batches,
                                 prefill_chunk=plan.prefill_chunk)
-    again = _plan_lengths(fixed, ckpt, run_plan.dtype, run_plan.device, run_plan.budgets, list(prompt_lens),
+    again = _plan_lengths(fixed, ckpt, setup.dtype, setup.device, setup.budgets, list(prompt_lens),
                           [max(1, g) for g in gen_lens], plan.gen_len, pipeline_cost)
     return again
 
@@ -129,7 +129,7 @@ def replayed_plan(config, ckpt, run_plan, prompt_lens, gen_lens, pipeline_cost=N
 def _plan_lengths(config, ckpt, dtype, device, budgets, prompt_lens, gen_lens, gen_len, pipeline_cost):
     """The plan for a job of these prompt and answer lengths (time planned for the answers'
     `gen_lens`, memory for `gen_len`); no lengths: one sequence of a one-token prompt."""
-    from klotski.quant import QuantSpec
+    from klotski.compress.hqq import QuantSpec
     quant = QuantSpec(optimize=config.quantize_optimize) if config.quantize == "hqq4" else None
     # plan in the compute dtype: that is what sits on the device and crosses the links
     shape = dataclasses.replace(as_shape(ckpt.spec), dtype=str(dtype).removeprefix("torch."))
@@ -145,7 +145,7 @@ def _plan_lengths(config, ckpt, dtype, device, budgets, prompt_lens, gen_lens, g
 def run_cost_model(config, ckpt, dtype, device, pipeline_cost=None) -> CostModel:
     """The cost model the planner uses for this run (same profile, shape and exact group sizes),
     for the engine's own per-step decisions (host compute under `auto`)."""
-    from klotski.quant import QuantSpec
+    from klotski.compress.hqq import QuantSpec
     quant = QuantSpec(optimize=config.quantize_optimize) if config.quantize == "hqq4" else None
     shape = dataclasses.replace(as_shape(ckpt.spec), dtype=str(dtype).removeprefix("torch."))
     profile = profile_for("auto", shape, device=device.type, link_gbps=config.emulate_link_gbps,
@@ -178,8 +178,8 @@ def engine_placement(plan, spec) -> Placement:
 # The engine code EngineOps calls; a change to any of it changes the profile's cache key.
 _TIMED_MODULES = ("klotski.models.layers", "klotski.models.mixtral", "klotski.models.qwen3_moe",
                   "klotski.models.qwen2_moe", "klotski.models.olmoe", "klotski.models.gpt_oss",
-                  "klotski.models.deepseek_v2", "klotski.models.deepseek_v3", "klotski.kvcache", "klotski.quant",
-                  "klotski.mxfp4")
+                  "klotski.models.deepseek_v2", "klotski.models.deepseek_v3", "klotski.runtime.kvcache", "klotski.compress.hqq",
+                  "klotski.compress.mxfp4")
 
 
 class EngineOps:
@@ -269,7 +269,7 @@ class _LayerOps:
 
     def attention(self, bs: int, ctx: int, new: int):
         torch, s = self.torch, self.spec
-        from klotski.kvcache import BatchKV
+        from klotski.runtime.kvcache import BatchKV
         from klotski.models import layers as L
         from planner.workingset import ATTENTION_SCORE_CHUNK
         past = ctx - new
@@ -317,7 +317,7 @@ class _LayerOps:
 
     def expert(self, n: int):
         from planner.workingset import PREFILL_EXPERT_CHUNK
-        from klotski.pipeline import _expert_ffn
+        from klotski.runtime.pipeline import _expert_ffn
         x, ffn = self._x(n, self.spec.hidden_size), _expert_ffn(self.M, self.spec)
         return self._cycle([lambda w=w: self.torch.cat([ffn(c, w) for c in x.split(PREFILL_EXPERT_CHUNK)])
                             for w in self.expert_w])
@@ -332,12 +332,12 @@ class _LayerOps:
 
     def dequant(self):
         if self.packed == "mxfp4":
-            from klotski import mxfp4
+            from klotski.compress import mxfp4
             parts = {f"{m}_{p}": t.to(self.device) for m in mxfp4.MATRICES
                      for p, t in zip(("blocks", "scales"), mxfp4.quantize(self.expert_w[0][m].t().float().cpu()))}
             return lambda: {m: mxfp4.dequantize(parts[f"{m}_blocks"], parts[f"{m}_scales"], self.dtype)
                             for m in mxfp4.MATRICES}
-        from klotski import quant
+        from klotski.compress import hqq as quant
         parts = quant.quantize_group(self.expert_w[0], quant.QuantSpec())  # packed on the device, where it is decoded
         return lambda: quant.dequantize_group(parts, self.dtype)
 

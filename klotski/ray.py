@@ -63,7 +63,7 @@ class Worker:
     def open(self, host_share: float) -> str | None:
         """Open the checkpoint, with this actor's share of the node's RAM as its budget where the
         user gave none; a user mistake comes back as its one line (None: ready)."""
-        from klotski.checkpoint import Checkpoint
+        from klotski.io.checkpoint import Checkpoint
         from klotski.errors import USER_ERRORS
         from klotski.planning import compute_device
         from placement.tiers import detect_budgets
@@ -84,9 +84,9 @@ class Worker:
     def serve(self, shard: list) -> dict:
         """Records for every request of `shard` (results and error records), with counts."""
         from klotski.errors import USER_ERRORS
-        from klotski.jobs import model_error
-        from klotski.output import error_record, result_record
-        from klotski.sequences import prepare
+        from klotski.io.jobs import model_error
+        from klotski.io.output import error_record, result_record
+        from klotski.runtime.sequences import prepare
         c = self.config
         seqs, errors = prepare(shard, self.ckpt.tokenizer, self.ckpt.spec, c)
         records = [error_record(e, fmt=c.output_format) for e in errors]
@@ -121,11 +121,11 @@ class Worker:
 def _build(config, ckpt, seqs):
     import dataclasses
 
-    from klotski.assemble import build_engine, plan_run
-    run_plan = plan_run(config, ckpt, seqs)
-    if run_plan.plan and run_plan.prefill_chunk is None:  # a longer prompt later: chunks of what was planned
-        run_plan = dataclasses.replace(run_plan, prefill_chunk=run_plan.plan.prefill_chunk)
-    return build_engine(config, ckpt, run_plan)
+    from klotski.assemble import build_engine, setup_run
+    setup = setup_run(config, ckpt, seqs)
+    if setup.plan and setup.prefill_chunk is None:  # a longer prompt later: chunks of what was planned
+        setup = dataclasses.replace(setup, prefill_chunk=setup.plan.prefill_chunk)
+    return build_engine(config, ckpt, setup)
 
 
 def _plan_summary(engine) -> dict | None:
@@ -229,8 +229,8 @@ class RayRun:
     # -- the run
 
     def run(self) -> dict:
-        from klotski.jobs import JobFileError, LineError, stream_jobs
-        from klotski.output import OutputWriter, error_record, is_error, read_output
+        from klotski.io.jobs import JobFileError, LineError, stream_jobs
+        from klotski.io.output import OutputWriter, error_record, is_error, read_output
         import itertools
         earlier = read_output(self.output) if self.config.resume else None
         items = stream_jobs(self.jobs, earlier.ok if earlier else None)
@@ -370,7 +370,7 @@ def generate(config: RunConfig, jobs: Path, output: Path) -> int:
     """`klotski generate --ray`: the run, its summary on stderr, its report at --report."""
     import json
 
-    from klotski.writes import replace_atomically, writing
+    from klotski.util.writes import replace_atomically, writing
     report = RayRun(config, jobs, output, address=config.ray, workers=config.workers,
                     shard=config.shard).run()
     print(summary(report, output), file=sys.stderr)
@@ -410,15 +410,15 @@ class Generator:
 
     def __init__(self, config: dict, prompt_field: str = "prompt", messages_field: str = "messages",
                  id_field: str = "id"):
-        from klotski.checkpoint import Checkpoint
+        from klotski.io.checkpoint import Checkpoint
         self.config = RunConfig(**config)
         self.fields = prompt_field, messages_field, id_field
         self.ckpt = Checkpoint.open(self.config.model, direct_io=self.config.direct_io)
         self.engine = None
 
     def __call__(self, batch: dict) -> dict:
-        from klotski import jobs
-        from klotski.sequences import prepare
+        from klotski.io import jobs
+        from klotski.runtime.sequences import prepare
         columns = {k: _py(v) for k, v in batch.items()}
         rows = len(next(iter(columns.values()), []))
         out = {k: [None] * rows for k in self.OUTPUTS}
@@ -428,7 +428,7 @@ class Generator:
             obj = {**{k: v for k, v in obj.items() if k not in (pf, mf, idf)},
                    "prompt": obj.get(pf), "messages": obj.get(mf)}
             rid = columns[idf][i] if idf in columns and columns[idf][i] is not None else f"row{i}"
-            try:  # the job file's own validation of a line's fields (klotski/jobs.py)
+            try:  # the job file's own validation of a line's fields (klotski/io/jobs.py)
                 requests.append(jobs.Request(id=str(rid), line=i + 1, **jobs._fields(obj)))
             except jobs._Invalid as e:
                 out["error"][i] = str(e)

@@ -206,7 +206,7 @@ class CostModel:
         residency cache, submitting and awaiting transfers), per batch-layer, expert call,
         transfer, step, batch-layer whose KV cache comes from the host and token-layer beyond
         one a row (`tokens`: a prefill's), as a measured profile records it (`overhead_s`;
-        klotski/overhead.py). Noise on a big model, most of a step on a tiny one; 0 where the
+        klotski/runtime/overhead.py). Noise on a big model, most of a step on a tiny one; 0 where the
         profile has none."""
         o = self.profile.overhead_s
         return (batch_layers * o.get("batch_layer", 0.0) + expert_calls * o.get("expert_call", 0.0)

@@ -4,7 +4,7 @@ A `Profile` is plain data (JSON round-trip). `measure()` times the ops of one Mo
 the model's dtype on a device (cpu or cuda) — attention (decode and prefill), router, one
 expert FFN, dequantization of one expert, LM head — and the bandwidth of disk→host,
 host→device and device→host, and caches the result in the directory the caller names
-(klotski's user cache, klotski/cachedir.py). Built-in profiles (`planner/profiles/*.json`)
+(klotski's user cache, klotski/util/cachedir.py). Built-in profiles (`planner/profiles/*.json`)
 describe hardware that is not here, from published peak figures × stated efficiency
 factors; `load_profile` resolves them to effective values.
 
@@ -348,7 +348,7 @@ def _copy_bandwidth(nbytes, src, dst, reps, sync) -> float:
 
 
 def _clone_bandwidth(nbytes: int, total: int = 256 << 20, count: int = 40) -> float:
-    """Bytes/s of a CPU "transfer" as the engine makes it (klotski/channels.py): a clone of a
+    """Bytes/s of a CPU "transfer" as the engine makes it (klotski/runtime/channels.py): a clone of a
     group of `nbytes` into fresh memory, on a worker thread running torch on one thread,
     from sources cycled through `total` bytes (cold), the median of `count`. On 2 cores this
     ran 6.4 GB/s for a 22 MB expert where a warm copy_ on both threads ran 15.5."""

@@ -47,7 +47,7 @@ class Plan:
         return json.dumps(self.to_dict(), indent=indent)
 
     def group_tiers(self, num_layers: int, num_experts: int) -> tuple[dict, str]:
-        """The placement in the engine's terms (placement/plan.py): {('embed',), ('head',),
+        """The placement in the engine's terms (placement/placement.py): {('embed',), ('head',),
         ('attn', j), ('gate', j), ('expert', j, e): tier} and one KV tier (host if any
         layer's KV is)."""
         tiers = {("embed",): self.placement["embed"], ("head",): self.placement["lm_head"]}

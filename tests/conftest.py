@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from klotski import tiny
+from klotski.builtin import tiny
 from klotski.config import RunConfig
 from klotski.assemble import open_engine
-from klotski.jobs import Request
+from klotski.io.jobs import Request
 
 PROMPTS = [
     "The history of the city begins",

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from conftest import PROMPTS, reference_tokens
-from klotski import tiny
+from klotski.builtin import tiny
 
 BASELINES = Path(__file__).resolve().parents[1] / "benchmarks" / "baselines"
 MAX_NEW = 10

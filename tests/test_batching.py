@@ -1,4 +1,4 @@
-"""Continuous batching (klotski/batching.py): rows change hands, tokens do not change.
+"""Continuous batching (klotski/runtime/batching.py): rows change hands, tokens do not change.
 
 A job whose max_new_tokens are heavy-tailed, more prompts than rows: every sequence's greedy
 tokens equal transformers' (which generates each prompt to the longest limit; a shorter
@@ -9,11 +9,11 @@ import torch
 
 from conftest import reference_tokens
 from klotski.assemble import open_engine
-from klotski.checkpoint import Checkpoint
+from klotski.io.checkpoint import Checkpoint
 from klotski.config import RunConfig
-from klotski.jobs import Request
-from klotski.kvcache import BatchKV
-from placement.plan import Placement
+from klotski.io.jobs import Request
+from klotski.runtime.kvcache import BatchKV
+from placement.placement import Placement
 from placement.store import TensorStore
 
 PROMPTS = [

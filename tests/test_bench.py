@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from klotski import bench
+from klotski.bench import driver as bench
 
 ROOT = Path(__file__).resolve().parents[1]
 for _d in (ROOT / "benchmarks", ROOT / "benchmarks" / "baselines"):

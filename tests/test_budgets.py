@@ -9,10 +9,10 @@ import sys
 import pytest
 
 from conftest import reference_tokens
-from klotski import tiny
+from klotski.builtin import tiny
 from klotski.assemble import open_engine
 from klotski.config import RunConfig
-from klotski.jobs import Request
+from klotski.io.jobs import Request
 from klotski.planning import BudgetRefused
 from placement.store import TensorStore
 from planner.units import format_size_flag, parse_size
@@ -38,7 +38,7 @@ def budget_prompts(model, count=24) -> list[str]:
     """Encyclopedic prompts of 10, 12, ... 56 tokens (under the model's tokenizer)."""
     from transformers import AutoTokenizer
 
-    from klotski.correlate import warmup_prompts
+    from klotski.prefetch.correlate import warmup_prompts
     tok = AutoTokenizer.from_pretrained(model)
     out = []
     for text in warmup_prompts(64, 48):
@@ -117,20 +117,20 @@ def test_a_tight_budget_prefills_long_prompts_in_chunks(model, prompts, ref):
     total = _model_bytes(model)
     ours, engine = _run(model, prompts, total // 4)
     assert ours == ref
-    chunk = engine.run_plan.prefill_chunk
+    chunk = engine.setup.prefill_chunk
     assert chunk is not None and chunk < max(len(s) for s in engine.tokenizer(prompts)["input_ids"])
     groups = -(-len(prompts) // (engine.batch_size * engine.num_batches))
     assert engine.stats.prefill_passes > groups  # more than one pass per group
     assert engine.memory.peak <= total // 4
     roomy = _run(model, prompts[:4], None)[1]  # the machine's own budget: whole prompts, one pass each
-    assert roomy.run_plan.prefill_chunk is None and roomy.stats.prefill_passes == 1
+    assert roomy.setup.prefill_chunk is None and roomy.stats.prefill_passes == 1
 
 
 def test_forced_prefill_chunks_give_identical_tokens(model, prompts, ref):
     for chunk in (1, 7):
         ours, engine = _run(model, prompts[:8], None, prefill_chunk=chunk, num_batches=2)
         assert ours == ref[:8]
-        assert engine.run_plan.prefill_chunk == chunk
+        assert engine.setup.prefill_chunk == chunk
 
 
 def test_refusal_is_one_line_before_the_output_exists_and_its_minimum_runs(model, prompts, tmp_path):
@@ -182,8 +182,8 @@ def test_newcomers_caches_leave_the_steps_their_room(model, prompts, ref, schedu
     while a step can still run beside them (its activations and the largest group it
     fetches). A quarter of the model, experts and attention on the host, 16-token chunks
     (static batching runs in it; newcomers taking what room there was did not)."""
-    from klotski.checkpoint import Checkpoint
-    from placement.plan import Placement
+    from klotski.io.checkpoint import Checkpoint
+    from placement.placement import Placement
     ckpt = Checkpoint.open(str(model))
     placement = Placement.by_kind(ckpt.spec.group_keys(), expert="host", attn="host", embed="host")
     ckpt.close()

@@ -14,10 +14,11 @@ pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 datasets = pytest.importorskip("datasets")
 
-from klotski import dataset_files, run  # noqa: E402
+from klotski.io import dataset_files  # noqa: E402
+from klotski import generate as run
 from klotski.config import RunConfig  # noqa: E402
-from klotski.jobs import LineError, Request, windows  # noqa: E402
-from klotski.parquet_output import ParquetOutput  # noqa: E402
+from klotski.io.jobs import LineError, Request, windows  # noqa: E402
+from klotski.io.parquet_output import ParquetOutput  # noqa: E402
 
 FIELDS = ("text", "messages", "id")
 
@@ -119,7 +120,7 @@ def test_parquet_output_resumes_after_sigkill_with_every_id_once_and_the_same_to
                    src, row_group_size=60)
     args = ["generate", str(src), "--model", str(checkpoints["gqa"]), "--max-new-tokens", "2", "--window", "16",
             "--prompt-field", "text", "--include-token-ids", "--no-progress"]
-    code = ("import sys, klotski.parquet_output as p; p.ROWS_PER_PART = 8; from klotski.cli import main; "
+    code = ("import sys, klotski.io.parquet_output as p; p.ROWS_PER_PART = 8; from klotski.cli.main import main; "
             "sys.exit(main(sys.argv[1:]))")
     out = tmp_path / "out.parquet"
     proc = subprocess.Popen([sys.executable, "-c", code, *args, "-o", str(out)],

@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import PROMPTS, engine_tokens, reference_tokens
-from klotski.tiny_family import build_family
-from placement.plan import Placement
+from klotski.builtin.families import build_family
+from placement.placement import Placement
 
 YARN = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 256,
         "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}
@@ -26,7 +26,7 @@ def v2_lora(tmp_path_factory):
 
 
 def _quarter(path):
-    from klotski.checkpoint import Checkpoint
+    from klotski.io.checkpoint import Checkpoint
     ckpt = Checkpoint.open(path)
     try:
         return sum(ckpt.group_nbytes(k, torch.float32)[0] for k in ckpt.spec.group_keys()) // 4
@@ -64,13 +64,13 @@ def test_latent_kv_cache_holds_576_of_v2_lite_shape_and_is_exact_on_the_host(v2_
     values; moved to the host and back every step, tokens are unchanged."""
     path, ref = v2_lora
     seen = []
-    from klotski import kvcache
+    from klotski.runtime import kvcache
     original = kvcache.BatchKV.__init__
 
     def spy(self, *a, **kw):
         original(self, *a, **kw)
         seen.append((self.keys[0].shape, self.values[0].shape, self.on_host))
-    from klotski.checkpoint import Checkpoint
+    from klotski.io.checkpoint import Checkpoint
     ckpt = Checkpoint.open(path)
     placement = Placement.by_kind(ckpt.spec.group_keys(), kv="host", attn="host", expert="disk")
     ckpt.close()
@@ -157,7 +157,7 @@ def test_fp8_dequantization_reads_each_block_with_its_own_scale():
 def test_a_deepseek_config_that_cannot_work_is_refused_in_one_line(v3_fp8, tmp_path, changes, expected):
     import shutil
 
-    from klotski.checkpoint import Checkpoint
+    from klotski.io.checkpoint import Checkpoint
     from placement.store import CheckpointError
     base = v3_fp8[0].parent / "base"
     broken = tmp_path / "broken"

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from conftest import PROMPTS, engine_tokens, reference_tokens
-from klotski.tiny_family import FAMILIES, build_family
+from klotski.builtin.families import FAMILIES, build_family
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,7 @@ def _copy_with_config(src, dst, **changes):
 ])
 def test_a_checkpoint_that_disagrees_with_its_config_is_refused_naming_what(family_models, tmp_path, family,
                                                                             changes, expected):
-    from klotski.checkpoint import Checkpoint
+    from klotski.io.checkpoint import Checkpoint
     from placement.store import CheckpointError
     broken = _copy_with_config(family_models[family], tmp_path / "broken", **changes)
     with pytest.raises(CheckpointError, match=expected) as e:
@@ -78,7 +78,7 @@ def test_hqq4_packs_each_familys_projections_and_keeps_the_rest(family_models, t
     """--quantize hqq4 by group-local names: q/k/v/o and the routed experts are packed, biases,
     q/k norms, the router and the shared expert stay in dtype; tokens do not depend on where
     the packed bytes live."""
-    from klotski.quant import load_quantized
+    from klotski.compress.hqq import load_quantized
     resident, engine = engine_tokens(family_models[family], quantize="hqq4", offload_dir=str(tmp_path / "q"),
                                      batch_size=6, num_batches=1)
     copy = tmp_path / "q"

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import PROMPTS, engine_tokens, reference_tokens, reference_tokens_of
-from klotski.tiny_family import build_family, pack_mxfp4
+from klotski.builtin.families import build_family, pack_mxfp4
 
 # A harmony-like template, as gpt-oss checkpoints ship one in chat_template.jinja
 HARMONY = ("{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>{% endfor %}"
@@ -43,8 +43,8 @@ def test_mxfp4_experts_decode_to_what_transformers_loads(models):
     """Every expert of every layer decodes bit for bit to transformers' dequantized weights."""
     from transformers import AutoModelForCausalLM
 
-    from klotski.checkpoint import Checkpoint
-    from klotski.mxfp4 import Mxfp4Codec
+    from klotski.io.checkpoint import Checkpoint
+    from klotski.compress.mxfp4 import Mxfp4Codec
     ckpt = Checkpoint.open(str(models["mxfp4"]))
     codec = Mxfp4Codec(ckpt.store, ckpt.spec, torch.float32)
     model = AutoModelForCausalLM.from_pretrained(models["mxfp4"], dtype=torch.float32)
@@ -95,7 +95,7 @@ def test_bf16_stored_quarter_budget(models, refs):
 def test_mxfp4_bytes_are_counted_packed(models):
     """Planner, cache and links see the packed expert: blocks + scales as stored, biases in the
     compute dtype; the decoded copy is what the device expands it into per use."""
-    from klotski.checkpoint import Checkpoint
+    from klotski.io.checkpoint import Checkpoint
     mx, full = Checkpoint.open(str(models["mxfp4"])), Checkpoint.open(str(models["fp32"]))
     spec = mx.spec
     H, I = spec.hidden_size, spec.intermediate_size
@@ -110,7 +110,7 @@ def test_mxfp4_bytes_are_counted_packed(models):
 def test_chat_messages_use_the_checkpoints_template(models, tmp_path):
     from klotski.assemble import open_engine
     from klotski.config import RunConfig
-    from klotski.jobs import Request
+    from klotski.io.jobs import Request
     chat = shutil.copytree(models["mxfp4"], tmp_path / "chat")
     (chat / "chat_template.jinja").write_text(HARMONY)
     cfg = json.loads((chat / "tokenizer_config.json").read_text())
@@ -134,7 +134,7 @@ def test_chat_messages_use_the_checkpoints_template(models, tmp_path):
     ({"swiglu_limit": 0}, r"field 'swiglu_limit' is 0; must be a finite number greater than 0"),
 ])
 def test_a_bad_config_is_refused_in_one_line(models, tmp_path, change, expected):
-    from klotski.checkpoint import Checkpoint
+    from klotski.io.checkpoint import Checkpoint
     from placement.store import CheckpointError
     bad = shutil.copytree(models["mxfp4"], tmp_path / "bad")
     cfg = json.loads((bad / "config.json").read_text())
@@ -155,7 +155,7 @@ def test_builtin_shapes_plan_without_weights(capsys):
     transformers' GptOssConfig defaults (the 120b) and MXFP4 experts give: 13 MB an expert."""
     from transformers import GptOssConfig
 
-    from klotski import cli
+    from klotski.cli import main as cli
     from planner.shapes import KNOWN_MODELS, ModelShape
     cfg = {**GptOssConfig().to_dict(), "dtype": "bfloat16", "quantization_config": {"quant_method": "mxfp4"}}
     assert ModelShape.from_config(cfg, name="gpt-oss-120b") == KNOWN_MODELS["gpt-oss-120b"]

@@ -1,4 +1,4 @@
-"""Host compute (klotski/hostcompute.py): attention beside a host KV cache, cold experts where
+"""Host compute (klotski/runtime/hostcompute.py): attention beside a host KV cache, cold experts where
 they live. Greedy fp32 tokens equal transformers' with each on and both, for several families;
 bytes over the host->device link fall; the KV cache stays right over many steps; `auto`
 follows the cost model, which does not pretend a slow host is free."""
@@ -7,12 +7,12 @@ import dataclasses
 import pytest
 
 from conftest import PROMPTS, engine_tokens, reference_tokens, requests
-from klotski.assemble import build_engine, plan_run
-from klotski.checkpoint import Checkpoint
+from klotski.assemble import build_engine, setup_run
+from klotski.io.checkpoint import Checkpoint
 from klotski.config import ConfigError, RunConfig
-from klotski.sequences import prepare
-from klotski.tiny_family import build_family
-from placement.plan import Placement
+from klotski.runtime.sequences import prepare
+from klotski.builtin.families import build_family
+from placement.placement import Placement
 from planner.costmodel import CostModel
 from planner.profile import Profile
 
@@ -104,10 +104,10 @@ def test_auto_follows_the_cost_model(mixtral, baseline, host, chosen):
     off = RunConfig(model=str(d), progress=False, dtype="float32", batch_size=3, num_batches=2)
     ckpt = Checkpoint.open(off.model)
     seqs, _ = prepare(requests(), ckpt.tokenizer, ckpt.spec, off)
-    run_plan = plan_run(off, ckpt, seqs, placement=placement)
-    cost = CostModel(_profile(*host), ckpt.spec, sizes=ckpt.group_bytes(run_plan.dtype))
+    setup = setup_run(off, ckpt, seqs, placement=placement)
+    cost = CostModel(_profile(*host), ckpt.spec, sizes=ckpt.group_bytes(setup.dtype))
     engine = build_engine(off.replace(host_attention="auto", host_experts="auto"), ckpt,
-                          dataclasses.replace(run_plan, cost=cost, host_modes=("auto", "auto")))
+                          dataclasses.replace(setup, cost=cost, host_modes=("auto", "auto")))
     done = {s.request.id: s.out for s in engine.run(seqs)}
     engine.close()
     assert [done[f"r{i}"] for i in range(len(PROMPTS))] == ref
@@ -144,7 +144,7 @@ def test_modes_are_checked():
 def test_host_rates_are_measured_with_the_engines_ops():
     """What a GPU machine's profile records for its host: the engine's expert and attention
     core timed on the CPU (here the CPU is all there is, so the path is run directly)."""
-    from klotski import tiny
+    from klotski.builtin import tiny
     from klotski.planning import EngineOps
     from planner.profile import host_rates
     from planner.shapes import ModelShape
@@ -156,9 +156,9 @@ def test_host_rates_are_measured_with_the_engines_ops():
 
 
 def test_flags_fill_the_config_and_the_summary_says_what_host_compute_did():
-    from klotski.cli import build_parser, config_from_args
-    from klotski.hostcompute import HostCompute
-    from klotski.run import _host_line
+    from klotski.cli.main import build_parser, config_from_args
+    from klotski.runtime.hostcompute import HostCompute
+    from klotski.generate import _host_line
     a = build_parser().parse_args(["generate", "jobs.jsonl", "--host-attention", "auto", "--host-experts", "on"])
     config = config_from_args(a)
     assert (config.host_attention, config.host_experts) == ("auto", "on")

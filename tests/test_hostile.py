@@ -8,7 +8,8 @@ import pytest
 
 import hostile
 from conftest import PROMPTS, requests
-from klotski import cli, tiny
+from klotski.cli import main as cli
+from klotski.builtin import tiny
 from klotski.assemble import open_engine
 from klotski.config import RunConfig
 

@@ -13,7 +13,8 @@ import time
 import pytest
 
 from conftest import PROMPTS
-from klotski import cli, output
+from klotski.cli import main as cli
+from klotski.io import output
 
 PROMPT_SET = [f"{p} number {i}" for i in range(10) for p in PROMPTS[:4]]  # ~8 KB of output
 
@@ -117,7 +118,7 @@ def test_output_on_a_real_full_tmpfs(job, checkpoints, small_tmpfs, capsys, unin
 
 
 def test_quantized_copy_that_cannot_fit_is_refused_before_output(job, checkpoints, tmp_path, monkeypatch, capsys):
-    from klotski import writes
+    from klotski.util import writes
     out, copy = tmp_path / "out.jsonl", tmp_path / "offload" / "q"
     monkeypatch.setattr(writes, "free_bytes", lambda path: 10_000)
     rc = cli.main(_args(job, checkpoints["gqa"], out, "--quantize", "hqq4", "--offload-dir", str(copy)))
@@ -129,7 +130,7 @@ def test_quantized_copy_that_cannot_fit_is_refused_before_output(job, checkpoint
 
 
 def test_quantized_copy_failing_midway_leaves_nothing_to_trust(job, checkpoints, tmp_path, monkeypatch, capsys):
-    from klotski import quant
+    from klotski.compress import hqq as quant
     out, copy = tmp_path / "out.jsonl", tmp_path / "offload" / "q"
     args = _args(job, checkpoints["gqa"], out, "--quantize", "hqq4", "--offload-dir", str(copy))
     real, calls = quant._StreamingSafetensors.add, []
@@ -169,7 +170,7 @@ def test_report_that_cannot_be_written_is_one_line_and_output_is_whole(job, chec
 
 def test_correlation_cache_that_cannot_be_saved_warns_once_and_the_run_goes_on(job, checkpoints, tmp_path,
                                                                                 monkeypatch, capsys, uninterrupted):
-    from klotski import cachedir
+    from klotski.util import cachedir
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("")
     monkeypatch.setattr(cachedir, "correlation_table", lambda key: blocker / f"{key}.json")
@@ -207,7 +208,7 @@ def test_a_temporary_left_by_a_killed_run_is_removed_by_the_next_write(tmp_path)
     the next save of that file removes it, and leaves a live process's alone."""
     import subprocess
     import sys
-    from klotski.writes import replace_atomically
+    from klotski.util.writes import replace_atomically
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True, check=True).stdout.strip()
     target = tmp_path / "table.json"

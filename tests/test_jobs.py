@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from klotski import jobs, output
-from klotski.jobs import JobFileError, LineError, Request, prompt_too_long, read_jobs
-from klotski.output import OutputWriter, error_record
+from klotski.io import jobs, output
+from klotski.io.jobs import JobFileError, LineError, Request, prompt_too_long, read_jobs
+from klotski.io.output import OutputWriter, error_record
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -446,7 +446,7 @@ def test_second_writer_on_same_output_is_refused(tmp_path):
 
 CRASH_SCRIPT = textwrap.dedent("""
     import sys
-    from klotski.output import OutputWriter
+    from klotski.io.output import OutputWriter
     w = OutputWriter(sys.argv[1])
     for i in range(int(sys.argv[2])):
         # Big records: SIGKILL can then land inside write() and leave half a line.

@@ -6,8 +6,8 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
-from klotski import cli
-from klotski.output import record_key
+from klotski.cli import main as cli
+from klotski.io.output import record_key
 
 CHAT, TEXT = "/v1/chat/completions", "/v1/completions"
 

@@ -5,7 +5,7 @@ from conftest import PROMPTS, engine_tokens, reference_tokens, requests
 from klotski.assemble import open_engine
 from klotski.config import RunConfig
 from planner.workingset import KV_BUFFERS, Step, activation_bytes
-from placement.plan import Placement
+from placement.placement import Placement
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +69,7 @@ def test_planned_placement_spreads_over_tiers(checkpoints, ref):
 
 def test_misplaced_kv_block_is_caught(checkpoints, ref, monkeypatch):
     """Storing a batch's new KV one slot off changes the output: the invariance tests would see it."""
-    from klotski.kvcache import BatchKV
+    from klotski.runtime.kvcache import BatchKV
     original = BatchKV.store
 
     def off_by_one(self, layer, buf):
@@ -90,7 +90,7 @@ def test_misplaced_kv_block_is_caught(checkpoints, ref, monkeypatch):
 def test_first_batchs_kv_comes_up_during_the_layer_before(checkpoints, ref, monkeypatch):
     """With the KV cache on the host, batch 0's KV for layer l+1 is loaded while layer l's
     experts run (inequality (7)), not after them; tokens stay exact."""
-    from klotski.pipeline import Pipeline
+    from klotski.runtime.pipeline import Pipeline
     issued = []
     load = Pipeline._kv_load
 
@@ -157,7 +157,7 @@ def test_disk_reads_ride_the_disk_lane_and_are_handed_over_without_a_copy(checkp
 def test_quantized_copy_is_made_per_compute_dtype(checkpoints):
     """Unquantized parts (norms) are stored in the compute dtype, which the planner sized:
     a copy made for one dtype is never reused for another."""
-    from klotski import cachedir
+    from klotski.util import cachedir
     for dtype in ("float32", "bfloat16"):
         cfg = RunConfig(model=str(checkpoints["gqa"]), progress=False, dtype=dtype, quantize="hqq4",
                         batch_size=6, num_batches=1)
@@ -183,7 +183,7 @@ def test_left_padding_is_not_routed(checkpoints, ref, monkeypatch):
     the first step sees exactly the prompts' tokens, not batch x longest; tokens unchanged."""
     from transformers import AutoTokenizer
 
-    from klotski.pipeline import Pipeline
+    from klotski.runtime.pipeline import Pipeline
     seen = []
     original = Pipeline._route
 
@@ -214,7 +214,7 @@ def test_replayed_rate_is_the_plan_over_the_lengths_generated(checkpoints):
     engine.close()
     prompts = [len(s.prompt_ids) for s in seqs]
     def plan(lens):
-        return replayed_plan(engine.config, engine.ckpt, engine.run_plan, prompts, lens, pipeline_cost)
+        return replayed_plan(engine.config, engine.ckpt, engine.setup, prompts, lens, pipeline_cost)
     rate = lambda lens: plan(lens).predicted_tokens_per_s  # noqa: E731
     assert rate([16] * len(seqs)) == pytest.approx(engine.plan.predicted_tokens_per_s, rel=1e-6)
     assert rate([1] * len(seqs)) < rate([4, 16, 2, 16, 8, 3]) < rate([16] * len(seqs))

@@ -77,7 +77,7 @@ def test_costmodel_sizes_and_paper_check():
     assert cm.t_attn(16, 512, 512) / 512 < cm.t_attn(16, 512) / 4
     q = CostModel(load_profile("rtx3090-pcie4"), KNOWN_MODELS["mixtral-8x7b"], quant_bits=4)
     # 4 bits + 8-bit scale and zero per 64 weights + fp32 meta per 128 groups ≈ 0.533 B/weight
-    # (klotski.quant's layout; tests/test_quant.py checks the packed bytes themselves).
+    # (klotski.compress.hqq's layout; tests/test_quant.py checks the packed bytes themselves).
     assert q.expert_bytes / (3 * 4096 * 14336) == pytest.approx(0.5 + 2 / 64 + 16 / (64 * 128), rel=1e-3)
     assert q.t_dequant("expert") > 0 and cm.t_dequant("expert") == 0
     assert hqq_bytes(128 * 64) == 128 * 64 // 2 + 2 * 128 + 16

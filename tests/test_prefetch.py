@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from conftest import engine_tokens, reference_tokens
-from klotski.cooccurrence import CooccurrenceTable
-from klotski.correlate import new_table, table_path, warmup_prompts
-from klotski.prefetch import TABLE_VERSION, CorrelationPredictor, CorrelationTable
+from klotski.prefetch.cooccurrence import CooccurrenceTable
+from klotski.prefetch.correlate import new_table, table_path, warmup_prompts
+from klotski.prefetch.predictors import TABLE_VERSION, CorrelationPredictor, CorrelationTable
 
 
 @pytest.mark.parametrize("prefetch", ["correlation", "next-gate", "none"])
@@ -60,7 +60,7 @@ def test_table_is_learned_from_the_job_and_saved_for_the_next_run(checkpoints):
 def test_correlation_prediction_beats_chance_on_skewed_routing(tmp_path):
     """Uniform routing uses every expert, so any guess looks precise; skewed routing with a
     small group (2 x 2 sequences) does not: a wrong table would fall to chance (K/E = 0.25)."""
-    from klotski.tiny import build_checkpoint
+    from klotski.builtin.tiny import build_checkpoint
     model = build_checkpoint(tmp_path / "skewed", "tiny", routing="skewed")
     _, engine = engine_tokens(model, prompts=warmup_prompts(8, 24), batch_size=2, num_batches=2,
                               prefetch="correlation")
@@ -186,7 +186,7 @@ def test_the_table_kind_follows_the_number_of_expert_sets():
 
 
 def test_an_old_version_table_is_ignored_with_a_warning_and_replaced(checkpoints, capsys):
-    from klotski.checkpoint import Checkpoint
+    from klotski.io.checkpoint import Checkpoint
     ckpt = Checkpoint.open(checkpoints["gqa"])
     path = table_path(ckpt)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -204,7 +204,7 @@ def test_an_old_version_table_is_ignored_with_a_warning_and_replaced(checkpoints
 
 
 def test_a_fine_grained_model_runs_the_cooccurrence_table_and_stays_exact(tmp_path):
-    from klotski.tiny import build_checkpoint
+    from klotski.builtin.tiny import build_checkpoint
     model = build_checkpoint(tmp_path / "fine", "tiny", routing="skewed", num_local_experts=128,
                              num_experts_per_tok=8, intermediate_size=16, num_hidden_layers=2)
     prompts = warmup_prompts(4, 12)

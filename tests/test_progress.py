@@ -1,4 +1,4 @@
-"""The progress sidecar (klotski/progress.py): a rerun seeks past the finished lines and
+"""The progress sidecar (klotski/io/progress.py): a rerun seeks past the finished lines and
 reads only the output's tail, and whatever does not match falls back to the full pass.
 What is checked is what a user relies on — every id exactly once, the same records as an
 uninterrupted run, error lines retried — and that the sidecar was (or was not) used."""
@@ -11,9 +11,10 @@ import time
 
 import pytest
 
-from klotski import progress, run
+from klotski.io import progress
+from klotski import generate as run
 from klotski.config import RunConfig
-from klotski.output import is_error, record_key
+from klotski.io.output import is_error, record_key
 
 HOSTILE = {5: b'{"id": "bad", "prompt": \n', 9: b'{"id": "q3", "prompt": "a late duplicate"}\n',
            12: b'{"id": "empty", "prompt": ""}\n', 14: b"\n"}
@@ -52,7 +53,7 @@ class Stop(BaseException):
 
 
 def stop_after(monkeypatch, n):
-    from klotski.output import OutputWriter
+    from klotski.io.output import OutputWriter
     real, count = OutputWriter.write, {"n": 0}
 
     def write(self, record):
@@ -80,8 +81,8 @@ def test_rerun_seeks_past_the_watermark_and_retries_error_lines(checkpoints, tmp
     assert state["line"] == 25 and len(state["errors"]) == 3  # three whole windows (line 15 is blank)
 
     parsed = []
-    real_decode = __import__("klotski.jobs", fromlist=["_decode"])._decode
-    monkeypatch.setattr("klotski.jobs._decode", lambda raw, first: parsed.append(raw) or real_decode(raw, first))
+    real_decode = __import__("klotski.io.jobs", fromlist=["_decode"])._decode
+    monkeypatch.setattr("klotski.io.jobs._decode", lambda raw, first: parsed.append(raw) or real_decode(raw, first))
     r = generate(checkpoints["gqa"], jobs, out, tmp_path, window=8)
     assert r["resume"] == {"sidecar": True, "skipped_by_watermark": 25, "replayed_errors": 3}
     assert len(parsed) == 3 + 48 - 25  # the error lines again, then only the lines after the watermark
@@ -149,7 +150,7 @@ def test_sigkill_then_rerun_uses_the_sidecar_and_writes_every_id_once(checkpoint
     out, report = tmp_path / "out.jsonl", tmp_path / "r.json"
     args = ["generate", str(jobs), "--model", str(checkpoints["gqa"]), "--max-new-tokens", "1",
             "--window", "16", "--no-progress", "-o", str(out), "--report", str(report)]
-    code = ("import sys, klotski.progress as p; p.INTERVAL_S = 0.0; from klotski.cli import main; "
+    code = ("import sys, klotski.io.progress as p; p.INTERVAL_S = 0.0; from klotski.cli.main import main; "
             "sys.exit(main(sys.argv[1:]))")
     proc = subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     state = progress.sidecar(out) / "state.json"

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from klotski.quant import (MANIFEST_FILE, WEIGHTS_FILE, QuantSpec, dequantize_group, dequantize_tensor,
+from klotski.compress.hqq import (MANIFEST_FILE, WEIGHTS_FILE, QuantSpec, dequantize_group, dequantize_tensor,
                            load_quantized, manifest_matches, packed_nbytes, packed_weight_nbytes, quantize_checkpoint,
                            quantize_group, quantize_tensor, read_manifest, should_quantize)
 

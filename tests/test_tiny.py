@@ -1,4 +1,4 @@
-"""klotski.tiny: deterministic checkpoints that transformers loads as real Mixtral."""
+"""klotski.builtin.tiny: deterministic checkpoints that transformers loads as real Mixtral."""
 
 import json
 import os
@@ -7,7 +7,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from klotski import cachedir, tiny
+from klotski.util import cachedir
+from klotski.builtin import tiny
 
 
 def _tensors(d):

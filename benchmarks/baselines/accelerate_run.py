@@ -153,7 +153,7 @@ def reset_peak_rss() -> bool:
 
 def load_jobs(path, tokenizer, default_max_new: int, context: int):
     """Job file -> (work items, error records); same validation and ids as Klotski's reader."""
-    from klotski.jobs import LineError, prompt_too_long, read_jobs
+    from klotski.io.jobs import LineError, prompt_too_long, read_jobs
 
     requests, bad = read_jobs(path)
     items, errors = [], [e.record() for e in bad]

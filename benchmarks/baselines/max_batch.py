@@ -86,7 +86,7 @@ def try_batch(a, batch_size: int, budget: int, tmp: Path) -> dict:
 
 def find_max_batch(a) -> dict:
     from klotski.config import parse_size
-    from klotski.jobs import read_jobs
+    from klotski.io.jobs import read_jobs
 
     budget = parse_size(a.max_memory_device) + parse_size(a.max_memory_cpu)
     n_jobs = len(read_jobs(a.jobs)[0])

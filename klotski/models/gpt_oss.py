@@ -8,7 +8,7 @@ Experts come in the two layouts published checkpoints use: unquantized (bf16 cop
 what transformers' save_pretrained writes) as fused tensors `mlp.experts.gate_up_proj`
 [E, H, 2I] and `down_proj` [E, I, H], already transposed for `x @ W`; and MXFP4 as
 shipped by OpenAI (`*_blocks` [E, rows, cols/32, 16] uint8, `*_scales` [E, rows, cols/32]),
-which stays packed until the device decodes it (klotski/mxfp4.py). Either way an expert's
+which stays packed until the device decodes it (klotski/compress/mxfp4.py). Either way an expert's
 group-local weights are `gate_up` [H, 2I], `down` [I, H] and their biases once decoded.
 """
 from __future__ import annotations

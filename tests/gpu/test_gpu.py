@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from conftest import PROMPTS, engine_tokens, reference_tokens, requests
-from klotski import tiny
+from klotski.builtin import tiny
 from klotski.assemble import open_engine
 from klotski.config import RunConfig
-from placement.plan import Placement
+from placement.placement import Placement
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA device: run tests/gpu on a GPU machine (../shared/gpu/README.md)")
@@ -128,8 +128,8 @@ def _slow_compute(monkeypatch):
 
 
 def _slow_copies(monkeypatch):
-    from klotski.channels import Channel
-    from klotski.kvcache import BatchKV
+    from klotski.runtime.channels import Channel
+    from klotski.runtime.kvcache import BatchKV
     for cls, name in ((Channel, "to_device"), (BatchKV, "load"), (BatchKV, "store")):
         original = getattr(cls, name)
 
@@ -148,7 +148,7 @@ def test_race_stress_with_injected_delays(model, resident, monkeypatch, slow, sc
 
 
 def test_expert_phase_never_syncs_the_host(model, resident, monkeypatch):
-    from klotski.pipeline import Pipeline
+    from klotski.runtime.pipeline import Pipeline
     experts = Pipeline._experts
 
     def strict(self, *a):

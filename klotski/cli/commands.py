@@ -1,0 +1,151 @@
+"""`klotski plan | simulate | profile | correlate | quantize | show`: the planner, the prefetch
+table, the quantized copy and a look at results from the command line. Each returns an exit
+status; errors are raised as user errors."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from klotski import planning
+from klotski.assemble import pipeline_cost
+from klotski.config import RunConfig
+
+
+def _config(a) -> RunConfig:
+    return RunConfig(model=a.model, batch_size=a.batch_size, num_batches=a.num_batches, schedule=a.schedule,
+                     quantize=a.quantize, emulate_link_gbps=a.emulate_link_gbps, max_new_tokens=a.gen_len,
+                     host_attention=a.host_attention, host_experts=a.host_experts,
+                     prefill_chunk=a.prefill_chunk, device=a.device)
+
+
+def plan(a) -> int:
+    from planner.solve import format_plan
+    shape, config = planning.model_shape(a.model), _config(a)
+    profile = planning.profile_for(a.hardware, shape, device=config.device, link_gbps=config.emulate_link_gbps,
+                                   pipeline_cost=pipeline_cost)
+    result = planning.make_plan(shape, profile, device_memory=a.device_memory, host_memory=a.host_memory,
+                                prompt_len=a.prompt_len, gen_len=a.gen_len, config=config)
+    print(result.to_json() if a.json else format_plan(result))
+    return 0
+
+
+def simulate(a) -> int:
+    from planner.costmodel import CostModel
+    from planner.routing import RoutingSample
+    from planner.simulate import simulate as replay
+    shape, config = planning.model_shape(a.model), _config(a)
+    profile = planning.profile_for(a.hardware, shape, device=config.device, link_gbps=config.emulate_link_gbps,
+                                   pipeline_cost=pipeline_cost)
+    chosen = planning.make_plan(shape, profile, device_memory=a.device_memory, host_memory=a.host_memory,
+                                prompt_len=a.prompt_len, gen_len=a.gen_len, config=config)
+    cost = CostModel(profile, shape, quant_bits=4 if a.quantize == "hqq4" else None)
+    routing = RoutingSample.synthetic(shape.num_layers, shape.num_experts, shape.top_k, skew=a.skew)
+    rows = []
+    for schedule in ("simple", "multibatch", "hot-prefetch", "klotski"):
+        n = 1 if schedule == "simple" else chosen.num_batches
+        r = replay(cost, shape, bs=chosen.batch_size, n=n, schedule=schedule, prompt_len=a.prompt_len,
+                   gen_len=a.gen_len, routing=routing, placement=chosen, trace=bool(a.trace) and schedule == "klotski")
+        rows.append({"schedule": schedule, "batch_size": chosen.batch_size, "num_batches": n,
+                     "tokens_per_s": r.tokens_per_s, "bubble_share": r.bubble_share, "step_s": r.step_s})
+        if a.trace and schedule == "klotski":
+            Path(a.trace).write_text(json.dumps(r.chrome_trace()))
+    if a.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        print(f"{'schedule':14s} {'bs':>4s} {'n':>4s} {'tokens/s':>10s} {'bubble':>7s}")
+        for r in rows:
+            print(f"{r['schedule']:14s} {r['batch_size']:4d} {r['num_batches']:4d} "
+                  f"{r['tokens_per_s']:10.2f} {r['bubble_share']:7.1%}")
+    return 0
+
+
+def profile(a) -> int:
+    config = RunConfig(model=a.model, device=a.device, emulate_link_gbps=a.emulate_link_gbps)
+    result = planning.measure_here(planning.model_shape(config.model), device=config.device,
+                                   link_gbps=config.emulate_link_gbps, refresh=a.refresh,
+                                   pipeline_cost=pipeline_cost)
+    print(result.to_json())
+    return 0
+
+
+def correlate(a) -> int:
+    """Fill the expert-correlation table ahead of a big job: one engine, the budgets and
+    planner of `generate`, the table learned as it runs and saved where `generate` looks."""
+    from klotski.assemble import build_engine, setup_run
+    from klotski.io.checkpoint import Checkpoint
+    from klotski.prefetch.correlate import new_table, table_path, warmup_prompts
+    from klotski.io.jobs import Request, read_jobs
+    from klotski.prefetch.predictors import CorrelationPredictor
+    from klotski.runtime.sequences import prepare
+    if a.jobs:
+        requests, _ = read_jobs(Path(a.jobs))
+        requests = requests[: a.count]
+    else:
+        requests = [Request(id=str(i), line=i + 1, prompt=p, messages=None)
+                    for i, p in enumerate(warmup_prompts(a.count))]
+    config = RunConfig(model=a.model, batch_size=a.batch_size, max_new_tokens=a.max_new_tokens,
+                       device_memory=a.device_memory, host_memory=a.host_memory, progress=False)
+    ckpt = Checkpoint.open(config.model)
+    out = Path(a.output) if a.output else table_path(ckpt)
+    spec = ckpt.spec
+    table = new_table(spec, path=a.path_length)
+    seqs, _ = prepare(requests, ckpt.tokenizer, spec, config)
+    engine = build_engine(config, ckpt, setup_run(config, ckpt, seqs),
+                          predictor=CorrelationPredictor(table, save_to=(out, ckpt.key)))
+    from tqdm import tqdm
+    for _ in tqdm(engine.run(seqs), total=len(seqs), unit="req", desc="correlate", file=sys.stderr, disable=None):
+        pass
+    engine.close()
+    from klotski.util.writes import writing
+    with writing(out, "the expert-correlation table", then="make room and rerun (or pass -o on another disk)"):
+        table.save(out, ckpt.key)
+    print(f"wrote the {table.describe()} ({len(seqs)} prompts) to {out}",
+          file=sys.stderr)
+    return 0
+
+
+def quantize(a) -> int:
+    from klotski.io.checkpoint import Checkpoint
+    from klotski.compress.quantized import check_room, ensure_quantized
+    ckpt = Checkpoint.open(a.model)
+    check_room(ckpt, ckpt.spec.dtype, a.output, optimize=a.optimize)
+    out = ensure_quantized(ckpt, ckpt.spec.dtype, a.output, optimize=a.optimize)
+    ckpt.close()
+    print(f"quantized checkpoint: {out}")
+    return 0
+
+
+def show(a) -> int:
+    """A few output records, in file order, each under the start of its prompt."""
+    import shutil
+    import textwrap
+
+    from klotski.io.output import is_error, record_key
+    prompts = {}
+    if a.jobs:
+        from klotski.io.jobs import read_jobs
+        requests, _ = read_jobs(Path(a.jobs))
+        # the last paragraph of the prompt (or of the last message): where a passage to label is
+        prompts = {r.id: (r.prompt if r.prompt is not None else r.messages[-1][1]).split("\n\n")[-1]
+                   for r in requests}
+    width = min(100, shutil.get_terminal_size().columns)
+    try:
+        lines = Path(a.output).read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        from klotski.errors import UserError
+        raise UserError(f"{a.output}: cannot read ({e.strerror})") from None
+    for line in lines[: a.count]:
+        rec = json.loads(line)
+        key = record_key(rec)
+        if is_error(rec):
+            text = "error: " + (rec["error"].get("message", "") if isinstance(rec["error"], dict) else "")
+        elif "custom_id" in rec:
+            choice = rec["response"]["body"]["choices"][0]
+            text = choice["message"]["content"] if "message" in choice else choice["text"]
+        else:
+            text = rec["completion"]
+        prompt = " ".join(prompts.get(key, "").split())
+        print(f"[{key}] " + textwrap.shorten(prompt, width - len(key) - 3) if prompt else f"[{key}]")
+        print(textwrap.fill(text.strip() or "(empty)", width, initial_indent="  -> ", subsequent_indent="     "))
+    return 0

@@ -1,0 +1,92 @@
+"""`--quantize hqq4`: the quantized copy of a checkpoint and the codec the WeightCache uses.
+
+Attention and expert groups are quantized once into the offload directory (or the user
+cache), with a manifest naming the method and the source checkpoint; a later run reuses
+the copy while the manifest matches. What sits on host/disk and crosses the links is the
+packed form; the device dequantizes just before use (timed as compute by the pipeline).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from klotski.compress import hqq as quant
+from klotski.io.checkpoint import QUANTIZED_KINDS
+
+
+def label(key) -> str:
+    return ".".join(str(p) for p in key)
+
+
+class QuantCodec:
+    def __init__(self, directory: Path, dtype):
+        from safetensors import safe_open
+        self.directory, self.dtype = Path(directory), dtype
+        self._packed: dict[str, int] = {}
+        with safe_open(self.directory / quant.WEIGHTS_FILE, framework="pt") as f:
+            for name in f.keys():
+                group = name.split("/", 1)[0]
+                sl = f.get_slice(name)
+                numel = 1
+                for d in sl.get_shape():
+                    numel *= d
+                self._packed[group] = self._packed.get(group, 0) + numel * _itemsize(sl.get_dtype())
+
+    def covers(self, key) -> bool:
+        return key[0] in QUANTIZED_KINDS
+
+    def packed_nbytes(self, key) -> int:
+        return self._packed[label(key)]
+
+    def read(self, key) -> dict:
+        return quant.load_quantized(self.directory, label(key))
+
+    def decode(self, parts: dict) -> dict:
+        return quant.dequantize_group(parts, self.dtype)
+
+
+def _itemsize(dtype: str) -> int:
+    return {"F64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "U8": 1, "I8": 1, "BOOL": 1}.get(dtype, 4)
+
+
+def copy_path(ckpt, dtype, offload_dir: str | None, optimize: bool) -> tuple[Path, "quant.QuantSpec", str]:
+    """Where the quantized copy of `ckpt` lives: `offload_dir`, or the user cache."""
+    from klotski.util import cachedir
+    qspec = quant.QuantSpec(optimize=optimize)
+    dtype_name = str(dtype).removeprefix("torch.")  # unquantized parts are kept in the compute dtype
+    out = Path(offload_dir) if offload_dir else cachedir.quantized_copy(ckpt.key, f"{qspec.tag()}-{dtype_name}")
+    return out, qspec, dtype_name
+
+
+def _room_needed(ckpt, dtype, qspec) -> int:
+    """Disk bytes that building the copy needs: the packed groups twice, as the streaming
+    writer stages tensor bytes beside the file it assembles."""
+    packed = sum(ckpt.group_nbytes(k, dtype, qspec)[0] for k in ckpt.spec.group_keys() if k[0] in QUANTIZED_KINDS)
+    return 2 * packed + (1 << 20)
+
+
+def check_room(ckpt, dtype, offload_dir: str | None, *, optimize: bool = False) -> None:
+    """Refuse, before the output exists, a quantized copy that is not there and cannot fit."""
+    from klotski.util.writes import require_space
+    out, qspec, dtype_name = copy_path(ckpt, dtype, offload_dir, optimize)
+    if not quant.manifest_matches(out, ckpt.directory, qspec, dtype_name):
+        require_space(out.parent, _room_needed(ckpt, dtype, qspec), "the HQQ 4-bit copy of the model",
+                      "free some space or pass --offload-dir on a bigger disk")
+
+
+def ensure_quantized(ckpt, dtype, offload_dir: str | None, *, optimize: bool = False) -> Path:
+    """The quantized copy of checkpoint `ckpt` (a klotski.io.checkpoint.Checkpoint), built on
+    first use in `offload_dir` or the user cache."""
+    from klotski.util.writes import writing
+    out, qspec, dtype_name = copy_path(ckpt, dtype, offload_dir, optimize)
+    if not quant.manifest_matches(out, ckpt.directory, qspec, dtype_name):
+        print(f"klotski: quantizing attention and experts with HQQ ({qspec.tag()}) into {out} (first use)",
+              file=sys.stderr)
+        store, spec = ckpt.store, ckpt.spec
+        groups = ((label(k), {n: store.read(r.name, r.index, r.rows).to(dtype) for n, r in spec.group_refs(k).items()})
+                  for k in spec.group_keys() if k[0] in QUANTIZED_KINDS)
+        with writing(out, "the HQQ 4-bit copy of the model", need=_room_needed(ckpt, dtype, qspec),
+                     then="the partial copy was removed; free some space or pass --offload-dir on a bigger disk, "
+                          "then rerun the same command"):
+            quant.quantize_checkpoint(ckpt.directory, out, qspec, groups, dtype=dtype_name)
+    return out

@@ -1,0 +1,341 @@
+"""Continuous batching: a window's sequences flow through the rows of n decode batches.
+
+Static batching keeps a batch's rows until its longest sequence ends, so with mixed
+`max_new_tokens` or early EOS most rows compute for nothing. Here a row whose sequence has
+finished takes the next waiting prompt:
+
+- The waiting prompts are taken longest-decode first (`max_new_tokens`, then prompt length),
+  so the long ones start early and the short ones fill the gaps behind them; a newcomer
+  batch takes the longest prompts of the next few batches' worth, so it pads little.
+- Newcomers are prefilled ahead, up to bs at a time as an extra batch (up to n such batches
+  in flight) that rides along the group's decode steps (chunked like any prefill, the step
+  never bigger than the first prefill step the static schedule would run), in a KV cache of
+  their own: when a row frees, a newcomer is usually ready for it at once.
+- A ready newcomer's keys and values are copied into a free row of a decode batch
+  (`BatchKV.adopt`) so that its newest slot lines up with the batch's, and it decodes with
+  the rest from the next step on. A batch's slot range is shifted back to the slots its
+  live rows still use when it runs out of room (`BatchKV.realign`), so the cache stays the
+  size static batching would give the window's longest request.
+- A batch keeps its live rows in front (a finished row's place goes to the batch's last live
+  row) and a step computes only those (`BatchKV.use_rows`): a row whose sequence has
+  finished is never computed, whether a newcomer is still prefilling for it or none is left.
+- With nothing left to admit, the sparsest batch's rows move into other batches' free rows,
+  so the tail runs as few batches as its sequences fill.
+
+Every sequence sees exactly its own tokens at the positions it would have alone: the output
+is the static schedule's, token for token (tests/test_batching.py).
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from klotski.runtime import sequences as S
+from klotski.runtime.kvcache import BatchKV
+from klotski.runtime.pipeline import StepInput
+from placement.cache import DISK_TO_HOST
+from placement.tiers import OverBudget
+from planner.workingset import continuous_step_limit, newcomer_chunks
+
+
+LOOKAHEAD = 4  # batches' worth of waiting prompts a newcomer batch is chosen from, by length
+
+
+@dataclass
+class _Decode:
+    """One decode batch: its rows (None = free), their next input token and position."""
+    kv: BatchKV
+    rows: list
+    tokens: list[int]
+    positions: torch.Tensor
+    broken: torch.Tensor
+    prompt: list = field(default_factory=list)  # chunks still to prefill in place (the first fill)
+
+    def live(self) -> bool:
+        return bool(self.prompt) or any(s is not None for s in self.rows)
+
+    def free_rows(self) -> list[int]:
+        return [] if self.prompt else [i for i, s in enumerate(self.rows) if s is None]
+
+    def computed(self) -> int:
+        """Rows a step computes: the live ones, kept in front (all of them while prefilling)."""
+        return len(self.rows) if self.prompt else sum(s is not None for s in self.rows)
+
+    def span(self) -> int:
+        """Slots back from the newest that the live rows read."""
+        return self.kv.span([i for i, s in enumerate(self.rows) if s is not None])
+
+
+@dataclass
+class _Newcomers:
+    """Prompts prefilled in a cache of their own, `done` columns of `whole` so far, each
+    step's chunk chosen then (`_newcomer_inputs`); once sampled, those not yet adopted wait
+    in `ready` (their row in this cache, first token) for free rows."""
+    seqs: list
+    kv: BatchKV
+    whole: StepInput
+    broken: torch.Tensor
+    done: int = 0
+    ready: list = field(default_factory=list)
+
+    @property
+    def left(self) -> int:
+        """Prompt columns still to prefill."""
+        return self.whole.ids.shape[1] - self.done
+
+    def take(self, width: int) -> StepInput:
+        a, self.done = self.done, self.done + width
+        return StepInput(self.whole.ids[:, a:self.done], self.whole.valid[:, a:self.done],
+                         self.whole.positions[:, a:self.done])
+
+
+class ContinuousRun:
+    """Runs one window of sequences; `run()` yields each as soon as it finishes."""
+
+    def __init__(self, engine, seqs: list[S.Sequence]):
+        self.e, self.spec = engine, engine.spec
+        self.space = engine.kv_space()  # caches on the run's KV tier, each charged to its budget
+        self.queue = deque(sorted(seqs, key=lambda s: (-s.max_new_tokens, -len(s.prompt_ids))))
+        # room for the window's longest request, as static batching gives its batch
+        self.capacity = max(len(s.prompt_ids) + s.max_new_tokens for s in seqs)
+        self.chunk = engine.prefill_chunk or max(len(s.prompt_ids) for s in seqs)
+        # every step's attention beside the host cache: the plan reserved no keys or scores
+        self.host_attention = self.space.on_host and engine.pipeline.always_host_attention()
+        args = (self.spec, engine.dtype.itemsize, engine.batch_size, engine.num_batches, self.chunk, self.capacity,
+                self.host_attention)
+        self.step_limit = continuous_step_limit(*args)
+        self.widest = newcomer_chunks(*args)  # a newcomer batch's chunk, as the planner replays it
+        # a newcomer's cache beyond the planned ones is taken only if a step can still run
+        # beside it: its activations at their limit and the largest group it fetches
+        self.headroom = self.step_limit + engine.cache.largest_use()
+        self.decode: list[_Decode] = []
+        self.newcomers: list[_Newcomers] = []  # oldest first
+
+    def run(self):
+        bs, n = self.e.batch_size, self.e.num_batches
+        first = [self.queue.popleft() for _ in range(min(len(self.queue), n * bs))]
+        try:
+            self.decode = self._fill(first)
+            while True:
+                self._admit()
+                self._consolidate()
+                work = [(d, *self._input(d)) for d in self.decode if d.live()]
+                work += self._newcomer_inputs(sum(inp.ids.shape[0] for _, inp, _ in work))
+                if not work and self.queue:  # every row idle and no newcomer fits beside the caches: start afresh
+                    for d in self.decode:
+                        self.space.free(d.kv)
+                    self.decode = self._fill([self.queue.popleft() for _ in range(min(len(self.queue), n * bs))])
+                    continue
+                if not work:
+                    break
+                yield from self._step(work)
+                self._adopt_ready()
+        finally:
+            self.space.close()
+
+    def _fill(self, seqs) -> list[_Decode]:
+        seqs = sorted(seqs, key=lambda s: -len(s.prompt_ids))
+        bs = self.e.batch_size
+        return [self._first_fill(seqs[i:i + bs]) for i in range(0, len(seqs), bs)]
+
+    # ---- the first fill: prefilled in place, as static batching does ----------------------
+    def _first_fill(self, batch) -> _Decode:
+        kv, _ = self.space.allocate(len(batch), self.capacity)
+        whole = prefill_input(batch, max(len(s.prompt_ids) for s in batch), self.e._pad_id())
+        self.e.stats.prompt_tokens += sum(len(s.prompt_ids) for s in batch)
+        return _Decode(kv, list(batch), [0] * len(batch), whole.positions[:, -1] + 1,
+                       torch.full((len(batch),), -1), chunks(whole, self.chunk))
+
+    def _input(self, d: _Decode) -> tuple[StepInput, bool]:
+        """The batch's input this step and whether it is a prefill."""
+        if d.prompt:
+            return d.prompt.pop(0), True
+        if d.kv.filled + 1 > d.kv.capacity:  # out of room: keep only the slots live rows read
+            self._realign(d, d.span())
+        m = d.computed()
+        d.kv.use_rows(m)
+        ids = torch.tensor(d.tokens[:m], dtype=torch.long)[:, None]
+        return StepInput(ids, torch.ones_like(ids, dtype=torch.bool), d.positions[:m, None].clone()), False
+
+    # ---- one step -----------------------------------------------------------------------
+    def _step(self, work):
+        e, stats = self.e, self.e.stats
+        decoding = [w for w, _, prefill in work if not prefill]
+        t0, disk0 = time.perf_counter(), e.trace.bytes[DISK_TO_HOST]
+        e.trace.phase = "decode" if decoding else "prefill"
+        outs = e.pipeline.forward([w.kv for w, _, _ in work], [inp for _, inp, _ in work])
+        elapsed = time.perf_counter() - t0  # the logits reached the host: the step's compute is done
+        e.trace.resolve()
+        if decoding:  # a step that decodes counts as decode time; newcomers' prefill rides along
+            stats.decode_s += elapsed
+            stats.decode_prompt_tokens += sum(int(inp.valid.sum()) for _, inp, prefill in work if prefill)
+            stats.decode_disk_bytes += e.trace.bytes[DISK_TO_HOST] - disk0
+            stats.decode_rows += sum(d.kv.rows for d in decoding)
+            stats.decode_slots += e.batch_size * e.num_batches
+            stats.decode_useful_rows += sum(s is not None for d in decoding for s in d.rows[:d.kv.rows])
+        else:
+            stats.prefill_s += elapsed
+        if len(decoding) < len(work):
+            stats.prefill_passes += 1
+        for (w, _, prefill), out in zip(work, outs):
+            m = len(out.broken_at)  # the rows computed
+            w.broken[:m] = torch.where(w.broken[:m] < 0, out.broken_at, w.broken[:m])
+            if isinstance(w, _Newcomers):
+                yield from self._prefilled(w, out)
+            elif not w.prompt:  # a prefill's logits mean something after its last chunk only
+                yield from self._decoded(w, out, fed=not prefill)
+
+    def _decoded(self, d: _Decode, out, fed: bool):
+        """Sample the batch's computed rows; `fed`: this step fed each row the token at its
+        position. Finished rows free up, and the live ones close ranks in front."""
+        m = d.kv.rows
+        tokens, finished = self.e._sample(d.rows[:m], out.logits, d.broken[:m])
+        yield from finished
+        for i, s in enumerate(d.rows[:m]):
+            if s is not None and s.done:
+                d.rows[i] = None  # free for the next prompt
+            elif s is not None:
+                d.tokens[i] = tokens[i]
+                d.positions[i] += fed
+        self._close_ranks(d)
+
+    def _close_ranks(self, d: _Decode) -> None:
+        """Each free row before the last live one takes that row (its slots and state)."""
+        while True:
+            live = [i for i, s in enumerate(d.rows) if s is not None]
+            holes = [i for i, s in enumerate(d.rows) if s is None and live and i < live[-1]]
+            if not holes:
+                return
+            i, j = holes[0], live[-1]
+            d.kv.adopt(i, d.kv, j, d.kv.span([j]))
+            self._take(d, i, d, j)
+            self.e.stats.rows_moved += 1
+
+    @staticmethod
+    def _take(d: _Decode, i: int, src, j: int) -> None:
+        """Row `i` of `d` takes the sequence state of row `j` of batch `src`; that row frees."""
+        d.rows[i], d.tokens[i], d.positions[i], d.broken[i] = src.rows[j], src.tokens[j], src.positions[j], src.broken[j]
+        src.rows[j] = None
+
+    def _prefilled(self, nc: _Newcomers, out):
+        if nc.left:  # more of their prompts to prefill
+            return
+        tokens, finished = self.e._sample(nc.seqs, out.logits, nc.broken)
+        yield from finished
+        nc.ready = [(j, t) for j, (s, t) in enumerate(zip(nc.seqs, tokens)) if not s.done]
+
+    def _adopt_ready(self) -> None:
+        """Ready newcomers take free rows, oldest first; a newcomer cache goes once every one
+        of its prompts has a row."""
+        for nc in list(self.newcomers):
+            if nc.left:
+                continue
+            free = [(d, i) for d in self.decode for i in d.free_rows()]
+            for (d, i), (j, token) in zip(free, list(nc.ready)):
+                s, length = nc.seqs[j], len(nc.seqs[j].prompt_ids)
+                self._move(nc.kv, j, d, i, length)
+                d.rows[i], d.tokens[i], d.positions[i], d.broken[i] = s, token, length, nc.broken[j]
+                nc.ready.remove((j, token))
+                self.e.stats.refills += 1
+            if not nc.ready:
+                self.space.free(nc.kv)
+                self.newcomers.remove(nc)
+
+    def _move(self, src: BatchKV, j: int, d: _Decode, i: int, length: int) -> None:
+        """Row `i` of batch `d` takes the newest `length` slots of row `j` of `src`."""
+        if d.kv.filled < length or d.kv.filled + 1 > d.kv.capacity:
+            self._realign(d, max(d.span(), length))
+        d.kv.adopt(i, src, j, length)
+
+    def _realign(self, d: _Decode, keep: int) -> None:
+        d.kv.realign(keep, keep)
+        self.e.stats.kv_realigns += 1
+
+    # ---- the tail: nothing left to admit --------------------------------------------------
+    def _consolidate(self) -> None:
+        """The sparsest batch's live rows move into other batches' free rows, so it stops
+        computing rows nobody uses."""
+        if self.queue or self.newcomers:
+            return
+        live = [d for d in self.decode if d.live() and not d.prompt]
+        if len(live) < 2:
+            return
+        src = min(live, key=lambda d: sum(s is not None for s in d.rows))
+        moving = [i for i, s in enumerate(src.rows) if s is not None]
+        free = [(d, i) for d in live if d is not src for i in d.free_rows()]
+        if len(moving) > len(free):
+            return
+        for i, (d, j) in zip(moving, free):
+            self._move(src.kv, i, d, j, src.kv.span([i]))
+            self._take(d, j, src, i)
+        self.e.stats.rows_moved += len(moving)
+
+    # ---- admitting waiting prompts --------------------------------------------------------
+    def _admit(self) -> None:
+        """Prefill waiting prompts ahead of the rows that will take them, once the first fill
+        is prefilled: a newcomer batch of at most bs prompts, no more than n such batches
+        prefilling and 2n in all, each no bigger than the step limit and the KV budget allow."""
+        n = self.e.num_batches
+        if not self.queue or sum(bool(nc.left) for nc in self.newcomers) >= n or any(d.prompt for d in self.decode):
+            return
+        # Up to n batches prefilling and n more prefilled, waiting for rows: prefill is what
+        # a job's short requests wait on, and a step's prompt tokens share its weights.
+        if len(self.newcomers) >= 2 * n:
+            return
+        # A batch pads to its longest prompt: of the next few bs waiting, the longest go
+        # together (the order by max_new_tokens holds at that grain)
+        head = sorted((self.queue.popleft() for _ in range(min(len(self.queue), LOOKAHEAD * self.e.batch_size))),
+                      key=lambda s: -len(s.prompt_ids))
+        self.queue.extendleft(reversed(head))
+        for take in range(min(len(self.queue), self.e.batch_size), 0, -1):
+            longest = max(len(self.queue[j].prompt_ids) for j in range(take))
+            # one token a row beside everyone else's at their least, decode rows at their most
+            # (ready newcomers join them while this batch prefills): then every step has room
+            others = [(len(nc.seqs), 1, nc.done) for nc in self.newcomers if nc.left]
+            live = sum(d.computed() for d in self.decode if d.live())
+            ready = sum(len(nc.seqs) for nc in self.newcomers if not nc.left)
+            decode_rows = min(self.e.batch_size * n - sum(r for r, _, _ in others), live + ready)
+            if not self.widest((take, 0, 1), decode_rows, others):
+                continue
+            try:
+                kv, _ = self.space.allocate(take, longest, keep_free=self.headroom)
+            except OverBudget:
+                continue
+            break
+        else:
+            return  # nothing fits this step: the prompts wait for room
+        seqs = [self.queue.popleft() for _ in range(take)]
+        self.e.stats.prompt_tokens += sum(len(s.prompt_ids) for s in seqs)
+        whole = prefill_input(seqs, longest, self.e._pad_id())
+        self.newcomers.append(_Newcomers(seqs, kv, whole, torch.full((take,), -1)))
+
+    def _newcomer_inputs(self, decode_rows: int) -> list:
+        """This step's chunk of each newcomer batch still prefilling, oldest first, each the
+        longest that keeps the step within the limit beside the decode rows and the others'
+        chunks (those not yet given one count one token a row)."""
+        prefilling = [nc for nc in self.newcomers if nc.left]
+        widths = [1] * len(prefilling)
+        for i, nc in enumerate(prefilling):
+            others = [(len(o.seqs), w, o.done) for j, (o, w) in enumerate(zip(prefilling, widths)) if j != i and w]
+            widths[i] = self.widest((len(nc.seqs), nc.done, nc.left), decode_rows, others)
+        return [(nc, nc.take(w), True) for nc, w in zip(prefilling, widths) if w]
+
+
+def prefill_input(batch: list[S.Sequence], length: int, pad: int) -> StepInput:
+    """Left-pad prompts to `length`; positions count real tokens only (cumsum(mask) - 1)."""
+    ids = torch.full((len(batch), length), pad, dtype=torch.long)
+    valid = torch.zeros((len(batch), length), dtype=torch.bool)
+    for i, s in enumerate(batch):
+        ids[i, length - len(s.prompt_ids):] = torch.tensor(s.prompt_ids)
+        valid[i, length - len(s.prompt_ids):] = True
+    positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
+    return StepInput(ids, valid, positions)
+
+
+def chunks(inp: StepInput, size: int) -> list[StepInput]:
+    """A prompt's columns in chunks of `size` (the last may be shorter)."""
+    return [StepInput(inp.ids[:, a:a + size], inp.valid[:, a:a + size], inp.positions[:, a:a + size])
+            for a in range(0, inp.ids.shape[1], size)]

@@ -1,0 +1,250 @@
+"""Engine: runs batch groups through the pipeline step by step, samples, stops, and hands
+finished sequences back. It is built by klotski.assemble (the composition root), which has
+planned the run and filled the tiers before the engine exists:
+
+    engine, seqs, errors = assemble.open_engine(RunConfig(model="tiny-mixtral"), requests)
+    for seq in engine.run(seqs):
+        print(seq.request.id, seq.text)
+    engine.close()
+
+A prompt longer than the planned prefill chunk is prefilled in chunks: each chunk is one
+forward step through every layer, appending its keys and values to the cache, and only the
+last chunk's logits are sampled. The numbers are those of one long step, chunk by chunk.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from klotski.runtime import sequences as S
+from klotski.runtime.channels import pin
+from klotski.runtime.batching import ContinuousRun, chunks, prefill_input
+from klotski.runtime.kvcache import BatchKV
+from klotski.runtime.pipeline import StepInput
+from placement import pinned
+from placement.cache import DISK_TO_HOST
+from placement.pinned import PinnedBlocks
+from placement.tiers import HOST
+
+
+@dataclass
+class Stats:
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_passes: int = 0     # forward steps that carried prompt tokens (more than one per group when chunked)
+    decode_disk_bytes: int = 0  # read from disk while decode steps ran: the bigger-than-RAM bound
+    decode_rows: int = 0        # sequence slots computed by decode steps
+    decode_useful_rows: int = 0  # of those, slots whose sequence was still generating
+    decode_slots: int = 0       # rows the group has (n x bs, fewer in a job's last static group), per decode step
+    refills: int = 0            # continuous batching: sequences that took a row another had finished in
+    kv_realigns: int = 0        # continuous batching: times a cache's slots were moved to make room
+    rows_moved: int = 0         # continuous batching: live rows moved at the end, out of free rows' way
+    decode_prompt_tokens: int = 0  # continuous batching: prompt tokens prefilled by steps that also decode
+
+    @property
+    def slot_utilisation(self) -> float | None:
+        """Useful share of decode work: a static batch computes every slot until its longest
+        sequence ends, so finished sequences' slots are work for nothing."""
+        return self.decode_useful_rows / self.decode_rows if self.decode_rows else None
+
+    @property
+    def occupancy(self) -> float | None:
+        """Useful share of the group's rows over decode steps: continuous batching computes
+        live rows only (utilisation 1), so what idle rows cost shows here, as tokens a step
+        could have made but did not (rows waiting for a newcomer's prefill, the drain)."""
+        return self.decode_useful_rows / self.decode_slots if self.decode_slots else None
+
+
+class Engine:
+    def __init__(self, config, ckpt, setup, *, pipeline, cache, predictor, channels, memory, host_memory,
+                 trace, device, dtype):
+        self.config, self.ckpt, self.setup = config, ckpt, setup
+        self.pipeline, self.cache, self.predictor, self.channels = pipeline, cache, predictor, channels
+        self.memory, self.host_memory, self.trace = memory, host_memory, trace
+        self.device, self.dtype = device, dtype
+        self.eos = ckpt.eos_ids()
+        self.stats = Stats()
+
+    # the pieces a caller (report, tests) looks at
+    spec = property(lambda self: self.ckpt.spec)
+    tokenizer = property(lambda self: self.ckpt.tokenizer)
+    store = property(lambda self: self.ckpt.store)
+    model_dir = property(lambda self: self.ckpt.directory)
+    plan = property(lambda self: self.setup.plan)
+    placement = property(lambda self: self.setup.placement)
+    budgets = property(lambda self: self.setup.budgets)
+    batch_size = property(lambda self: self.setup.batch_size)
+    num_batches = property(lambda self: self.setup.num_batches)
+    prefill_chunk = property(lambda self: self.setup.prefill_chunk)
+
+    # ---- generation ---------------------------------------------------------------------
+    def groups(self, seqs: list[S.Sequence]) -> list[list[list[S.Sequence]]]:
+        """Longest prompts first, so each batch pads little; then n batches of bs per group."""
+        bs, n = self.batch_size, self.num_batches
+        order = sorted(seqs, key=lambda s: -len(s.prompt_ids))
+        batches = [order[i:i + bs] for i in range(0, len(order), bs)]
+        return [batches[i:i + n] for i in range(0, len(batches), n)]
+
+    def run(self, seqs: list[S.Sequence]):
+        """Generate for every sequence; yield each one as soon as it finishes."""
+        if self.config.batching == "continuous" and seqs:
+            # a "group" for the predictor is a group's worth of finished sequences (n x bs)
+            finished = 0
+            for seq in ContinuousRun(self, seqs).run():
+                yield seq
+                finished += 1
+                if finished % (self.batch_size * self.num_batches) == 0:
+                    self.end_group()
+            if finished % (self.batch_size * self.num_batches):
+                self.end_group()
+        else:
+            for group in self.groups(seqs):
+                yield from self._run_group(group)
+                self.end_group()
+        self.trace.resolve(everything=True)
+
+    def end_group(self) -> None:
+        self.predictor.end_group()
+        self.predictor.persist()  # what this group taught the predictor survives a crash
+
+    def _run_group(self, group: list[list[S.Sequence]]):
+        prompt_len = [max(len(s.prompt_ids) for s in b) for b in group]
+        space = self.kv_space()
+        try:
+            kvs = [space.allocate(len(b), p + max(s.max_new_tokens for s in b))[0] for b, p in zip(group, prompt_len)]
+            yield from self._steps(group, kvs, prompt_len)
+        finally:
+            space.close()
+
+    def kv_space(self) -> "KVSpace":
+        return KVSpace(self)
+
+    def _steps(self, group, kvs, prompt_len):
+        """Prefill (in chunks of the planned size), then decode until every sequence is done;
+        a batch whose sequences are all done leaves the group's steps (its KV cache was sized
+        for its own longest request)."""
+        pad = self._pad_id()
+        chunk = self.prefill_chunk or max(prompt_len)
+        whole = {k: prefill_input(b, p, pad) for k, (b, p) in enumerate(zip(group, prompt_len))}
+        prompts = {k: chunks(inp, chunk) for k, inp in whole.items()}
+        next_pos = {k: inp.positions[:, -1] + 1 for k, inp in whole.items()}
+        inputs = {k: parts.pop(0) for k, parts in prompts.items()}
+        self.stats.prompt_tokens += sum(len(s.prompt_ids) for b in group for s in b)
+        prefilling = set(inputs)
+        broken = {k: torch.full((len(b),), -1) for k, b in enumerate(group)}
+        while inputs:
+            active = list(inputs)
+            t0, disk0 = time.perf_counter(), self.trace.bytes[DISK_TO_HOST]
+            self.trace.phase = "prefill" if prefilling else "decode"
+            logits = self.pipeline.forward([kvs[k] for k in active], [inputs[k] for k in active])
+            elapsed = time.perf_counter() - t0  # the logits reached the host: the step's compute is done
+            self.trace.resolve()
+            if prefilling:
+                self.stats.prefill_s += elapsed
+                self.stats.prefill_passes += 1
+            else:
+                self.stats.decode_s += elapsed
+                self.stats.decode_disk_bytes += self.trace.bytes[DISK_TO_HOST] - disk0
+                self.stats.decode_rows += sum(len(group[k]) for k in active)
+                self.stats.decode_slots += sum(len(b) for b in group)
+                self.stats.decode_useful_rows += sum(not s.done for k in active for s in group[k])
+            inputs = {}
+            for k, out in zip(active, logits):
+                broken[k] = torch.where(broken[k] < 0, out.broken_at, broken[k])
+                if prompts[k]:  # more of the prompt to prefill: its logits mean nothing yet
+                    inputs[k] = prompts[k].pop(0)
+                    continue
+                prefilling.discard(k)
+                batch = group[k]
+                tokens, finished = self._sample(batch, out.logits, broken[k])
+                yield from finished
+                if not all(s.done for s in batch):
+                    ids = torch.tensor(tokens, dtype=torch.long)[:, None]
+                    inputs[k] = StepInput(ids, torch.ones_like(ids, dtype=torch.bool), next_pos[k][:, None].clone())
+                    next_pos[k] += 1
+
+    def _sample(self, rows, logits, broken):
+        """Next token of every row (None = an empty row) and the sequences this finished: a
+        sequence whose numbers went non-finite fails alone; the batch carries on."""
+        finished = []
+        for s, finite, layer in zip(rows, torch.isfinite(logits).all(dim=-1).tolist(), broken.tolist()):
+            if s is not None and not finite and not s.done:
+                S.fail(s, _non_finite(layer, self.spec.num_layers))
+                finished.append(s)
+        live = [s for s in rows if s is not None]
+        picked = iter(S.pick(live, logits[[i for i, s in enumerate(rows) if s is not None]]))
+        tokens = [next(picked) if s is not None else 0 for s in rows]
+        for s, t in zip(rows, tokens):
+            if s is not None and not s.done:
+                self.stats.generated_tokens += 1
+                S.append(s, t, self.tokenizer, self.eos)
+                if s.done:
+                    finished.append(s)
+        return tokens, finished
+
+    def _pad_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        return pad if pad is not None else next(iter(self.eos), 0)
+
+    def close(self) -> None:
+        for channel in self.channels.values():
+            channel.close()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # nothing still reads the host blocks
+        self.cache.close()
+        self.ckpt.close()
+
+
+def _non_finite(layer: int, num_layers: int) -> str:
+    where = f"at layer {layer} of {num_layers}" if layer >= 0 else "in the final norm or lm_head"
+    return f"non-finite values {where}; the checkpoint's weights or config may be corrupt (klotski check --model DIR)"
+
+
+class KVSpace:
+    """KV caches of one group on the run's KV tier, each charged to that tier's budget when it
+    is made (on the device, room is made first, so the allocator never holds more than the
+    accounts) and given back by `free` or, for whatever is left, by `close`."""
+
+    def __init__(self, engine: Engine):
+        self.e = engine
+        self.on_host = engine.placement.kv == HOST
+        self.account = engine.host_memory if self.on_host else engine.memory
+        self.held: dict[int, tuple[int, PinnedBlocks | None]] = {}  # id(kv) -> (bytes charged, its blocks)
+
+    def allocate(self, rows: int, capacity: int, keep_free: int = 0) -> tuple[BatchKV, int]:
+        """A cache for `rows` sequences of `capacity` slots; raises OverBudget if it does not
+        fit with `keep_free` device bytes still free beside it (what the steps need)."""
+        e, spec = self.e, self.e.spec
+        heads, key_dim, value_dim = spec.kv_cache_dims  # MLA: its latent and rotary key
+        shape = (spec.num_layers, rows, heads, key_dim, capacity)
+        nbytes = BatchKV.nbytes_for(*shape, e.dtype, value_dim)
+        blocks = PinnedBlocks(pinned=True) if self.on_host and e.device.type == "cuda" else None
+        if blocks:  # one locked block per layer's keys and one per its values, each charged what it takes
+            nbytes = spec.num_layers * sum(map(pinned.charge, BatchKV.tensor_nbytes(*shape[1:], e.dtype, value_dim)))
+        if not self.on_host:
+            e.pipeline.make_room(nbytes + keep_free, "KV cache")
+        self.account.reserve(nbytes, "KV cache")
+        kv = BatchKV(*shape, e.dtype, device=e.device, on_host=self.on_host, pin=lambda t: pin(t, e.device),
+                     host_zeros=blocks.zeros if blocks else None, value_dim=value_dim)
+        self.held[id(kv)] = (nbytes, blocks)
+        return kv, nbytes
+
+    def free(self, kv: BatchKV) -> None:
+        nbytes, blocks = self.held.pop(id(kv))
+        if blocks:
+            torch.cuda.synchronize(self.e.device)  # the last stores into the blocks have landed
+            blocks.close()
+        self.account.free(nbytes)
+
+    def close(self) -> None:
+        if any(blocks for _, blocks in self.held.values()):
+            torch.cuda.synchronize(self.e.device)
+        for nbytes, blocks in self.held.values():
+            if blocks:
+                blocks.close()
+            self.account.free(nbytes)
+        self.held.clear()

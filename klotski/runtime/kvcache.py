@@ -1,0 +1,223 @@
+"""Per-batch KV cache, on the device or offloaded to host.
+
+One `BatchKV` per batch of a group: keys/values per layer, slot-major
+[capacity, B, kv_heads, head_dim], so that a batch's prefix and a step's new slots are each
+one contiguous block (one copy per direction, from and into pinned host memory); attention
+reads them as [B, kv_heads, slots, head_dim] views. A validity mask over cache slots
+(False = left padding; kept on the host, where masks are built) and the number of slots
+filled. Only the first `rows` rows take part in a step (`use_rows`): continuous batching
+keeps a batch's live sequences in front and computes no row whose sequence has finished.
+Keys and values may differ in width (`value_dim`): MLA caches its latent as the
+"keys" and its rotary key as the "values". Sequences in a batch share slot indices; left padding keeps every sequence's newest
+token in the same slot.
+
+On the device tier attention writes straight into the cache. On the host tier the
+pipeline asks for `load(layer)` (on `kv_load`: a device buffer holding the prefix plus room
+for this step) ahead of the batch's attention, and `store(layer, buf)` (on `kv_store`:
+only this step's new slots go back) after it. `stored[layer]` is the last store's ticket,
+which the next load of that layer waits for.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _heads(slot_major: torch.Tensor) -> torch.Tensor:
+    """[slots, B, kvh, D] -> the [B, kvh, slots, D] view attention reads."""
+    return slot_major.permute(1, 2, 0, 3)
+
+
+class BatchKV:
+    def __init__(self, num_layers: int, batch: int, kv_heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype, *, device="cpu", on_host: bool = False, pin=lambda t: t,
+                 host_zeros=None, value_dim: int | None = None):
+        shape = (capacity, batch, kv_heads, head_dim)
+        vshape = (capacity, batch, kv_heads, value_dim or head_dim)
+        # host copies live in exact page-locked blocks on CUDA (`host_zeros`: placement/pinned.py)
+        zeros = host_zeros if on_host and host_zeros else \
+            lambda shape, dtype: torch.zeros(shape, dtype=dtype, device="cpu" if on_host else device)
+        self.keys = [zeros(shape, dtype) for _ in range(num_layers)]
+        self.values = [zeros(vshape, dtype) for _ in range(num_layers)]
+        self.valid = torch.zeros(batch, capacity, dtype=torch.bool)
+        self.on_host, self.pin = on_host, pin
+        self.filled = 0
+        self.new = 0
+        self.capacity = capacity
+        self.rows = batch  # rows a step computes: the first `rows` of the batch
+        self.old_slots = None
+        self.first = 0  # the oldest slot a step loads: before it, no computed row has a token
+        self._columns = {}  # device -> this step's columns there
+        self.stored: dict = {}
+
+    @staticmethod
+    def nbytes_for(num_layers: int, batch: int, kv_heads: int, head_dim: int, capacity: int,
+                   dtype: torch.dtype, value_dim: int | None = None) -> int:
+        """The whole cache of a batch, every layer, at full capacity (known before allocating)."""
+        return num_layers * sum(BatchKV.tensor_nbytes(batch, kv_heads, head_dim, capacity, dtype, value_dim))
+
+    @staticmethod
+    def tensor_nbytes(batch: int, kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
+                      value_dim: int | None = None) -> tuple[int, int]:
+        """Bytes of one layer's keys tensor and of its values tensor."""
+        per_slot = capacity * batch * kv_heads * dtype.itemsize
+        return per_slot * head_dim, per_slot * (value_dim or head_dim)
+
+    def use_rows(self, rows: int) -> None:
+        """Steps compute only the first `rows` rows (their slots are views: nothing moves)."""
+        if not 0 < rows <= self.valid.shape[0]:
+            raise ValueError(f"{rows} rows of a {self.valid.shape[0]}-row cache")
+        self.rows = rows
+
+    def begin_step(self, valid_new: torch.Tensor, sink: int | None = None, recent: int | None = None):
+        """Reserve slots for this step's tokens ([B, T] validity); return the validity of
+        every slot so far. With StreamingLLM-style sparsity (`sink` first tokens and the
+        `recent` last ones of each sequence) only old slots some sequence can still see are
+        loaded from the host: `self.old_slots`."""
+        t, r = valid_new.shape[1], self.rows
+        if valid_new.shape[0] != r:
+            raise RuntimeError(f"{valid_new.shape[0]} rows of input for a cache computing {r}")
+        if self.filled + t > self.capacity:
+            raise RuntimeError(f"KV cache overflow: {self.filled}+{t} > {self.capacity} slots")
+        self.valid[:r, self.filled:self.filled + t] = valid_new
+        self.new = t
+        self.old_slots = None
+        self._columns = {}
+        old = self.valid[:r, :self.filled]
+        if recent is not None:  # the kept slots, absolute
+            rank = old.long().cumsum(-1) - 1
+            last_query = self.filled + t - 1
+            keep = old & ((rank < sink) | (torch.arange(self.filled) > last_query - recent))
+            self.old_slots = torch.nonzero(keep.any(0)).flatten()
+            self.first = 0
+        else:
+            # Slots before the computed rows' oldest token are padding to every one of them (a
+            # continuous batch's finished rows left them behind): neither loaded nor attended.
+            used = torch.nonzero(old.any(0))
+            self.first = int(used[0]) if len(used) else self.filled
+        return self.valid[:r, self.first:self.filled + t]
+
+    def step_columns(self, device="cpu") -> torch.Tensor | None:
+        """Cache slots this step attends over, in buffer order (None = all of them)."""
+        if self.old_slots is None:
+            return None
+        key = str(device)
+        if key not in self._columns:
+            cols = torch.cat([self.old_slots, torch.arange(self.filled, self.filled + self.new)])
+            self._columns[key] = cols.to(device)
+        return self._columns[key]
+
+    def step_slots(self) -> int:
+        """Slots this step attends over: the visible old ones and its own."""
+        return self._old_count() + self.new
+
+    def _old_count(self) -> int:
+        return self.filled - self.first if self.old_slots is None else len(self.old_slots)
+
+    def end_step(self) -> None:
+        self.filled += self.new
+        self.new = 0
+
+    # ---- continuous batching: rows change hands (klotski/runtime/batching.py) --------------------
+    def settle(self) -> None:
+        """Block until every store into the host copy has landed (before the host rewrites it)."""
+        for ticket in self.stored.values():
+            ticket.future.result()
+            if ticket.event is not None:
+                ticket.event.synchronize()
+
+    def span(self, rows: list[int]) -> int:
+        """How many of the newest slots hold some of these rows' tokens (a row's tokens are
+        contiguous and end at the newest slot)."""
+        used = self.valid[rows, :self.filled].any(0) if rows else torch.zeros(0, dtype=torch.bool)
+        first = torch.nonzero(used)
+        return self.filled - int(first[0]) if len(first) else 0
+
+    def realign(self, keep: int, filled: int) -> None:
+        """Move the newest `keep` slots (fewer if there are not that many) to end at slot
+        `filled`, every slot before them invalid: the cache makes room at its end (keep <=
+        filled) or in front (a newcomer's prompt longer than the slots so far). Positions are
+        the rows' own, so moving slots changes no number."""
+        self.settle()
+        m = min(keep, self.filled)
+        src, dst = slice(self.filled - m, self.filled), slice(filled - m, filled)
+        for tensors in (self.keys, self.values):
+            for t in tensors:
+                t[dst] = t[src].clone()
+        valid = self.valid[:, src].clone()
+        self.valid.zero_()
+        self.valid[:, dst] = valid
+        self.filled = filled
+
+    def adopt(self, row: int, src: "BatchKV", src_row: int, length: int) -> None:
+        """Row `row` takes the newest `length` slots of `src`'s row `src_row` (a prompt
+        prefilled elsewhere), ending at this cache's newest slot; its older slots go invalid."""
+        self.settle()
+        src.settle()
+        dst, frm = slice(self.filled - length, self.filled), slice(src.filled - length, src.filled)
+        for mine, theirs in ((self.keys, src.keys), (self.values, src.values)):
+            for a, b in zip(mine, theirs):
+                # the row's old slots go invalid, and zero: a masked probability of 0 times a
+                # value its finished sequence left non-finite would still be NaN
+                a[:, row] = 0
+                a[dst, row] = b[frm, src_row]
+        self.valid[row] = False
+        self.valid[row, dst] = src.valid[src_row, frm]
+
+    # ---- device-resident use ------------------------------------------------------------
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, buf=None):
+        """Store this step's k, v [B, kvh, T, D]; return every key/value attended over, as
+        [B, kvh, slots, D]. `buf` is the (keys, values, offset) slot-major device buffer from
+        `load` when the cache lives on the host."""
+        if buf is None:
+            keys, values, offset = self.keys[layer][:, :self.rows], self.values[layer][:, :self.rows], self.filled
+        else:
+            keys, values, offset = buf
+        end = offset + k.shape[2]
+        keys[offset:end] = k.permute(2, 0, 1, 3)
+        values[offset:end] = v.permute(2, 0, 1, 3)
+        if buf is None and self.old_slots is not None:
+            cols = self.step_columns(keys.device)
+            return _heads(keys.index_select(0, cols)), _heads(values.index_select(0, cols))
+        start = self.first if buf is None else 0  # a loaded buffer starts at the first slot
+        return _heads(keys[start:end]), _heads(values[start:end])
+
+    # ---- host-tier moves (run on channels) ----------------------------------------------
+    def _bytes(self, slots: int) -> int:
+        k, v = self.keys[0], self.values[0]  # [capacity, B, kv_heads, dim]: a row's slot is kv_heads x dim
+        return slots * self.rows * (k.shape[2] * k.shape[3] + v.shape[2] * v.shape[3]) * k.element_size()
+
+    def step_nbytes(self) -> int:
+        """Device bytes of one layer's loaded buffer for this step."""
+        return self._bytes(self.step_slots())
+
+    def prefix_nbytes(self) -> int:
+        """Bytes a load moves: the old slots this step can see."""
+        return self._bytes(self._old_count())
+
+    def new_nbytes(self) -> int:
+        return self._bytes(self.new)
+
+    def load(self, layer: int, device):
+        """Slot-major device buffer with the visible old slots of `layer`, and room for this
+        step's tokens: one contiguous copy from pinned memory per tensor (the kept slots of a
+        sparse cache are gathered into a pinned block first)."""
+        old = self._old_count()
+        # fewer rows than the batch has: a strided view, which torch stages through a
+        # contiguous copy (synchronous on CUDA, so never racing the pinned block)
+        k, v = self.keys[layer][:, :self.rows], self.values[layer][:, :self.rows]
+        keys = torch.empty((old + self.new, *k.shape[1:]), dtype=k.dtype, device=device)
+        values = torch.empty((old + self.new, *v.shape[1:]), dtype=v.dtype, device=device)
+        if self.old_slots is None:
+            src_k, src_v = k[self.first:self.filled], v[self.first:self.filled]
+        else:
+            src_k, src_v = self.pin(k.index_select(0, self.old_slots)), self.pin(v.index_select(0, self.old_slots))
+        keys[:old].copy_(src_k, non_blocking=True)
+        values[:old].copy_(src_v, non_blocking=True)
+        return keys, values, old
+
+    def store(self, layer: int, buf) -> None:
+        """Copy this step's new slots of `layer` from the device buffer back home (contiguous)."""
+        keys, values, offset = buf
+        new, src = slice(self.filled, self.filled + self.new), slice(offset, offset + self.new)
+        self.keys[layer][new, :self.rows].copy_(keys[src], non_blocking=True)
+        self.values[layer][new, :self.rows].copy_(values[src], non_blocking=True)

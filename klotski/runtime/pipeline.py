@@ -1,0 +1,588 @@
+"""The schedule (Algorithm 1 of the Klotski paper): the order in which one forward step of a
+batch group computes, and which transfers it starts when.
+
+A step takes every batch of the group through the model layer by layer. Per layer:
+
+  1. attention, batch by batch; with the KV cache on the host, batch k+1's KV is loaded
+     (`kv_load`) while batch k computes and batch k's new KV is stored behind (`kv_store`);
+     meanwhile `weights` prefetches this layer's gate and K hot experts;
+  2. the gate, batch by batch; every selected expert that is neither on the device nor on
+     its way is queued on `experts` at once;
+  3. experts over the tokens of *all* batches: hot ones first, then the rest in the order
+     their transfers finish, each released the moment it is done; `weights` starts on the
+     next layer's attention as soon as there is room.
+
+Host compute (klotski/runtime/hostcompute.py decides, per layer and step): a batch whose KV cache is
+on the host may attend there (q down, the output up; no KV load), and a cold expert whose
+group is in host RAM may be computed there (its tokens down, the outputs up; no transfer).
+
+Variants for ablation (`RunConfig.schedule`): `simple` (one batch, whole next layer
+prefetched), `multibatch` (n batches, whole next layer: FlexGen style), `hot-prefetch`
+(gate + K hot experts, the rest on demand, id order), `klotski` (+ hot-first order and early
+release). All compute the same numbers; only order and overlap differ.
+
+This module orders work and calls the model math; it never does arithmetic on weights, and
+it touches weights only through the WeightCache.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from itertools import accumulate
+
+import torch
+
+from klotski.runtime.channels import DEVICE_TO_HOST, HOST_TO_DEVICE, pin
+from klotski.runtime.hostcompute import HostCompute
+from klotski.runtime.kvcache import BatchKV
+from klotski.models import layers as L
+from placement.tiers import OverBudget
+from planner.workingset import (ATTENTION_SCORE_CHUNK, DISK_WINDOW_LAYERS, KV_BUFFERS, PREFILL_EXPERT_CHUNK, Step,
+                                activation_bytes)
+
+
+@dataclass
+class StepInput:
+    """One batch's new tokens for this step: ids, validity (False = left padding), positions."""
+    ids: torch.Tensor        # [B, T]
+    valid: torch.Tensor      # [B, T] bool
+    positions: torch.Tensor  # [B, T]
+
+
+@dataclass
+class StepOutput:
+    """One batch's result of a step: next-token logits [B, V] (fp32, on the host) and, per
+    sequence, the first layer whose output was not finite (-1: none)."""
+    logits: torch.Tensor
+    broken_at: torch.Tensor
+
+
+@dataclass
+class _Routed:
+    """Router decisions of one batch at one layer, flattened over its B*T tokens."""
+    x: torch.Tensor        # normalised MoE input [N, H] of the batch's real tokens
+    weights: torch.Tensor  # [N, k] (fp32 or the activation dtype, as the family routes)
+    experts: torch.Tensor  # [N, k]
+    shared: torch.Tensor | None  # the shared expert's output [N, H], for families with one
+    chosen: torch.Tensor | None = None  # `experts` on the host (one copy per layer for all batches)
+    keep: torch.Tensor | None = None    # which of the B*T tokens are real (None: all of them)
+
+
+class Pipeline:
+    def __init__(self, spec, cache, channels, config, trace, predictor, memory, device, host: HostCompute | None = None):
+        self.spec, self.cache, self.ch, self.config = spec, cache, channels, config
+        self.host = host or HostCompute.from_config(config)
+        # families whose attention core can run beside a host KV cache (not MLA: its keys are
+        # expanded from the latent by a projection, and its latent cache is small to move anyway)
+        self.host_attention_ok = getattr(spec.family, "HOST_ATTENTION", False)
+        self.host_experts: set = set()  # this layer's experts computed where they live
+        self.M = spec.family  # the model's layer functions
+        self.trace, self.predictor, self.memory, self.device = trace, predictor, memory, device
+        self.schedule = config.schedule
+        self.whole_layer = self.schedule in ("simple", "multibatch")
+        self.K = 0 if config.prefetch == "none" else spec.top_k if config.hot_experts is None else config.hot_experts
+        self.next_gate = hasattr(predictor, "speculate")
+        self.window = DISK_WINDOW_LAYERS  # disk->host staging, layers ahead (paper §6.1's L)
+        self.wants: list = []    # prefetches in priority order: (key, channel name)
+        self.experts_loaded = 0
+        self.upcoming: list = []  # this layer's experts in expected compute order
+        self.kv_ahead = None      # (layer, load) of batch 0's host KV, issued during the layer before
+        self.at_host: list = []   # this step's batches whose attention runs beside their host KV
+        self.layer = -1
+        self.on_layer = None     # optional callback(layer, hidden states per batch), for tests
+
+    # ---- one step -----------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, kvs: list[BatchKV], inputs: list[StepInput]) -> list[StepOutput]:
+        """Run one step for the group; return each batch's next-token logits and where, if
+        anywhere, its hidden states stopped being finite."""
+        spec = self.spec
+        self.predictor.begin_step()
+        # where each batch's attention runs this step, decided once: the activation reserve
+        # depends on it (a host batch's keys and scores stay on the host)
+        self.at_host = [self._attend_on_host(kv, inp.ids.shape[1]) for kv, inp in zip(kvs, inputs)]
+        act = self._activation_bytes(kvs, inputs)
+        self.make_room(act, "activations")
+        self.memory.reserve(act, "activations")
+        hs, ctx, keeps = [], [], []
+        windows = {spec.window(j) for j in range(spec.num_layers)}  # one mask per distinct window
+        for kv, inp in zip(kvs, inputs):
+            with self.trace.span("compute", "embed"):
+                # gathered where the table lives; only the rows travel
+                rows, index = self.cache.embedding_rows(inp.ids)
+                h = self._upload(L.embed(self._upload(index) if rows.is_cuda else index, rows))
+                cos, sin = L.rope_tables(inp.positions, spec.rope_inv_freq, spec.rope_attention_scaling, h.dtype)
+                sink, recent = self.config.attention_sink, self.config.attention_recent
+                valid = kv.begin_step(inp.valid, sink, recent)
+                masks = {w: L.attention_mask(valid, inp.ids.shape[1], w, sink, recent) for w in windows}
+                columns = kv.step_columns()  # masks are built on the host, moved once
+                if columns is not None:  # attend over the kept slots only
+                    masks = {w: m.index_select(-1, columns) for w, m in masks.items()}
+            hs.append(h)
+            keeps.append(_real_tokens(inp.valid, h.device))
+            ctx.append((self._upload(cos), self._upload(sin), {w: self._upload(m) for w, m in masks.items()}, masks))
+        broken = [torch.full((h.shape[0],), -1, device=h.device) for h in hs]
+        for layer in range(self.window):  # already staged by the previous step, except on the first
+            self.cache.stage(self._layer_keys(layer))
+        for layer in range(spec.num_layers):
+            self.layer, self.upcoming = layer, []
+            # Wraps to the next step's first layers, so the disk never idles between steps (on the
+            # last step of a run that is one window read for nothing).
+            self.cache.stage(self._layer_keys((layer + self.window) % spec.num_layers))
+            self._attention(layer, hs, ctx, kvs)
+            routed, hot = self._gates(layer, hs, keeps)
+            self._load_kv_ahead(layer + 1, kvs)
+            hs = self._experts(layer, hs, routed, hot)
+            broken = [_first_broken(b, layer, h) for b, h in zip(broken, hs)]
+            if self.on_layer:
+                self.on_layer(layer, hs)
+            self.cache.unstage(self._layer_keys(layer))
+        assert self.kv_ahead is None, "a KV load issued ahead was never used"
+        for kv in kvs:
+            kv.end_step()
+        head = self._get(("head",))
+        with self.trace.span("compute", "lm_head"):
+            out = [StepOutput(L.logits(h[:, -1], head["norm"], head["lm_head"], spec.rms_norm_eps).cpu(), b.cpu())
+                   for h, b in zip(hs, broken)]
+        self.cache.release(("head",))
+        self.memory.free(act)
+        return out
+
+    # ---- attention ----------------------------------------------------------------------
+    def _attention(self, layer, hs, ctx, kvs):
+        if self.whole_layer:
+            self._want([("gate", layer)] + self._expert_keys(layer), "weights")
+            last = layer + 1 == self.spec.num_layers
+            self._want([("head",)] if last else self._layer_keys(layer + 1), "weights")
+        else:
+            hot = self._predict(layer)
+            ahead = [("gate", layer + 1)] if self.next_gate and layer + 1 < self.spec.num_layers else []
+            self._want([("gate", layer)] + [("expert", layer, e) for e in hot] + ahead, "weights")
+        w = self._get(("attn", layer))
+        loads, stores = {}, []
+        at_host = self.at_host
+        moves = [kv.on_host and not h for kv, h in zip(kvs, at_host)]  # whose KV prefix comes up
+        if moves[0]:
+            ahead, self.kv_ahead = self.kv_ahead, None
+            loads[0] = ahead[1] if ahead and ahead[0] == layer else self._kv_load(kvs[0], layer)
+        for k, kv in enumerate(kvs):
+            if k + 1 < len(kvs) and moves[k + 1]:
+                # at most KV_BUFFERS batches on the device: the oldest store lands before the
+                # next batch's KV loads (behind this batch's compute)
+                while len(stores) > KV_BUFFERS - 2:
+                    self._kv_stored(*stores.pop(0))
+                loads[k + 1] = self._kv_load(kvs[k + 1], layer)
+            if at_host[k]:
+                hs[k] = self._host_attention(layer, k, hs[k], w, ctx[k], kv)
+                continue
+            buf = None
+            if kv.on_host:
+                buf = self._wait(loads[k][0], f"kv.{layer}.{k}")
+            cos, sin, masks, _ = ctx[k]
+            mask = masks[self.spec.window(layer)]
+            with self.trace.span("compute", f"attn.{layer}.b{k}"):
+                hs[k] = self.M.attention_block(hs[k], w, cos, sin, mask,
+                                          lambda kk, vv, kv=kv, buf=buf: kv.write(layer, kk, vv, buf), self.spec,
+                                          max_scores=ATTENTION_SCORE_CHUNK)
+            if kv.on_host:
+                # a device->host copy of what this attention just wrote: after the compute queued so far
+                kv.stored[layer] = self.ch["kv_store"].submit(
+                    lambda kv=kv, buf=buf: kv.store(layer, buf), name=f"kv.{layer}.{k}", nbytes=kv.new_nbytes(),
+                    link="device_to_host", after_compute=True, reads=buf[:2])
+                stores.append((kv.stored[layer], loads[k][1]))
+        for ticket, nbytes in stores:  # sync(store_cache_stream) before the buffers go
+            self._kv_stored(ticket, nbytes)
+        self.cache.release(("attn", layer))
+        self._pump()
+
+    def always_host_attention(self) -> bool:
+        """Every host-KV batch attends beside its cache (`--host-attention on`), as planned."""
+        return self.host.attention_mode == "on" and self.host_attention_ok
+
+    def _attend_on_host(self, kv: BatchKV, new: int) -> bool:
+        """Batch `kv`'s attention beside its host cache this step, `new` tokens a row (its
+        slots bounded by the cache's filled ones: decided before the step begins)."""
+        if not (kv.on_host and self.host_attention_ok):
+            return False
+        return self.host.attend_on_host(kv.rows, kv.filled + new, new)
+
+    def _host_attention(self, layer, k, h, w, ctx, kv: BatchKV):
+        """Batch k's attention with its KV cache on the host, computed there: the projections
+        run where the weights are; the new keys/values go straight into the host cache and q
+        follows them down; the attention core runs on the host over the host cache; the output
+        comes back up. Nothing of the prefix crosses the link."""
+        if layer in kv.stored:  # an earlier step's store of this layer writes beside the new slots
+            self._wait(kv.stored[layer], "kv_store")
+        cos, sin, _, host_masks = ctx
+        name = f"{layer}.b{k}"
+        counts = self.host.attention
+
+        def write_home(kk, vv):
+            kk, vv = self._ship([kk, vv], DEVICE_TO_HOST, f"kv.{name}")
+            return kv.write(layer, kk, vv)
+
+        def at_host(attend):
+            def run(q, keys, values, mask, **extra):
+                (q,) = self._ship([q], DEVICE_TO_HOST, f"q.{name}")
+                extra = {n: t.to(keys.device) for n, t in extra.items()}  # per-head constants (sinks)
+                with self._host_span(counts, f"attn.{name}"):
+                    out = attend(q, keys, values, mask.to(keys.device), **extra)
+                return self._ship([out], HOST_TO_DEVICE, f"attn_out.{name}")[0]
+            return run
+
+        counts.on_host += 1
+        counts.bytes_not_moved += kv.prefix_nbytes()
+        with self.trace.span("compute", f"attn.{layer}.b{k}"):
+            return self.M.attention_block(h, w, cos, sin, host_masks[self.spec.window(layer)], write_home, self.spec,
+                                          max_scores=ATTENTION_SCORE_CHUNK, attend_at=at_host)
+
+    def _ship(self, tensors: list, link: str, name: str) -> list:
+        """Activations across the link for host compute, on the KV channels (so an emulated link
+        charges them like any transfer), waited for: host compute needs them now."""
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        if link == DEVICE_TO_HOST:
+            ticket = self.ch["kv_store"].submit(lambda: [t.to("cpu") for t in tensors], name=name, nbytes=nbytes,
+                                                link=DEVICE_TO_HOST, after_compute=True, reads=tensors)
+        else:
+            channel = self.ch["kv_load"]
+            ticket = channel.submit(lambda: [channel.to_device(t, owned=True) for t in tensors], name=name,
+                                    nbytes=nbytes, link=HOST_TO_DEVICE)
+        return self._wait(ticket, name)
+
+    @contextmanager
+    def _host_span(self, counts, name: str):
+        """Host compute, timed by the host clock on its own lane (on CUDA too: no stream runs it)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            end = time.perf_counter()
+            counts.host_s += end - start
+            self.trace.add("host", name, start, end)
+
+    def _kv_stored(self, ticket, nbytes: int) -> None:
+        self._wait(ticket, "kv_store")
+        self.memory.free(nbytes)
+
+    def _load_kv_ahead(self, layer: int, kvs) -> None:
+        """Batch 0's host KV for `layer`, on the link behind this layer's experts (asked for
+        already) and beside their compute, as inequality (7) has it: waited for at the start
+        of that layer's attention, it left the link idle while the device waited."""
+        kv = kvs[0]
+        # only into free room: evicting this layer's experts for it would cost more than it hides
+        if (layer < self.spec.num_layers and kv.on_host and not self.at_host[0]
+                and self.memory.fits(kv.step_nbytes())):
+            self.kv_ahead = (layer, self._kv_load(kv, layer))
+
+    def _kv_load(self, kv: BatchKV, layer: int):
+        nbytes = kv.step_nbytes()
+        self.make_room(nbytes, "kv")
+        self.memory.reserve(nbytes, f"kv layer {layer}")
+        # it re-reads host slots the last step's store of this layer wrote
+        previous = [kv.stored[layer]] if layer in kv.stored else []
+        ticket = self.ch["kv_load"].submit(lambda: kv.load(layer, self.device), name=f"kv.{layer}",
+                                           nbytes=kv.prefix_nbytes(), after=previous)
+        return ticket, nbytes
+
+    # ---- gate ---------------------------------------------------------------------------
+    def _gates(self, layer, hs, keeps):
+        hot = self._predict(layer)
+        gate = self._get(("gate", layer))
+        routed = []
+        for k, (h, keep) in enumerate(zip(hs, keeps)):
+            with self.trace.span("compute", f"gate.{layer}.b{k}"):
+                routed.append(self._route(h, gate, keep))
+        # The layer's one host sync for routing: every batch's expert ids at once; then every
+        # selected expert not on the device goes on the experts channel.
+        for r, chosen in zip(routed, _to_host([r.experts for r in routed])):
+            r.chosen = chosen
+        new = sorted(set(torch.cat([r.chosen.flatten() for r in routed]).tolist()))
+        self.host_experts = self._experts_on_host(layer, routed, new)
+        self._want([("expert", layer, e) for e in new if e not in self.host_experts], "experts", front=True)
+        self.cache.release(("gate", layer))
+        if self.spec.experts_in(layer):
+            self.predictor.observe(layer - self.spec.dense_layers, [r.chosen for r in routed])
+        if self.next_gate:
+            self._speculate(layer + 1, hs, keeps)
+        return routed, hot
+
+    def _experts_on_host(self, layer, routed, chosen) -> set:
+        """The selected experts computed where they live this step: not on the device nor on
+        their way, their group in host RAM, and the host deciding (HostCompute)."""
+        if self.host.experts_mode == "off" or not chosen:
+            return set()
+        counts = torch.bincount(torch.cat([r.chosen.flatten() for r in routed]), minlength=self.spec.num_experts)
+        out = set()
+        for e in chosen:
+            key = ("expert", layer, e)
+            if self.cache.present(key) or not self.cache.host_copy_available(key):
+                continue
+            if self.host.expert_on_host(int(counts[e]), self.cache.placement.tiers[key]):
+                out.add(e)
+        if out:  # a prefetch not started yet is not wanted any more
+            self.wants = [(k, c) for k, c in self.wants if not (k[:2] == ("expert", layer) and k[2] in out)]
+        return out
+
+    def _speculate(self, layer, hs, keeps) -> None:
+        """Next-gate prediction: layer+1's router on the hidden states entering this MoE,
+        only if that gate has already arrived (a prediction must never stall compute)."""
+        key = ("gate", layer)
+        if layer >= self.spec.num_layers or not self.spec.experts_in(layer) or not self.cache.ready(key):
+            return
+        gate = self.cache.get(key)
+        with self.trace.span("compute", f"speculate.{layer}"):
+            picks = [self._route(h, gate, keep, shared=False).experts for h, keep in zip(hs, keeps)]
+        self.predictor.speculate(layer - self.spec.dense_layers, _to_host(picks))
+
+    def _route(self, h, gate, keep, shared: bool = True) -> _Routed:
+        """The router's choice for one batch's real tokens and, where the family has one, the
+        shared expert's output (it lives in the gate group, so it computes while that is held).
+        Left padding is not routed: a padded prefill computes no expert (nor loads one) for
+        tokens nobody reads, and the predictor learns from real tokens only."""
+        x = h.reshape(-1, h.shape[-1])
+        if keep is not None:
+            x = x.index_select(0, keep)
+        x = L.rms_norm(x, gate["post_norm"], self.spec.rms_norm_eps)
+        return _Routed(x, *self.M.route(x, gate, self.spec), self.M.shared_ffn(x, gate, self.spec) if shared else None,
+                       keep=keep)
+
+    # ---- experts ------------------------------------------------------------------------
+    def _experts(self, layer, hs, routed, hot):
+        if not self.whole_layer:
+            self._want(self._next_layer_prefetch(layer), "weights")
+        outs = [L.slots(len(r.x), self.spec.top_k, r.x, r.weights) for r in routed]
+        expert_ffn = _expert_ffn(self.M, self.spec)
+        chosen = sorted(set(torch.cat([r.chosen.flatten() for r in routed]).tolist()))
+        tokens_of = [_by_expert(r, self.spec.num_experts) for r in routed]
+        # expected compute order, for choosing what to evict (needed last goes first)
+        first = [e for e in chosen if self.schedule != "klotski" or e in hot]
+        self.upcoming = [("expert", layer, e) for e in first + [e for e in chosen if e not in first]]
+        done = []
+        for e in self._order(layer, chosen, hot):
+            key = ("expert", layer, e)
+            self.upcoming.remove(key)
+            picks = [pick(e) for pick in tokens_of]
+            if e in self.host_experts:
+                self._host_expert(key, routed, outs, picks, expert_ffn)
+                continue
+            w = self._get(key)
+            with self.trace.span("compute", f"expert.{layer}.{e}"):
+                # One matmul over the tokens of all batches: the weight is shared n*bs ways
+                # (in chunks, so a long prefill does not blow the activation reserve).
+                x = torch.cat([r.x[tok] for r, (tok, _) in zip(routed, picks)])
+                y = torch.cat([expert_ffn(c, w) for c in x.split(PREFILL_EXPERT_CHUNK)])
+                _put(routed, outs, picks, y)
+            del w, x, y  # no reference outlives the group's reservation
+            if self.schedule == "klotski":
+                self.cache.release(key)  # early release: room for the next transfer now
+                self._pump()
+            else:
+                self.cache.unhold(key)  # kept to the end of the layer, but evictable
+                done.append(key)
+        for key in done + self._expert_keys(layer):  # end of layer: free the rest, incl. unused prefetches
+            self.cache.release(key)
+        self._pump()
+        return [_residual(h, L.combine(out, h.dtype, r.shared), r.keep) for h, out, r in zip(hs, outs, routed)]
+
+    def _host_expert(self, key, routed, outs, picks, expert_ffn) -> None:
+        """One expert computed where it lives: its tokens of every batch go down, the outputs
+        come up into the same top-k slots, so the result is bit for bit the device path's."""
+        name = f"{key[1]}.{key[2]}"
+        with self.trace.span("compute", f"expert.{name}"):
+            x = torch.cat([r.x[tok] for r, (tok, _) in zip(routed, picks)])
+            (x,) = self._ship([x], DEVICE_TO_HOST, f"x.{name}")
+            with self._host_span(self.host.experts, f"expert.{name}"):
+                w = self.cache.host_weights(key)  # decoded here when packed
+                y = torch.cat([expert_ffn(c, w) for c in x.split(PREFILL_EXPERT_CHUNK)])
+                del w
+                self.cache.drop_host_weights(key)
+            (y,) = self._ship([y], HOST_TO_DEVICE, f"y.{name}")
+            _put(routed, outs, picks, y)
+        self.host.experts.on_host += 1
+        self.host.experts.bytes_not_moved += self.cache.moved[key]
+
+    def _next_layer_prefetch(self, layer) -> list:
+        """While this layer's experts compute, the link moves what the next layer needs first:
+        its attention, then its gate and predicted hot experts (this layer's routing is known
+        now, so the prediction is as good as it would be later). The paper starts gate + hot
+        during the next attention; starting them here keeps the link busy through the
+        expert phase instead of idling once the attention weights have landed."""
+        nxt = layer + 1
+        if nxt == self.spec.num_layers:
+            return [("head",), ("attn", 0)]  # then the next step's layer 0; its routing is unknown yet
+        return [("attn", nxt), ("gate", nxt)] + [("expert", nxt, e) for e in self._predict(nxt)]
+
+    def _order(self, layer, chosen, hot):
+        """Yield experts in compute order. klotski: hot first, then whichever transfer has
+        finished (resident ones are finished already), waiting for the oldest otherwise."""
+        if self.schedule != "klotski":
+            yield from chosen
+            return
+        rest = [e for e in chosen if e not in hot]
+        yield from (e for e in hot if e in chosen)
+        while rest:
+            # computed where they live: nothing to wait for
+            ready = [e for e in rest if e in self.host_experts or self.cache.ready(("expert", layer, e))]
+            flying = [e for e in rest if self.cache.present(("expert", layer, e))]
+            # FIFO channels: of those in flight, the oldest lands first
+            e = ready[0] if ready else min(flying, key=lambda x: self._submitted(("expert", layer, x))) \
+                if flying else rest[0]
+            rest.remove(e)
+            yield e
+
+    # ---- residency helpers --------------------------------------------------------------
+    def _want(self, keys, channel: str, front: bool = False) -> None:
+        items = [(k, channel) for k in keys if not self.cache.present(k)]
+        self.wants = items + self.wants if front else self.wants + items
+        self._pump()
+
+    def _pump(self) -> None:
+        """Start wanted transfers in priority order while the device has room."""
+        while self.wants:
+            key, channel = self.wants[0]
+            if not self._start(key, channel):
+                return
+            self.wants.pop(0)
+
+    def _start(self, key, channel: str) -> bool:
+        """Start moving `key` on `channel` unless it is on its way; False if there is no room."""
+        if self.cache.present(key):
+            return True
+        started = self.cache.start(key, self.ch[channel])
+        self.experts_loaded += started and key[0] == "expert"
+        return started
+
+    def _get(self, key) -> dict:
+        """Device tensors of `key`, held until released: start it now if nobody did, and time
+        any wait as bubble."""
+        self.wants = [(k, c) for k, c in self.wants if k != key]
+        self.cache.hold(key)
+        if not self.cache.present(key):
+            self.make_room(self.cache.sizes[key], key)
+            self._start(key, "experts" if key[0] == "expert" else "weights")
+        tensors = self._timed(self.cache.ready(key), lambda: self.cache.get(key), ".".join(map(str, key)))
+        if self.cache.needs_decode(key):
+            self.make_room(self.cache.decode_nbytes(key), key)
+            with self.trace.span("compute", "dequant." + ".".join(map(str, key))):
+                return self.cache.decode(key)
+        return tensors
+
+    def _wait(self, ticket, name):
+        return self._timed(ticket.done(), ticket.wait, name)
+
+    def _timed(self, ready: bool, fetch, name):
+        """`fetch()`, counting the time as bubble when the data was not there yet."""
+        if ready:
+            return fetch()
+        start = time.perf_counter()
+        out = fetch()
+        self.trace.waited(name, start, time.perf_counter())
+        return out
+
+    def _upload(self, t: torch.Tensor) -> torch.Tensor:
+        """A small host tensor of this step (ids, mask, RoPE tables) on the device, through
+        pinned memory so the copy never blocks the host."""
+        return pin(t, self.device).to(self.device, non_blocking=True) if t.device.type != self.device.type else t
+
+    def _submitted(self, key) -> int:
+        """Position of `key` in the order its transfer was submitted (pending is insertion-ordered)."""
+        return list(self.cache.pending).index(key)
+
+    def make_room(self, nbytes: int, what) -> None:
+        """Evict transient groups until `nbytes` fit, the one needed farthest in the future
+        first (Belady): experts already computed, then prefetches for later layers, then this
+        layer's experts from the back of the compute order."""
+        while not self.memory.fits(nbytes):
+            victims = [k for k in self.cache.transient() if k != what]
+            if not victims:
+                raise OverBudget(
+                    f"the device budget ({self.memory.budget} bytes) ran out: {nbytes} bytes needed for {what} "
+                    f"with {self.memory.used} in use and nothing left to evict")
+            self.cache.release(max(victims, key=self._next_use))
+
+    def _next_use(self, key) -> int:
+        if key in self.upcoming:
+            return self.upcoming.index(key)
+        if key[0] == "expert" and key[1] == self.layer:
+            return 1 << 30  # computed already this step
+        return 1 << 20  # a prefetch for a later layer
+
+    # ---- bookkeeping --------------------------------------------------------------------
+    def _layer_keys(self, layer: int) -> list:
+        return [("attn", layer), ("gate", layer)] + self._expert_keys(layer)
+
+    def _expert_keys(self, layer: int) -> list:
+        return [("expert", layer, e) for e in range(self.spec.experts_in(layer))]
+
+    def _predict(self, layer: int) -> list[int]:
+        """Hot experts of a layer. Predictors count MoE layers only: a dense first layer
+        (DeepSeek's `first_k_dense_replace`) has no experts and no routing to learn from."""
+        if not self.spec.experts_in(layer):
+            return []
+        return self.predictor.predict(layer - self.spec.dense_layers, self.K)
+
+    def _activation_bytes(self, kvs, inputs) -> int:
+        """This step's activation reserve, by the planner's own formula (workingset.py)."""
+        step = Step.of_batches((i.ids.shape[0], i.ids.shape[1], kv.filled + i.ids.shape[1])
+                               for kv, i in zip(kvs, inputs))
+        # as the plan reserved it when every batch attends beside its host cache
+        return activation_bytes(self.spec, self.cache.dtype.itemsize, step, host_attention=all(self.at_host))
+
+
+def _expert_ffn(family, spec):
+    """The family's expert FFN `(x, w)`; bound to the checkpoint where its constants come from
+    config.json (gpt-oss's clamp and sigmoid gain)."""
+    return family.bind_expert_ffn(spec) if hasattr(family, "bind_expert_ffn") else family.expert_ffn
+
+
+def _real_tokens(valid: torch.Tensor, device) -> torch.Tensor | None:
+    """Flat indices of a step's real (not left-padding) tokens; None when all are real (decode)."""
+    if bool(valid.all()):
+        return None
+    return valid.flatten().nonzero().flatten().to(device)
+
+
+def _residual(h, moe_out, keep):
+    """h plus the MoE output of its real tokens; padding keeps h (its keys are masked out, and
+    its own row is never read)."""
+    if keep is None:
+        return h + moe_out.view_as(h)
+    flat = h.reshape(-1, h.shape[-1])
+    return flat.index_copy(0, keep, flat.index_select(0, keep) + moe_out).view_as(h)
+
+
+def _put(routed, outs, picks, y) -> None:
+    """Each token's output waits in its top-k slot, summed in slot order at the end, so the
+    order (and the place) experts compute in never changes a bit of the result."""
+    for r, out, (tok, slot), y_k in zip(routed, outs, picks, y.split([len(p[0]) for p in picks])):
+        L.put_weighted(out, tok, slot, y_k, r.weights)
+
+
+def _to_host(experts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Expert ids of several batches on the host, in one copy (one sync on CUDA)."""
+    flat = torch.cat([e.flatten() for e in experts]).cpu()
+    return [part.view(e.shape) for part, e in zip(flat.split([e.numel() for e in experts]), experts)]
+
+
+def _by_expert(r: _Routed, num_experts: int):
+    """`pick(e)`: the (token, slot) pairs of one batch routed to expert `e`, in token order,
+    as device indices (what `torch.where(experts == e)` gives) without a host sync per
+    expert: one stable sort on the device, counts from the host copy of the ids."""
+    k = r.experts.shape[1]
+    order = torch.argsort(r.experts.flatten(), stable=True)
+    counts = torch.bincount(r.chosen.flatten(), minlength=num_experts).tolist()
+    starts = [0, *accumulate(counts)]
+
+    def pick(e: int):
+        flat = order[starts[e]:starts[e + 1]]
+        return flat // k, flat % k
+
+    return pick
+
+
+def _first_broken(broken: torch.Tensor, layer: int, h: torch.Tensor) -> torch.Tensor:
+    """Record `layer` for sequences whose hidden states [B, T, H] turned non-finite here. It
+    stays on the device and travels with the logits, so the check adds no host sync."""
+    bad = ~torch.isfinite(h).flatten(1).all(dim=1)
+    return torch.where((broken < 0) & bad, layer, broken)

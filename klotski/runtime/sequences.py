@@ -1,0 +1,123 @@
+"""Requests become sequences: tokenized prompts with their limits, sampling state and output.
+
+Tokenizing happens one window of the job file at a time (klotski/generate.py); the first
+window's is done before anything is planned or loaded, because the planner sizes memory by
+its longest prompt. Choosing the next token (greedy or sampled) and deciding when
+a sequence is done (EOS, a stop string, its token limit) also live here: the engine only
+calls them.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Sequence:
+    request: object            # klotski.io.jobs.Request
+    prompt_ids: list[int]
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    stop: tuple[str, ...]
+    generator: torch.Generator | None
+    out: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    text: str = ""
+    error: str | None = None  # why the model could not produce this sequence (an error record)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+
+def prepare(requests, tokenizer, spec, config):
+    """Tokenize; return (sequences, line errors): a prompt that is empty, too long for the
+    model's context or rejected by the chat template is a line error."""
+    from klotski.io.jobs import LineError, prompt_too_long
+    seqs, errors = [], []
+    ctx = spec.max_position_embeddings
+    for req in requests:
+        try:
+            ids = tokenize(tokenizer, req)
+        except Exception as e:  # a chat template can reject a conversation
+            errors.append(LineError(req.id, req.line, f"cannot tokenize: {e}", openai=req.openai, row=req.row))
+            continue
+        if len(ids) >= ctx:
+            errors.append(prompt_too_long(req, len(ids), ctx))
+            continue
+        if not ids:
+            errors.append(LineError(req.id, req.line, "prompt is empty after tokenization",
+                                    openai=req.openai, row=req.row))
+            continue
+        if (top := max(ids)) >= spec.vocab_size:
+            errors.append(LineError(req.id, req.line, f"the prompt has token id {top}, outside the model's "
+                                    f"vocabulary (vocab_size {spec.vocab_size} in config.json): the tokenizer "
+                                    "does not match the checkpoint", openai=req.openai, row=req.row))
+            continue
+        seqs.append(_sequence(req, ids, ctx, config))
+    return seqs, errors
+
+
+def tokenize(tokenizer, req) -> list[int]:
+    if req.messages is not None:
+        out = tokenizer.apply_chat_template(req.chat_messages(), add_generation_prompt=True, tokenize=True)
+        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+    return list(tokenizer(req.prompt)["input_ids"])
+
+
+def _sequence(req, ids, ctx, config) -> Sequence:
+    temperature = config.temperature if req.temperature is None else req.temperature
+    gen = None
+    if temperature > 0:
+        seed = req.seed if req.seed is not None else _stable_seed(config.seed, req.id)
+        gen = torch.Generator().manual_seed(seed)
+    max_new = min(req.max_new_tokens or config.max_new_tokens, ctx - len(ids))
+    return Sequence(req, ids, max_new, temperature, config.top_p if req.top_p is None else req.top_p,
+                    tuple(req.stop), gen)
+
+
+def pick(batch: list[Sequence], logits: torch.Tensor) -> list[int]:
+    """Next token of every sequence of a batch: greedy, or sampled with its own generator."""
+    greedy = logits.argmax(dim=-1).tolist()
+    return [g if s.done or s.generator is None else _sample(lg, s.temperature, s.top_p, s.generator)
+            for s, g, lg in zip(batch, greedy, logits)]
+
+
+def append(s: Sequence, token: int, tokenizer, eos: set[int]) -> None:
+    """Add `token` to `s` and decide whether `s` is done (EOS, a stop string, its limit)."""
+    if token in eos:
+        s.finish_reason = "stop"
+    else:
+        s.out.append(token)
+        if s.stop:
+            text = tokenizer.decode(s.out, skip_special_tokens=True)
+            cut = min((i for i in (text.find(x) for x in s.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                s.text, s.finish_reason = text[:cut], "stop"
+                return
+        if len(s.out) >= s.max_new_tokens:
+            s.finish_reason = "length"
+    if s.done:
+        s.text = tokenizer.decode(s.out, skip_special_tokens=True)
+
+
+def fail(s: Sequence, message: str) -> None:
+    s.finish_reason, s.error = "error", message
+
+
+def _sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> int:
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the top token always stays)
+        keep = sorted_p.cumsum(-1) - sorted_p < top_p
+        probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def _stable_seed(seed: int, request_id: str) -> int:
+    digest = hashlib.sha256(f"{seed}:{request_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
