@@ -38,7 +38,7 @@ def agreement(family: str, prompts: list[str], new_tokens: int, tmp: Path, dtype
 
     from klotski.assemble import open_engine
     from klotski.config import RunConfig
-    from klotski.io.jobs import Request
+    from klotski.io.requests import Request
     from klotski.builtin.families import build_family
 
     path = build_family(tmp / f"{family}-{dtype}", family, dtype=dtype)

@@ -38,7 +38,7 @@ def run(path: Path, prompts: list[str], new_tokens: int, device_memory: int | No
     from klotski.assemble import open_engine
     from klotski.io.checkpoint import Checkpoint
     from klotski.config import RunConfig
-    from klotski.io.jobs import Request
+    from klotski.io.requests import Request
     from placement.placement import Placement
 
     ckpt = Checkpoint.open(str(path))

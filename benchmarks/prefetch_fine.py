@@ -88,7 +88,7 @@ def run_once(model: Path, prompts: list[str], name: str, learned: dict, a) -> di
     from klotski.assemble import open_engine
     from klotski.io.checkpoint import Checkpoint
     from klotski.config import RunConfig
-    from klotski.io.jobs import Request
+    from klotski.io.requests import Request
     spec = Checkpoint.open(model).spec
     prefetch = name if name in ("next-gate", "none") else "correlation"
     config = RunConfig(model=str(model), progress=False, batch_size=a.bs, num_batches=a.n,
@@ -159,7 +159,7 @@ def sweep(a) -> dict:
     metrics, the exact table's size and the predictors' own time matter here."""
     from klotski.assemble import open_engine
     from klotski.config import RunConfig
-    from klotski.io.jobs import Request
+    from klotski.io.requests import Request
     work = Path(tempfile.mkdtemp(prefix="klotski-sweep-"))
     prompts = [json.loads(l)["prompt"] for l in Path(a.jobs).read_text().splitlines()[: a.bs * a.n * a.groups]]
     print("| experts | top-k | sets C(E,k) | table | precision | hot accuracy | served share "

@@ -11,6 +11,7 @@ over. Nothing else constructs a cache, a pipeline or an engine.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,13 @@ class RunSetup:
     cost: object | None = None  # the run's CostModel, for the engine's own choices (host compute: auto)
     host_modes: tuple = ("off", "off")  # host attention, host experts as run (planning.host_modes)
 
+    def for_later_prompts(self) -> RunSetup:
+        """Planned from the first prompts (a window, a shard, a batch): a longer prompt later is
+        prefilled in chunks of what was planned, not whole."""
+        if self.plan and self.prefill_chunk is None:
+            return dataclasses.replace(self, prefill_chunk=self.plan.prefill_chunk)
+        return self
+
 
 def pipeline_cost(device: str, emulated_link: bool = False) -> dict:
     """The pipeline's own cost per call on `device` (klotski/runtime/overhead.py), for measured profiles:
@@ -67,7 +75,7 @@ def setup_run(config, ckpt: Checkpoint, seqs, *, placement: Placement | None = N
         chunk = plan.prefill_chunk if plan.prefill_chunk < plan.longest_prompt else None
         placement = placement or planning.engine_placement(plan, ckpt.spec)
     if config.quantize == "hqq4" and ckpt.spec.expert_format == "mxfp4":
-        from klotski.config import ConfigError
+        from klotski.errors import ConfigError
         raise ConfigError(f"--quantize hqq4: {ckpt.directory} ships its experts in MXFP4 already (4.25 bits a "
                           "weight, kept packed on every tier); run without --quantize")
     if config.quantize == "hqq4":  # a copy that cannot fit is refused now, not halfway through writing it
@@ -136,8 +144,8 @@ def _cublas_workspace(device, dtype) -> int:
 def _check_sizes(cache: WeightCache, ckpt: Checkpoint, dtype, config) -> None:
     """The planner sized every group from the checkpoint's headers (and the quantized layout);
     the cache measured the real thing. They must agree, or a budget could be broken."""
-    from klotski.compress.hqq import QuantSpec
-    quant = QuantSpec(optimize=config.quantize_optimize) if config.quantize == "hqq4" else None
+    from klotski.compress.hqq import spec_for
+    quant = spec_for(config)
     for key in cache.moved:
         planned = ckpt.group_nbytes(key, dtype, quant)[0]
         assert cache.moved[key] == planned, f"{key}: planned {planned} bytes, the cache holds {cache.moved[key]}"

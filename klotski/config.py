@@ -9,17 +9,17 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
+from klotski.errors import ConfigError
+from klotski.util import dtypes
 from planner import units
 
 SCHEDULES = ("klotski", "hot-prefetch", "multibatch", "simple")
 BATCHINGS = ("continuous", "static")
 PREFETCH = ("correlation", "next-gate", "none")
-DTYPES = ("auto", "bfloat16", "float16", "float32")
+DTYPES = ("auto", *sorted(dtypes.NAMES))
 OUTPUT_FORMATS = ("auto", "klotski", "openai")
 HOST_COMPUTE = ("auto", "on", "off")  # --host-attention, --host-experts
 
-class ConfigError(ValueError):
-    """A flag or setting that cannot work; the message says which and what to use."""
 
 
 def parse_size(text: str) -> int:

@@ -1,7 +1,10 @@
 """The exceptions that mean "the user has something to fix": the CLI prints them as one
 line (what, where, how to fix) instead of a traceback. Anything else is our bug."""
-from klotski.config import ConfigError
 from placement.store import CheckpointError
+
+
+class ConfigError(ValueError):
+    """A flag or setting that cannot work; the message says which and what to use."""
 
 
 class ModelNotFound(Exception):
@@ -12,20 +15,15 @@ class UserError(Exception):
     """Raised by the engine for conditions the user can fix (e.g. an unwritable output)."""
 
 
+class JobFileError(Exception):
+    """A problem with a whole file (missing, unreadable, locked); one line for the CLI."""
+
+
 class RunStopped(Exception):
     """A run that stopped midway; the message says why, where the finished records are and
     that rerunning the same command resumes."""
 
 
-def _user_errors():
-    from klotski.io.jobs import JobFileError
-    errors = [ConfigError, ModelNotFound, CheckpointError, JobFileError, UserError]
-    try:
-        from planner.solve import Infeasible
-        errors.append(Infeasible)
-    except ImportError:
-        pass
-    return tuple(errors)
-
-
-USER_ERRORS = _user_errors()
+# (The planner's Infeasible is not among them: klotski/planning.py turns it into BudgetRefused,
+# a UserError, at the one place it calls the planner.)
+USER_ERRORS = (ConfigError, ModelNotFound, CheckpointError, JobFileError, UserError)

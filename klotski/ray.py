@@ -29,6 +29,7 @@ from pathlib import Path
 
 from klotski.config import RunConfig
 from klotski.errors import RunStopped, UserError
+from klotski.runtime.report import closing_lines, requests_line, save_report
 
 INSTALL = "pip install 'klotski[ray]'"
 IN_FLIGHT = 2        # shards queued per actor: the next is there the moment one finishes
@@ -84,8 +85,8 @@ class Worker:
     def serve(self, shard: list) -> dict:
         """Records for every request of `shard` (results and error records), with counts."""
         from klotski.errors import USER_ERRORS
-        from klotski.io.jobs import model_error
-        from klotski.io.output import error_record, result_record
+        from klotski.io.records import error_record, result_record
+        from klotski.io.requests import model_error
         from klotski.runtime.sequences import prepare
         c = self.config
         seqs, errors = prepare(shard, self.ckpt.tokenizer, self.ckpt.spec, c)
@@ -119,13 +120,8 @@ class Worker:
 
 
 def _build(config, ckpt, seqs):
-    import dataclasses
-
     from klotski.assemble import build_engine, setup_run
-    setup = setup_run(config, ckpt, seqs)
-    if setup.plan and setup.prefill_chunk is None:  # a longer prompt later: chunks of what was planned
-        setup = dataclasses.replace(setup, prefill_chunk=setup.plan.prefill_chunk)
-    return build_engine(config, ckpt, setup)
+    return build_engine(config, ckpt, setup_run(config, ckpt, seqs).for_later_prompts())
 
 
 def _plan_summary(engine) -> dict | None:
@@ -229,8 +225,11 @@ class RayRun:
     # -- the run
 
     def run(self) -> dict:
-        from klotski.io.jobs import JobFileError, LineError, stream_jobs
-        from klotski.io.output import OutputWriter, error_record, is_error, read_output
+        from klotski.errors import JobFileError
+        from klotski.io.jobs import stream_jobs
+        from klotski.io.output import OutputWriter, read_output
+        from klotski.io.records import error_record, is_error
+        from klotski.io.requests import LineError
         import itertools
         earlier = read_output(self.output) if self.config.resume else None
         items = stream_jobs(self.jobs, earlier.ok if earlier else None)
@@ -368,21 +367,19 @@ def _sum_predicted(slots) -> float | None:
 
 def generate(config: RunConfig, jobs: Path, output: Path) -> int:
     """`klotski generate --ray`: the run, its summary on stderr, its report at --report."""
-    import json
-
-    from klotski.util.writes import replace_atomically, writing
+    from klotski.util.writes import writing
     report = RayRun(config, jobs, output, address=config.ray, workers=config.workers,
                     shard=config.shard).run()
     print(summary(report, output), file=sys.stderr)
     if config.report:
         with writing(config.report, "the run report", then=f"every record is in {output}; only this file is missing"):
-            replace_atomically(Path(config.report), (json.dumps(report, indent=2) + "\n").encode())
+            save_report(config.report, report)
     return 1 if report["requests"]["failed"] else 0
 
 
 def summary(report: dict, out_path: Path) -> str:
-    r, ray_ = report["requests"], report["ray"]
-    lines = [f"requests  {r['ok']} ok, {r['failed']} failed" + (f", {r['skipped']} already done" if r["skipped"] else ""),
+    ray_ = report["ray"]
+    lines = [requests_line(report["requests"]),
              f"speed     {report['tokens_per_s']:.1f} tok/s from {ray_['actors']} Ray actors "
              f"({report['serve_s']:.1f} s serving, after {report['wall_s'] - report['serve_s']:.1f} s starting them)"
              + (f"; planner predicted {report['predicted_tokens_per_s']:.1f} (sum over actors)"
@@ -392,8 +389,7 @@ def summary(report: dict, out_path: Path) -> str:
                      f"while generating, on {a['host']}" + (f", died {a['deaths']}x" if a["deaths"] else ""))
     if ray_["shards_rerun"]:
         lines.append(f"reruns    {ray_['shards_rerun']} shards of actors that died were served again")
-    lines += [f"wall      {report['wall_s']:.1f} s", f"output    {out_path}"]
-    return "\n".join(lines)
+    return "\n".join(lines + closing_lines(report, out_path))
 
 
 # ---------------------------------------------------------------- Ray Data
@@ -417,7 +413,7 @@ class Generator:
         self.engine = None
 
     def __call__(self, batch: dict) -> dict:
-        from klotski.io import jobs
+        from klotski.io.requests import InvalidLine, Request, line_fields
         from klotski.runtime.sequences import prepare
         columns = {k: _py(v) for k, v in batch.items()}
         rows = len(next(iter(columns.values()), []))
@@ -428,9 +424,9 @@ class Generator:
             obj = {**{k: v for k, v in obj.items() if k not in (pf, mf, idf)},
                    "prompt": obj.get(pf), "messages": obj.get(mf)}
             rid = columns[idf][i] if idf in columns and columns[idf][i] is not None else f"row{i}"
-            try:  # the job file's own validation of a line's fields (klotski/io/jobs.py)
-                requests.append(jobs.Request(id=str(rid), line=i + 1, **jobs._fields(obj)))
-            except jobs._Invalid as e:
+            try:  # the job file's own validation of a line's fields (klotski/io/requests.py)
+                requests.append(Request(id=str(rid), line=i + 1, **line_fields(obj)))
+            except InvalidLine as e:
                 out["error"][i] = str(e)
         seqs, errors = prepare(requests, self.ckpt.tokenizer, self.ckpt.spec, self.config)
         for e in errors:

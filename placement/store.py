@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-_DTYPES = {
+# every dtype a checkpoint may hold, by its safetensors code: the one table of those codes
+SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
     "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
@@ -113,7 +114,7 @@ class TensorStore:
         for name, meta in header.items():
             if name == "__metadata__":
                 continue
-            dtype = _DTYPES.get(meta.get("dtype"))
+            dtype = SAFETENSORS_DTYPES.get(meta.get("dtype"))
             if dtype is None:
                 raise CheckpointError(f"{file}: tensor {name} has unsupported dtype {meta.get('dtype')!r}")
             begin, end = meta["data_offsets"]

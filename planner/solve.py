@@ -8,33 +8,25 @@ re-places at the new n until it stops moving, or memory caps it (then the n with
 predicted throughput below the cap). The search places greedily by seconds saved per byte
 (the MILP's objective) to stay fast; the best few (bs, n) are then placed by the MILP and
 re-predicted, and the best of those is the plan. Nothing here allocates or moves a byte.
+A candidate's predicted times come from planner.prediction; when nothing fits, the refusal
+(which budget is short, and its smallest working value) from planner.infeasible.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections import Counter
 
 from planner.costmodel import popularity_marginals
+from planner.infeasible import Infeasible, diagnose, short_budget
 from planner.layer import (FLEXGEN_INEQUALITIES, INEQUALITIES, NO_HOST, SCHEDULES, Host, Phase, flexgen_terms,
-                           ineq_terms, layer_time)
-from planner.occupancy import BATCHING, continuous_steps, live_rows, slot_utilisation
+                           ineq_terms)
+from planner.occupancy import BATCHING
 from planner.place import Budgets, layer_ios, place_greedy, place_milp
-from planner.workingset import (chunk_candidates, device_need, newcomer_chunks, prefill_chunk, staging_bytes,
-                                working_set)
+from planner.prediction import JobLengths, predict_group
+from planner.workingset import chunk_candidates, device_need, prefill_chunk, working_set
 from planner.report import Plan, format_plan, make_plan
 from planner.shapes import as_shape
-from planner.units import format_bytes
 
 __all__ = ["solve", "Plan", "Budgets", "Infeasible", "format_plan", "working_set"]
-
-
-class Infeasible(Exception):
-    """No plan fits the budgets; `budget` names the short one, `shortfall` says by how much."""
-
-    def __init__(self, message: str, budget: str, shortfall: float, needed: float, available: float):
-        super().__init__(message)
-        self.budget, self.shortfall, self.needed, self.available = budget, shortfall, needed, available
 
 
 # ---- n from the inequalities -----------------------------------------------------------------
@@ -70,202 +62,6 @@ def _required_n(cost, ios, bs, P, G, schedule, hot, marg, max_n, host=NO_HOST):
     return None, need
 
 
-# ---- prediction ------------------------------------------------------------------------------
-def _predict(cost, ios, bs, n, P, G, schedule, hot, marg, layout, chunk=None, host=NO_HOST,
-             utilisation=1.0, job: "_Job | None" = None) -> dict:
-    """Analytic times for one batch group: the prefill passes (one per chunk of `chunk`
-    prompt tokens) and G−1 decode steps (decode evaluated at the mean context, attention cost
-    being linear in it; with the job's prompts, over the batches' padded width:
-    `_Job.padded_prompt`). `utilisation` (decode slot utilisation, see planner.occupancy) turns
-    computed rows into useful tokens: `tokens_per_s` is the useful rate. With `job` (the
-    job's lengths, `_Job`), the rate is the job's: every prompt prefilled once, in groups of
-    n·bs, and its tokens after the first decoded n·bs·utilisation to a step, so a job of
-    short answers is planned as prefill-heavy as it is, not as if each ran G tokens. The
-    job's prefill also pays the attention of its left padding (`padded_attention_s`, where
-    the prompt lengths are known). Under continuous batching a decode step is priced at the
-    rows it computes (the replay's live rows), under static at the whole group."""
-    groups = Counter(ios)  # layers with the same tiers have the same times
-
-    def step(ph):
-        t = bubble = 0.0
-        for io, count in groups.items():
-            lt, lb = layer_time(cost, io, ph, marg, hot, schedule, host)
-            t, bubble = t + count * lt, bubble + count * lb
-        t += ph.n * cost.t_head(ph.bs) + cost.t_fetch(cost.head_bytes, layout.head) + cost.t_pipeline(steps=1)
-        return t, bubble
-    longest_chunk = chunk or max(job.prompts if job and job.prompts else [P])
-    chunk = max(1, min(chunk or P, P))
-    passes = math.ceil(P / chunk)
-    prefill, pb = step(Phase(bs, n, P, chunk))
-    prefill, pb = prefill * passes, pb * passes
-    # a batch's decode attends over its padded width: its longest prompt's slots, every row
-    ctx = (job.padded_prompt(bs) if job and job.prompts else P) + G // 2
-    dec, db = step(Phase(bs, n, ctx, 1))
-    decode = dec * max(0, G - 1)
-    tokens = n * bs * G
-    computed = tokens / max(prefill + decode, 1e-12)
-    useful = computed * utilisation
-    job_split = {}
-    if job and job.lens:
-        lens = job.lens
-
-        def live_price(at=ctx):  # a continuous step computes its live rows only (static: `dec`, the whole group)
-            return _row_prices(lambda b, k: step(Phase(b, k, at, 1))[0], bs, n)
-        if job.batching == "continuous" and len(job.prompts) == len(lens):
-            def fill_s(p):  # the first fill: a group at its own mean prompt, in passes of the chunk
-                width = max(1, min(longest_chunk, p))
-                return step(Phase(bs, n, p, width))[0] * math.ceil(p / width)
-            # its rows attend their batch's longest-lived row's slots (occupancy.continuous_steps)
-            replay = job.continuous(cost.shape, bs, n, longest_chunk, host.attention)
-            at = max(1, round(replay[3]))
-            job_prefill, job_decode = _continuous_s(replay, cost, bs, n, longest_chunk, fill_s, live_price(at),
-                                                    lambda k, new: step(Phase(bs, k, at, new))[0])
-        else:
-            padding = job.padding(cost, bs, longest_chunk, P)
-            if job.batching == "static" and job.prompts:
-                # a static group runs the passes of its longest prompt, each streaming every
-                # off-device weight again: the passes beyond the mean prompt's at a pass's
-                # cost less its attention (`padding` prices that)
-                extra = job.static_passes(n * bs, longest_chunk) - passes * len(lens) / (n * bs)
-                beside = prefill / passes - n * cost.shape.num_layers * cost.t_attn(bs, P, chunk)
-                padding += max(0.0, extra) * max(0.0, beside)
-            if job.batching == "continuous":
-                at = live_price()
-                decoding = sum(steps * at(rows) for rows, steps in job.live(n * bs).items())
-            elif len(job.prompts) == len(lens):
-                # a static batch leaves the group's steps once all its rows are done
-                decoding = sum(steps * step(Phase(bs, k, ctx, 1))[0]
-                               for (k, _), steps in job.static_decode(bs, n, longest_chunk).items())
-            else:
-                decoding = dec * sum(max(0, g - 1) for g in lens) / max(n * bs * utilisation, 1e-12)
-            job_prefill, job_decode = prefill * len(lens) / (n * bs) + padding, decoding
-        useful = sum(lens) / max(job_prefill + job_decode, 1e-12)
-        job_split = {"job_prefill_s": job_prefill, "job_decode_s": job_decode}
-    return {"prefill_s": prefill, "decode_s": decode, "tokens_per_s": useful,
-            "computed_tokens_per_s": computed, "utilisation": utilisation,
-            "prefill_tokens_per_s": n * bs * P / max(prefill, 1e-12),
-            "decode_tokens_per_s": n * bs * max(0, G - 1) / max(decode, 1e-12) if G > 1 else 0.0,
-            "prefill_bubble_s": pb, "decode_step_s": dec, "decode_bubble_s": db, **job_split}
-
-
-def _continuous_s(replay, cost, bs, n, chunk, fill_s, price, mixed_s) -> tuple[float, float]:
-    """Seconds of the job's prefill and decode under continuous batching, from its replay step
-    by step with its prefills (`_Job.continuous`: `occupancy.continuous_steps` over the job's
-    first window, weighted to stand for all): the first fill is a static prefill of the prompts it takes (`fill_s(p)`, a
-    group at their mean prompt p), plus its padding's attention; then a step of r live rows
-    alone costs `price(r)`, and one that carries newcomer batches is priced as one forward
-    over the decode batches and the newcomers together, their rows' tokens spread over them
-    (`mixed_s(batches, tokens a row)`). A step with rows decoding counts as decode, as the
-    engine counts it. The first fill takes the longest answers first, and among equal ones
-    the longest prompts: with every answer of one length, medium-mixtral's first fill was
-    twice the job's mean prompt, and priced at the mean it came out 0.8 s against 1.9."""
-    first, steps, weight, _ = replay
-    mean = -(-sum(first) // max(1, len(first)))
-    prefill, decode, memo = fill_s(mean) + padded_attention_s(cost, bs, chunk, mean, first), 0.0, {}
-    for (rows, batches, tokens), count in steps.items():
-        if not batches:
-            decode += count * price(rows)
-            continue
-        k = min(n, -(-rows // bs)) + batches
-        key = (k, max(1, -(-(rows + tokens) // (k * bs))))
-        if key not in memo:
-            memo[key] = mixed_s(*key)
-        if rows:
-            decode += count * memo[key]
-        else:
-            prefill += count * memo[key]
-    return weight * prefill, weight * decode
-
-
-def _row_prices(step_s, bs: int, n: int):
-    """Seconds of a decode step with r live rows (r ≤ n·bs): the rows fill as few batches as
-    hold them; priced at the full group and at halvings of it, linear between."""
-    at, rows = {}, n * bs
-    while rows >= 1:
-        batches = min(n, -(-rows // bs))
-        at[rows] = step_s(-(-rows // batches), batches)
-        rows //= 2
-    known = sorted(at)
-
-    def price(r):
-        hi = next((k for k in known if k >= r), known[-1])
-        lo = max((k for k in known if k <= r), default=hi)
-        return at[lo] if hi == lo else at[lo] + (at[hi] - at[lo]) * (r - lo) / (hi - lo)
-    return price
-
-
-def padded_attention_s(cost, bs: int, chunk: int, P: int, prompts) -> float:
-    """What the job's prefill attention costs beyond the group model's (every batch at the
-    mean prompt `P`): the engine batches prompts longest first, `bs` to a batch, left-pads
-    each to its longest and runs attention over that rectangle in passes of `chunk` columns;
-    routing and experts skip the padding, so they are priced at real tokens already. On the
-    demo's prompts (53 to 207 tokens, one batch of 32, mean 94) a layer's attention took
-    413 ms in one pass of 207 columns and 304 ms in two of 128, against 88 ms priced at the
-    mean prompt."""
-    def passes(rows, length):
-        return sum(cost.t_attn(rows, min(start + chunk, length), min(chunk, length - start))
-                   for start in range(0, length, chunk))
-    lens = sorted(prompts, reverse=True)
-    padded = sum(passes(len(lens[i:i + bs]), lens[i]) for i in range(0, len(lens), bs))
-    short = max(1, min(chunk, P))  # the group model's passes: ceil(P / chunk), each over all P keys
-    charged = math.ceil(P / short) * cost.t_attn(bs, P, short)
-    return max(0.0, padded - len(lens) / bs * charged) * cost.shape.num_layers
-
-
-# ---- diagnosis of infeasibility ---------------------------------------------------------------
-def _diagnose(ctx: "_Ctx", bs: int, n: int) -> Infeasible:
-    """Which single budget, raised alone by the least, makes (bs, n) fit, and the smallest
-    value that does: a binary search (to a KiB) over the planner's own feasibility test in its
-    leanest mode, so a rerun with that value is accepted."""
-    budgets, lean = ctx.budgets, ctx.lean()
-    fits = lambda b: lean.with_budgets(b).greedy(bs, n) is not None
-    best = None
-    for name in ("device", "host", "disk"):
-        have = getattr(budgets, name)
-        if not math.isfinite(have) or not fits(dataclasses.replace(budgets, **{name: math.inf})):
-            continue
-        lo, hi = have, max(2 * have, have + 2**20)
-        while not fits(dataclasses.replace(budgets, **{name: hi})):
-            lo, hi = hi, 2 * hi
-        while hi - lo > 1024:
-            mid = (lo + hi) / 2
-            lo, hi = (lo, mid) if fits(dataclasses.replace(budgets, **{name: mid})) else (mid, hi)
-        if best is None or hi - have < best[2] - best[1]:
-            best = (name, have, hi)
-    if best is None:
-        return Infeasible(f"no single budget increase makes bs={bs}, n={n} fit the device, host and disk budgets",
-                          "device", math.inf, math.inf, budgets.device)
-    name, have, hi = best
-    at = lean.with_budgets(dataclasses.replace(budgets, **{name: hi}))
-    return Infeasible(f"{name} budget {format_bytes(have)} is too small for this job: "
-                      f"{_needs(at, name, bs, n, hi)}", name, hi - have, math.ceil(hi), have)
-
-
-def _short_budget(ctx: "_Ctx", bs: int, n: int) -> str:
-    """The budget that stops (bs, n): host (where a growing KV cache goes) if unlimited host
-    memory would fit it, else the device."""
-    roomy = ctx.with_budgets(dataclasses.replace(ctx.budgets, host=math.inf))
-    return "host" if roomy.greedy(bs, n) is not None else "device"
-
-
-def _needs(ctx: "_Ctx", name: str, bs: int, n: int, minimum: float) -> str:
-    """What (bs, n) needs on tier `name` at its minimum, in words."""
-    cost, P, G = ctx.cost, ctx.P_mem, ctx.G
-    what = f"{n} batch{'es' if n > 1 else ''} of {bs} sequences of up to {P}+{G} tokens"
-    if name == "device":
-        chunk = ctx.chunk(bs, n)
-        ws = ctx.working_set(bs, n)
-        held = device_need(ws, ctx.buffers) - ws["activations"] - ws["decoded"]
-        return (f"{what} need at least {format_bytes(minimum)} on the device (activations "
-                f"{format_bytes(ws['activations'])} with the prompt prefilled {chunk} token{'s' if chunk > 1 else ''} "
-                f"at a time, "
-                f"transfer buffers {format_bytes(held + ws['decoded'])}; the rest holds resident weights)")
-    kv = cost.kv_bytes(n * bs * cost.kv_context(P + G))
-    return (f"{what} need at least {format_bytes(minimum)} of {name} memory (KV cache {format_bytes(kv)}, "
-            f"weights {format_bytes(cost.weights_bytes())} in all, disk staging "
-            f"{format_bytes(staging_bytes(cost))} when weights are read from disk)")
-
-
 # ---- the solver ------------------------------------------------------------------------------
 BATCH_SIZES = (1, 2) + tuple(range(4, 65, 4))
 # With the KV cache and attention on the host the device holds no KV: MoE-Gen's very large
@@ -286,9 +82,10 @@ def solve(shape, cost, budgets, *, prompt_len: int, gen_len: int, longest_prompt
     in bytes; `longest_prompt` (default prompt_len) is what memory is planned for, while time
     is planned for `prompt_len`; `K` hot experts prefetched per layer (default top_k);
     `num_batches` fixes n and `chunk` the prefill chunk (default: chosen per (bs, n), see
-    workingset.prefill_chunk); `max_sequences` caps n·bs (a group larger than the job is idle); `popularity` is routing statistics as accepted by
-    `expected_distinct_experts`. Transfer buffers are planned for overlap where that fits,
-    else at the minimum the pipeline can run in.
+    workingset.prefill_chunk); `max_sequences` caps n·bs (a group larger than the job is
+    idle); `popularity` is routing statistics as accepted by `expected_distinct_experts`.
+    Transfer buffers are planned for overlap where that fits, else at the minimum the
+    pipeline can run in.
     The search over (bs, n) places tensors greedily (by seconds saved per byte, which is
     what the MILP optimises too); the best `finalists` are then placed by the MILP and
     re-predicted, so the plan's placement is the MILP's. Raises Infeasible naming the short
@@ -332,7 +129,7 @@ def solve(shape, cost, budgets, *, prompt_len: int, gen_len: int, longest_prompt
     longest = max(prompt_len, longest_prompt or prompt_len)
     experts = host_experts if host_known else "off"
     attn_modes = {"off": (False,), "on": (True,), "auto": (False, True) if host_known else (False,)}[host_attention]
-    job = _Job(gen_lens, batching, prompt_lens, window)
+    job = JobLengths(gen_lens, batching, prompt_lens, window)
     found, first = [], None
     for attn in attn_modes:
         host = Host(attention=attn, experts=experts)
@@ -342,8 +139,8 @@ def solve(shape, cost, budgets, *, prompt_len: int, gen_len: int, longest_prompt
         if attn and host_attention == "auto":  # where the cost model would move the core
             sizes = [b for b in sizes if cost.attention_on_host(b, prompt_len + gen_len // 2)]
         for buffers in ("overlap", "minimum"):
-            ctx = _Ctx(cost, prompt_len, longest, gen_len, budgets, schedule, hot_n, hot, marg, max_n, buffers, chunk,
-                       max_sequences, host, job)
+            ctx = SearchContext(cost, prompt_len, longest, gen_len, budgets, schedule, hot_n, hot, marg, max_n,
+                                buffers, chunk, max_sequences, host, job)
             first = first or ctx
             here = []
             for bs in sizes:
@@ -364,7 +161,7 @@ def solve(shape, cost, budgets, *, prompt_len: int, gen_len: int, longest_prompt
             if here:
                 break
     if not found:
-        raise _diagnose(first, min(batch_sizes), num_batches or 1)
+        raise diagnose(first, min(batch_sizes), num_batches or 1)
     best = None
     for _, bs, n, binding, ctx in sorted(found, key=lambda f: f[:4], reverse=True)[:max(1, finalists)]:
         at = _best_chunk(ctx, bs, n)
@@ -380,104 +177,8 @@ def solve(shape, cost, budgets, *, prompt_len: int, gen_len: int, longest_prompt
                      utilisation={b: job(n * bs, b) for b in BATCHING} if gen_lens else None)
 
 
-class _Job:
-    """The job's lengths (max_new_tokens, prompt lengths) and what the solver derives from
-    them per candidate, memoised: every (bs, n) the search tries asks again. Calling it gives
-    the decode slot utilisation of a group of `slots` (1 without lengths)."""
 
-    def __init__(self, gen_lens, batching, prompt_lens=None, window: int | None = None):
-        self.lens, self.batching, self._memo = list(gen_lens or ()), batching, {}
-        self.prompts = list(prompt_lens or ())
-        self.window = window or max(1, len(self.lens), len(self.prompts))
-
-    def ordered(self) -> list[list[int]]:
-        """The job's lines as the engine batches them: window by window, each window's
-        longest prompt first (a stable sort, as `Engine.groups` sorts)."""
-        def order():
-            starts = range(0, len(self.prompts), self.window)
-            return [sorted(range(a, min(a + self.window, len(self.prompts))), key=lambda i: -self.prompts[i])
-                    for a in starts]
-        return self._memoised(("ordered",), order)
-
-    def _memoised(self, key, compute):
-        if key not in self._memo:
-            self._memo[key] = compute()
-        return self._memo[key]
-
-    def __call__(self, slots: int, batching: str | None = None) -> float:
-        key = ("utilisation", slots, batching or self.batching)
-        return self._memoised(key, lambda: slot_utilisation(self.lens, slots, key[2]) if self.lens else 1.0)
-
-    def live(self, slots: int):
-        """Decode steps per live-row count under continuous batching (occupancy.live_rows)."""
-        return self._memoised(("live", slots), lambda: live_rows([g - 1 for g in self.lens], slots))
-
-    def continuous(self, shape, bs: int, n: int, chunk: int,
-                   host_attention: bool = False) -> tuple[list, Counter, float, float]:
-        """(first fill's prompts, steps, weight, slots a decode row attends) of the job's first window replayed
-        (`occupancy.continuous_steps`), weighted to stand for the whole job; newcomers' chunks
-        are sized as the engine sizes them (`workingset.newcomer_chunks`)."""
-        def replay():
-            w = self.window
-            prompts, lens = self.prompts[:w], self.lens[:w]
-            widest = newcomer_chunks(shape, shape.dtype_bytes, bs, n, chunk, max(map(sum, zip(prompts, lens))),
-                                     host_attention)
-            first, steps, span = continuous_steps(prompts, lens, bs, n, widest)
-            return first, steps, len(self.lens) / min(len(self.lens), w), span
-        return self._memoised(("continuous", bs, n, chunk, host_attention), replay)
-
-    def static_passes(self, group: int, chunk: int) -> int:
-        """Prefill passes of the job under static batching: each window's prompts longest
-        first, `group` to a group, each group in passes of `chunk` over its longest."""
-        def count():
-            return sum(math.ceil(self.prompts[o[i]] / chunk) for o in self.ordered() for i in range(0, len(o), group))
-        return self._memoised(("passes", group, chunk), count)
-
-    def static_decode(self, bs: int, n: int, chunk: int) -> Counter:
-        """Decode steps of the job under static batching, by (batches, rows) they compute:
-        the engine forms each window's groups longest prompt first (a stable sort), n batches
-        of bs; a batch prefills in passes of `chunk` over its own longest prompt, then decodes
-        (beside the group's longer prefills, in steps counted as prefill) until its last row is
-        done, and leaves the group's steps. With a few long answers a group runs most of its
-        decode steps on the one batch that holds them."""
-        def count():
-            steps = Counter()
-            for order in self.ordered():
-                batches = [order[i:i + bs] for i in range(0, len(order), bs)]
-                for g in range(0, len(batches), n):
-                    group = [(math.ceil(self.prompts[b[0]] / chunk),
-                              max(self.lens[i] for i in b) - 1, len(b)) for b in batches[g:g + n]]
-                    prefill = max(passes for passes, _, _ in group)
-                    ends = sorted((passes + life, rows) for passes, life, rows in group)
-                    last = prefill
-                    for k, (end, _) in enumerate(ends):  # batches k.. are active until `end`
-                        if end > last:
-                            steps[(len(ends) - k, sum(rows for _, rows in ends[k:]))] += end - last
-                            last = end
-            return steps
-        return self._memoised(("static decode", bs, n, chunk), count)
-
-    def padded_prompt(self, bs: int) -> float:
-        """The prompt width a decode row attends over, on average: the engine left-pads each
-        batch of `bs` (formed longest first within a window) to its longest prompt, and every
-        row's attention reads the batch's slots. On the demo's prompts (53 to 207 tokens, one
-        batch of 32) that is 207 where the mean prompt is 94; a decode step's attention there
-        measured 2.9 ms a layer against 1.1 priced at the mean."""
-        def width():
-            total = sum(self.prompts[o[i]] * len(o[i:i + bs]) for o in self.ordered() for i in range(0, len(o), bs))
-            return total / max(1, len(self.prompts))
-        return self._memoised(("width", bs), width)
-
-    def padding(self, cost, bs: int, chunk: int, P: int) -> float:
-        """`padded_attention_s` of the job's prompts (0 without them)."""
-        if not self.prompts:
-            return 0.0
-        return self._memoised(("padding", bs, chunk, P),
-                              lambda: sum(padded_attention_s(cost, bs, chunk, P, [self.prompts[i] for i in o])
-                                          for o in self.ordered()))
-
-
-def _best_chunk(ctx: "_Ctx", bs: int, n: int) -> "_Ctx":
+def _best_chunk(ctx: "SearchContext", bs: int, n: int) -> "SearchContext":
     """The search used the largest chunk whose activations take at most PREFILL_SHARE of the
     device; a larger one means fewer prefill passes (each streams every off-device weight)
     but less room for resident weights. Take the chunk with the best predicted throughput."""
@@ -494,7 +195,7 @@ def _best_chunk(ctx: "_Ctx", bs: int, n: int) -> "_Ctx":
     return best
 
 
-class _Ctx:
+class SearchContext:
     """The fixed inputs of one solve, with memoised greedy placements. `P` is the prompt
     length time is planned for, `P_mem` the one memory is planned for."""
 
@@ -503,20 +204,20 @@ class _Ctx:
         self.cost, self.P, self.P_mem, self.G, self.budgets = cost, P, P_mem, G, budgets
         self.schedule, self.hot_n, self.hot, self.marg, self.max_n = schedule, hot_n, hot, marg, max_n
         self.buffers, self.fixed_chunk, self.max_sequences = buffers, chunk, max_sequences
-        self.host, self.job = host, job or _Job(None, "continuous")
+        self.host, self.job = host, job or JobLengths(None, "continuous")
         self._placed, self._chunks = {}, {}
 
-    def _like(self, **changes) -> "_Ctx":
+    def _like(self, **changes) -> "SearchContext":
         args = dict(cost=self.cost, P=self.P, P_mem=self.P_mem, G=self.G, budgets=self.budgets,
                     schedule=self.schedule, hot_n=self.hot_n, hot=self.hot, marg=self.marg, max_n=self.max_n,
                     buffers=self.buffers, chunk=self.fixed_chunk, max_sequences=self.max_sequences,
                     host=self.host, job=self.job)
-        return _Ctx(**{**args, **changes})
+        return SearchContext(**{**args, **changes})
 
-    def with_budgets(self, budgets) -> "_Ctx":
+    def with_budgets(self, budgets) -> "SearchContext":
         return self._like(budgets=budgets)
 
-    def lean(self) -> "_Ctx":
+    def lean(self) -> "SearchContext":
         """The same problem with transfer buffers at their minimum."""
         return self._like(buffers="minimum")
 
@@ -561,11 +262,11 @@ class _Ctx:
                            self.marg, max_n or self.cap(bs), self.host)
 
     def predict(self, bs, n, layout):
-        return _predict(self.cost, self.ios(layout), bs, n, self.P, self.G, self.schedule, self.hot,
-                        self.marg, layout, self.chunk(bs, n), self.host, self.job(n * bs), self.job)
+        return predict_group(self.cost, self.ios(layout), bs, n, self.P, self.G, self.schedule, self.hot,
+                             self.marg, layout, self.chunk(bs, n), self.host, self.job(n * bs), self.job)
 
 
-def _choose_n(ctx: _Ctx, bs):
+def _choose_n(ctx: SearchContext, bs):
     """Iterate: n from the inequalities under the current placement; re-place at that n
     (more KV and activations may push weights off the device, which can raise n). When no
     n within memory and max_n meets them (transfers outgrow compute, e.g. host-resident KV
@@ -586,7 +287,7 @@ def _choose_n(ctx: _Ctx, bs):
                 mid = (lo + hi) // 2
                 lo, hi = (mid, hi) if ctx.greedy(bs, mid) is not None else (lo, mid)
             cands = cands[:i] + ([lo] if lo != cands[i - 1] else [])
-            cap = (hi, _short_budget(ctx, bs, hi))
+            cap = (hi, short_budget(ctx, bs, hi))
             break
     n = max(cands, key=lambda c: ctx.predict(bs, c, ctx.greedy(bs, c))["tokens_per_s"])
     last = _binding(ctx.schedule, need)

@@ -5,7 +5,7 @@ import torch
 from klotski.builtin import tiny
 from klotski.config import RunConfig
 from klotski.assemble import open_engine
-from klotski.io.jobs import Request
+from klotski.io.requests import Request
 
 PROMPTS = [
     "The history of the city begins",

@@ -11,7 +11,7 @@ from conftest import reference_tokens
 from klotski.assemble import open_engine
 from klotski.io.checkpoint import Checkpoint
 from klotski.config import RunConfig
-from klotski.io.jobs import Request
+from klotski.io.requests import Request
 from klotski.runtime.kvcache import BatchKV
 from placement.placement import Placement
 from placement.store import TensorStore
@@ -301,7 +301,7 @@ def test_planner_counts_the_engines_static_prefill_passes(checkpoints, chunk, bs
     """Under static batching a group runs the prefill passes of its longest prompt, and a
     batch decodes until its own last row is done; the planner counts both as the engine
     runs them."""
-    from planner.solve import _Job
+    from planner.prediction import JobLengths
     many = [Request(id=f"r{i}", line=i + 1, prompt=PROMPTS[i % len(PROMPTS)] * (1 + i % 3), messages=None,
                     max_new_tokens=[12, 2, 3, 1, 5][i % 5]) for i in range(17)]
     cfg = RunConfig(model=str(checkpoints["gqa"]), progress=False, dtype="float32", batch_size=bs,
@@ -311,7 +311,7 @@ def test_planner_counts_the_engines_static_prefill_passes(checkpoints, chunk, bs
     engine.close()
     out = {s.request.id: len(s.out) for s in done}  # the job's order: groups break length ties by it
     prompts = [len(s.prompt_ids) for s in seqs]
-    job = _Job([out[s.request.id] for s in seqs], "static", prompts)
+    job = JobLengths([out[s.request.id] for s in seqs], "static", prompts)
     assert engine.stats.prefill_passes == job.static_passes(n * bs, chunk)
     # and its decode steps, each computing the rows of the batches not yet done
     decode = job.static_decode(bs, n, chunk)

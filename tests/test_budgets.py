@@ -12,7 +12,7 @@ from conftest import reference_tokens
 from klotski.builtin import tiny
 from klotski.assemble import open_engine
 from klotski.config import RunConfig
-from klotski.io.jobs import Request
+from klotski.io.requests import Request
 from klotski.planning import BudgetRefused
 from placement.store import TensorStore
 from planner.units import format_size_flag, parse_size

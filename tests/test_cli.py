@@ -9,7 +9,7 @@ import time
 import pytest
 
 from conftest import PROMPTS
-from klotski.io.output import is_error, record_key
+from klotski.io.records import is_error, record_key
 
 KLOTSKI = [sys.executable, "-m", "klotski.cli"]
 

@@ -17,7 +17,8 @@ datasets = pytest.importorskip("datasets")
 from klotski.io import dataset_files  # noqa: E402
 from klotski import generate as run
 from klotski.config import RunConfig  # noqa: E402
-from klotski.io.jobs import LineError, Request, windows  # noqa: E402
+from klotski.io.jobs import windows  # noqa: E402
+from klotski.io.requests import LineError, Request  # noqa: E402
 from klotski.io.parquet_output import ParquetOutput  # noqa: E402
 
 FIELDS = ("text", "messages", "id")

@@ -2,7 +2,7 @@
 from conftest import PROMPTS, requests
 from klotski.config import RunConfig
 from klotski.assemble import open_engine
-from klotski.io.jobs import Request
+from klotski.io.requests import Request
 
 
 def _run(path, reqs, **config):

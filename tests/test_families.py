@@ -93,3 +93,94 @@ def test_hqq4_packs_each_familys_projections_and_keeps_the_rest(family_models, t
                                   device_memory=quarter, batch_size=2, num_batches=3)
     assert moved == resident
     assert engine.pipeline.experts_loaded > 0
+
+
+# ---- the Family Protocol: every hook of every family module, no probing -------------------
+def _protocol():
+    """The Protocol's constants {name: type} and functions {name: signature without self}."""
+    import inspect
+    import typing
+
+    from klotski.models.family import Family
+    constants = typing.get_type_hints(Family)
+    functions = {n: inspect.signature(f) for n, f in vars(Family).items()
+                 if inspect.isfunction(f) and not n.startswith("_")}
+    return constants, {n: s.replace(parameters=list(s.parameters.values())[1:]) for n, s in functions.items()}
+
+
+def _of_type(value, kind) -> bool:
+    import typing
+    if typing.get_origin(kind) is tuple:  # tuple[str, ...]
+        item = typing.get_args(kind)[0]
+        return isinstance(value, tuple) and all(isinstance(v, item) for v in value)
+    return isinstance(value, kind)
+
+
+def _callable_as(signature, declared) -> bool:
+    """`signature` takes every call `declared` allows: the same parameters first, by name, kind
+    and whether they may be left out; any more of its own may be left out."""
+    import inspect
+    have, want = list(signature.parameters.values()), list(declared.parameters.values())
+    if len(have) < len(want):
+        return False
+    for h, w in zip(have, want):
+        if h.name != w.name or h.kind != w.kind or (w.default is not inspect.Parameter.empty
+                                                    and h.default is inspect.Parameter.empty):
+            return False
+    return all(p.default is not inspect.Parameter.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+               for p in have[len(want):])
+
+
+def protocol_breaches(module) -> list[str]:
+    """What `module` lacks or gets wrong of the Family Protocol; [] when it satisfies it."""
+    import inspect
+    constants, functions = _protocol()
+    out = []
+    for name, kind in constants.items():
+        if name not in vars(module):
+            out.append(f"{name} missing")
+        elif not _of_type(vars(module)[name], kind):
+            out.append(f"{name} is {vars(module)[name]!r}, not {kind}")
+    for name, declared in functions.items():
+        hook = vars(module).get(name)
+        if hook is None:
+            out.append(f"{name} missing")
+        elif not callable(hook):
+            out.append(f"{name} is not callable")
+        elif not _callable_as(inspect.signature(hook), declared):
+            out.append(f"{name}{inspect.signature(hook)} does not take {name}{declared}")
+    return out
+
+
+def test_the_protocol_states_every_hook_and_each_says_what_it_is_for():
+    from klotski.models.family import Family
+    constants, functions = _protocol()
+    assert set(constants) == {"MODEL_TYPE", "QUANTIZATION", "HOST_ATTENTION"}
+    assert {"check_config", "group_refs", "attention_block", "route", "bind_expert_ffn"} <= set(functions)
+    assert all(vars(Family)[n].__doc__ for n in functions)
+
+
+def test_every_family_module_satisfies_the_protocol():
+    from klotski.models.spec import FAMILIES as MODULES
+    assert set(MODULES) == set(FAMILIES)
+    for model_type, module in MODULES.items():
+        assert protocol_breaches(module) == [], module.__name__
+        assert module.MODEL_TYPE == model_type
+
+
+def test_a_module_missing_a_hook_or_getting_one_wrong_is_caught():
+    import types
+
+    from klotski.models import mixtral
+    constants, functions = _protocol()
+    hooks = {n: vars(mixtral)[n] for n in [*constants, *functions]}
+    assert protocol_breaches(types.SimpleNamespace(**hooks)) == []
+    for name in hooks:
+        assert protocol_breaches(types.SimpleNamespace(**{n: h for n, h in hooks.items() if n != name})) == \
+            [f"{name} missing"]
+    wrong = {"HOST_ATTENTION": "yes", "QUANTIZATION": ["mxfp4"], "route": lambda x, gate: None,
+             "attention_block": lambda h, w, cos, sin, mask, cache_write, spec, max_scores=None: h,
+             "expert_ffn": lambda x, w, prefix: x, "check_config": None}
+    for name, value in wrong.items():
+        (breach,) = protocol_breaches(types.SimpleNamespace(**{**hooks, name: value}))
+        assert breach.startswith(name)

@@ -110,7 +110,7 @@ def test_mxfp4_bytes_are_counted_packed(models):
 def test_chat_messages_use_the_checkpoints_template(models, tmp_path):
     from klotski.assemble import open_engine
     from klotski.config import RunConfig
-    from klotski.io.jobs import Request
+    from klotski.io.requests import Request
     chat = shutil.copytree(models["mxfp4"], tmp_path / "chat")
     (chat / "chat_template.jinja").write_text(HARMONY)
     cfg = json.loads((chat / "tokenizer_config.json").read_text())

@@ -145,7 +145,7 @@ def test_host_rates_are_measured_with_the_engines_ops():
     """What a GPU machine's profile records for its host: the engine's expert and attention
     core timed on the CPU (here the CPU is all there is, so the path is run directly)."""
     from klotski.builtin import tiny
-    from klotski.planning import EngineOps
+    from klotski.runtime.profile_ops import EngineOps
     from planner.profile import host_rates
     from planner.shapes import ModelShape
     shape = ModelShape.from_config(tiny.PRESETS["tiny"])
@@ -156,15 +156,15 @@ def test_host_rates_are_measured_with_the_engines_ops():
 
 
 def test_flags_fill_the_config_and_the_summary_says_what_host_compute_did():
-    from klotski.cli.main import build_parser, config_from_args
+    from klotski.cli.parser import build_parser, config_from_args
     from klotski.runtime.hostcompute import HostCompute
-    from klotski.generate import _host_line
+    from klotski.runtime.report import host_line
     a = build_parser().parse_args(["generate", "jobs.jsonl", "--host-attention", "auto", "--host-experts", "on"])
     config = config_from_args(a)
     assert (config.host_attention, config.host_experts) == ("auto", "on")
     assert config.to_json()["host_experts"] == "on"  # the report echoes the config
     host = HostCompute.from_config(config)
     host.experts.on_host, host.experts.bytes_not_moved = 3, 3 << 20
-    (line,) = _host_line(host.report())
+    (line,) = host_line(host.report())
     assert "3 experts on the host (3.0 MiB not moved" in line and "; auto)" in line
-    assert _host_line(HostCompute().report()) == []
+    assert host_line(HostCompute().report()) == []

@@ -11,8 +11,11 @@ from pathlib import Path
 import pytest
 
 from klotski.io import jobs, output
-from klotski.io.jobs import JobFileError, LineError, Request, prompt_too_long, read_jobs
-from klotski.io.output import OutputWriter, error_record
+from klotski.errors import JobFileError
+from klotski.io.jobs import read_jobs
+from klotski.io.output import OutputWriter
+from klotski.io.records import error_record
+from klotski.io.requests import LineError, Request, prompt_too_long
 
 REPO = Path(__file__).resolve().parents[1]
 

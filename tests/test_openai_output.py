@@ -7,7 +7,7 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
 from klotski.cli import main as cli
-from klotski.io.output import record_key
+from klotski.io.records import record_key
 
 CHAT, TEXT = "/v1/chat/completions", "/v1/completions"
 

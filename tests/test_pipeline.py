@@ -223,3 +223,38 @@ def test_replayed_rate_is_the_plan_over_the_lengths_generated(checkpoints):
     assert short.job_prefill_s > 0 and short.job_decode_s > 0
     assert sum(lens) / (short.job_prefill_s + short.job_decode_s) == pytest.approx(short.predicted_tokens_per_s,
                                                                                   rel=1e-6)
+
+
+def test_the_expert_phase_is_bit_identical_in_any_order():
+    """The expert phase's tensor work (klotski/runtime/experts.py): each expert's picks are
+    what `torch.where(experts == e)` gives, and whatever order the experts compute in, the
+    layer's output is the same bit for bit (outputs wait in their top-k slots)."""
+    import torch
+
+    from klotski.models import layers as L
+    from klotski.runtime.experts import LayerExperts, Routed, ids_on_host, run_expert
+
+    torch.manual_seed(0)
+    E, k, H = 8, 2, 16
+    hs = [torch.randn(2, 3, H), torch.randn(1, 5, H)]
+    w = {e: {"w1": torch.randn(32, H), "w3": torch.randn(32, H), "w2": torch.randn(H, 32)} for e in range(E)}
+    routed = []
+    for h in hs:
+        x = h.reshape(-1, H)
+        weights, experts = L.route(x, torch.randn(E, H), k, renormalise=True, cast=False)
+        routed.append(Routed(x, weights, experts, None))
+    for r, chosen in zip(routed, ids_on_host([r.experts for r in routed])):
+        r.chosen = chosen
+
+    def layer(order):
+        moe = LayerExperts(routed, k, E)
+        for e in order(moe.chosen):
+            picks = moe.picks(e)
+            for r, (tok, slot) in zip(routed, picks):
+                assert [tok.tolist(), slot.tolist()] == [t.tolist() for t in torch.where(r.experts == e)]
+            moe.put(picks, run_expert(L.swiglu, moe.inputs(picks), w[e]))
+        return moe.hidden_states(hs)
+
+    first = layer(lambda chosen: chosen)
+    for again in (layer(lambda chosen: chosen[::-1]), layer(lambda chosen: chosen[1::2] + chosen[::2])):
+        assert all(torch.equal(a, b) for a, b in zip(first, again))

@@ -272,7 +272,7 @@ def test_simulator_agrees_with_solver_prediction():
 
 # ---- profile ---------------------------------------------------------------------------------
 def test_profile_cache_roundtrip(tmp_path):
-    from klotski.planning import EngineOps
+    from klotski.runtime.profile_ops import EngineOps
     kw = dict(batch_sizes=(1, 4), context_lengths=(16, 32), token_counts=(1, 8), reps=2, io_bytes=4 << 20,
               cache_dir=tmp_path / "profiles", ops=EngineOps())
     p1 = measure(TINY, **kw)
@@ -369,7 +369,7 @@ def test_a_disturbed_profile_sample_does_not_steer_the_correction():
 def test_job_prefill_pays_for_left_padding():
     """Prompts of one length cost what the group model charges; one long prompt in a batch
     makes the whole batch's attention run at its length (and in more passes)."""
-    from planner.solve import padded_attention_s
+    from planner.prediction import padded_attention_s
     cost = CostModel(load_profile("rtx3090-pcie4"), as_shape("mixtral-8x7b"))
     assert padded_attention_s(cost, 8, 512, 100, [100] * 16) == pytest.approx(0.0, abs=1e-12)
     one_long = padded_attention_s(cost, 8, 512, 100, [100] * 15 + [400])
@@ -384,11 +384,11 @@ def test_decode_attends_over_the_padded_width():
     """A decode row reads its batch's slots: a batch is as wide as its longest prompt. One
     long prompt among short ones prices the decode as if every prompt were that long; at
     batch size 1 nothing pads."""
-    from planner.solve import _Job
+    from planner.prediction import JobLengths
     prompts = [400] + [100] * 7
-    assert _Job([8] * 8, "static", prompts).padded_prompt(8) == 400
-    assert _Job([8] * 8, "static", prompts).padded_prompt(1) == pytest.approx(sum(prompts) / 8)
-    assert _Job([8] * 8, "static", prompts, window=4).padded_prompt(4) == pytest.approx((400 * 4 + 100 * 4) / 8)
+    assert JobLengths([8] * 8, "static", prompts).padded_prompt(8) == 400
+    assert JobLengths([8] * 8, "static", prompts).padded_prompt(1) == pytest.approx(sum(prompts) / 8)
+    assert JobLengths([8] * 8, "static", prompts, window=4).padded_prompt(4) == pytest.approx((400 * 4 + 100 * 4) / 8)
     shape = as_shape("mixtral-8x7b")
     cost = CostModel(load_profile("rtx3090-pcie4"), shape)
     budgets = {"device": 40e9, "host": 400e9}
@@ -405,11 +405,11 @@ def test_decode_attends_over_the_padded_width():
 def test_continuous_first_fill_is_priced_at_its_own_prompts():
     """The first fill takes the longest answers first and, among equal ones, the longest
     prompts: with every answer of one length it is the job's longest prompts, not its mean."""
-    from planner.solve import _continuous_s, _Job
+    from planner.prediction import JobLengths, continuous_s
     cost = CostModel(load_profile("rtx3090-pcie4"), as_shape("mixtral-8x7b"))
-    job = _Job([16] * 64, "continuous", [50] * 28 + [400] * 8 + [50] * 28)
+    job = JobLengths([16] * 64, "continuous", [50] * 28 + [400] * 8 + [50] * 28)
     seen = []
-    _continuous_s(job.continuous(cost.shape, 4, 2, 512), cost, 4, 2, 512, lambda p: seen.append(p) or 0.0,
+    continuous_s(job.continuous(cost.shape, 4, 2, 512), cost, 4, 2, 512, lambda p: seen.append(p) or 0.0,
                   lambda rows: 0.0, lambda k, new: 0.0)
     assert seen == [400]
 
@@ -435,14 +435,15 @@ def test_job_padding_follows_the_engines_windows():
     """The engine forms batches by length within a window of the job's lines: long and short
     prompts alternating pad every batch to the long one when each window holds both, and not
     at all when one window holds the whole job (the long ones then batch together)."""
-    from planner.solve import _Job
+    from planner.prediction import JobLengths
     cost = CostModel(load_profile("rtx3090-pcie4"), as_shape("mixtral-8x7b"))
     prompts = [400, 100] * 8
-    whole = _Job([8] * 16, "static", prompts).padding(cost, 8, 512, 250)
-    windowed = _Job([8] * 16, "static", prompts, window=8).padding(cost, 8, 512, 250)
+    whole = JobLengths([8] * 16, "static", prompts).padding(cost, 8, 512, 250)
+    windowed = JobLengths([8] * 16, "static", prompts, window=8).padding(cost, 8, 512, 250)
     assert windowed > whole * 1.2
-    assert _Job([8] * 16, "static", prompts, window=8).static_passes(8, 128) == 2 * 4  # each window: one group of 4 passes
-    assert _Job([8] * 16, "static", prompts).static_passes(8, 128) == 4 + 1
+    # each window: one group of 4 passes
+    assert JobLengths([8] * 16, "static", prompts, window=8).static_passes(8, 128) == 2 * 4
+    assert JobLengths([8] * 16, "static", prompts).static_passes(8, 128) == 4 + 1
 
 
 def test_continuous_drain_is_priced_at_its_live_rows():
@@ -451,11 +452,11 @@ def test_continuous_drain_is_priced_at_its_live_rows():
     the tokens. A drain step costs less than a full one, so the job's rate is above the rate
     that prices every step at the whole group."""
     from planner.occupancy import live_rows, slot_utilisation
-    from planner.solve import _row_prices
+    from planner.prediction import row_prices
     assert live_rows([3, 1, 1], 2) == {2: 2, 1: 1}
     lens = [1, 9, 4, 4, 2, 7, 3, 30]
     rows = live_rows(lens, 4)
     assert sum(r * k for r, k in rows.items()) == sum(lens)
     assert sum(lens) / (4 * sum(rows.values())) == pytest.approx(slot_utilisation(lens, 4))
-    price = _row_prices(lambda b, k: 1.0 + b * k, 4, 2)   # a step: fixed cost + a row's
+    price = row_prices(lambda b, k: 1.0 + b * k, 4, 2)   # a step: fixed cost + a row's
     assert price(8) == 9.0 and price(1) == 2.0 and price(3) == pytest.approx(4.0)

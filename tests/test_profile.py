@@ -1,5 +1,5 @@
 """The measured hardware profile: it times the engine's own ops (planner/profile.py gets them
-from klotski/planning.py: EngineOps), its cache key changes with what is timed, and
+from klotski/runtime/profile_ops.py: EngineOps), its cache key changes with what is timed, and
 `--hardware auto` measures the GPU where there is one."""
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 
 from klotski.cli import main as cli
 from klotski import planning
+from klotski.runtime.profile_ops import EngineOps
 from klotski.compress import hqq as quant
 from klotski.models import layers
 from planner import profile as P
@@ -37,7 +38,7 @@ def test_profile_times_the_engines_attention_and_dequantization(monkeypatch, tmp
     counting(monkeypatch, quant, "dequantize_group", dequants)
     # a score budget of one query row per call: the chunked path is what gets timed
     monkeypatch.setattr(workingset, "ATTENTION_SCORE_CHUNK", 1)
-    prof = measure(TINY, ops=planning.EngineOps(), io_dir=tmp_path, **GRID)
+    prof = measure(TINY, ops=EngineOps(), io_dir=tmp_path, **GRID)
     rows = prof.samples["attention"]
     # decode, whole prompts and chunks of half the context (CHUNK_SAMPLE caps the chunk)
     assert [r[:3] for r in rows] == [[1, 8, 1], [2, 8, 1], [1, 8, 8], [2, 8, 8], [1, 8, 4], [2, 8, 4]]
@@ -51,7 +52,7 @@ def test_profile_times_the_engines_attention_and_dequantization(monkeypatch, tmp
 
 
 def test_dequant_op_rebuilds_one_expert_as_the_cache_decodes_it():
-    ops = planning.EngineOps()(TINY, torch.bfloat16, torch.device("cpu"))
+    ops = EngineOps()(TINY, torch.bfloat16, torch.device("cpu"))
     out = ops.dequant()()
     assert {k: tuple(v.shape) for k, v in out.items()} == \
         {"w1": (128, 64), "w3": (128, 64), "w2": (64, 128)}
@@ -63,7 +64,7 @@ def test_dequant_op_rebuilds_one_expert_as_the_cache_decodes_it():
 def test_ops_read_their_weights_cold():
     """Each timed call reads another copy of its weights (a step never finds a weight in the
     caches, so the profile must not either): distinct copies, visited in turn."""
-    ops = planning.EngineOps()(TINY, torch.float32, torch.device("cpu"))
+    ops = EngineOps()(TINY, torch.float32, torch.device("cpu"))
     copies = ops.expert_w
     assert len(copies) == ops.MAX_COPIES  # a tiny expert: the copy cap, not the byte target, binds
     assert len({c["w1"].data_ptr() for c in copies}) == len(copies)
@@ -85,16 +86,28 @@ def test_cache_key_changes_with_what_is_timed(monkeypatch, tmp_path):
     assert profile_key(TINY, "cpu", None, grid, "ops-a") != base
     monkeypatch.undo()
 
-    key = planning.EngineOps().key
-    assert key.startswith(f"klotski-engine-ops/{planning.EngineOps.VERSION}/")
+    key = EngineOps().key
+    assert key.startswith(f"klotski-engine-ops/{EngineOps.VERSION}/")
 
-    class Recomposed(planning.EngineOps):
-        VERSION = planning.EngineOps.VERSION + 1
+    class Recomposed(EngineOps):
+        VERSION = EngineOps.VERSION + 1
     assert Recomposed().key != key
     cache = tmp_path / "profiles"
-    measure(TINY, ops=planning.EngineOps(), cache_dir=cache, io_dir=tmp_path, **GRID)
+    measure(TINY, ops=EngineOps(), cache_dir=cache, io_dir=tmp_path, **GRID)
     measure(TINY, ops=Recomposed(), cache_dir=cache, io_dir=tmp_path, **GRID)
     assert len(list(cache.glob("*.json"))) == 2  # the old ops' profile is not served
+
+
+def test_the_key_hashes_the_engine_code_the_ops_run():
+    """Every module named imports (the key reads its source), and among them are every family
+    and the shared hooks and expert helpers the ops call."""
+    import importlib
+
+    from klotski.models.spec import FAMILIES
+    from klotski.runtime import profile_ops
+    modules = [importlib.import_module(name) for name in profile_ops.TIMED_MODULES]
+    assert {m.__name__ for m in FAMILIES.values()} | {"klotski.models.defaults", "klotski.runtime.experts",
+                                                     "klotski.models.layers"} <= {m.__name__ for m in modules}
 
 
 @pytest.fixture
@@ -115,7 +128,7 @@ def test_hardware_auto_measures_the_gpu_where_there_is_one(monkeypatch, measured
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert cli.main(command + ["--model", "mixtral-8x7b"]) == 0
     assert [c["device"] for c in measured] == ["cuda"]
-    assert isinstance(measured[0]["ops"], planning.EngineOps)
+    assert isinstance(measured[0]["ops"], EngineOps)
     if command == ["profile"]:
         assert json.loads(capsys.readouterr().out)["device"] == "cuda"
     assert cli.main(command + ["--model", "mixtral-8x7b", "--device", "cpu"]) == 0

@@ -14,7 +14,7 @@ import pytest
 from klotski.io import progress
 from klotski import generate as run
 from klotski.config import RunConfig
-from klotski.io.output import is_error, record_key
+from klotski.io.records import is_error, record_key
 
 HOSTILE = {5: b'{"id": "bad", "prompt": \n', 9: b'{"id": "q3", "prompt": "a late duplicate"}\n',
            12: b'{"id": "empty", "prompt": ""}\n', 14: b"\n"}

@@ -13,7 +13,9 @@ from klotski.runtime import sequences
 from klotski.config import RunConfig
 from klotski.io.idset import IdSet
 from klotski.io.jobs import count_lines, stream_jobs, windows
-from klotski.io.output import OutputWriter, _classify, _parse, error_record, is_error, record_key
+from klotski.io.output import OutputWriter
+from klotski.io.records import classify, error_record, is_error, parse, record_key, result_record
+from klotski.io.requests import CHAT_URL, LineError, Request
 
 
 class Stop(BaseException):
@@ -89,22 +91,22 @@ def test_duplicate_far_after_the_first_window_is_an_error_not_a_second_request(t
     names = [x.id for x in items]
     assert len(names) == len(set(names)) == 501
     late = items[-1]
-    assert isinstance(late, jobs.LineError) and late.id == "q3#line501" and "duplicate id 'q3'" in late.message
+    assert isinstance(late, LineError) and late.id == "q3#line501" and "duplicate id 'q3'" in late.message
 
 
 def test_fast_record_reading_agrees_with_the_full_parse():
     class Seq:
         def __init__(self, rid, openai=None):
-            self.request = jobs.Request(rid, 1, "p", None, openai=openai)
+            self.request = Request(rid, 1, "p", None, openai=openai)
             self.prompt_ids, self.out, self.text, self.finish_reason = [1], [2], 'a "quoted"\nline é', "stop"
-    err = jobs.LineError('we"ird\\id é', 3, "bad", openai=jobs.CHAT_URL)
-    records = [output.result_record(Seq('x"\\y é'), fmt="auto", model="m"),
-               output.result_record(Seq("oa", openai=jobs.CHAT_URL), fmt="auto", model="m"),
+    err = LineError('we"ird\\id é', 3, "bad", openai=CHAT_URL)
+    records = [result_record(Seq('x"\\y é'), fmt="auto", model="m"),
+               result_record(Seq("oa", openai=CHAT_URL), fmt="auto", model="m"),
                error_record(err, fmt="klotski"), error_record(err, fmt="openai")]
     for rec in records:
         raw = (json.dumps(rec, ensure_ascii=False) + "\n").encode()
-        assert _classify(raw) == _parse(raw) == ("error" if is_error(rec) else "ok", record_key(rec))
-        assert _classify(raw[:-5] + b"\n")[0] == "corrupt"  # a record cut short is never taken as done
+        assert classify(raw) == parse(raw) == ("error" if is_error(rec) else "ok", record_key(rec))
+        assert classify(raw[:-5] + b"\n")[0] == "corrupt"  # a record cut short is never taken as done
 
 
 # ---------------------------------------------------------------- generate, streamed
@@ -186,8 +188,8 @@ def test_writer_reuses_the_read_only_scan_unless_the_file_changed(tmp_path, monk
     scan = output.read_output(out)
     assert "a" in scan.ok and "b" not in scan.ok and len(scan.errors) == 1
     scans = []
-    real = output._scan_file
-    monkeypatch.setattr(output, "_scan_file", lambda f: scans.append(1) or real(f))
+    real = output.scan_file
+    monkeypatch.setattr(output, "scan_file", lambda f: scans.append(1) or real(f))
     with OutputWriter(out, known=scan) as w:  # unchanged: no second pass over the file
         assert scans == [] and "a" in w.done_ids and w.retried == 1
     assert out.read_text().count("\n") == 1  # the error record was dropped, to be retried

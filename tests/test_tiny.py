@@ -8,7 +8,7 @@ import torch
 from safetensors import safe_open
 
 from klotski.util import cachedir
-from klotski.builtin import tiny
+from klotski.builtin import tiny, tokenizer
 
 
 def _tensors(d):
@@ -164,8 +164,8 @@ def test_small_preset_tokenizer_size(tmp_path):
     # Only the tokenizer: small's weights are not needed to check the vocabulary.
     from tokenizers import Tokenizer
 
-    assert Tokenizer.from_str(tiny._tokenizer_json(2048)).get_vocab_size() == 2048
-    assert Tokenizer.from_str(tiny._tokenizer_json(4096)).get_vocab_size() == 4096
+    assert Tokenizer.from_str(tokenizer.tokenizer_json(2048)).get_vocab_size() == 2048
+    assert Tokenizer.from_str(tokenizer.tokenizer_json(4096)).get_vocab_size() == 4096
 
 
 def test_shard_split_is_balanced_and_non_empty():
@@ -209,7 +209,7 @@ def test_skewed_routing_concentrates_and_correlates_experts(hub, tmp_path):
     def routing_stats(d):
         model, info = _load(d)
         assert not any(info.values()), info
-        text = tiny.CORPUS.read_text(encoding="utf-8")[:1500]  # < 1024 positions
+        text = tokenizer.CORPUS.read_text(encoding="utf-8")[:1500]  # < 1024 positions
         ids = torch.tensor([model.config.bos_token_id] + _tok(d).encode(text, add_special_tokens=False))
         with torch.no_grad():
             routers = model(ids[None], output_router_logits=True).router_logits

@@ -153,7 +153,8 @@ def reset_peak_rss() -> bool:
 
 def load_jobs(path, tokenizer, default_max_new: int, context: int):
     """Job file -> (work items, error records); same validation and ids as Klotski's reader."""
-    from klotski.io.jobs import LineError, prompt_too_long, read_jobs
+    from klotski.io.jobs import read_jobs
+    from klotski.io.requests import LineError, prompt_too_long
 
     requests, bad = read_jobs(path)
     items, errors = [], [e.record() for e in bad]

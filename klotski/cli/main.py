@@ -1,14 +1,11 @@
-"""`klotski` command line. Parses flags into one RunConfig; every user mistake is one line on
-stderr (what, where, how to fix) and an exit status, never a traceback."""
+"""`klotski`: parse the flags, run one subcommand (klotski/cli/commands.py). Every user mistake
+is one line on stderr (what, where, how to fix) and an exit status, never a traceback."""
 from __future__ import annotations
 
-import argparse
 import os
 import sys
-from pathlib import Path
 
-from klotski.config import BATCHINGS, HOST_COMPUTE, OUTPUT_FORMATS, PREFETCH, SCHEDULES, RunConfig, parse_size
-from planner.shapes import FAMILY_FIELDS
+from klotski.cli.parser import build_parser
 
 EXIT_OK, EXIT_FAILED_LINES, EXIT_USAGE, EXIT_STOPPED, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 3, 130, 143
 
@@ -20,229 +17,6 @@ class Terminated(KeyboardInterrupt):
 
 def _on_sigterm(signum, frame):
     raise Terminated()
-
-
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _num_batches(text: str):
-    if text == "auto":
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number or 'auto'") from None
-
-
-def _add_model_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny-mixtral",
-                   help="checkpoint directory, Hugging Face id or alias in the local HF cache "
-                        "(mixtral-8x7b, mixtral-8x22b), or a built-in model (tiny-mixtral, small-mixtral, "
-                        "medium-mixtral; built on first use). Default: tiny-mixtral")
-    p.add_argument("--batch-size", type=int, help="sequences per batch (default: the planner's choice, else 8)")
-    p.add_argument("--num-batches", type=_num_batches, default=None, metavar="N|auto",
-                   help="batches per group sharing each loaded weight (default: auto)")
-    p.add_argument("--prefill-chunk", type=int, metavar="TOKENS",
-                   help="prompt tokens per prefill pass (default: the planner's choice; the whole prompt "
-                        "where it fits)")
-    p.add_argument("--device-memory", "--gpu-memory", type=_size, metavar="SIZE",
-                   help="budget of the compute device, e.g. 20GiB (default: detected)")
-    p.add_argument("--host-memory", "--cpu-memory", type=_size, metavar="SIZE",
-                   help="budget of host RAM for weights and KV cache (default: detected)")
-    p.add_argument("--offload-dir", metavar="DIR", help="directory for re-laid-out or quantized weights")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
-                   help="compute dtype (default: the checkpoint's)")
-    p.add_argument("--schedule", default="klotski", choices=SCHEDULES,
-                   help="pipeline schedule; all give identical greedy output (default: klotski)")
-    p.add_argument("--batching", default="continuous", choices=BATCHINGS,
-                   help="continuous (default): a finished sequence's row takes the next prompt; static: a "
-                        "batch keeps its rows until its longest sequence ends (same tokens either way)")
-    p.add_argument("--prefetch", default="correlation", choices=PREFETCH,
-                   help="how hot experts are predicted (default: correlation)")
-    p.add_argument("--attention", default="full", metavar="full|sink:S,window:W",
-                   help="full (exact, default) or StreamingLLM-style: keep each sequence's first S and "
-                        "last W tokens of the KV cache")
-    p.add_argument("--quantize", default="none", choices=("none", "hqq4"),
-                   help="hqq4: move attention and experts as HQQ 4-bit (g64, scale/zero g128), "
-                        "dequantized on the device before use; the copy is made once in --offload-dir")
-    p.add_argument("--quantize-optimize", action="store_true",
-                   help="run HQQ's half-quadratic optimisation (~4%% less error, ~40x slower to quantize)")
-    p.add_argument("--emulate-link", type=float, metavar="GBPS", dest="emulate_link_gbps",
-                   help="throttle host->device transfers to GBPS GB/s to mimic a PCIe card on a CPU run")
-    p.add_argument("--host-attention", default="off", choices=HOST_COMPUTE,
-                   help="with the KV cache on the host, compute attention there (q down, output up) instead "
-                        "of moving the KV prefix: auto = where the cost model says it finishes sooner")
-    p.add_argument("--host-experts", default="off", choices=HOST_COMPUTE,
-                   help="compute a cold expert that lives on the host there (tokens down, outputs up) instead "
-                        "of moving it: auto = where the cost model says it finishes sooner")
-    p.add_argument("--no-direct-io", action="store_true", help="read weights through the page cache")
-
-
-def _add_plan_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny-mixtral", help="alias (mixtral-8x7b, mixtral-8x22b), directory or built-in")
-    p.add_argument("--hardware", default="auto",
-                   help="auto (measure this machine), rtx3090-pcie4, h800-pcie5, a5000-pcie4-512g or a profile JSON")
-    p.add_argument("--device-memory", "--gpu-memory", type=_size, metavar="SIZE")
-    p.add_argument("--host-memory", "--cpu-memory", type=_size, metavar="SIZE")
-    p.add_argument("--prompt-len", type=int, default=512)
-    p.add_argument("--gen-len", type=int, default=32)
-    p.add_argument("--batch-size", type=int)
-    p.add_argument("--num-batches", type=_num_batches, default=None, metavar="N|auto")
-    p.add_argument("--prefill-chunk", type=int, metavar="TOKENS")
-    p.add_argument("--schedule", default="klotski", choices=SCHEDULES)
-    p.add_argument("--quantize", default="none", choices=("none", "hqq4"))
-    p.add_argument("--emulate-link", type=float, metavar="GBPS", dest="emulate_link_gbps")
-    p.add_argument("--host-attention", default="off", choices=HOST_COMPUTE,
-                   help="let the plan compute attention beside a host KV cache (auto: where it is faster)")
-    p.add_argument("--host-experts", default="off", choices=HOST_COMPUTE,
-                   help="let the plan compute off-device experts where they live (auto: where it is faster)")
-    _add_profile_device_flag(p)
-
-
-def _add_profile_device_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
-                   help="compute device a measured profile times (default: auto, the GPU where there is one)")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="klotski",
-        description="Offline, throughput-first generation for Mixture-of-Experts models bigger than your GPU.")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-
-    g = sub.add_parser("generate", help="generate a completion for every line of a JSONL job file",
-                       description="Generate a completion for every line of JOBS.jsonl and append one JSON "
-                                   "line per prompt to the output. Rerunning the same command resumes.")
-    g.add_argument("jobs", metavar="JOBS.jsonl")
-    g.add_argument("-o", "--output", metavar="OUT.jsonl", help="output file (default: JOBS.out.jsonl)")
-    g.add_argument("--max-new-tokens", type=int, default=32, help="default per-request limit (default: 32)")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=0, help="sampling seed; each request's stream is derived from "
-                                                         "it and the request id, so results do not depend on batching")
-    _add_model_flags(g)
-    g.add_argument("--report", metavar="PATH", help="write the run report as JSON")
-    g.add_argument("--trace", metavar="PATH", help="write a Chrome-trace JSON (open in Perfetto)")
-    g.add_argument("--no-resume", action="store_true", help="start the output file afresh")
-    g.add_argument("--include-token-ids", action="store_true", help="add token_ids to each output line")
-    g.add_argument("--output-format", default="auto", choices=OUTPUT_FORMATS,
-                   help="auto (default): each line in its input line's form (OpenAI Batch output for OpenAI "
-                        "Batch requests); klotski or openai: every line in that form")
-    g.add_argument("--no-progress", action="store_true", help="no progress bar")
-    g.add_argument("--window", type=int, default=RunConfig.window, metavar="LINES",
-                   help="job lines read, tokenized and ordered by length together; memory holds one window "
-                        f"whatever the file's length (default: {RunConfig.window})")
-    g.add_argument("--ray", nargs="?", const="auto", metavar="ADDRESS",
-                   help="run on a Ray cluster: one engine per GPU (per node without GPUs) as Ray actors, the job "
-                        "sharded over them, one output file; ADDRESS: auto (default: join the running cluster), "
-                        "local (start one here) or host:port. Needs: pip install 'klotski[ray]'")
-    g.add_argument("--workers", type=int, metavar="N", help="with --ray: number of actors (engines)")
-    g.add_argument("--shard", type=int, default=RunConfig.shard, metavar="LINES",
-                   help=f"with --ray: job lines handed to an actor at a time, rerun whole if the actor dies "
-                        f"(default: {RunConfig.shard})")
-    g.add_argument("--prompt-field", default=RunConfig.prompt_field, metavar="COLUMN",
-                   help="for a dataset input (.parquet, .csv, .json, .arrow, a save_to_disk directory): the prompt "
-                        f"column (default: {RunConfig.prompt_field})")
-    g.add_argument("--messages-field", default=RunConfig.messages_field, metavar="COLUMN",
-                   help=f"the chat messages column of a dataset input (default: {RunConfig.messages_field})")
-    g.add_argument("--id-field", default=RunConfig.id_field, metavar="COLUMN",
-                   help=f"the id column of a dataset input; a row without one gets its row number "
-                        f"(default: {RunConfig.id_field})")
-
-    pl = sub.add_parser("plan", help="choose batch size, n and placement; predict throughput (no weights needed)",
-                        description="Plan a run: batch size, batches per group, hot experts, placement per tier, "
-                                    "the binding inequality and predicted tokens/s. Works for aliases "
-                                    "(mixtral-8x7b, mixtral-8x22b) without their weights.")
-    _add_plan_flags(pl)
-    pl.add_argument("--json", action="store_true", help="print the plan as JSON")
-
-    sm = sub.add_parser("simulate", help="discrete-event replay of the schedules on a hardware profile")
-    _add_plan_flags(sm)
-    sm.add_argument("--skew", type=float, default=1.0, help="Zipf skew of synthetic routing (0 = uniform)")
-    sm.add_argument("--trace", metavar="PATH", help="write the klotski schedule's Chrome trace")
-    sm.add_argument("--json", action="store_true")
-
-    pf = sub.add_parser("profile", help="measure this machine for a model's shapes (cached)")
-    pf.add_argument("--model", default="tiny-mixtral")
-    pf.add_argument("--emulate-link", type=float, metavar="GBPS", dest="emulate_link_gbps")
-    pf.add_argument("--refresh", action="store_true", help="measure again instead of using the cache")
-    _add_profile_device_flag(pf)
-
-    co = sub.add_parser("correlate", help="build the expert-correlation table from a warm-up run")
-    co.add_argument("jobs", nargs="?", metavar="JOBS.jsonl", help="prompts (default: the bundled corpus)")
-    co.add_argument("--model", default="tiny-mixtral")
-    co.add_argument("-o", "--output", metavar="TABLE.json", help="default: the user cache, where generate looks")
-    co.add_argument("--path-length", type=int, default=1, help="layers of expert history per lookup, for exact-path tables (default 1)")
-    co.add_argument("--batch-size", type=int, help="default: the planner's choice")
-    co.add_argument("--count", type=int, default=64, help="prompts to sample (default 64)")
-    co.add_argument("--max-new-tokens", type=int, default=16)
-    co.add_argument("--device-memory", "--gpu-memory", type=_size, metavar="SIZE")
-    co.add_argument("--host-memory", "--cpu-memory", type=_size, metavar="SIZE")
-
-    q = sub.add_parser("quantize", help="write the HQQ 4-bit copy of a checkpoint (what --quantize hqq4 uses)")
-    q.add_argument("--model", default="tiny-mixtral")
-    q.add_argument("-o", "--output", metavar="DIR", help="default: the user cache, where generate looks")
-    q.add_argument("--optimize", action="store_true", help="HQQ half-quadratic optimisation (slow on CPU)")
-
-    t = sub.add_parser("make-tiny", help="write a deterministic small checkpoint (HF format)")
-    t.add_argument("output", metavar="DIR")
-    t.add_argument("--preset", default="tiny", help="tiny, small or medium (default: tiny)")
-    t.add_argument("--family", default="mixtral", choices=tuple(FAMILY_FIELDS),
-                   help="model family; other than mixtral, built with transformers' own classes (random)")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--shards", type=int, default=1, help="number of safetensors files")
-    t.add_argument("--fused-experts", action="store_true", help="write transformers-v5 fused expert tensors")
-    t.add_argument("--routing", default="uniform", choices=("uniform", "skewed"),
-                   help="skewed: Zipf-like expert popularity correlated across layers, like real Mixtral")
-
-    from klotski.bench import driver as bench
-    bench.add_parser(sub)
-
-    sh = sub.add_parser("show", help="print some results of an output file beside their prompts")
-    sh.add_argument("output", metavar="OUT.jsonl")
-    sh.add_argument("--jobs", metavar="JOBS.jsonl", help="the job file, to print each prompt's start")
-    sh.add_argument("--count", type=int, default=5, help="records to print (default 5)")
-
-    ck = sub.add_parser("check", help="check a checkpoint: headers, config, tokenizer, NaN/Inf in every tensor",
-                        description="Print one line per problem of a checkpoint (exit status 1 if any): "
-                                    "safetensors headers, config.json fields, the tokenizer, shapes, and every "
-                                    "tensor scanned for NaN and infinite values in pieces within --host-memory.")
-    ck.add_argument("--model", default="tiny-mixtral", help="checkpoint directory, alias or built-in model")
-    ck.add_argument("--host-memory", "--cpu-memory", type=_size, metavar="SIZE",
-                    help="memory the scan may use (default: 1 GiB)")
-    ck.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-    j = sub.add_parser("jobs", help="export example job files")
-    j.add_argument("dataset", choices=("wikitext",))
-    j.add_argument("-o", "--output", default="wikitext103.jsonl")
-    j.add_argument("-n", "--count", type=int, default=256)
-    j.add_argument("--seed", type=int, default=0)
-    return parser
-
-
-def config_from_args(a: argparse.Namespace) -> RunConfig:
-    return RunConfig(
-        model=a.model, max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
-        seed=a.seed, batch_size=a.batch_size, num_batches=a.num_batches, prefill_chunk=a.prefill_chunk,
-        device_memory=a.device_memory,
-        host_memory=a.host_memory, offload_dir=a.offload_dir, device=a.device, dtype=a.dtype,
-        schedule=a.schedule, batching=a.batching, prefetch=a.prefetch, attention=a.attention, quantize=a.quantize, quantize_optimize=a.quantize_optimize,
-        emulate_link_gbps=a.emulate_link_gbps,
-        host_attention=getattr(a, "host_attention", RunConfig.host_attention),
-        host_experts=getattr(a, "host_experts", RunConfig.host_experts),
-        direct_io=not a.no_direct_io, resume=not a.no_resume, include_token_ids=a.include_token_ids,
-        output_format=a.output_format,
-        report=a.report, trace=a.trace, progress=not a.no_progress,
-        window=getattr(a, "window", RunConfig.window), ray=getattr(a, "ray", None),
-        workers=getattr(a, "workers", None), shard=getattr(a, "shard", RunConfig.shard),
-        prompt_field=getattr(a, "prompt_field", RunConfig.prompt_field),
-        messages_field=getattr(a, "messages_field", RunConfig.messages_field),
-        id_field=getattr(a, "id_field", RunConfig.id_field))
 
 
 def main(argv=None) -> int:
@@ -258,10 +32,11 @@ def main(argv=None) -> int:
     import threading
 
     from klotski import errors
+    from klotski.cli import commands  # after parsing: `klotski --help` loads no torch
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
     try:
-        return _run(args)
+        return commands.COMMANDS[args.command](args)
     except Terminated:
         print("klotski: terminated; rerun the same command to resume", file=sys.stderr)
         return EXIT_TERMINATED
@@ -277,41 +52,6 @@ def main(argv=None) -> int:
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
-
-
-def _run(args) -> int:
-    if args.command == "generate":
-        from klotski.generate import generate
-        return generate(config_from_args(args), Path(args.jobs), args.output)
-    if args.command in ("plan", "simulate", "profile", "correlate", "quantize", "show"):
-        from klotski.cli.main import commands
-        return getattr(commands, args.command)(args)
-    if args.command == "check":
-        from klotski.io import check
-        return check.main(args)
-    if args.command == "bench":
-        from klotski.bench import driver as bench
-        return bench.main(args)
-    if args.command == "make-tiny":
-        from klotski.builtin import tiny
-        from klotski.util.writes import writing
-        with writing(args.output, "the checkpoint"):
-            if args.family != "mixtral":
-                from klotski.builtin.families import build_family
-                path, what = build_family(args.output, args.family, seed=args.seed), args.family
-            else:
-                path, what = tiny.build_checkpoint(args.output, args.preset, seed=args.seed, num_shards=args.shards,
-                                                   fused_experts=args.fused_experts, routing=args.routing), args.preset
-        print(f"wrote {what} checkpoint to {path}")
-        return EXIT_OK
-    if args.command == "jobs":
-        from klotski.io.wikitext import export_wikitext
-        from klotski.util.writes import writing
-        with writing(args.output, "the job file"):
-            n = export_wikitext(args.output, args.count, args.seed)
-        print(f"wrote {n} prompts to {args.output}")
-        return EXIT_OK
-    return EXIT_USAGE
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ from typing import Iterable
 
 import torch
 
+from klotski.util.safetensors import SafetensorsWriter
 from klotski.util.writes import alive
 
 FORMAT = 1
@@ -95,6 +96,11 @@ class QuantSpec:
         meta = int(m[3]) if m[3] else (cls.meta_group_size if bits < META_BITS else None)
         return cls(bits=bits, group_size=int(m[2] or cls.group_size), meta_group_size=meta,
                    optimize=bool(m[4]) if optimize is None else optimize)
+
+
+def spec_for(config) -> QuantSpec | None:
+    """The quantization a run's config asks for (`--quantize hqq4`, `--quantize-optimize`), or None."""
+    return QuantSpec(optimize=config.quantize_optimize) if config.quantize == "hqq4" else None
 
 
 # ---- one tensor ---------------------------------------------------------------------------
@@ -201,6 +207,7 @@ def _dequantize_meta(q, s, z, count: int) -> torch.Tensor:
 # called on disk). An allow-list: norms, biases, routers, shared experts, embeddings and
 # lm_head are small or precision-critical, and anything we do not recognise is safer left alone.
 PROJECTIONS = {"q", "k", "v", "o", "w1", "w2", "w3"}
+QUANTIZED_KINDS = ("attn", "expert")  # the group kinds whose projections are quantized
 
 
 def should_quantize(name: str, tensor: torch.Tensor) -> bool:
@@ -268,14 +275,14 @@ def quantize_checkpoint(src_dir: str | Path, out_dir: str | Path, spec: QuantSpe
     tmp.mkdir()
     try:
         labels = set()
-        with _StreamingSafetensors(tmp / WEIGHTS_FILE) as writer:
+        with SafetensorsWriter(tmp / WEIGHTS_FILE, {"klotski_format": str(FORMAT), "tag": spec.tag()}) as writer:
             for label, group in groups:
                 if "/" in label or label in labels:
                     raise ValueError(f"group label {label!r} is repeated or contains '/'")
                 labels.add(label)
                 for key, t in quantize_group(group, spec).items():
                     writer.add(f"{label}/{key}", t)
-            nbytes = writer.finish(metadata={"klotski_format": str(FORMAT), "tag": spec.tag()})
+            nbytes = writer.finish(sync=True)
         manifest = {"klotski_format": FORMAT, "method": "hqq", "bits": spec.bits,
                     "group_size": spec.group_size, "meta_group_size": spec.meta_group_size,
                     "optimize": spec.optimize, "source": str(Path(src_dir).resolve()),
@@ -359,50 +366,3 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-              torch.uint8: "U8", torch.bool: "BOOL"}
-
-
-class _StreamingSafetensors:
-    """Writes a safetensors file one tensor at a time.
-
-    `safetensors.torch.save_file` needs every tensor in memory at once — 25 GB for a 4-bit
-    Mixtral-8x7B. The header (which lists all offsets) must come first, so tensor bytes go
-    to a side file and are appended after the header at the end: one extra sequential copy
-    of the quantized bytes, against a source read ~4x larger."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.data_path = path.with_suffix(".data")
-        self.data = open(self.data_path, "wb")
-        self.header: dict[str, dict] = {}
-        self.offset = 0
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.data.close()  # on success already closed by finish(); on error the temp dir goes
-
-    def add(self, key: str, t: torch.Tensor) -> None:
-        t = t.detach().to("cpu").contiguous()
-        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
-        self.header[key] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape),
-                            "data_offsets": [self.offset, self.offset + len(raw)]}
-        self.data.write(raw)
-        self.offset += len(raw)
-
-    def finish(self, metadata: dict[str, str]) -> int:
-        self.data.close()
-        header = json.dumps({"__metadata__": metadata, **self.header}, separators=(",", ":")).encode()
-        header += b" " * (-len(header) % 8)  # the format allows space padding; keeps data 8-aligned
-        with open(self.path, "wb") as f, open(self.data_path, "rb") as src:
-            f.write(struct.pack("<Q", len(header)) + header)
-            shutil.copyfileobj(src, f, 16 << 20)
-            f.flush()
-            os.fsync(f.fileno())
-        self.data_path.unlink()
-        return self.offset

@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 from klotski.compress import hqq as quant
-from klotski.io.checkpoint import QUANTIZED_KINDS
+from klotski.compress.hqq import QUANTIZED_KINDS
+from klotski.util import dtypes
 
 
 def label(key) -> str:
@@ -30,7 +31,7 @@ class QuantCodec:
                 numel = 1
                 for d in sl.get_shape():
                     numel *= d
-                self._packed[group] = self._packed.get(group, 0) + numel * _itemsize(sl.get_dtype())
+                self._packed[group] = self._packed.get(group, 0) + numel * dtypes.safetensors_itemsize(sl.get_dtype())
 
     def covers(self, key) -> bool:
         return key[0] in QUANTIZED_KINDS
@@ -45,15 +46,11 @@ class QuantCodec:
         return quant.dequantize_group(parts, self.dtype)
 
 
-def _itemsize(dtype: str) -> int:
-    return {"F64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "U8": 1, "I8": 1, "BOOL": 1}.get(dtype, 4)
-
-
 def copy_path(ckpt, dtype, offload_dir: str | None, optimize: bool) -> tuple[Path, "quant.QuantSpec", str]:
     """Where the quantized copy of `ckpt` lives: `offload_dir`, or the user cache."""
     from klotski.util import cachedir
     qspec = quant.QuantSpec(optimize=optimize)
-    dtype_name = str(dtype).removeprefix("torch.")  # unquantized parts are kept in the compute dtype
+    dtype_name = dtypes.name_of(dtype)  # unquantized parts are kept in the compute dtype
     out = Path(offload_dir) if offload_dir else cachedir.quantized_copy(ckpt.key, f"{qspec.tag()}-{dtype_name}")
     return out, qspec, dtype_name
 

@@ -9,13 +9,12 @@ from pathlib import Path
 
 import torch
 
-from klotski.util import cachedir
+from klotski.compress import hqq
+from klotski.util import cachedir, dtypes
 from klotski.io import registry
-from klotski.models.spec import DTYPES, ModelSpec
+from klotski.models.spec import ModelSpec
 from placement.store import CheckpointError, TensorStore
 from planner.costmodel import GroupBytes
-
-QUANTIZED_KINDS = ("attn", "expert")  # what --quantize hqq4 packs (the paper's preset)
 
 
 @dataclass
@@ -37,7 +36,7 @@ class Checkpoint:
 
     def compute_dtype(self, name: str) -> torch.dtype:
         """`--dtype`: the checkpoint's own for 'auto'."""
-        return self.spec.dtype if name == "auto" else DTYPES[name]
+        return self.spec.dtype if name == "auto" else dtypes.torch_dtypes()[name]
 
     def eos_ids(self) -> set[int]:
         eos = set(self.spec.eos_token_ids)
@@ -48,7 +47,6 @@ class Checkpoint:
     def group_nbytes(self, key, dtype: torch.dtype, quant=None) -> tuple[int, int]:
         """(bytes of `key` in a tier and on a link, bytes of its dequantized copy or 0) in the
         compute dtype; `quant` (a klotski.compress.hqq.QuantSpec) packs attention and experts."""
-        from klotski.compress import hqq as Q
         if key[0] == "expert" and self.spec.expert_format == "mxfp4":  # packed as shipped
             from klotski.compress import mxfp4
             return mxfp4.group_nbytes(self.spec, self.store, key, dtype)
@@ -57,9 +55,9 @@ class Checkpoint:
             shape = self.store.entries[ref.name].span(ref.index, ref.rows)[2]
             nbytes = _numel(shape) * dtype.itemsize
             full += nbytes
-            coded = quant is not None and key[0] in QUANTIZED_KINDS and name in Q.PROJECTIONS
-            packed += Q.packed_weight_nbytes(*shape, quant) if coded else nbytes
-        coded = quant is not None and key[0] in QUANTIZED_KINDS
+            coded = quant is not None and key[0] in hqq.QUANTIZED_KINDS and name in hqq.PROJECTIONS
+            packed += hqq.packed_weight_nbytes(*shape, quant) if coded else nbytes
+        coded = quant is not None and key[0] in hqq.QUANTIZED_KINDS
         return packed, (full if coded else 0)
 
     def group_bytes(self, dtype: torch.dtype, quant=None) -> GroupBytes:

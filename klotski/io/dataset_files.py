@@ -11,8 +11,8 @@ Each row becomes the dict a JSONL line would be — ``--prompt-field``, ``--mess
 and ``--id-field`` name the columns (defaults ``prompt``, ``messages``, ``id``; a missing id
 is the 1-based row number) and columns named like a line's options (``max_new_tokens``,
 ``temperature``, ...) are passed on — and goes through ``klotski.io.jobs.claim_items``, the
-JSONL lines' checks: a bad row is an error record naming its row (as ``line``) and field,
-ids are claimed in row order exactly as lines are. The row's columns ride along on the
+JSONL lines' checks (klotski/io/requests.py): a bad row is an error record naming its row
+(as ``line``) and field, ids are claimed in row order exactly as lines are. The row's columns ride along on the
 Request (``Request.row``) so a Parquet output can keep them beside the completion.
 """
 from __future__ import annotations
@@ -23,10 +23,10 @@ import os
 from pathlib import Path
 
 from klotski.errors import UserError
+from klotski.io.requests import OPTIONS
+from klotski.io.requests import ROW_KEY as ROW  # a row's columns travel under it (the line checks ignore it)
 
 BUILDERS = {".parquet": "parquet", ".csv": "csv", ".json": "json", ".arrow": "arrow", ".tsv": "csv"}
-OPTIONS = ("max_new_tokens", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "seed")
-from klotski.io.jobs import ROW_KEY as ROW  # a row's columns travel under it (the line checks ignore it)
 
 
 def is_dataset(path) -> bool:
@@ -135,7 +135,8 @@ def job_rows(path, fields, done, cursor):
     """klotski.io.jobs.stream_jobs for a dataset: Requests and LineErrors in row order."""
     import dataclasses
 
-    from klotski.io.jobs import LineError, claim_items
+    from klotski.io.jobs import claim_items
+    from klotski.io.requests import LineError
     rows = open_rows(path)
     check_columns(rows, path, fields)
     renamed = [f"{key} is column {col!r}" for key, col in zip(("prompt", "messages", "id"), fields) if key != col]

@@ -1,18 +1,9 @@
-"""Job files in, result records out, and resuming an interrupted run.
+"""Job files in: a job file read as a stream of checked lines, each answered under a unique id.
 
-Input: one JSON object per line, in one of three shapes.
-
-* plain:  {"id": "q1", "prompt": "...", "max_new_tokens": 64, "temperature": 0.7,
-           "top_p": 0.9, "stop": ["\\n\\n"], "seed": 1}
-* chat:   {"id": "q2", "messages": [{"role": "user", "content": "..."}], ...}
-* OpenAI batch: {"custom_id": "q3", "method": "POST", "url": "/v1/chat/completions",
-                 "body": {"messages": [...], "max_tokens": 64, ...}}
+What one line may hold, and its checks, are klotski/io/requests.py's.
 
 A line without an id gets its 1-based line number as id; numeric ids become
-strings. Blank lines are skipped. Unknown keys are ignored so that files can
-carry their own metadata; ``null`` for an optional field means "use the run's
-default". ``max_tokens`` (and OpenAI's ``max_completion_tokens``) is accepted
-as another name for ``max_new_tokens``.
+strings. Blank lines are skipped.
 
 Bad lines never stop the run: each becomes a ``LineError`` (written to the
 output as ``{"id", "error": {"line", "message"}}``) and the other lines go on.
@@ -24,7 +15,7 @@ file is read as a stream (``stream_jobs``): what is remembered of earlier lines 
 only their ids, hashed (klotski/io/idset.py), so duplicates are found wherever they are
 without holding the file.
 
-Output records and resuming are klotski/io/output.py's.
+Output records are klotski/io/records.py's; writing them and resuming, klotski/io/output.py's.
 
 This module only uses the standard library: tokenizing and generating belong to
 the engine.
@@ -33,93 +24,15 @@ the engine.
 from __future__ import annotations
 
 import json
-import math
 import os
 from array import array
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from klotski.errors import JobFileError
 from klotski.io.idset import IdSet, id_hash
-
-ROLES = ("system", "user", "assistant")
-COMPLETIONS_URL = "/v1/completions"
-CHAT_URL = "/v1/chat/completions"
-_EXAMPLE = '{"id": "q1", "prompt": "Hello"}'
-ROW_KEY = "_klotski_row"  # a dataset row's columns, carried beside its job fields (klotski/io/dataset_files.py)
-
-
-class JobFileError(Exception):
-    """A problem with a whole file (missing, unreadable, locked); one line for the CLI."""
-
-
-@dataclass(frozen=True)
-class Request:
-    """One validated job.
-
-    Exactly one of ``prompt`` / ``messages`` is set. ``messages`` is a tuple of
-    ``(role, content)`` string pairs, hashable like the rest of the request;
-    ``chat_messages()`` gives the list-of-dicts form chat templates expect.
-    ``None`` in a limit means "use the run's default".
-    """
-
-    id: str
-    line: int
-    prompt: str | None
-    messages: tuple[tuple[str, str], ...] | None
-    max_new_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-    openai: str | None = None  # the endpoint ("/v1/chat/completions", ...) of an OpenAI Batch line
-    row: dict | None = field(default=None, compare=False, hash=False, repr=False)  # a dataset row's columns
-
-    def chat_messages(self) -> list[dict[str, str]]:
-        return [{"role": r, "content": c} for r, c in self.messages or ()]
-
-
-@dataclass(frozen=True)
-class LineError:
-    """A job that cannot be served; ``message`` says what is wrong and how to fix it.
-    ``openai`` is the endpoint when the line was recognisably an OpenAI Batch request, and
-    ``code`` the error code its OpenAI-form output line carries."""
-
-    id: str
-    line: int
-    message: str
-    openai: str | None = None
-    code: str = "invalid_request"
-    row: dict | None = field(default=None, compare=False, hash=False, repr=False)  # a dataset row's columns
-
-    def __str__(self) -> str:
-        return f"line {self.line} (id {self.id!r}): {self.message}"
-
-
-def prompt_too_long(request: Request, prompt_tokens: int, context: int,
-                    max_new_tokens: int | None = None) -> LineError:
-    """The engine's error for a prompt that does not fit the model's context."""
-    if max_new_tokens:
-        message = (f"prompt has {prompt_tokens} tokens and max_new_tokens is {max_new_tokens}, "
-                   f"together more than the model's context of {context} tokens; "
-                   f"shorten the prompt or lower max_new_tokens")
-    else:
-        message = (f"prompt has {prompt_tokens} tokens, more than the model's context of "
-                   f"{context} tokens; shorten the prompt")
-    return LineError(request.id, request.line, message, openai=request.openai, code="context_length_exceeded",
-                     row=request.row)
-
-
-def model_error(seq) -> LineError:
-    """The error of a sequence the model could not produce (e.g. non-finite logits)."""
-    req = seq.request
-    return LineError(req.id, req.line, seq.error, openai=req.openai, code="model_error", row=req.row)
-
-
-# ---------------------------------------------------------------- reading
-
-
-class _Invalid(Exception):
-    """A user-facing reason why one line is rejected."""
+from klotski.io.requests import (EXAMPLE_LINE, ROW_KEY, InvalidLine, LineError, Request, explicit_id, line_fields,
+                                 openai_endpoint)
 
 
 @dataclass
@@ -178,7 +91,7 @@ def stream_jobs(path, done=None, *, start: Start | None = None,
         for line, begin, raw in lines:
             try:
                 yield line, begin, begin + len(raw), _decode(raw, first=line == 1), None
-            except _Invalid as e:
+            except InvalidLine as e:
                 yield line, begin, begin + len(raw), {}, str(e)
     replay = objects(_lines_at(path, start.replay)) if start else ()
     rest = objects(_numbered_lines(path, *((start.line, start.offset) if start else (0, 0))))
@@ -234,9 +147,9 @@ def _item(line: int, obj, error, done, claim):
         if obj is None:
             return _BLANK
         try:
-            openai = _endpoint(obj)
-            explicit = _explicit_id(obj)
-        except _Invalid as e:
+            openai = openai_endpoint(obj)
+            explicit = explicit_id(obj)
+        except InvalidLine as e:
             error = str(e)
     natural = explicit if explicit is not None else str(line)
     name, fresh = claim(natural)
@@ -244,8 +157,8 @@ def _item(line: int, obj, error, done, claim):
         return None
     if error is None:
         try:
-            fields = _fields(obj)
-        except _Invalid as e:
+            fields = line_fields(obj)
+        except InvalidLine as e:
             error = str(e)
     if not fresh:  # an earlier line owns this id: name this line's error record apart
         if error is None and explicit is not None:
@@ -336,182 +249,21 @@ def _decode(raw: bytes, first: bool) -> dict | None:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise _Invalid(f"line is not valid UTF-8 (byte 0x{raw[e.start]:02x} at column "
-                       f"{e.start + 1}); save the job file as UTF-8") from None
+        raise InvalidLine(f"line is not valid UTF-8 (byte 0x{raw[e.start]:02x} at column "
+                          f"{e.start + 1}); save the job file as UTF-8") from None
     if not text.strip():
         return None
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
-        raise _Invalid(f"invalid JSON at column {e.colno}: {e.msg}; each line must be one "
-                       f"JSON object like {_EXAMPLE}") from None
+        raise InvalidLine(f"invalid JSON at column {e.colno}: {e.msg}; each line must be one "
+                          f"JSON object like {EXAMPLE_LINE}") from None
     if not isinstance(obj, dict):
-        raise _Invalid(f"line is a JSON {_json_type(obj)}, not an object; each line must be "
-                       f"one JSON object like {_EXAMPLE}")
+        raise InvalidLine(f"line is a JSON {_json_type(obj)}, not an object; each line must be "
+                          f"one JSON object like {EXAMPLE_LINE}")
     return obj
-
-
-def _is_openai(obj: dict) -> bool:
-    return "body" in obj or "custom_id" in obj
-
-
-def _endpoint(obj: dict) -> str | None:
-    """The OpenAI endpoint a Batch line asks for (its url, else what its body implies)."""
-    if not _is_openai(obj):
-        return None
-    url, body = obj.get("url"), obj.get("body")
-    if url in (COMPLETIONS_URL, CHAT_URL):
-        return url
-    return COMPLETIONS_URL if isinstance(body, dict) and body.get("prompt") is not None else CHAT_URL
-
-
-def _explicit_id(obj: dict) -> str | None:
-    key = "custom_id" if _is_openai(obj) else "id"
-    value = obj.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-        raise _Invalid(f"{key} must be a string or a number, got {_show(value)}")
-    if value == "":
-        raise _Invalid(f"{key} is empty; give a non-empty id or leave it out to use the line number")
-    return str(value)
-
-
-def _fields(obj: dict) -> dict:
-    """The Request fields of one line, apart from id and line."""
-    prefix, src = "", obj
-    if _is_openai(obj):
-        src, prefix = obj.get("body"), "body."
-        if not isinstance(src, dict):
-            raise _Invalid('an OpenAI batch line needs a "body" object holding "prompt" or "messages"')
-        _check_openai_envelope(obj, src)
-    has_prompt = src.get("prompt") is not None
-    has_messages = src.get("messages") is not None
-    if has_prompt and has_messages:
-        raise _Invalid(f'give either {prefix}prompt or {prefix}messages, not both')
-    if not has_prompt and not has_messages:
-        raise _Invalid(f'missing "{prefix}prompt" (or "{prefix}messages" for chat); '
-                       f"e.g. {_EXAMPLE}")
-    prompt = _prompt(src["prompt"], prefix) if has_prompt else None
-    messages = _messages(src["messages"], prefix) if has_messages else None
-    return dict(
-        prompt=prompt,
-        messages=messages,
-        max_new_tokens=_max_new_tokens(src, prefix),
-        temperature=_number(src, "temperature", prefix, low=0.0, high=None, open_low=False),
-        top_p=_number(src, "top_p", prefix, low=0.0, high=1.0, open_low=True),
-        stop=_stop(src.get("stop"), prefix),
-        seed=_seed(src.get("seed"), prefix),
-    )
-
-
-def _check_openai_envelope(obj: dict, body: dict) -> None:
-    method = obj.get("method")
-    if method is not None and method != "POST":
-        raise _Invalid(f'method must be "POST", got {_show(method)}')
-    n = body.get("n")
-    if n is not None and n != 1:
-        raise _Invalid(f"body.n is {_show(n)} but only one completion per job is supported; "
-                       f"drop n or repeat the job with other ids")
-    url = obj.get("url")
-    if url is None:
-        return
-    if url not in (COMPLETIONS_URL, CHAT_URL):
-        raise _Invalid(f'url must be "{COMPLETIONS_URL}" or "{CHAT_URL}", got {_show(url)}')
-    if url == COMPLETIONS_URL and body.get("messages") is not None:
-        raise _Invalid(f'url is {COMPLETIONS_URL} but body has "messages"; '
-                       f"use {CHAT_URL} or give body.prompt")
-    if url == CHAT_URL and body.get("prompt") is not None:
-        raise _Invalid(f'url is {CHAT_URL} but body has "prompt"; '
-                       f"use {COMPLETIONS_URL} or give body.messages")
-
-
-def _prompt(value, prefix: str) -> str:
-    if not isinstance(value, str):
-        raise _Invalid(f"{prefix}prompt must be a string, got {_show(value)}")
-    if not value:
-        raise _Invalid(f"{prefix}prompt is empty; give the text to continue")
-    return value
-
-
-def _messages(value, prefix: str) -> tuple[tuple[str, str], ...]:
-    name = f"{prefix}messages"
-    if not isinstance(value, list) or not value:
-        raise _Invalid(f'{name} must be a non-empty list like [{{"role": "user", "content": "Hi"}}], '
-                       f"got {_show(value)}")
-    pairs = []
-    for i, message in enumerate(value):
-        if not isinstance(message, dict):
-            raise _Invalid(f'{name}[{i}] must be an object with "role" and "content", '
-                           f"got {_show(message)}")
-        role, content = message.get("role"), message.get("content")
-        if role not in ROLES:
-            raise _Invalid(f"{name}[{i}].role must be one of "
-                           f"{', '.join(repr(r) for r in ROLES)}, got {_show(role)}")
-        if not isinstance(content, str):
-            raise _Invalid(f"{name}[{i}].content must be a string, got {_show(content)}")
-        pairs.append((role, content))
-    return tuple(pairs)
-
-
-def _max_new_tokens(src: dict, prefix: str) -> int | None:
-    given = [k for k in ("max_new_tokens", "max_tokens", "max_completion_tokens")
-             if src.get(k) is not None]
-    if len(given) > 1:
-        raise _Invalid(f"give only one of {', '.join(prefix + k for k in given)}")
-    if not given:
-        return None
-    key, value = prefix + given[0], src[given[0]]
-    if not _is_int(value) or value < 1:
-        raise _Invalid(f"{key} must be an integer >= 1, got {_show(value)}")
-    return value
-
-
-def _number(src: dict, key: str, prefix: str, low: float, high: float | None,
-            open_low: bool) -> float | None:
-    value = src.get(key)
-    if value is None:
-        return None
-    if high is None:
-        wanted = f"a number >= {low:g}"
-    else:
-        wanted = f"a number in {'(' if open_low else '['}{low:g}, {high:g}]"
-    ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
-          and math.isfinite(value) and (value > low if open_low else value >= low)
-          and (high is None or value <= high))
-    if not ok:
-        raise _Invalid(f"{prefix}{key} must be {wanted}, got {_show(value)}")
-    return float(value)
-
-
-def _stop(value, prefix: str) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    items = [value] if isinstance(value, str) else value
-    if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items):
-        raise _Invalid(f'{prefix}stop must be a non-empty string or a list of them, like ["\\n\\n"], '
-                       f"got {_show(value)}")
-    return tuple(items)
-
-
-def _seed(value, prefix: str) -> int | None:
-    # Non-negative and 64-bit: what torch and numpy generators both accept.
-    if value is None:
-        return None
-    if not _is_int(value) or not 0 <= value < 2**64:
-        raise _Invalid(f"{prefix}seed must be an integer in [0, 2**64), got {_show(value)}")
-    return value
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _json_type(value) -> str:
     names = {list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
     return "null" if value is None else names.get(type(value), type(value).__name__)
-
-
-def _show(value) -> str:
-    text = json.dumps(value, ensure_ascii=False)
-    return text if len(text) <= 60 else text[:57] + "..."

@@ -1,15 +1,6 @@
-"""Output records, written durably, and resuming an interrupted run.
+"""An output file: records written durably, and resuming an interrupted run.
 
-Two record forms (``--output-format``; ``auto`` answers each line in its own form):
-
-* klotski: ``{"id", "completion", "finish_reason", "prompt_tokens", "completion_tokens"}``
-  (+ ``token_ids``); a line that cannot be served: ``{"id", "error": {"line", "message"}}``.
-* openai: an OpenAI Batch output line, ``{"id": "batch_req_…", "custom_id", "response":
-  {"status_code": 200, "request_id", "body": <chat.completion | text_completion>}, "error":
-  null}``; a line that cannot be served: ``"response": null, "error": {"code", "message"}``.
-
-A record's key is its ``custom_id`` in the OpenAI form, its ``id`` otherwise: that is what
-resume skips and what is never written twice.
+The records themselves (two forms, keyed by ``custom_id`` or ``id``) are klotski/io/records.py's.
 
 Output and resume semantics (``OutputWriter``):
 
@@ -35,11 +26,10 @@ Output and resume semantics (``OutputWriter``):
 * The output is locked (flock) while a writer is open, so two runs writing the
   same file fail fast instead of duplicating ids.
 * ``resume=False`` (``--no-resume``) truncates an existing output.
-* Resuming a file of millions of records stays cheap: ``read_output`` reads it once,
-  keeping keys as 64-bit hashes (klotski/io/idset.py) and error lines as byte spans, and
-  recognises the records Klotski itself wrote by their opening (``{"id": "…", "completion":``)
-  instead of parsing each in full; the writer reuses that pass when the file has not
-  changed since (same inode, size and mtime), else reads it again.
+* Resuming a file of millions of records stays cheap: ``read_output`` reads it once
+  (``scan_file``, klotski/io/records.py: hashed keys and error spans, never the lines); the
+  writer reuses that pass when the file has not changed since (same inode, size and
+  mtime), else reads it again.
 
 This module only uses the standard library.
 """
@@ -47,76 +37,19 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import time
-import uuid
-from array import array
-from dataclasses import dataclass
 
 try:
     import fcntl
 except ImportError:  # not on Windows; the lock is a safety net, not a requirement
     fcntl = None
 
+from klotski.errors import JobFileError
 from klotski.io.idset import IdSet
-from klotski.io.jobs import CHAT_URL, COMPLETIONS_URL, JobFileError
+from klotski.io.records import Scan, file_identity, record_key, scan_file
 from klotski.util.writes import fsync_dir
 
-FORMATS = ("auto", "klotski", "openai")
 
-
-# ---------------------------------------------------------------- records
-
-
-def record_form(fmt: str, openai_endpoint: str | None) -> str:
-    """'klotski' or 'openai' for one line: `fmt` unless it is auto, then the line's own form."""
-    if fmt == "auto":
-        return "openai" if openai_endpoint else "klotski"
-    return fmt
-
-
-def result_record(seq, *, fmt: str, model: str, include_token_ids: bool = False) -> dict:
-    """The output line of a finished sequence."""
-    req = seq.request
-    if record_form(fmt, req.openai) == "klotski":
-        rec = {"id": req.id, "completion": seq.text, "finish_reason": seq.finish_reason,
-               "prompt_tokens": len(seq.prompt_ids), "completion_tokens": len(seq.out)}
-        if include_token_ids:
-            rec["token_ids"] = list(seq.out)
-        return rec
-    endpoint = req.openai or (CHAT_URL if req.messages is not None else COMPLETIONS_URL)
-    usage = {"prompt_tokens": len(seq.prompt_ids), "completion_tokens": len(seq.out),
-             "total_tokens": len(seq.prompt_ids) + len(seq.out)}
-    if endpoint == CHAT_URL:
-        body = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": seq.text},
-                             "finish_reason": seq.finish_reason, "logprobs": None}]}
-    else:
-        body = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
-                "choices": [{"index": 0, "text": seq.text, "finish_reason": seq.finish_reason, "logprobs": None}]}
-    body.update(created=int(time.time()), model=model, usage=usage)
-    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": req.id,
-            "response": {"status_code": 200, "request_id": uuid.uuid4().hex, "body": body}, "error": None}
-
-
-def error_record(err, *, fmt: str) -> dict:
-    """The output line of a job that cannot be served (a klotski.io.jobs.LineError)."""
-    if record_form(fmt, err.openai) == "klotski":
-        return {"id": err.id, "error": {"line": err.line, "message": err.message}}
-    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": err.id, "response": None,
-            "error": {"code": err.code, "message": f"line {err.line}: {err.message}"}}
-
-
-def record_key(obj) -> str | None:
-    """The id a record answers for: custom_id in the OpenAI form, id otherwise."""
-    if not isinstance(obj, dict):
-        return None
-    key = obj.get("custom_id") if "custom_id" in obj else obj.get("id")
-    return key if isinstance(key, str) else None
-
-
-def is_error(obj: dict) -> bool:
-    return bool(obj.get("error")) if "custom_id" in obj else "error" in obj
+# ---------------------------------------------------------------- reading
 
 
 def read_output(path) -> Scan | None:
@@ -126,7 +59,7 @@ def read_output(path) -> Scan | None:
     anything. None when there is no readable file."""
     try:
         with open(path, "rb") as f:
-            return _scan_file(f)
+            return scan_file(f)
     except OSError:
         return None
 
@@ -252,11 +185,11 @@ class OutputWriter:
 
     def _recover(self, known: Scan | None) -> None:
         os.lseek(self._fd, 0, os.SEEK_SET)
-        if known is not None and known.identity == _identity(os.fstat(self._fd)):
+        if known is not None and known.identity == file_identity(os.fstat(self._fd)):
             scan = known  # read by read_output, and the file has not changed since
         else:
             with open(self._fd, "rb", closefd=False) as f:
-                scan = _scan_file(f)
+                scan = scan_file(f)
         if not scan.seen_any:
             return
         # A crash leaves at most one unterminated line; whole corrupt lines and
@@ -306,85 +239,3 @@ class OutputWriter:
         if size and os.pread(self._fd, 1, size - 1) != b"\n":
             os.write(self._fd, b"\n")
             os.fsync(self._fd)
-
-
-@dataclass
-class Scan:
-    """One pass over an output file, keeping only what resume and repair need (never the
-    lines): ok keys and error keys (hashed), the byte spans of error lines, the end of the
-    last valid record, the corrupt lines before it, ``foreign`` (a complete line is
-    corrupt), and the file's identity (inode, size, mtime) when it was read."""
-    ok: IdSet
-    errors: IdSet
-    error_spans: array
-    good_end: int
-    end: int
-    corrupt: int
-    foreign: bool
-    seen_any: bool
-    identity: tuple
-    ok_records: int | None = None  # when `ok` holds more or fewer ids than the file (a sidecar's)
-
-
-def _identity(st) -> tuple:
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
-
-
-def _scan_file(f, base: int = 0) -> Scan:
-    """The file from byte `base` on (where `f` is), offsets counted from the file's start."""
-    identity = _identity(os.fstat(f.fileno()))
-    ok, errors, error_spans = IdSet(), IdSet(), array("q")
-    good_end = offset = base
-    corrupt = corrupt_since = 0
-    foreign = seen_any = False
-    for raw in f:
-        seen_any = True
-        start, offset = offset, offset + len(raw)
-        kind, rid = _classify(raw)
-        if kind in ("ok", "error"):
-            good_end, corrupt, corrupt_since = offset, corrupt + corrupt_since, 0
-            if kind == "ok":
-                ok.add(rid)
-            else:
-                errors.add(rid)
-                error_spans.extend((start, offset))
-        corrupt_since += kind == "corrupt"
-        foreign |= kind == "corrupt" and raw.endswith(b"\n")
-    return Scan(ok, errors, error_spans, good_end, offset, corrupt, foreign, seen_any, identity)
-
-
-# The openings klotski's own writer gives its records (json.dumps keeps key order), so a
-# whole line (ending in "}\n": a crash can only cut a record short) is classified without
-# parsing it; anything else is parsed in full.
-_KLOTSKI = re.compile(rb'\{"id": "((?:[^"\\]|\\.)*)", "(completion|error)": ')
-_OPENAI = re.compile(rb'\{"id": "batch_req_[0-9a-f]+", "custom_id": "((?:[^"\\]|\\.)*)", "response": ')
-
-
-def _classify(raw: bytes) -> tuple[str, str | None]:
-    if raw.endswith(b"}\n"):
-        try:
-            if m := _KLOTSKI.match(raw):
-                return ("ok" if m.group(2) == b"completion" else "error"), _key(m.group(1))
-            if m := _OPENAI.match(raw):
-                ok = raw.endswith(b', "error": null}\n') and not raw.startswith(b"null", m.end())
-                return ("ok" if ok else "error"), _key(m.group(1))
-        except ValueError:  # not UTF-8, a bad escape: the full parse says what it is
-            pass
-    return _parse(raw)
-
-
-def _key(escaped: bytes) -> str:
-    return escaped.decode("utf-8") if b"\\" not in escaped else json.loads(b'"' + escaped + b'"')
-
-
-def _parse(raw: bytes) -> tuple[str, str | None]:
-    if not raw.strip():
-        return "blank", None
-    try:
-        obj = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        return "corrupt", None
-    key = record_key(obj)
-    if key is None:
-        return "corrupt", None
-    return ("error" if is_error(obj) else "ok"), key

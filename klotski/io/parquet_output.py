@@ -29,8 +29,8 @@ try:
 except ImportError:
     fcntl = None
 
+from klotski.errors import JobFileError
 from klotski.io.idset import IdSet
-from klotski.io.jobs import JobFileError
 from klotski.util.writes import fsync_dir
 
 RESULT = ("id", "completion", "finish_reason", "prompt_tokens", "completion_tokens", "error")

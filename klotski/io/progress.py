@@ -44,7 +44,7 @@ from pathlib import Path
 
 from klotski.io.idset import IdSet
 from klotski.io.jobs import Mark, Start
-from klotski.io.output import Scan, _scan_file
+from klotski.io.records import Scan, scan_file
 from klotski.util.writes import fsync_dir, replace_atomically
 
 VERSION = 1
@@ -88,7 +88,7 @@ def load(out_path, jobs_path) -> Resume | None:
             if os.fstat(f.fileno()).st_size < size or _tail_hash(f, size) != state["output"]["tail"]:
                 return None
             f.seek(size)
-            tail = _scan_file(f, base=size)
+            tail = scan_file(f, base=size)
         seen, done = _read_hashes(d / "seen", state["seen"]), _read_hashes(d / "done", state["done"])
         entries = [(int(line), int(begin), str(name), int(a), int(b)) for line, begin, name, a, b in state["errors"]]
         line, offset, records = int(state["line"]), int(state["offset"]), int(state["records"])

@@ -21,47 +21,48 @@ import math
 import torch
 import torch.nn.functional as F
 
-from klotski.models import fields as Fd
+from klotski.models import defaults, fields
 from klotski.models import layers as L
-from klotski.models.refs import TensorRef
 
 MODEL_TYPE = "deepseek_v2"
+QUANTIZATION: tuple[str, ...] = ()  # unquantized weights only
+check_quantization = defaults.check_quantization
 ROUTINGS = ("greedy", "group_limited_greedy")
 
 
 def check_config(cfg: dict) -> None:
     """DeepSeek's own fields (the shared ones are checked by spec.check_config)."""
-    Fd.choice(cfg, "hidden_act", ("silu",), default="silu", why=" (DeepSeek's experts are SwiGLU)")
+    fields.choice(cfg, "hidden_act", ("silu",), default="silu", why=" (DeepSeek's experts are SwiGLU)")
     for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-        Fd.integer(cfg, name)
+        fields.integer(cfg, name)
     if cfg["qk_rope_head_dim"] % 2:
-        raise Fd.BadField(f"field 'qk_rope_head_dim' is {cfg['qk_rope_head_dim']}; must be even "
-                          "(RoPE rotates pairs of dimensions)")
-    Fd.integer(cfg, "q_lora_rank", default=None, optional=True)
-    Fd.integer(cfg, "n_shared_experts", low=0, default=0, optional=True)
-    dense = Fd.integer(cfg, "first_k_dense_replace", low=0, high=cfg["num_hidden_layers"],
-                       high_name="num_hidden_layers", default=0, optional=True)
+        raise fields.BadField(f"field 'qk_rope_head_dim' is {cfg['qk_rope_head_dim']}; must be even "
+                              "(RoPE rotates pairs of dimensions)")
+    fields.integer(cfg, "q_lora_rank", default=None, optional=True)
+    fields.integer(cfg, "n_shared_experts", low=0, default=0, optional=True)
+    dense = fields.integer(cfg, "first_k_dense_replace", low=0, high=cfg["num_hidden_layers"],
+                           high_name="num_hidden_layers", default=0, optional=True)
     if dense:
-        Fd.integer(cfg, "intermediate_size")
+        fields.integer(cfg, "intermediate_size")
     for name in ("attention_bias", "mlp_bias"):
-        if Fd.boolean(cfg, name, default=False):
-            raise Fd.BadField(f"field {name!r} is true; DeepSeek checkpoints have no projection biases: set it "
-                              "to false")
-    Fd.positive_number(cfg, "routed_scaling_factor", default=1.0)
+        if fields.boolean(cfg, name, default=False):
+            raise fields.BadField(f"field {name!r} is true; DeepSeek checkpoints have no projection biases: set it "
+                                  "to false")
+    fields.positive_number(cfg, "routed_scaling_factor", default=1.0)
     check_routing(cfg)
 
 
 def check_routing(cfg: dict) -> None:
-    method = Fd.choice(cfg, "topk_method", ROUTINGS, default="greedy")
+    method = fields.choice(cfg, "topk_method", ROUTINGS, default="greedy")
     if method == "group_limited_greedy":
         check_groups(cfg)
 
 
 def check_groups(cfg: dict) -> None:
     experts = cfg["n_routed_experts"]
-    groups = Fd.integer(cfg, "n_group", high=experts, high_name="n_routed_experts")
-    Fd.divisible("n_routed_experts", experts, "n_group", groups)
-    Fd.integer(cfg, "topk_group", high=groups, high_name="n_group")
+    groups = fields.integer(cfg, "n_group", high=experts, high_name="n_routed_experts")
+    fields.divisible("n_routed_experts", experts, "n_group", groups)
+    fields.integer(cfg, "topk_group", high=groups, high_name="n_group")
 
 
 def options(cfg: dict) -> dict:
@@ -69,18 +70,18 @@ def options(cfg: dict) -> dict:
 
 
 # ---- tensor groups (hub layout) -------------------------------------------------------
-def attention_names(layer: int, q_lora: bool = False) -> dict[str, str]:
+def attention_names(spec, layer: int) -> dict[str, str]:
     p = f"model.layers.{layer}."
     a = p + "self_attn."
     q = {"q_a": a + "q_a_proj.weight", "q_a_norm": a + "q_a_layernorm.weight", "q_b": a + "q_b_proj.weight"} \
-        if q_lora else {"q": a + "q_proj.weight"}
+        if spec.q_lora_rank else {"q": a + "q_proj.weight"}
     return {"input_norm": p + "input_layernorm.weight", **q, "kv_a": a + "kv_a_proj_with_mqa.weight",
             "kv_a_norm": a + "kv_a_layernorm.weight", "kv_b": a + "kv_b_proj.weight", "o": a + "o_proj.weight"}
 
 
-def gate_names(layer: int, dense: bool = False) -> dict[str, str]:
+def gate_names(spec, layer: int) -> dict[str, str]:
     p = f"model.layers.{layer}."
-    if dense:
+    if layer < spec.dense_layers:
         mlp = {f"dense_{w}": p + f"mlp.{n}_proj.weight" for w, n in _MLP}
     else:
         mlp = {"router": p + "mlp.gate.weight", **{f"shared_{w}": p + f"mlp.shared_experts.{n}_proj.weight"
@@ -88,11 +89,12 @@ def gate_names(layer: int, dense: bool = False) -> dict[str, str]:
     return {"post_norm": p + "post_attention_layernorm.weight", **mlp}
 
 
-def expert_names(layer: int, expert: int) -> dict[str, str]:
+def expert_names(spec, layer: int, expert: int) -> dict[str, str]:
     p = f"model.layers.{layer}.mlp.experts.{expert}."
     return {w: p + f"{n}_proj.weight" for w, n in _MLP}
 
 
+expert_refs = defaults.expert_refs
 _MLP = (("w1", "gate"), ("w3", "up"), ("w2", "down"))
 # weights an FP8 checkpoint stores as float8 with block scales (V3); norms, router, embedding
 # and head stay as they are
@@ -100,20 +102,10 @@ _FP8 = {"q", "q_a", "q_b", "kv_a", "kv_b", "o", "w1", "w2", "w3"} | {f"{p}_{w}" 
                                                                   for w in ("w1", "w2", "w3")}
 
 
-def group_refs(spec, key: tuple, gate_names=gate_names) -> dict:
+def group_refs(spec, key: tuple) -> dict:
     """The spec's tensor refs of a group, by this family's names; with FP8 block scales where
     the checkpoint has them (`quantization_config`, DeepSeek-V3)."""
-    kind = key[0]
-    if kind == "attn":
-        names = attention_names(key[1], bool(spec.q_lora_rank))
-    elif kind == "gate":
-        names = gate_names(key[1], key[1] < spec.dense_layers)
-    elif kind == "expert":
-        refs = spec.expert_refs(key[1], key[2])
-        return {n: _scaled(spec, n, r) for n, r in refs.items()}
-    else:
-        return spec.embed_refs() if kind == "embed" else spec.head_refs()
-    return {n: _scaled(spec, n, TensorRef(name)) for n, name in names.items()}
+    return {n: _scaled(spec, n, r) for n, r in defaults.group_refs(spec, key).items()}
 
 
 def fp8_block(spec) -> tuple[int, int] | None:
@@ -166,9 +158,21 @@ def rotate(q, k, cos, sin, spec):
     return turn(q), turn(k)
 
 
-def attention_block(h, w, cos, sin, mask, cache_write, spec, max_scores=None, rotate=rotate):
+# Its attention core stays beside the latent cache: keys and values are expanded from the
+# latent by a projection, and the latent cache is small to move anyway.
+HOST_ATTENTION = False
+
+
+def attention_block(h, w, cos, sin, mask, cache_write, spec, max_scores=None, attend_at=None):
+    return mla_block(h, w, cos, sin, mask, cache_write, spec, max_scores, attend_at, rotate)
+
+
+def mla_block(h, w, cos, sin, mask, cache_write, spec, max_scores, attend_at, rotate):
     """Residual MLA sub-layer for one batch; `cache_write(c, k_rot)` stores this step's latent
-    [B, 1, T, r] and rotary key [B, 1, T, rope] and returns every one the batch has so far."""
+    [B, 1, T, r] and rotary key [B, 1, T, rope] and returns every one the batch has so far.
+    `rotate` is the version's RoPE."""
+    if attend_at is not None:
+        raise ValueError("MLA attention runs beside its latent cache only (HOST_ATTENTION is False)")
     s, eps = spec.shape, spec.rms_norm_eps
     B, T, _ = h.shape
     heads, nope, rope, r = s.num_heads, s.qk_nope_head_dim, s.head_dim, s.kv_lora_rank
@@ -239,6 +243,7 @@ def _group_mask(group_scores, keep: int, num_experts: int):
 
 
 expert_ffn = L.swiglu
+bind_expert_ffn = defaults.bind_expert_ffn
 
 
 def shared_ffn(x, gate: dict, spec):

@@ -17,15 +17,20 @@ import torch
 import torch.nn.functional as F
 
 from klotski.models import deepseek_v2 as V2
-from klotski.models import fields as Fd
+from klotski.models import fields
 from klotski.models import layers as L
 
 MODEL_TYPE = "deepseek_v3"
+QUANTIZATION = ("fp8",)  # FP8 blocks as shipped (check_quantization); unquantized otherwise
+HOST_ATTENTION = V2.HOST_ATTENTION
 options = V2.options
 expert_names = V2.expert_names
+expert_refs = V2.expert_refs
+group_refs = V2.group_refs  # by this module's gate_names, through spec.family
 attention_names = V2.attention_names
 local_shapes = V2.local_shapes
 expert_ffn = V2.expert_ffn
+bind_expert_ffn = V2.bind_expert_ffn
 shared_ffn = V2.shared_ffn
 softmax_scale = V2.softmax_scale
 
@@ -33,13 +38,13 @@ softmax_scale = V2.softmax_scale
 def check_config(cfg: dict) -> None:
     routing = dict(cfg, topk_method="greedy")  # V3's own routing is checked below
     V2.check_config(routing)
-    Fd.choice(cfg, "topk_method", ("noaux_tc",), default="noaux_tc", why=" (DeepSeek-V3 routes by sigmoid scores)")
+    fields.choice(cfg, "topk_method", ("noaux_tc",), default="noaux_tc", why=" (DeepSeek-V3 routes by sigmoid scores)")
     V2.check_groups(cfg)
     if cfg["n_routed_experts"] // cfg["n_group"] < 2:
-        raise Fd.BadField(f"field 'n_group' is {cfg['n_group']}; each group needs at least two experts (a group "
-                          "scores as the sum of its two best)")
-    Fd.boolean(cfg, "norm_topk_prob", default=True)
-    Fd.boolean(cfg, "rope_interleave", default=True)
+        raise fields.BadField(f"field 'n_group' is {cfg['n_group']}; each group needs at least two experts (a group "
+                              "scores as the sum of its two best)")
+    fields.boolean(cfg, "norm_topk_prob", default=True)
+    fields.boolean(cfg, "rope_interleave", default=True)
 
 
 def check_quantization(quant) -> None:
@@ -47,19 +52,15 @@ def check_quantization(quant) -> None:
     ok = isinstance(quant, dict) and quant.get("quant_method") == "fp8" and quant.get("fmt", "e4m3") == "e4m3"
     block = quant.get("weight_block_size") if isinstance(quant, dict) else None
     if not ok or not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
-        raise Fd.BadField(f"field 'quantization_config' is {quant!r}; DeepSeek-V3 is read as shipped in FP8 "
-                          "(quant_method 'fp8', fmt 'e4m3', weight_block_size [rows, columns]) or unquantized")
+        raise fields.BadField(f"field 'quantization_config' is {quant!r}; DeepSeek-V3 is read as shipped in FP8 "
+                              "(quant_method 'fp8', fmt 'e4m3', weight_block_size [rows, columns]) or unquantized")
 
 
-def gate_names(layer: int, dense: bool = False) -> dict[str, str]:
-    names = V2.gate_names(layer, dense)
-    if not dense:
+def gate_names(spec, layer: int) -> dict[str, str]:
+    names = V2.gate_names(spec, layer)
+    if layer >= spec.dense_layers:
         names["router_bias"] = f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
     return names
-
-
-def group_refs(spec, key: tuple) -> dict:
-    return V2.group_refs(spec, key, gate_names=gate_names)
 
 
 def rotate(q, k, cos, sin, spec):
@@ -74,8 +75,8 @@ def rotate(q, k, cos, sin, spec):
     return turn(q), turn(k)
 
 
-def attention_block(h, w, cos, sin, mask, cache_write, spec, max_scores=None):
-    return V2.attention_block(h, w, cos, sin, mask, cache_write, spec, max_scores, rotate=rotate)
+def attention_block(h, w, cos, sin, mask, cache_write, spec, max_scores=None, attend_at=None):
+    return V2.mla_block(h, w, cos, sin, mask, cache_write, spec, max_scores, attend_at, rotate)
 
 
 def route(x, gate: dict, spec):

@@ -17,13 +17,16 @@ import functools
 
 import torch
 
-from klotski.models import fields as F
+from klotski.models import defaults, fields
 from klotski.models import layers as L
 from klotski.models import mixtral
+from klotski.models.refs import TensorRef
 
 MODEL_TYPE = "gpt_oss"
 QUANTIZATION = ("mxfp4",)  # a quantization_config this family reads as shipped
+check_quantization = defaults.check_quantization
 LAYER_TYPES = ("sliding_attention", "full_attention")
+SWIGLU_LIMIT, SWIGLU_ALPHA = 7.0, 1.702  # the expert's clamp and sigmoid gain where config.json sets none
 
 
 def check_config(cfg: dict) -> None:
@@ -32,13 +35,13 @@ def check_config(cfg: dict) -> None:
     types = cfg.get("layer_types")
     if types is not None:
         if not isinstance(types, list) or len(types) != layers or any(t not in LAYER_TYPES for t in types):
-            raise F.BadField(f"field 'layer_types' is {types!r}; must be a list of {layers} (num_hidden_layers) "
-                             f"entries, each {' or '.join(repr(t) for t in LAYER_TYPES)}")
+            raise fields.BadField(f"field 'layer_types' is {types!r}; must be a list of {layers} (num_hidden_layers) "
+                                  f"entries, each {' or '.join(repr(t) for t in LAYER_TYPES)}")
     if types is None or "sliding_attention" in types:
-        F.integer(cfg, "sliding_window")
-    F.positive_number(cfg, "swiglu_limit", default=7.0)
-    F.positive_number(cfg, "swiglu_alpha", default=1.702)
-    F.boolean(cfg, "attention_bias", default=True)
+        fields.integer(cfg, "sliding_window")
+    fields.positive_number(cfg, "swiglu_limit", default=SWIGLU_LIMIT)
+    fields.positive_number(cfg, "swiglu_alpha", default=SWIGLU_ALPHA)
+    fields.boolean(cfg, "attention_bias", default=True)
 
 
 def options(cfg: dict) -> dict:
@@ -52,25 +55,33 @@ def layer_sliding(cfg: dict, layer: int) -> bool:
 
 
 # ---- tensor names (the published layouts)
-def attention_names(layer: int) -> dict[str, str]:
+group_refs = defaults.group_refs
+
+
+def attention_names(spec, layer: int) -> dict[str, str]:
     p = f"model.layers.{layer}."
-    return {**mixtral.attention_names(layer), "sinks": p + "self_attn.sinks"}
+    return {**mixtral.attention_names(spec, layer), "sinks": p + "self_attn.sinks"}
 
 
-def gate_names(layer: int, fused: bool) -> dict[str, str]:
+def gate_names(spec, layer: int) -> dict[str, str]:
     p = f"model.layers.{layer}."
     return {"post_norm": p + "post_attention_layernorm.weight", "router": p + "mlp.router.weight",
             "router_bias": p + "mlp.router.bias"}
 
 
-def expert_refs(spec, layer: int, expert: int, ref) -> dict:
-    """An expert's slices of the fused per-layer tensors (`ref` is spec.TensorRef)."""
+def expert_names(spec, layer: int, expert: int) -> dict[str, str]:
+    """The fused per-layer tensors (every expert's, along dim 0) that hold one expert's weights."""
     p = f"model.layers.{layer}.mlp.experts."
     parts = ("gate_up_blocks", "gate_up_scales", "down_blocks", "down_scales") if spec.expert_format == "mxfp4" \
         else ("gate_up", "down")
     names = {n: p + n.replace("gate_up", "gate_up_proj").replace("down", "down_proj") for n in parts}
     names.update(gate_up_bias=p + "gate_up_proj_bias", down_bias=p + "down_proj_bias")
-    return {n: ref(name, expert) for n, name in names.items()}
+    return names
+
+
+def expert_refs(spec, layer: int, expert: int) -> dict[str, TensorRef]:
+    """An expert's slices of the fused per-layer tensors."""
+    return {n: TensorRef(name, expert) for n, name in expert_names(spec, layer, expert).items()}
 
 
 def local_shapes(spec) -> dict[str, tuple[int, ...]]:
@@ -118,7 +129,7 @@ def route(x, gate: dict, spec):
     return torch.softmax(top, dim=1, dtype=top.dtype), experts
 
 
-def clamped_swiglu(x, w: dict, *, alpha: float, limit: float) -> torch.Tensor:
+def clamped_swiglu(x, w: dict, *, alpha: float = SWIGLU_ALPHA, limit: float = SWIGLU_LIMIT) -> torch.Tensor:
     """One expert over tokens x [N, H]: gate and up alternate in x @ gate_up; the gate is
     clamped above, up on both sides, and (up + 1) * gate * sigmoid(alpha * gate) goes down."""
     gate_up = torch.mm(x, w["gate_up"])
@@ -128,12 +139,14 @@ def clamped_swiglu(x, w: dict, *, alpha: float, limit: float) -> torch.Tensor:
     return out.add_(w["down_bias"])
 
 
+expert_ffn = clamped_swiglu
+
+
 def bind_expert_ffn(spec):
     """expert_ffn(x, w) with this checkpoint's clamp and sigmoid gain."""
     cfg = spec.config
-    return functools.partial(clamped_swiglu, alpha=float(cfg.get("swiglu_alpha", 1.702)),
-                             limit=float(cfg.get("swiglu_limit", 7.0)))
+    return functools.partial(clamped_swiglu, alpha=float(cfg.get("swiglu_alpha", SWIGLU_ALPHA)),
+                             limit=float(cfg.get("swiglu_limit", SWIGLU_LIMIT)))
 
 
-def shared_ffn(x, gate: dict, spec):
-    return None  # no shared expert
+shared_ffn = defaults.shared_ffn

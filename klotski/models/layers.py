@@ -79,8 +79,7 @@ def attend(q, keys, values, mask) -> torch.Tensor:
     rep = heads // kv_heads
     # Grouped-query attention: each kv head serves `rep` query heads. Their queries go
     # side by side against the one kv head, rather than the KV copied rep-fold: at decode
-    # the copy was the whole cost (bs 32 over 512 positions, 3 heads to a kv head: 21.8 ms
-    # copied, 0.67 not), and past the last-level cache it grew as a cliff.
+    # the copy would be the whole cost, a cliff past the last-level cache (docs/benchmarks.md).
     scores = torch.matmul(q.reshape(B, kv_heads, rep * T, D), keys.transpose(2, 3)).view(B, heads, T, -1) * D ** -0.5
     # A finite minimum rather than -inf: rows that are all padding stay finite, so no NaN
     # reaches a cache slot that real tokens later attend past.
@@ -163,9 +162,8 @@ def in_blocks(attend, q, keys, values, mask, max_scores: int | None) -> torch.Te
 
 
 # On a CPU, scores past the last-level cache cost their passes (scale, mask, softmax, the
-# weighted sum) at memory speed: the attention core of a 32 x 207-token prompt (smollm2-moe,
-# 9 heads) ran 76.5 ms whole and 26-29 ms in blocks of 2-8 rows, with the same results bit for
-# bit there. A GPU keeps whole batches.
+# weighted sum) at memory speed, so they go in blocks that fit it (same results bit for bit;
+# figures in docs/benchmarks.md). A GPU keeps whole batches.
 CACHE_SCORES = 1 << 20
 
 

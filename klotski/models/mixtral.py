@@ -2,36 +2,43 @@
 norms, 8 SwiGLU experts, top-2 renormalised router whose weights stay fp32."""
 from __future__ import annotations
 
-from klotski.models import fields as F
+from klotski.models import defaults, fields
 from klotski.models import layers as L
 
 MODEL_TYPE = "mixtral"
+QUANTIZATION: tuple[str, ...] = ()  # unquantized weights only
+check_quantization = defaults.check_quantization
 
 
 def check_config(cfg: dict) -> None:
     """Mixtral's own fields (the shared ones are checked by spec.check_config)."""
-    F.choice(cfg, "hidden_act", ("silu",), default="silu", why=" (Mixtral's experts are SwiGLU)")
+    fields.choice(cfg, "hidden_act", ("silu",), default="silu", why=" (Mixtral's experts are SwiGLU)")
 
 
 def options(cfg: dict) -> dict:
     return {"norm_topk_prob": True, "router_weights_fp32": True}
 
 
-# ---- tensor names (hub layout; the fused expert layout is common to all families: spec.py)
-def attention_names(layer: int) -> dict[str, str]:
+# ---- tensor names (hub layout; the fused expert layout is common to all families: defaults.py)
+group_refs = defaults.group_refs
+expert_refs = defaults.expert_refs
+local_shapes = defaults.local_shapes
+
+
+def attention_names(spec, layer: int) -> dict[str, str]:
     p = f"model.layers.{layer}."
     return {"input_norm": p + "input_layernorm.weight",
             **{n: p + f"self_attn.{n}_proj.weight" for n in "qkvo"}}
 
 
-def gate_names(layer: int, fused: bool) -> dict[str, str]:
+def gate_names(spec, layer: int) -> dict[str, str]:
     # The post-attention norm travels with the router: both are used exactly at the gate.
-    part = "mlp" if fused else "block_sparse_moe"
+    part = "mlp" if spec.fused_experts else "block_sparse_moe"
     return {"post_norm": f"model.layers.{layer}.post_attention_layernorm.weight",
             "router": f"model.layers.{layer}.{part}.gate.weight"}
 
 
-def expert_names(layer: int, expert: int) -> dict[str, str]:
+def expert_names(spec, layer: int, expert: int) -> dict[str, str]:
     p = f"model.layers.{layer}.block_sparse_moe.experts.{expert}."
     return {w: p + f"{w}.weight" for w in ("w1", "w2", "w3")}
 
@@ -55,7 +62,5 @@ def route(x, gate: dict, spec):
 
 
 expert_ffn = L.swiglu
-
-
-def shared_ffn(x, gate: dict, spec):
-    return None  # no shared expert
+bind_expert_ffn = defaults.bind_expert_ffn
+shared_ffn = defaults.shared_ffn

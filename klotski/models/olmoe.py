@@ -3,29 +3,35 @@ head split, optional clamping of q/k/v to ±clip_qkv, 64 SwiGLU experts top-8 (n
 renormalised by default), router weights cast to the activation dtype."""
 from __future__ import annotations
 
-from klotski.models import fields as F
+from klotski.models import defaults, fields
 from klotski.models import layers as L
 from klotski.models import qwen3_moe
 
 MODEL_TYPE = "olmoe"
+QUANTIZATION: tuple[str, ...] = ()  # unquantized weights only
+check_quantization = defaults.check_quantization
 options = qwen3_moe.options
 route = qwen3_moe.route
+group_refs = defaults.group_refs
+expert_refs = defaults.expert_refs
+local_shapes = defaults.local_shapes
 expert_names = qwen3_moe.expert_names
 gate_names = qwen3_moe.gate_names
 attention_names = qwen3_moe.attention_names
-shared_ffn = qwen3_moe.shared_ffn
+shared_ffn = defaults.shared_ffn
 expert_ffn = L.swiglu
+bind_expert_ffn = defaults.bind_expert_ffn
 
 
 def check_config(cfg: dict) -> None:
     """OLMoE's own fields (the shared ones are checked by spec.check_config)."""
-    F.choice(cfg, "hidden_act", ("silu",), default="silu", why=" (OLMoE's experts are SwiGLU)")
-    F.boolean(cfg, "norm_topk_prob", default=False)
+    fields.choice(cfg, "hidden_act", ("silu",), default="silu", why=" (OLMoE's experts are SwiGLU)")
+    fields.boolean(cfg, "norm_topk_prob", default=False)
     if cfg.get("clip_qkv") is not None:
-        F.positive_number(cfg, "clip_qkv")
+        fields.positive_number(cfg, "clip_qkv")
     if cfg.get("head_dim") not in (None, cfg["hidden_size"] // cfg["num_attention_heads"]):
-        raise F.BadField(f"field 'head_dim' is {cfg['head_dim']!r}; OLMoE normalises q over hidden_size, so "
-                         "head_dim must be hidden_size / num_attention_heads (or absent)")
+        raise fields.BadField(f"field 'head_dim' is {cfg['head_dim']!r}; OLMoE normalises q over hidden_size, so "
+                              "head_dim must be hidden_size / num_attention_heads (or absent)")
 
 
 def qkv(x, w: dict, spec):

@@ -5,30 +5,36 @@ from __future__ import annotations
 
 import torch
 
-from klotski.models import fields as F
+from klotski.models import defaults, fields
 from klotski.models import layers as L
 from klotski.models import mixtral, qwen3_moe
 
 MODEL_TYPE = "qwen2_moe"
+QUANTIZATION: tuple[str, ...] = ()  # unquantized weights only
+check_quantization = defaults.check_quantization
 options = qwen3_moe.options
 route = qwen3_moe.route
+group_refs = defaults.group_refs
+expert_refs = defaults.expert_refs
+local_shapes = defaults.local_shapes
 expert_names = qwen3_moe.expert_names
 attention_names = mixtral.attention_names  # plain projections; their biases are added by the spec
 qkv = mixtral.qkv
 expert_ffn = L.swiglu
+bind_expert_ffn = defaults.bind_expert_ffn
 
 
 def check_config(cfg: dict) -> None:
     qwen3_moe.check_config(cfg)  # the same routing, window and dense-layer fields
-    F.integer(cfg, "shared_expert_intermediate_size")
-    F.boolean(cfg, "qkv_bias", default=True)
+    fields.integer(cfg, "shared_expert_intermediate_size")
+    fields.boolean(cfg, "qkv_bias", default=True)
 
 
 # ---- tensor names (hub layout)
-def gate_names(layer: int, fused: bool) -> dict[str, str]:
+def gate_names(spec, layer: int) -> dict[str, str]:
     # The shared expert is used by every token, like the router: it travels with it.
     p = f"model.layers.{layer}.mlp."
-    return {**qwen3_moe.gate_names(layer, fused), "shared_gate": p + "shared_expert_gate.weight",
+    return {**qwen3_moe.gate_names(spec, layer), "shared_gate": p + "shared_expert_gate.weight",
             "shared_w1": p + "shared_expert.gate_proj.weight", "shared_w3": p + "shared_expert.up_proj.weight",
             "shared_w2": p + "shared_expert.down_proj.weight"}
 

@@ -3,34 +3,35 @@ read from its `config.json` (no weights touched): its shape (the planner's `Mode
 the one shape type), the family whose math runs it, the options that math reads, and the
 tensor behind every weight.
 
-A family is a module under klotski/models/ (mixtral.py, qwen3_moe.py, qwen2_moe.py,
-olmoe.py): config checks, tensor names in the hub layout, and its layer functions. Nothing
-outside klotski/models names one; the pipeline calls `spec.family`.
+A family is a module under klotski/models/ (mixtral.py, qwen3_moe.py, ...): config checks,
+tensor names in the published layout, and its layer functions, the hooks family.Family
+lists. Nothing outside klotski/models names one; the pipeline calls `spec.family`.
 
 Experts come in two on-disk layouts. Hub checkpoints store one tensor per expert matrix
 (`...experts.{e}.w1.weight` or `...experts.{e}.gate_proj.weight`); transformers v5 may save
 fused 3-D tensors (`mlp.experts.gate_up_proj` = cat(gate, up), `mlp.experts.down_proj`),
-named alike in every family. `TensorRef` hides the difference: a name plus, for fused
-tensors, the index along dim 0 and the row range within it.
+named alike in every family (defaults.expert_refs). `TensorRef` hides the difference: a
+name plus, for fused tensors, the index along dim 0 and the row range within it.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 
 import torch
 
-from klotski.models import fields as F
+from klotski.models import fields
 from klotski.models import deepseek_v2, deepseek_v3, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe
+from klotski.models.family import Family
 from klotski.models.refs import TensorRef
+from klotski.util import dtypes
 from placement.store import CheckpointError
 from planner.shapes import FAMILY_FIELDS, ModelShape, family_fields, window_applies
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-FAMILIES: dict[str, ModuleType] = {m.MODEL_TYPE: m for m in (mixtral, qwen3_moe, qwen2_moe, olmoe, gpt_oss,
-                                                               deepseek_v2, deepseek_v3)}
+DTYPES = dtypes.torch_dtypes()
+FAMILIES: dict[str, Family] = {m.MODEL_TYPE: m for m in (mixtral, qwen3_moe, qwen2_moe, olmoe, gpt_oss,
+                                                           deepseek_v2, deepseek_v3)}
 assert set(FAMILIES) == set(FAMILY_FIELDS)
 
 
@@ -59,7 +60,7 @@ class ModelSpec:
         return getattr(self.shape, name)
 
     @property
-    def family(self) -> ModuleType:
+    def family(self) -> Family:
         """The module with this checkpoint's layer functions and tensor names."""
         return FAMILIES[self.shape.model_type]
 
@@ -78,7 +79,7 @@ class ModelSpec:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
             max_position_embeddings=cfg.get("max_position_embeddings", 32768),
             bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=F.token_ids(cfg, "eos_token_id", shape.vocab_size),
+            eos_token_ids=fields.token_ids(cfg, "eos_token_id", shape.vocab_size),
             fused_experts=fused_experts,
             clip_qkv=cfg.get("clip_qkv"),
             config=cfg,
@@ -106,13 +107,13 @@ class ModelSpec:
 
     # ---- tensor names -------------------------------------------------------------------
     def attention_refs(self, layer: int) -> dict[str, TensorRef]:
-        names = self.family.attention_names(layer)
+        names = self.family.attention_names(self, layer)
         # every family names its projections self_attn.{q,k,v,o}_proj; biases where configured
         names.update({f"{n}_bias": f"model.layers.{layer}.self_attn.{n}_proj.bias" for n in self.attention_bias})
         return {k: TensorRef(v) for k, v in names.items()}
 
     def gate_refs(self, layer: int) -> dict[str, TensorRef]:
-        return {k: TensorRef(v) for k, v in self.family.gate_names(layer, self.fused_experts).items()}
+        return {k: TensorRef(v) for k, v in self.family.gate_names(self, layer).items()}
 
     def window(self, layer: int) -> int | None:
         """The attention window of `layer`: the config's on every layer, or on those its
@@ -123,16 +124,7 @@ class ModelSpec:
         return self.sliding_window if types[layer] == "sliding_attention" else None
 
     def expert_refs(self, layer: int, expert: int) -> dict[str, TensorRef]:
-        if hasattr(self.family, "expert_refs"):  # a family with its own expert layout (gpt-oss)
-            return self.family.expert_refs(self, layer, expert, TensorRef)
-        if self.fused_experts:
-            p, inter = f"model.layers.{layer}.mlp.experts.", self.intermediate_size
-            return {
-                "w1": TensorRef(p + "gate_up_proj", expert, (0, inter)),
-                "w3": TensorRef(p + "gate_up_proj", expert, (inter, 2 * inter)),
-                "w2": TensorRef(p + "down_proj", expert),
-            }
-        return {k: TensorRef(v) for k, v in self.family.expert_names(layer, expert).items()}
+        return self.family.expert_refs(self, layer, expert)
 
     def embed_refs(self) -> dict[str, TensorRef]:
         return {"embed": TensorRef("model.embed_tokens.weight")}
@@ -151,20 +143,7 @@ class ModelSpec:
         return keys
 
     def group_refs(self, key: tuple) -> dict[str, TensorRef]:
-        if hasattr(self.family, "group_refs"):  # a family whose groups are not Mixtral-like (DeepSeek's MLA)
-            return self.family.group_refs(self, key)
-        kind = key[0]
-        if kind == "attn":
-            return self.attention_refs(key[1])
-        if kind == "gate":
-            return self.gate_refs(key[1])
-        if kind == "expert":
-            return self.expert_refs(key[1], key[2])
-        if kind == "embed":
-            return self.embed_refs()
-        if kind == "head":
-            return self.head_refs()
-        raise KeyError(key)
+        return self.family.group_refs(self, key)
 
     def local_shapes(self) -> dict[str, tuple[int, ...]]:
         """Shape of every group-local weight name any family uses."""
@@ -178,7 +157,7 @@ class ModelSpec:
                 "shared_w1": (Is, H), "shared_w3": (Is, H), "shared_w2": (H, Is), "shared_gate": (1, H),
                 "w1": (I, H), "w3": (I, H), "w2": (H, I),
                 "embed": (self.vocab_size, H), "norm": (H,), "lm_head": (self.vocab_size, H),
-                **(self.family.local_shapes(self) if hasattr(self.family, "local_shapes") else {})}
+                **self.family.local_shapes(self)}
 
     def expected_shapes(self) -> dict[TensorRef, tuple[int, ...]]:
         """Shape of every logical weight, for validating a checkpoint before generation."""
@@ -191,52 +170,53 @@ def check_config(cfg: dict) -> None:
     families share here, the family's own in its module; raises fields.BadField naming the
     field, its value and what is allowed."""
     if not isinstance(cfg, dict):
-        raise F.BadField("config.json must hold a JSON object")
+        raise fields.BadField("config.json must hold a JSON object")
     mt = cfg.get("model_type", "mixtral")
     if mt not in FAMILIES:
-        raise F.BadField(f"field 'model_type' is {mt!r}; supported: {', '.join(FAMILIES)}")
+        raise fields.BadField(f"field 'model_type' is {mt!r}; supported: {', '.join(FAMILIES)}")
     names = family_fields(cfg)
     experts = names["num_experts"]
     for name in ("hidden_size", names["intermediate_size"], "num_hidden_layers", "num_attention_heads",
                  experts, "vocab_size"):
-        F.integer(cfg, name)
+        fields.integer(cfg, name)
     heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
-    kv_heads = F.integer(cfg, "num_key_value_heads", default=None, optional=True) or heads
-    F.divisible("num_attention_heads", heads, "num_key_value_heads", kv_heads)
-    head_dim = F.integer(cfg, "head_dim", default=None, optional=True)
+    kv_heads = fields.integer(cfg, "num_key_value_heads", default=None, optional=True) or heads
+    fields.divisible("num_attention_heads", heads, "num_key_value_heads", kv_heads)
+    head_dim = fields.integer(cfg, "head_dim", default=None, optional=True)
     if head_dim is None:
-        F.divisible("hidden_size", hidden, "num_attention_heads", heads)
+        fields.divisible("hidden_size", hidden, "num_attention_heads", heads)
         head_dim = hidden // heads
     if head_dim % 2:
-        raise F.BadField(f"field 'head_dim' is {head_dim}; must be even (RoPE rotates pairs of dimensions)")
-    F.integer(cfg, "num_experts_per_tok", high=cfg[experts], high_name=experts)
+        raise fields.BadField(f"field 'head_dim' is {head_dim}; must be even (RoPE rotates pairs of dimensions)")
+    fields.integer(cfg, "num_experts_per_tok", high=cfg[experts], high_name=experts)
     if window_applies(cfg):
-        F.integer(cfg, "sliding_window", default=None, optional=True)
-    F.integer(cfg, "max_position_embeddings", default=32768)
-    F.positive_number(cfg, "rms_norm_eps", default=1e-5)
-    F.boolean(cfg, "tie_word_embeddings", default=False)
+        fields.integer(cfg, "sliding_window", default=None, optional=True)
+    fields.integer(cfg, "max_position_embeddings", default=32768)
+    fields.positive_number(cfg, "rms_norm_eps", default=1e-5)
+    fields.boolean(cfg, "tie_word_embeddings", default=False)
     dtype_field = "dtype" if cfg.get("dtype") is not None else "torch_dtype"
-    F.choice(cfg, dtype_field, tuple(DTYPES), default="bfloat16")
+    fields.choice(cfg, dtype_field, tuple(DTYPES), default="bfloat16")
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        F.token_ids(cfg, name, cfg["vocab_size"])
+        fields.token_ids(cfg, name, cfg["vocab_size"])
     rope = _rope_parameters(cfg)
-    F.choice(rope, "rope_type", ROPE_TYPES, default="default", where="rope_parameters.",
-             why=" (types whose frequencies change with the sequence length are not supported)")
+    fields.choice(rope, "rope_type", ROPE_TYPES, default="default", where="rope_parameters.",
+                  why=" (types whose frequencies change with the sequence length are not supported)")
     if "rope_theta" in cfg:
-        F.positive_number(cfg, "rope_theta")
+        fields.positive_number(cfg, "rope_theta")
     if "rope_theta" in rope:
-        F.positive_number(rope, "rope_theta", where="rope_parameters.")
+        fields.positive_number(rope, "rope_theta", where="rope_parameters.")
     if "factor" in rope:
-        F.positive_number(rope, "factor", where="rope_parameters.")
+        fields.positive_number(rope, "factor", where="rope_parameters.")
     quant = cfg.get("quantization_config")
     method = (quant.get("quant_method", "?") if isinstance(quant, dict) else quant) if quant else None
-    shipped = getattr(FAMILIES[mt], "QUANTIZATION", ())  # gpt-oss reads MXFP4 as published
-    if quant and hasattr(FAMILIES[mt], "check_quantization"):  # DeepSeek-V3 reads FP8 blocks as published
-        FAMILIES[mt].check_quantization(quant)
-    elif quant and method not in shipped:
+    if quant:
+        FAMILIES[mt].check_quantization(quant)  # the details of a format read as published
+    shipped = FAMILIES[mt].QUANTIZATION
+    if quant and method not in shipped:
         also = f" or {'/'.join(shipped)} as published" if shipped else ""
-        raise F.BadField(f"field 'quantization_config' is present (quant_method {method!r}); Klotski reads "
-                         f"unquantized bf16/fp16/fp32 weights{also}: use the original checkpoint (and --quantize hqq4)")
+        raise fields.BadField(f"field 'quantization_config' is present (quant_method {method!r}); Klotski reads "
+                              f"unquantized bf16/fp16/fp32 weights{also}: use the original checkpoint "
+                              "(and --quantize hqq4)")
     FAMILIES[mt].check_config(cfg)
 
 
@@ -248,8 +228,8 @@ def _rope_parameters(cfg: dict) -> dict:
     """`rope_parameters` (transformers 5), else the legacy `rope_scaling`; rope_type named as such."""
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     if not isinstance(rope, dict):
-        raise F.BadField(f"field 'rope_parameters' is {rope!r}; must be an object such as "
-                         "{\"rope_type\": \"default\", \"rope_theta\": 1000000.0}")
+        raise fields.BadField(f"field 'rope_parameters' is {rope!r}; must be an object such as "
+                              "{\"rope_type\": \"default\", \"rope_theta\": 1000000.0}")
     if "rope_type" not in rope and "type" in rope:
         rope = {**rope, "rope_type": rope["type"]}
     return rope
@@ -269,6 +249,6 @@ def rope_frequencies(cfg: dict, head_dim: int) -> tuple[torch.Tensor, float]:
     try:
         config = CONFIG_MAPPING[cfg.get("model_type", "mixtral")].from_dict(cfg)
     except (KeyError, ValueError, TypeError) as e:
-        raise F.BadField(f"field 'rope_parameters' ({kind}): {str(e).strip(chr(34))}") from None
+        raise fields.BadField(f"field 'rope_parameters' ({kind}): {str(e).strip(chr(34))}") from None
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[kind](config)
     return inv_freq.float(), float(scaling)

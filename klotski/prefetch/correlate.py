@@ -82,6 +82,6 @@ def learning_predictor(ckpt) -> CorrelationPredictor:
 
 def warmup_prompts(count: int = 32, words: int = 48) -> list[str]:
     """Encyclopedic passages from the bundled corpus, so no job file or network is needed."""
-    text = resources.files("klotski").joinpath("data/corpus.txt").read_text(encoding="utf-8")
+    text = resources.files("klotski.builtin").joinpath("data/corpus.txt").read_text(encoding="utf-8")
     paragraphs = [p.strip() for p in re.split(r"\n\s*\n", text) if len(p.split()) >= 8]
     return [" ".join(p.split()[:words]) for p in paragraphs[:count]]

@@ -27,7 +27,6 @@ is the static schedule's, token for token (tests/test_batching.py).
 """
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -36,7 +35,7 @@ import torch
 from klotski.runtime import sequences as S
 from klotski.runtime.kvcache import BatchKV
 from klotski.runtime.pipeline import StepInput
-from placement.cache import DISK_TO_HOST
+from klotski.runtime.stats import DecodeRows
 from placement.tiers import OverBudget
 from planner.workingset import continuous_step_limit, newcomer_chunks
 
@@ -145,7 +144,7 @@ class ContinuousRun:
     def _first_fill(self, batch) -> _Decode:
         kv, _ = self.space.allocate(len(batch), self.capacity)
         whole = prefill_input(batch, max(len(s.prompt_ids) for s in batch), self.e._pad_id())
-        self.e.stats.prompt_tokens += sum(len(s.prompt_ids) for s in batch)
+        self.e.stats.record_prompts(batch)
         return _Decode(kv, list(batch), [0] * len(batch), whole.positions[:, -1] + 1,
                        torch.full((len(batch),), -1), chunks(whole, self.chunk))
 
@@ -162,24 +161,16 @@ class ContinuousRun:
 
     # ---- one step -----------------------------------------------------------------------
     def _step(self, work):
-        e, stats = self.e, self.e.stats
+        e = self.e
         decoding = [w for w, _, prefill in work if not prefill]
-        t0, disk0 = time.perf_counter(), e.trace.bytes[DISK_TO_HOST]
-        e.trace.phase = "decode" if decoding else "prefill"
-        outs = e.pipeline.forward([w.kv for w, _, _ in work], [inp for _, inp, _ in work])
-        elapsed = time.perf_counter() - t0  # the logits reached the host: the step's compute is done
-        e.trace.resolve()
-        if decoding:  # a step that decodes counts as decode time; newcomers' prefill rides along
-            stats.decode_s += elapsed
-            stats.decode_prompt_tokens += sum(int(inp.valid.sum()) for _, inp, prefill in work if prefill)
-            stats.decode_disk_bytes += e.trace.bytes[DISK_TO_HOST] - disk0
-            stats.decode_rows += sum(d.kv.rows for d in decoding)
-            stats.decode_slots += e.batch_size * e.num_batches
-            stats.decode_useful_rows += sum(s is not None for d in decoding for s in d.rows[:d.kv.rows])
-        else:
-            stats.prefill_s += elapsed
-        if len(decoding) < len(work):
-            stats.prefill_passes += 1
+        # a step that decodes counts as decode time; newcomers' prefill rides along
+        decode = DecodeRows(computed=sum(d.kv.rows for d in decoding),
+                            useful=sum(s is not None for d in decoding for s in d.rows[:d.kv.rows]),
+                            slots=e.batch_size * e.num_batches,
+                            prompt_tokens=sum(int(inp.valid.sum()) for _, inp, prefill in work if prefill)
+                            ) if decoding else None
+        outs = e.step([w.kv for w, _, _ in work], [inp for _, inp, _ in work], prompt=len(decoding) < len(work),
+                      decode=decode)
         for (w, _, prefill), out in zip(work, outs):
             m = len(out.broken_at)  # the rows computed
             w.broken[:m] = torch.where(w.broken[:m] < 0, out.broken_at, w.broken[:m])
@@ -308,7 +299,7 @@ class ContinuousRun:
         else:
             return  # nothing fits this step: the prompts wait for room
         seqs = [self.queue.popleft() for _ in range(take)]
-        self.e.stats.prompt_tokens += sum(len(s.prompt_ids) for s in seqs)
+        self.e.stats.record_prompts(seqs)
         whole = prefill_input(seqs, longest, self.e._pad_id())
         self.newcomers.append(_Newcomers(seqs, kv, whole, torch.full((take,), -1)))
 

@@ -14,7 +14,6 @@ last chunk's logits are sampled. The numbers are those of one long step, chunk b
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -23,40 +22,11 @@ from klotski.runtime.channels import pin
 from klotski.runtime.batching import ContinuousRun, chunks, prefill_input
 from klotski.runtime.kvcache import BatchKV
 from klotski.runtime.pipeline import StepInput
+from klotski.runtime.stats import DecodeRows, Stats
 from placement import pinned
 from placement.cache import DISK_TO_HOST
 from placement.pinned import PinnedBlocks
 from placement.tiers import HOST
-
-
-@dataclass
-class Stats:
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    prefill_passes: int = 0     # forward steps that carried prompt tokens (more than one per group when chunked)
-    decode_disk_bytes: int = 0  # read from disk while decode steps ran: the bigger-than-RAM bound
-    decode_rows: int = 0        # sequence slots computed by decode steps
-    decode_useful_rows: int = 0  # of those, slots whose sequence was still generating
-    decode_slots: int = 0       # rows the group has (n x bs, fewer in a job's last static group), per decode step
-    refills: int = 0            # continuous batching: sequences that took a row another had finished in
-    kv_realigns: int = 0        # continuous batching: times a cache's slots were moved to make room
-    rows_moved: int = 0         # continuous batching: live rows moved at the end, out of free rows' way
-    decode_prompt_tokens: int = 0  # continuous batching: prompt tokens prefilled by steps that also decode
-
-    @property
-    def slot_utilisation(self) -> float | None:
-        """Useful share of decode work: a static batch computes every slot until its longest
-        sequence ends, so finished sequences' slots are work for nothing."""
-        return self.decode_useful_rows / self.decode_rows if self.decode_rows else None
-
-    @property
-    def occupancy(self) -> float | None:
-        """Useful share of the group's rows over decode steps: continuous batching computes
-        live rows only (utilisation 1), so what idle rows cost shows here, as tokens a step
-        could have made but did not (rows waiting for a newcomer's prefill, the drain)."""
-        return self.decode_useful_rows / self.decode_slots if self.decode_slots else None
 
 
 class Engine:
@@ -123,6 +93,17 @@ class Engine:
     def kv_space(self) -> "KVSpace":
         return KVSpace(self)
 
+    def step(self, kvs, inputs, *, prompt: bool, decode: DecodeRows | None):
+        """One forward step through the pipeline, timed until its logits reach the host (its
+        compute is then done) and counted into `stats` (Stats.record_step)."""
+        t0, disk0 = time.perf_counter(), self.trace.bytes[DISK_TO_HOST]
+        self.trace.phase = "prefill" if decode is None else "decode"
+        outs = self.pipeline.forward(kvs, inputs)
+        elapsed = time.perf_counter() - t0
+        self.trace.resolve()
+        self.stats.record_step(elapsed, self.trace.bytes[DISK_TO_HOST] - disk0, prompt=prompt, decode=decode)
+        return outs
+
     def _steps(self, group, kvs, prompt_len):
         """Prefill (in chunks of the planned size), then decode until every sequence is done;
         a batch whose sequences are all done leaves the group's steps (its KV cache was sized
@@ -133,25 +114,17 @@ class Engine:
         prompts = {k: chunks(inp, chunk) for k, inp in whole.items()}
         next_pos = {k: inp.positions[:, -1] + 1 for k, inp in whole.items()}
         inputs = {k: parts.pop(0) for k, parts in prompts.items()}
-        self.stats.prompt_tokens += sum(len(s.prompt_ids) for b in group for s in b)
+        self.stats.record_prompts([s for b in group for s in b])
         prefilling = set(inputs)
         broken = {k: torch.full((len(b),), -1) for k, b in enumerate(group)}
         while inputs:
             active = list(inputs)
-            t0, disk0 = time.perf_counter(), self.trace.bytes[DISK_TO_HOST]
-            self.trace.phase = "prefill" if prefilling else "decode"
-            logits = self.pipeline.forward([kvs[k] for k in active], [inputs[k] for k in active])
-            elapsed = time.perf_counter() - t0  # the logits reached the host: the step's compute is done
-            self.trace.resolve()
-            if prefilling:
-                self.stats.prefill_s += elapsed
-                self.stats.prefill_passes += 1
-            else:
-                self.stats.decode_s += elapsed
-                self.stats.decode_disk_bytes += self.trace.bytes[DISK_TO_HOST] - disk0
-                self.stats.decode_rows += sum(len(group[k]) for k in active)
-                self.stats.decode_slots += sum(len(b) for b in group)
-                self.stats.decode_useful_rows += sum(not s.done for k in active for s in group[k])
+            # a step with a batch still prefilling counts as prefill, its decoding batches too
+            decode = None if prefilling else DecodeRows(computed=sum(len(group[k]) for k in active),
+                                                        useful=sum(not s.done for k in active for s in group[k]),
+                                                        slots=sum(len(b) for b in group))
+            logits = self.step([kvs[k] for k in active], [inputs[k] for k in active], prompt=bool(prefilling),
+                               decode=decode)
             inputs = {}
             for k, out in zip(active, logits):
                 broken[k] = torch.where(broken[k] < 0, out.broken_at, broken[k])

@@ -59,6 +59,9 @@ class _Stubs:
     def expert_ffn(self, x, w):
         return x
 
+    def bind_expert_ffn(self, spec):
+        return self.expert_ffn
+
 
 def _rows(experts: int, top_k: int) -> int:
     """Rows of a measuring batch: enough that the stub router reaches every expert, so each
@@ -67,10 +70,10 @@ def _rows(experts: int, top_k: int) -> int:
 
 
 def _source_key(device: str) -> str:
-    from klotski.runtime import batching, channels, overhead, pipeline
+    from klotski.runtime import batching, channels, experts, hostwork, overhead, pipeline
     from planner.profile import machine_fingerprint
     h = hashlib.sha256(json.dumps(machine_fingerprint(device), sort_keys=True).encode())
-    for module in (pipeline, batching, channels, overhead):
+    for module in (pipeline, experts, hostwork, batching, channels, overhead):
         h.update(inspect.getsource(module).encode())
     return h.hexdigest()[:16]
 
@@ -102,20 +105,19 @@ def pipeline_overhead(device: str, open_engine, steps: int = 16, rounds: int = 1
 
 
 def _measure(device: str, steps: int, rounds: int, open_engine, link_gbps: float | None) -> dict[str, float]:
-    from klotski.io.checkpoint import Checkpoint
     from klotski.config import RunConfig
-    from klotski.io.jobs import Request
+    from klotski.io.requests import Request
     from klotski.runtime.pipeline import StepInput
     from klotski.builtin.tiny import ensure_builtin
+    from klotski.models.spec import ModelSpec
     from placement.placement import Placement
 
     cfg = RunConfig(model="tiny-mixtral", batch_size=2, num_batches=3, progress=False, dtype="float32",
                     device=device, batching="static", emulate_link_gbps=link_gbps)
     request = [Request(id="x", line=1, prompt="x", messages=None, max_new_tokens=1)]
-    probe = Checkpoint.open(str(ensure_builtin(cfg.model)))
-    keys = probe.spec.group_keys()  # bs, n and placement given: nothing is planned (no profile asked for)
-    bs = _rows(probe.spec.num_experts, probe.spec.top_k)
-    probe.close()
+    spec = ModelSpec.from_dir(ensure_builtin(cfg.model))
+    keys = spec.group_keys()  # bs, n and placement given: nothing is planned (no profile asked for)
+    bs = _rows(spec.num_experts, spec.top_k)
 
     def per_step(engine, n: int, chosen: int, new: int = 1) -> float:
         engine.pipeline.M = _Stubs(chosen, engine.spec.top_k)

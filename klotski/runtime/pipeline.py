@@ -12,34 +12,36 @@ A step takes every batch of the group through the model layer by layer. Per laye
      their transfers finish, each released the moment it is done; `weights` starts on the
      next layer's attention as soon as there is room.
 
-Host compute (klotski/runtime/hostcompute.py decides, per layer and step): a batch whose KV cache is
-on the host may attend there (q down, the output up; no KV load), and a cold expert whose
-group is in host RAM may be computed there (its tokens down, the outputs up; no transfer).
+Host compute (klotski/runtime/hostcompute.py decides, per layer and step; hostwork.py runs it):
+a batch whose KV cache is on the host may attend there (q down, the output up; no KV load),
+and a cold expert whose group is in host RAM may be computed there (its tokens down, the
+outputs up; no transfer).
 
 Variants for ablation (`RunConfig.schedule`): `simple` (one batch, whole next layer
 prefetched), `multibatch` (n batches, whole next layer: FlexGen style), `hot-prefetch`
 (gate + K hot experts, the rest on demand, id order), `klotski` (+ hot-first order and early
 release). All compute the same numbers; only order and overlap differ.
 
-This module orders work and calls the model math; it never does arithmetic on weights, and
-it touches weights only through the WeightCache.
+This module orders work and calls the model math (the family's hooks, and the expert
+phase's tensor work in experts.py); it never does arithmetic on weights, and it touches
+weights only through the WeightCache.
 """
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
-from itertools import accumulate
 
 import torch
 
-from klotski.runtime.channels import DEVICE_TO_HOST, HOST_TO_DEVICE, pin
-from klotski.runtime.hostcompute import HostCompute
-from klotski.runtime.kvcache import BatchKV
 from klotski.models import layers as L
+from klotski.runtime.channels import pin
+from klotski.runtime.experts import (LayerExperts, Routed, chosen_experts, first_broken, ids_on_host, real_tokens,
+                                     route_batch, run_expert)
+from klotski.runtime.hostcompute import HostCompute
+from klotski.runtime.hostwork import HostWork
+from klotski.runtime.kvcache import BatchKV
 from placement.tiers import OverBudget
-from planner.workingset import (ATTENTION_SCORE_CHUNK, DISK_WINDOW_LAYERS, KV_BUFFERS, PREFILL_EXPERT_CHUNK, Step,
-                                activation_bytes)
+from planner.workingset import ATTENTION_SCORE_CHUNK, DISK_WINDOW_LAYERS, KV_BUFFERS, Step, activation_bytes
 
 
 @dataclass
@@ -58,27 +60,15 @@ class StepOutput:
     broken_at: torch.Tensor
 
 
-@dataclass
-class _Routed:
-    """Router decisions of one batch at one layer, flattened over its B*T tokens."""
-    x: torch.Tensor        # normalised MoE input [N, H] of the batch's real tokens
-    weights: torch.Tensor  # [N, k] (fp32 or the activation dtype, as the family routes)
-    experts: torch.Tensor  # [N, k]
-    shared: torch.Tensor | None  # the shared expert's output [N, H], for families with one
-    chosen: torch.Tensor | None = None  # `experts` on the host (one copy per layer for all batches)
-    keep: torch.Tensor | None = None    # which of the B*T tokens are real (None: all of them)
-
-
 class Pipeline:
     def __init__(self, spec, cache, channels, config, trace, predictor, memory, device, host: HostCompute | None = None):
         self.spec, self.cache, self.ch, self.config = spec, cache, channels, config
         self.host = host or HostCompute.from_config(config)
-        # families whose attention core can run beside a host KV cache (not MLA: its keys are
-        # expanded from the latent by a projection, and its latent cache is small to move anyway)
-        self.host_attention_ok = getattr(spec.family, "HOST_ATTENTION", False)
+        self.host_attention_ok = spec.family.HOST_ATTENTION
         self.host_experts: set = set()  # this layer's experts computed where they live
         self.M = spec.family  # the model's layer functions
         self.trace, self.predictor, self.memory, self.device = trace, predictor, memory, device
+        self.host_work = HostWork(self.host, channels, trace, self._wait)
         self.schedule = config.schedule
         self.whole_layer = self.schedule in ("simple", "multibatch")
         self.K = 0 if config.prefetch == "none" else spec.top_k if config.hot_experts is None else config.hot_experts
@@ -120,7 +110,7 @@ class Pipeline:
                 if columns is not None:  # attend over the kept slots only
                     masks = {w: m.index_select(-1, columns) for w, m in masks.items()}
             hs.append(h)
-            keeps.append(_real_tokens(inp.valid, h.device))
+            keeps.append(real_tokens(inp.valid, h.device))
             ctx.append((self._upload(cos), self._upload(sin), {w: self._upload(m) for w, m in masks.items()}, masks))
         broken = [torch.full((h.shape[0],), -1, device=h.device) for h in hs]
         for layer in range(self.window):  # already staged by the previous step, except on the first
@@ -134,7 +124,7 @@ class Pipeline:
             routed, hot = self._gates(layer, hs, keeps)
             self._load_kv_ahead(layer + 1, kvs)
             hs = self._experts(layer, hs, routed, hot)
-            broken = [_first_broken(b, layer, h) for b, h in zip(broken, hs)]
+            broken = [first_broken(b, layer, h) for b, h in zip(broken, hs)]
             if self.on_layer:
                 self.on_layer(layer, hs)
             self.cache.unstage(self._layer_keys(layer))
@@ -174,7 +164,7 @@ class Pipeline:
                     self._kv_stored(*stores.pop(0))
                 loads[k + 1] = self._kv_load(kvs[k + 1], layer)
             if at_host[k]:
-                hs[k] = self._host_attention(layer, k, hs[k], w, ctx[k], kv)
+                hs[k] = self.host_work.attention(self.M, self.spec, layer, k, hs[k], w, ctx[k], kv)
                 continue
             buf = None
             if kv.on_host:
@@ -206,60 +196,6 @@ class Pipeline:
         if not (kv.on_host and self.host_attention_ok):
             return False
         return self.host.attend_on_host(kv.rows, kv.filled + new, new)
-
-    def _host_attention(self, layer, k, h, w, ctx, kv: BatchKV):
-        """Batch k's attention with its KV cache on the host, computed there: the projections
-        run where the weights are; the new keys/values go straight into the host cache and q
-        follows them down; the attention core runs on the host over the host cache; the output
-        comes back up. Nothing of the prefix crosses the link."""
-        if layer in kv.stored:  # an earlier step's store of this layer writes beside the new slots
-            self._wait(kv.stored[layer], "kv_store")
-        cos, sin, _, host_masks = ctx
-        name = f"{layer}.b{k}"
-        counts = self.host.attention
-
-        def write_home(kk, vv):
-            kk, vv = self._ship([kk, vv], DEVICE_TO_HOST, f"kv.{name}")
-            return kv.write(layer, kk, vv)
-
-        def at_host(attend):
-            def run(q, keys, values, mask, **extra):
-                (q,) = self._ship([q], DEVICE_TO_HOST, f"q.{name}")
-                extra = {n: t.to(keys.device) for n, t in extra.items()}  # per-head constants (sinks)
-                with self._host_span(counts, f"attn.{name}"):
-                    out = attend(q, keys, values, mask.to(keys.device), **extra)
-                return self._ship([out], HOST_TO_DEVICE, f"attn_out.{name}")[0]
-            return run
-
-        counts.on_host += 1
-        counts.bytes_not_moved += kv.prefix_nbytes()
-        with self.trace.span("compute", f"attn.{layer}.b{k}"):
-            return self.M.attention_block(h, w, cos, sin, host_masks[self.spec.window(layer)], write_home, self.spec,
-                                          max_scores=ATTENTION_SCORE_CHUNK, attend_at=at_host)
-
-    def _ship(self, tensors: list, link: str, name: str) -> list:
-        """Activations across the link for host compute, on the KV channels (so an emulated link
-        charges them like any transfer), waited for: host compute needs them now."""
-        nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        if link == DEVICE_TO_HOST:
-            ticket = self.ch["kv_store"].submit(lambda: [t.to("cpu") for t in tensors], name=name, nbytes=nbytes,
-                                                link=DEVICE_TO_HOST, after_compute=True, reads=tensors)
-        else:
-            channel = self.ch["kv_load"]
-            ticket = channel.submit(lambda: [channel.to_device(t, owned=True) for t in tensors], name=name,
-                                    nbytes=nbytes, link=HOST_TO_DEVICE)
-        return self._wait(ticket, name)
-
-    @contextmanager
-    def _host_span(self, counts, name: str):
-        """Host compute, timed by the host clock on its own lane (on CUDA too: no stream runs it)."""
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            end = time.perf_counter()
-            counts.host_s += end - start
-            self.trace.add("host", name, start, end)
 
     def _kv_stored(self, ticket, nbytes: int) -> None:
         self._wait(ticket, "kv_store")
@@ -295,9 +231,9 @@ class Pipeline:
                 routed.append(self._route(h, gate, keep))
         # The layer's one host sync for routing: every batch's expert ids at once; then every
         # selected expert not on the device goes on the experts channel.
-        for r, chosen in zip(routed, _to_host([r.experts for r in routed])):
+        for r, chosen in zip(routed, ids_on_host([r.experts for r in routed])):
             r.chosen = chosen
-        new = sorted(set(torch.cat([r.chosen.flatten() for r in routed]).tolist()))
+        new = chosen_experts(routed)
         self.host_experts = self._experts_on_host(layer, routed, new)
         self._want([("expert", layer, e) for e in new if e not in self.host_experts], "experts", front=True)
         self.cache.release(("gate", layer))
@@ -333,28 +269,18 @@ class Pipeline:
         gate = self.cache.get(key)
         with self.trace.span("compute", f"speculate.{layer}"):
             picks = [self._route(h, gate, keep, shared=False).experts for h, keep in zip(hs, keeps)]
-        self.predictor.speculate(layer - self.spec.dense_layers, _to_host(picks))
+        self.predictor.speculate(layer - self.spec.dense_layers, ids_on_host(picks))
 
-    def _route(self, h, gate, keep, shared: bool = True) -> _Routed:
-        """The router's choice for one batch's real tokens and, where the family has one, the
-        shared expert's output (it lives in the gate group, so it computes while that is held).
-        Left padding is not routed: a padded prefill computes no expert (nor loads one) for
-        tokens nobody reads, and the predictor learns from real tokens only."""
-        x = h.reshape(-1, h.shape[-1])
-        if keep is not None:
-            x = x.index_select(0, keep)
-        x = L.rms_norm(x, gate["post_norm"], self.spec.rms_norm_eps)
-        return _Routed(x, *self.M.route(x, gate, self.spec), self.M.shared_ffn(x, gate, self.spec) if shared else None,
-                       keep=keep)
+    def _route(self, h, gate, keep, shared: bool = True) -> Routed:
+        """One batch through this layer's router (and shared expert), by the running family."""
+        return route_batch(self.M, self.spec, h, gate, keep, shared)
 
     # ---- experts ------------------------------------------------------------------------
     def _experts(self, layer, hs, routed, hot):
         if not self.whole_layer:
             self._want(self._next_layer_prefetch(layer), "weights")
-        outs = [L.slots(len(r.x), self.spec.top_k, r.x, r.weights) for r in routed]
-        expert_ffn = _expert_ffn(self.M, self.spec)
-        chosen = sorted(set(torch.cat([r.chosen.flatten() for r in routed]).tolist()))
-        tokens_of = [_by_expert(r, self.spec.num_experts) for r in routed]
+        moe = LayerExperts(routed, self.spec.top_k, self.spec.num_experts)
+        expert_ffn, chosen = self.M.bind_expert_ffn(self.spec), moe.chosen
         # expected compute order, for choosing what to evict (needed last goes first)
         first = [e for e in chosen if self.schedule != "klotski" or e in hot]
         self.upcoming = [("expert", layer, e) for e in first + [e for e in chosen if e not in first]]
@@ -362,17 +288,15 @@ class Pipeline:
         for e in self._order(layer, chosen, hot):
             key = ("expert", layer, e)
             self.upcoming.remove(key)
-            picks = [pick(e) for pick in tokens_of]
+            picks = moe.picks(e)
             if e in self.host_experts:
-                self._host_expert(key, routed, outs, picks, expert_ffn)
+                self.host_work.expert(self.cache, key, moe, picks, expert_ffn)
                 continue
             w = self._get(key)
             with self.trace.span("compute", f"expert.{layer}.{e}"):
-                # One matmul over the tokens of all batches: the weight is shared n*bs ways
-                # (in chunks, so a long prefill does not blow the activation reserve).
-                x = torch.cat([r.x[tok] for r, (tok, _) in zip(routed, picks)])
-                y = torch.cat([expert_ffn(c, w) for c in x.split(PREFILL_EXPERT_CHUNK)])
-                _put(routed, outs, picks, y)
+                x = moe.inputs(picks)
+                y = run_expert(expert_ffn, x, w)
+                moe.put(picks, y)
             del w, x, y  # no reference outlives the group's reservation
             if self.schedule == "klotski":
                 self.cache.release(key)  # early release: room for the next transfer now
@@ -383,24 +307,7 @@ class Pipeline:
         for key in done + self._expert_keys(layer):  # end of layer: free the rest, incl. unused prefetches
             self.cache.release(key)
         self._pump()
-        return [_residual(h, L.combine(out, h.dtype, r.shared), r.keep) for h, out, r in zip(hs, outs, routed)]
-
-    def _host_expert(self, key, routed, outs, picks, expert_ffn) -> None:
-        """One expert computed where it lives: its tokens of every batch go down, the outputs
-        come up into the same top-k slots, so the result is bit for bit the device path's."""
-        name = f"{key[1]}.{key[2]}"
-        with self.trace.span("compute", f"expert.{name}"):
-            x = torch.cat([r.x[tok] for r, (tok, _) in zip(routed, picks)])
-            (x,) = self._ship([x], DEVICE_TO_HOST, f"x.{name}")
-            with self._host_span(self.host.experts, f"expert.{name}"):
-                w = self.cache.host_weights(key)  # decoded here when packed
-                y = torch.cat([expert_ffn(c, w) for c in x.split(PREFILL_EXPERT_CHUNK)])
-                del w
-                self.cache.drop_host_weights(key)
-            (y,) = self._ship([y], HOST_TO_DEVICE, f"y.{name}")
-            _put(routed, outs, picks, y)
-        self.host.experts.on_host += 1
-        self.host.experts.bytes_not_moved += self.cache.moved[key]
+        return moe.hidden_states(hs)
 
     def _next_layer_prefetch(self, layer) -> list:
         """While this layer's experts compute, the link moves what the next layer needs first:
@@ -529,60 +436,3 @@ class Pipeline:
         # as the plan reserved it when every batch attends beside its host cache
         return activation_bytes(self.spec, self.cache.dtype.itemsize, step, host_attention=all(self.at_host))
 
-
-def _expert_ffn(family, spec):
-    """The family's expert FFN `(x, w)`; bound to the checkpoint where its constants come from
-    config.json (gpt-oss's clamp and sigmoid gain)."""
-    return family.bind_expert_ffn(spec) if hasattr(family, "bind_expert_ffn") else family.expert_ffn
-
-
-def _real_tokens(valid: torch.Tensor, device) -> torch.Tensor | None:
-    """Flat indices of a step's real (not left-padding) tokens; None when all are real (decode)."""
-    if bool(valid.all()):
-        return None
-    return valid.flatten().nonzero().flatten().to(device)
-
-
-def _residual(h, moe_out, keep):
-    """h plus the MoE output of its real tokens; padding keeps h (its keys are masked out, and
-    its own row is never read)."""
-    if keep is None:
-        return h + moe_out.view_as(h)
-    flat = h.reshape(-1, h.shape[-1])
-    return flat.index_copy(0, keep, flat.index_select(0, keep) + moe_out).view_as(h)
-
-
-def _put(routed, outs, picks, y) -> None:
-    """Each token's output waits in its top-k slot, summed in slot order at the end, so the
-    order (and the place) experts compute in never changes a bit of the result."""
-    for r, out, (tok, slot), y_k in zip(routed, outs, picks, y.split([len(p[0]) for p in picks])):
-        L.put_weighted(out, tok, slot, y_k, r.weights)
-
-
-def _to_host(experts: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Expert ids of several batches on the host, in one copy (one sync on CUDA)."""
-    flat = torch.cat([e.flatten() for e in experts]).cpu()
-    return [part.view(e.shape) for part, e in zip(flat.split([e.numel() for e in experts]), experts)]
-
-
-def _by_expert(r: _Routed, num_experts: int):
-    """`pick(e)`: the (token, slot) pairs of one batch routed to expert `e`, in token order,
-    as device indices (what `torch.where(experts == e)` gives) without a host sync per
-    expert: one stable sort on the device, counts from the host copy of the ids."""
-    k = r.experts.shape[1]
-    order = torch.argsort(r.experts.flatten(), stable=True)
-    counts = torch.bincount(r.chosen.flatten(), minlength=num_experts).tolist()
-    starts = [0, *accumulate(counts)]
-
-    def pick(e: int):
-        flat = order[starts[e]:starts[e + 1]]
-        return flat // k, flat % k
-
-    return pick
-
-
-def _first_broken(broken: torch.Tensor, layer: int, h: torch.Tensor) -> torch.Tensor:
-    """Record `layer` for sequences whose hidden states [B, T, H] turned non-finite here. It
-    stays on the device and travels with the logits, so the check adds no host sync."""
-    bad = ~torch.isfinite(h).flatten(1).all(dim=1)
-    return torch.where((broken < 0) & bad, layer, broken)

@@ -16,7 +16,7 @@ import torch
 
 @dataclass
 class Sequence:
-    request: object            # klotski.io.jobs.Request
+    request: object            # klotski.io.requests.Request
     prompt_ids: list[int]
     max_new_tokens: int
     temperature: float
@@ -36,7 +36,7 @@ class Sequence:
 def prepare(requests, tokenizer, spec, config):
     """Tokenize; return (sequences, line errors): a prompt that is empty, too long for the
     model's context or rejected by the chat template is a line error."""
-    from klotski.io.jobs import LineError, prompt_too_long
+    from klotski.io.requests import LineError, prompt_too_long
     seqs, errors = [], []
     ctx = spec.max_position_embeddings
     for req in requests:

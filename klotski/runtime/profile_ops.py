@@ -1,0 +1,179 @@
+"""The ops a hardware profile times (planner/profile.py, `measure(ops=EngineOps())`): the
+engine's own code as the pipeline runs it, on random weights of the shape's family, so the
+planner's cost model is fitted to what generation will actually execute."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import itertools
+
+
+# The engine code EngineOps calls; a change to any of it changes the profile's cache key.
+TIMED_MODULES = ("klotski.models.layers", "klotski.models.defaults", "klotski.models.mixtral",
+                  "klotski.models.qwen3_moe", "klotski.models.qwen2_moe", "klotski.models.olmoe",
+                  "klotski.models.gpt_oss", "klotski.models.deepseek_v2", "klotski.models.deepseek_v3",
+                  "klotski.runtime.kvcache", "klotski.runtime.experts", "klotski.compress.hqq",
+                  "klotski.compress.mxfp4")
+
+
+class EngineOps:
+    """The profile's ops factory (planner/profile.py, `measure(ops=...)`): each op is the
+    engine's own code as the pipeline calls it, on random weights of the shape's family."""
+
+    VERSION = 3  # of how LayerOps composes the engine's functions; the code it calls is hashed
+
+    @functools.cached_property
+    def key(self) -> str:
+        """Names what is timed: this composition, the source of the engine code it calls, and
+        the hqq release that dequantizes."""
+        import importlib
+        import inspect
+        from importlib.metadata import PackageNotFoundError, version
+        h = hashlib.sha256()
+        for name in TIMED_MODULES:
+            h.update(inspect.getsource(importlib.import_module(name)).encode())
+        try:
+            hqq = version("hqq")
+        except PackageNotFoundError:
+            hqq = "none"
+        return f"klotski-engine-ops/{self.VERSION}/{h.hexdigest()[:16]}/hqq-{hqq}"
+
+    def __call__(self, shape, dtype, device) -> "LayerOps":
+        return LayerOps(shape, dtype, device)
+
+
+class LayerOps:
+    """Random weights of one layer of `shape`'s family on `device`, and closures running each op
+    exactly as the pipeline does: the family's attention block over a BatchKV (norm, RoPE,
+    GQA expansion, scores chunked at ATTENTION_SCORE_CHUNK), its router and shared expert,
+    SwiGLU experts in PREFILL_EXPERT_CHUNK pieces, the LM head, and HQQ dequantization of one
+    expert as the quantized cache decodes it. Per-step work (RoPE tables, masks) is prepared
+    outside the timed closures, as the pipeline does it once per step, not per layer.
+
+    Each closure cycles through copies of its weights and inputs, COLD_BYTES of them in all:
+    a step reads every weight (and KV block) once, long after the last step evicted it from
+    the caches, while an op timed over the same weight again and again would read it warm
+    and come out too fast."""
+
+    COLD_BYTES = 256 << 20  # above any CPU's last-level cache and an H100's 50 MB L2
+    MAX_COPIES = 16
+
+    def __init__(self, shape, dtype, device):
+        import torch
+
+        from klotski.models.spec import FAMILIES, ModelSpec, rope_frequencies
+        self.torch, self.dtype, self.device = torch, dtype, torch.device(device)
+        family = FAMILIES[shape.model_type]
+        inv_freq, scaling = rope_frequencies({}, shape.head_dim)
+        self.packed = shape.expert_format  # MXFP4 experts are timed decoded, their decoding apart
+        self.spec = ModelSpec(shape=dataclasses.replace(shape, expert_format=""), dtype=dtype, rms_norm_eps=1e-5,
+                              max_position_embeddings=1 << 20, rope_inv_freq=inv_freq,
+                              rope_attention_scaling=scaling, **family.options({}))
+        self.M = family
+        moe = min(shape.dense_layers, shape.num_layers - 1)  # a MoE layer's gate, not a dense layer's MLP
+        self.attn, self.gate_w, self.expert_w = (self._copies(k) for k in (("attn", 0), ("gate", moe),
+                                                                           ("expert", moe, 0)))
+        self._head = None
+
+    def _copies(self, key) -> list[dict]:
+        first = self._weights(key)
+        return [first] + [self._weights(key) for _ in range(self._count(_nbytes(first)) - 1)]
+
+    def _count(self, nbytes: int) -> int:
+        """How many copies of `nbytes` of data one op cycles through to read it cold."""
+        return max(1, min(self.MAX_COPIES, self.COLD_BYTES // max(1, nbytes)))
+
+    @staticmethod
+    def _cycle(runs: list):
+        turn = itertools.cycle(runs)
+        return lambda: next(turn)()
+
+    def _weights(self, key) -> dict:
+        """The group's tensors by local name: norms (and biases) ones, projections N(0, 0.02²)."""
+        torch, shapes = self.torch, self.spec.local_shapes()
+
+        def make(size):
+            if len(size) == 1:
+                return torch.ones(size, dtype=self.dtype, device=self.device)
+            return torch.randn(size, dtype=self.dtype, device=self.device) * 0.02
+        return {name: make(shapes[name]) for name in self.spec.group_refs(key)}
+
+    def _x(self, *size):
+        return self.torch.randn(*size, dtype=self.dtype, device=self.device)
+
+    def attention(self, bs: int, ctx: int, new: int):
+        torch, s = self.torch, self.spec
+        from klotski.runtime.kvcache import BatchKV
+        from klotski.models import layers as L
+        from planner.workingset import ATTENTION_SCORE_CHUNK
+        past = ctx - new
+        heads, key_dim, value_dim = s.kv_cache_dims
+        # masks and RoPE tables are built on the host and moved, as the pipeline does
+        mask = L.attention_mask(torch.ones(bs, ctx, dtype=torch.bool), new, s.sliding_window).to(self.device)
+        positions = torch.arange(past, ctx).expand(bs, new)
+        cos, sin = (t.to(self.device) for t in
+                    L.rope_tables(positions, s.rope_inv_freq, s.rope_attention_scaling, self.dtype))
+        kv_bytes = bs * ctx * heads * (key_dim + value_dim) * self.dtype.itemsize
+        runs = []
+        for w in self.attn[:self._count(_nbytes(self.attn[0]) + kv_bytes)]:
+            kv = BatchKV(1, bs, heads, key_dim, ctx, self.dtype, device=self.device, value_dim=value_dim)
+            if past:
+                kv.begin_step(torch.ones(bs, past, dtype=torch.bool))
+                kv.end_step()
+            kv.begin_step(torch.ones(bs, new, dtype=torch.bool))
+            h = self._x(bs, new, s.hidden_size)
+            runs.append(lambda h=h, w=w, kv=kv: self.M.attention_block(
+                h, w, cos, sin, mask, lambda k, v: kv.write(0, k, v), s, max_scores=ATTENTION_SCORE_CHUNK))
+        return self._cycle(runs)
+
+    def attend(self, bs: int, ctx: int, new: int):
+        """The attention core alone (what host attention runs beside a host KV cache)."""
+        from klotski.models import layers as L
+        s, torch = self.spec, self.torch
+        heads, key_dim, _ = s.kv_cache_dims
+        mask = L.attention_mask(torch.ones(bs, ctx, dtype=torch.bool), new, None).to(self.device)
+        runs = []
+        for _ in range(self._count(2 * bs * heads * ctx * key_dim * self.dtype.itemsize)):
+            q = self._x(bs, s.num_heads, new, key_dim)
+            keys, values = self._x(bs, heads, ctx, key_dim), self._x(bs, heads, ctx, key_dim)
+            runs.append(lambda q=q, keys=keys, values=values: L.attend(q, keys, values, mask))
+        return self._cycle(runs)
+
+    def gate(self, n: int):
+        from klotski.models import layers as L
+        s = self.spec
+        h = self._x(n, s.hidden_size)
+
+        def run(g):
+            x = L.rms_norm(h, g["post_norm"], s.rms_norm_eps)
+            return self.M.route(x, g, s), self.M.shared_ffn(x, g, s)
+        return self._cycle([functools.partial(run, g) for g in self.gate_w])
+
+    def expert(self, n: int):
+        from klotski.runtime.experts import run_expert
+        x, ffn = self._x(n, self.spec.hidden_size), self.M.bind_expert_ffn(self.spec)
+        return self._cycle([lambda w=w: run_expert(ffn, x, w) for w in self.expert_w])
+
+    def head(self, n: int):
+        from klotski.models import layers as L
+        if self._head is None:
+            self._head = self._copies(("head",))
+        x = self._x(n, self.spec.hidden_size)
+        return self._cycle([lambda w=w: L.logits(x, w["norm"], w["lm_head"], self.spec.rms_norm_eps)
+                            for w in self._head])
+
+    def dequant(self):
+        if self.packed == "mxfp4":
+            from klotski.compress import mxfp4
+            parts = {f"{m}_{p}": t.to(self.device) for m in mxfp4.MATRICES
+                     for p, t in zip(("blocks", "scales"), mxfp4.quantize(self.expert_w[0][m].t().float().cpu()))}
+            return lambda: {m: mxfp4.dequantize(parts[f"{m}_blocks"], parts[f"{m}_scales"], self.dtype)
+                            for m in mxfp4.MATRICES}
+        from klotski.compress import hqq as quant
+        parts = quant.quantize_group(self.expert_w[0], quant.QuantSpec())  # packed on the device, where it is decoded
+        return lambda: quant.dequantize_group(parts, self.dtype)
+
+
+def _nbytes(tensors: dict) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())

@@ -1,0 +1,166 @@
+"""A run's report (the JSON at --report) and its summary on stderr, built from the engine's
+numbers once the run has ended. The caller passes in what it computed (counts, wall time,
+how to replan for the replay); nothing here runs or plans anything itself."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from klotski.errors import UserError
+from klotski.util.writes import replace_atomically
+
+REPLAY_SAMPLE = 65536  # answers the replay prices at most (it walks every batch and slot)
+
+
+def save_report(path, report: dict) -> None:
+    replace_atomically(Path(path), (json.dumps(report, indent=2) + "\n").encode())
+
+
+def build_report(engine, setup, *, ok: int, failed: int, skipped: int, wall_s: float, config,
+                 model_dir) -> dict:
+    report = {"tokens_per_s": 0.0, "predicted_tokens_per_s": None, "prefill_s": 0.0, "decode_s": 0.0,
+              "wall_s": round(wall_s, 4), "requests": {"ok": ok, "failed": failed, "skipped": skipped},
+              "tokens": {"prompt": 0, "generated": 0}, "model": str(model_dir),
+              "order": (f"the job file streams in windows of {config.window} lines; in each window prompts are "
+                        "sorted longest first and batched in that order (similar lengths share a batch and pad "
+                        "little); records are keyed by id and written as they finish"),
+              "config": config.to_json()}
+    if engine is None:
+        return report
+    s, plan = engine.stats, setup.plan
+    gen_s = s.prefill_s + s.decode_s
+    report.update({
+        "tokens_per_s": round(s.generated_tokens / gen_s, 3) if gen_s else 0.0,
+        "predicted_tokens_per_s": round(plan.predicted_tokens_per_s, 3) if plan else None,
+        "prefill_s": round(s.prefill_s, 4),
+        "decode_s": round(s.decode_s, 4),
+        "tokens": {"prompt": s.prompt_tokens, "generated": s.generated_tokens},
+        "plan": {"batch_size": setup.batch_size, "num_batches": setup.num_batches,
+                 "prefill_chunk": setup.prefill_chunk, "prefill_passes": s.prefill_passes,
+                 "hot_experts": engine.pipeline.K, "schedule": config.schedule,
+                 "placement": setup.placement.summary(),
+                 "buffers": plan.buffers if plan else None, "binding": plan.binding if plan else None},
+        "memory": {"peak_device_bytes": engine.memory.peak, "budget_device_bytes": engine.memory.budget,
+                   "peak_host_bytes": engine.host_memory.peak, "budget_host_bytes": engine.host_memory.budget,
+                   **_allocator(engine)},
+        "io": {"bytes": dict(engine.trace.bytes),
+               "busy_s": {k: round(v, 4) for k, v in engine.trace.busy.items()},
+               "experts_loaded": engine.pipeline.experts_loaded,
+               # Disk bytes per second of decode wall time: how busy decode kept the disk.
+               "decode_disk_bytes": s.decode_disk_bytes,
+               "decode_disk_gb_per_s": round(s.decode_disk_bytes / s.decode_s / 1e9, 4) if s.decode_s else None},
+        "decode_slot_utilisation": round(s.slot_utilisation, 4) if s.slot_utilisation is not None else None,
+        "decode_occupancy": round(s.occupancy, 4) if s.occupancy is not None else None,
+        "batching": {"mode": engine.config.batching, "refills": s.refills, "kv_realigns": s.kv_realigns,
+                     "rows_moved": s.rows_moved, "prompt_tokens_in_decode_steps": s.decode_prompt_tokens,
+                     "order": ("waiting prompts longest max_new_tokens first; a freed row takes the next"
+                               if engine.config.batching == "continuous" else
+                               "longest prompts first, n batches of bs per group")},
+        "bubble": {"seconds": round(engine.trace.bubble_s, 4), "share": round(engine.trace.bubble_share(), 4),
+                   "decode_share": round(engine.trace.bubble_share(decode_only=True), 4)},
+        "prefetch": engine.predictor.report(),
+        "host_compute": engine.pipeline.host.report(),
+    })
+    return report
+
+
+def _allocator(engine) -> dict:
+    """On CUDA, what the caching allocator itself saw since the engine was built: its peak
+    above the baseline (the accounts promise this stays within the device budget) and
+    whether it ever had to free cached blocks and retry (fragmentation)."""
+    if engine.device.type != "cuda":
+        return {}
+    import torch
+    stats = torch.cuda.memory_stats(engine.device)
+    return {"allocator_peak_device_bytes": stats["allocated_bytes.all.peak"] - engine.memory.allocator_baseline,
+            "cuda_runtime_bytes": engine.memory.runtime_bytes,
+            "allocator_reserved_peak_bytes": stats["reserved_bytes.all.peak"],
+            "allocator_retries": stats["num_alloc_retries"]}
+
+
+def replayed(prompt_lens, gen_lens, replan) -> dict:
+    """The plan over the lengths the answers had: its tokens/s, and its prefill and decode
+    seconds for the whole job, to set beside the measured ones. `replan(prompt_lens,
+    gen_lens)` is planning.replayed_plan for this run (None: the run had no plan to replay)."""
+    none = {"replayed_tokens_per_s": None}
+    if replan is None or not gen_lens:
+        return none
+    scale = 1.0
+    if len(gen_lens) > REPLAY_SAMPLE:  # a rate: an even sample of a long job's answers tells it
+        step = len(gen_lens) / REPLAY_SAMPLE
+        pick = [int(i * step) for i in range(REPLAY_SAMPLE)]
+        prompt_lens, gen_lens = [prompt_lens[i] for i in pick], [gen_lens[i] for i in pick]
+        scale = step
+    try:
+        plan = replan(prompt_lens, gen_lens)
+    except (UserError, ValueError):  # the plan's budgets were refused for these lengths: no replay, not no report
+        return none
+    if not plan or not plan.predicted_tokens_per_s:
+        return none
+    return {"replayed_tokens_per_s": round(plan.predicted_tokens_per_s, 3),
+            "replayed_prefill_s": round(plan.job_prefill_s * scale, 4),
+            "replayed_decode_s": round(plan.job_decode_s * scale, 4)}
+
+
+def summary(report: dict, out_path: Path) -> str:
+    t = report["tokens"]
+    lines = [requests_line(report["requests"]), f"tokens    {t['prompt']} prompt, {t['generated']} generated"]
+    if "memory" in report:
+        mem, plan = report["memory"], report["plan"]
+        lines += [
+            f"speed     {report['tokens_per_s']:.1f} tok/s (prefill {report['prefill_s']:.2f} s, "
+            f"decode {report['decode_s']:.2f} s)"
+            + (f"; planner predicted {report['predicted_tokens_per_s']:.1f}" if report["predicted_tokens_per_s"] else "")
+            + (f" ({report['replayed_tokens_per_s']:.1f} for the answers' actual lengths: prefill "
+               f"{report['replayed_prefill_s']:.2f} s, decode {report['replayed_decode_s']:.2f} s)"
+               if report.get("replayed_tokens_per_s") else ""),
+            f"plan      batch size {plan['batch_size']} x {plan['num_batches']} batches"
+            + (f", prefill in chunks of {plan['prefill_chunk']} tokens" if plan["prefill_chunk"] else ""),
+            f"bubble    {report['bubble']['share']:.1%} of compute time waiting on transfers",
+            *([f"slots     {report['decode_slot_utilisation']:.0%} of decode rows computed served a sequence still "
+               f"generating; {report['decode_occupancy']:.0%} of the group's rows did "
+               + ("(continuous batching: {} rows refilled, {} prompt tokens prefilled inside decode "
+                  "steps; finished rows are not computed)".format(
+                   report["batching"]["refills"], report["batching"]["prompt_tokens_in_decode_steps"])
+                  if report["batching"]["mode"] == "continuous" else
+                  "(static batching: a batch keeps its slots until its longest sequence ends)")]
+              if report["decode_slot_utilisation"] is not None else []),
+            *_prefetch_line(report["prefetch"]),
+            *host_line(report.get("host_compute")),
+            f"memory    peak device {mem['peak_device_bytes'] / 2**20:.1f} of {mem['budget_device_bytes'] / 2**20:.1f} MiB, "
+            f"host {mem['peak_host_bytes'] / 2**20:.1f} of {mem['budget_host_bytes'] / 2**20:.1f} MiB",
+        ]
+    return "\n".join(lines + closing_lines(report, out_path))
+
+
+def requests_line(r: dict) -> str:
+    """The summary's first line, of a run in one process or on Ray."""
+    return f"requests  {r['ok']} ok, {r['failed']} failed" + (f", {r['skipped']} already done" if r["skipped"] else "")
+
+
+def closing_lines(report: dict, out_path: Path) -> list[str]:
+    """The summary's last lines, of a run in one process or on Ray."""
+    return [f"wall      {report['wall_s']:.1f} s", f"output    {out_path}"]
+
+
+def host_line(host: dict | None) -> list[str]:
+    """What host compute did (attention beside a host KV cache, experts where they live)."""
+    if not host or host["attention"]["mode"] == host["experts"]["mode"] == "off":
+        return []
+    a, e = host["attention"], host["experts"]
+    return [f"host      attention on the host in {a['batches_layers_on_host']} batch-layers "
+            f"({a['kv_bytes_not_moved'] / 2**20:.1f} MiB of KV not moved, {a['host_s']:.2f} s; {a['mode']}), "
+            f"{e['experts_on_host']} experts on the host ({e['bytes_not_moved'] / 2**20:.1f} MiB not moved, "
+            f"{e['host_s']:.2f} s; {e['mode']})"]
+
+
+def _prefetch_line(prefetch: dict) -> list[str]:
+    """How well hot experts were predicted, first group (perhaps cold) against the others."""
+    groups = [g for g in prefetch.get("per_group", []) if g["precision"] is not None]
+    if not groups:
+        return []
+    line = f"prefetch  {prefetch['precision']:.0%} of prefetched experts were used ({prefetch['predictor']})"
+    if len(groups) > 1:
+        later = sum(g["precision"] for g in groups[1:]) / (len(groups) - 1)
+        line += f"; first group {groups[0]['precision']:.0%} ({groups[0]['predictor']}), later groups {later:.0%}"
+    return [line]
