@@ -1,8 +1,8 @@
 """The discrete-event engine the simulator replays a batch group on.
 
 Lanes: one compute lane running ops in program order, and FIFO transfer channels —
-`weights`, `experts`, `kv_load` (host→device link), `kv_store` (device→host link) and
-`disk` (the disk→host sliding window). Channels on the same physical link share its
+`weights`, `experts`, `kv_load`, `activations` (host compute's results; host→device link),
+`kv_store` (device→host link) and `disk` (the disk→host sliding window). Channels on the same physical link share its
 bandwidth equally while both are busy. A compute op starts when the previous op is done
 and every transfer it needs has arrived; time the compute lane spends waiting is bubble.
 The `host` lane (the host CPU's work) is FIFO like a transfer channel but timed in seconds.
@@ -18,9 +18,9 @@ from planner.workingset import DISK_WINDOW_LAYERS
 # simulated runs open side by side; "wait" holds the compute lane's bubbles.
 # "host" (the host CPU's work, its "bytes" seconds) comes last: the engine's traces may not
 # have it.
-LANES = ("compute", "wait", "weights", "experts", "kv_load", "kv_store", "disk", "host")
+LANES = ("compute", "wait", "weights", "experts", "kv_load", "kv_store", "activations", "disk", "host")
 LINK_OF = {"weights": "host_to_device", "experts": "host_to_device", "kv_load": "host_to_device",
-           "kv_store": "device_to_host", "disk": "disk_to_host", "host": "host"}
+           "kv_store": "device_to_host", "activations": "host_to_device", "disk": "disk_to_host", "host": "host"}
 
 
 class _Xfer:

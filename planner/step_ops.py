@@ -138,7 +138,7 @@ class StepOps:
             def core_of(j=j, k=k):
                 e.issue(("Q", j, k), "kv_store", moved["device_to_host"])
                 e.issue(("HA", j, k), "host", core, prereq=("Q", j, k))
-                e.issue(("HO", j, k), "kv_load", moved["host_to_device"], prereq=("HA", j, k))
+                e.issue(("HO", j, k), "activations", moved["host_to_device"], prereq=("HA", j, k))
             end.append(core_of)
             if k == n - 1:
                 end.append(lambda j=j: e.release(("A", j)))

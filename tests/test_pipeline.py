@@ -183,22 +183,21 @@ def test_left_padding_is_not_routed(checkpoints, ref, monkeypatch):
     the first step sees exactly the prompts' tokens, not batch x longest; tokens unchanged."""
     from transformers import AutoTokenizer
 
-    from klotski.runtime.pipeline import Pipeline
+    from klotski.runtime import pipeline
     seen = []
-    original = Pipeline._route
+    original = pipeline.route_group
 
-    def counting(self, h, gate, keep, shared=True):
-        r = original(self, h, gate, keep, shared)
-        if self.layer == 0 and shared:
+    def counting(family, spec, hs, gate, keeps, shared=True):
+        r = original(family, spec, hs, gate, keeps, shared)
+        if shared and [h.shape[0] for h in hs] == [len(PROMPTS)] and hs[0].shape[1] > 1:  # the job's prefill
             seen.append(r.x.shape[0])
         return r
 
-    monkeypatch.setattr(Pipeline, "_route", counting)
+    monkeypatch.setattr(pipeline, "route_group", counting)
     ours, _ = engine_tokens(checkpoints["gqa"], batch_size=6, num_batches=1, prefill_chunk=1024)
     lengths = [len(AutoTokenizer.from_pretrained(checkpoints["gqa"])(p)["input_ids"]) for p in PROMPTS]
     assert ours == ref
-    # (the planner's overhead measure routes its own stub batches first: two tokens each)
-    assert [rows for rows in seen if rows > len(PROMPTS)] == [sum(lengths)]
+    assert seen and set(seen) == {sum(lengths)}  # every layer of the prefill
     assert sum(lengths) < len(PROMPTS) * max(lengths)
 
 
@@ -226,9 +225,10 @@ def test_replayed_rate_is_the_plan_over_the_lengths_generated(checkpoints):
 
 
 def test_the_expert_phase_is_bit_identical_in_any_order():
-    """The expert phase's tensor work (klotski/runtime/experts.py): each expert's picks are
-    what `torch.where(experts == e)` gives, and whatever order the experts compute in, the
-    layer's output is the same bit for bit (outputs wait in their top-k slots)."""
+    """The expert phase's tensor work (klotski/runtime/experts.py), for a group of batches
+    routed together: each expert's picks are what `torch.where(experts == e)` gives over the
+    group's tokens, and whatever order the experts compute in, the layer's output is the same
+    bit for bit (outputs wait in their top-k slots)."""
     import torch
 
     from klotski.models import layers as L
@@ -238,23 +238,23 @@ def test_the_expert_phase_is_bit_identical_in_any_order():
     E, k, H = 8, 2, 16
     hs = [torch.randn(2, 3, H), torch.randn(1, 5, H)]
     w = {e: {"w1": torch.randn(32, H), "w3": torch.randn(32, H), "w2": torch.randn(H, 32)} for e in range(E)}
-    routed = []
-    for h in hs:
-        x = h.reshape(-1, H)
-        weights, experts = L.route(x, torch.randn(E, H), k, renormalise=True, cast=False)
-        routed.append(Routed(x, weights, experts, None))
-    for r, chosen in zip(routed, ids_on_host([r.experts for r in routed])):
-        r.chosen = chosen
+    x = torch.cat([h.reshape(-1, H) for h in hs])
+    weights, experts = L.route(x, torch.randn(E, H), k, renormalise=True, cast=False)
+    routed = Routed(x, weights, experts, None, [6, 5], [None, None], chosen=ids_on_host(experts))
 
     def layer(order):
         moe = LayerExperts(routed, k, E)
         for e in order(moe.chosen):
             picks = moe.picks(e)
-            for r, (tok, slot) in zip(routed, picks):
-                assert [tok.tolist(), slot.tolist()] == [t.tolist() for t in torch.where(r.experts == e)]
+            tok = moe.tokens(picks)
+            assert tok.tolist() == torch.where(experts == e)[0].tolist()
             moe.put(picks, run_expert(L.swiglu, moe.inputs(picks), w[e]))
         return moe.hidden_states(hs)
 
     first = layer(lambda chosen: chosen)
+    # what transformers computes: each token's k expert outputs times their weights, summed in slot order
+    want = torch.stack([sum((L.swiglu(x[t:t + 1], w[int(experts[t, j])]) * weights[t, j]).squeeze(0)
+                            for j in range(k)) for t in range(len(x))])
+    assert torch.allclose(torch.cat([(a - h).reshape(-1, H) for a, h in zip(first, hs)]), want, atol=1e-5)
     for again in (layer(lambda chosen: chosen[::-1]), layer(lambda chosen: chosen[1::2] + chosen[::2])):
         assert all(torch.equal(a, b) for a, b in zip(first, again))

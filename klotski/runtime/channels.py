@@ -182,10 +182,19 @@ class Channel:
 def make_channels(device: torch.device, trace, link_gbps: float | None) -> dict[str, Channel]:
     # one link each way, shared by every channel like PCIe
     up, down = (EmulatedLink(link_gbps), EmulatedLink(link_gbps)) if link_gbps else (None, None)
-    names = ("weights", "experts", "kv_load", "kv_store", "disk")
+    # host compute's results come up on their own channel: behind the KV loads they would
+    # wait for transfers they do not depend on
+    names = ("weights", "experts", "kv_load", "kv_store", "activations", "disk")
     return {n: Channel(n, device, trace, *((None, None) if n == "disk" else (up, down))) for n in names}
 
 
 def pin(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Host copies feeding a CUDA device are pinned, so copies can run asynchronously."""
     return t.pin_memory() if device.type == "cuda" else t
+
+
+def pinned_staging(nbytes: int, device: torch.device) -> torch.Tensor:
+    """A host byte buffer that strided host data is gathered into on its way to `device`:
+    page-locked for a CUDA device (so the copy out of it is asynchronous), plain memory
+    otherwise. Made once and reused by its owner (kvcache.Staging), never per copy."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.device(device).type == "cuda")

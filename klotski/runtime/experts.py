@@ -1,8 +1,11 @@
-"""The tensor work of a step's MoE phase, apart from its schedule (pipeline.py): routing a
-batch's real tokens, gathering each expert's tokens from every batch of a group, running an
-expert over them in chunks, and putting its outputs into their top-k slots. The outputs
-wait in their slots and are summed in slot order at the end, so the order (and the place:
-device or host) experts compute in never changes a bit of the result."""
+"""The tensor work of a step's MoE phase, apart from its schedule (pipeline.py), for every
+batch of a group at once: the batches' real tokens routed together, one sort by expert, one
+slice of the sorted tokens per expert, each expert run once over all of the group's tokens
+routed to it, its weighted outputs put into their top-k slots, one sum at the end. The host
+work per layer grows with the experts chosen, never with batches × experts (a GPU launches
+a kernel per op; docs/benchmarks.md has the count). Outputs wait in their slots and are
+summed in slot order, so the order (and the place: device or host) experts compute in
+never changes a bit of the result."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,96 +19,97 @@ from planner.workingset import PREFILL_EXPERT_CHUNK
 
 @dataclass
 class Routed:
-    """Router decisions of one batch at one layer, flattened over its B*T tokens."""
-    x: torch.Tensor        # normalised MoE input [N, H] of the batch's real tokens
+    """Router decisions of one layer for a group's real tokens, batch after batch."""
+    x: torch.Tensor        # normalised MoE input [N, H] of every batch's real tokens
     weights: torch.Tensor  # [N, k] (fp32 or the activation dtype, as the family routes)
     experts: torch.Tensor  # [N, k]
     shared: torch.Tensor | None  # the shared expert's output [N, H], for families with one
-    chosen: torch.Tensor | None = None  # `experts` on the host (one copy per layer for all batches)
-    keep: torch.Tensor | None = None    # which of the B*T tokens are real (None: all of them)
+    sizes: list[int]       # each batch's real tokens (their rows of x, in order)
+    keeps: list            # per batch, which of its B*T tokens are real (None: all of them)
+    chosen: torch.Tensor | None = None  # `experts` on the host (one copy per layer)
 
 
-def route_batch(family, spec, h: torch.Tensor, gate: dict, keep: torch.Tensor | None,
-                shared: bool = True) -> Routed:
-    """The router's choice for one batch's real tokens and, where the family has one, the
-    shared expert's output (it lives in the gate group, so it computes while that is held).
-    Left padding is not routed: a padded prefill computes no expert (nor loads one) for
-    tokens nobody reads, and the predictor learns from real tokens only."""
-    x = h.reshape(-1, h.shape[-1])
-    if keep is not None:
-        x = x.index_select(0, keep)
-    x = L.rms_norm(x, gate["post_norm"], spec.rms_norm_eps)
-    return Routed(x, *family.route(x, gate, spec), family.shared_ffn(x, gate, spec) if shared else None, keep=keep)
+def route_group(family, spec, hs: list[torch.Tensor], gate: dict, keeps: list, shared: bool = True) -> Routed:
+    """The router's choice for every batch's real tokens at once and, where the family has one,
+    the shared expert's output (it lives in the gate group, so it computes while that is held;
+    batch by batch, as the activation reserve counts it). Left padding is not routed: a padded
+    prefill computes no expert (nor loads one) for tokens nobody reads, and the predictor
+    learns from real tokens only."""
+    parts = []
+    for h, keep in zip(hs, keeps):
+        x = h.reshape(-1, h.shape[-1])
+        parts.append(x if keep is None else x.index_select(0, keep))
+    sizes = [len(p) for p in parts]
+    x = L.rms_norm(torch.cat(parts) if len(parts) > 1 else parts[0], gate["post_norm"], spec.rms_norm_eps)
+    weights, experts = family.route(x, gate, spec)
+    out = None
+    if shared:
+        pieces = [family.shared_ffn(p, gate, spec) for p in x.split(sizes)]
+        out = None if pieces[0] is None else torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+    return Routed(x, weights, experts, out, sizes, list(keeps))
 
 
-def real_tokens(valid: torch.Tensor, device) -> torch.Tensor | None:
-    """Flat indices of a step's real (not left-padding) tokens; None when all are real (decode)."""
+def real_tokens(valid: torch.Tensor) -> torch.Tensor | None:
+    """Flat indices of a step's real (not left-padding) tokens, on the host where `valid` is
+    (the pipeline sends them up through pinned memory); None when all are real (decode)."""
     if bool(valid.all()):
         return None
-    return valid.flatten().nonzero().flatten().to(device)
+    return valid.flatten().nonzero().flatten()
 
 
-def ids_on_host(experts: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Expert ids of several batches on the host, in one copy (one sync on CUDA)."""
-    flat = torch.cat([e.flatten() for e in experts]).cpu()
-    return [part.view(e.shape) for part, e in zip(flat.split([e.numel() for e in experts]), experts)]
-
-
-def chosen_experts(routed: list[Routed]) -> list[int]:
-    """The experts any batch of the group chose, in id order (from the host copies)."""
-    return sorted(set(torch.cat([r.chosen.flatten() for r in routed]).tolist()))
-
-
-def tokens_by_expert(r: Routed, num_experts: int):
-    """`pick(e)`: the (token, slot) pairs of one batch routed to expert `e`, in token order,
-    as device indices (what `torch.where(experts == e)` gives) without a host sync per
-    expert: one stable sort on the device, counts from the host copy of the ids."""
-    k = r.experts.shape[1]
-    order = torch.argsort(r.experts.flatten(), stable=True)
-    counts = torch.bincount(r.chosen.flatten(), minlength=num_experts).tolist()
-    starts = [0, *accumulate(counts)]
-
-    def pick(e: int):
-        flat = order[starts[e]:starts[e + 1]]
-        return flat // k, flat % k
-
-    return pick
+def ids_on_host(experts: torch.Tensor) -> torch.Tensor:
+    """Expert ids on the host, in one copy (the layer's one sync on CUDA)."""
+    return experts.cpu()
 
 
 class LayerExperts:
-    """The expert phase of one layer over every batch of a group: the batches' routed tokens,
-    the top-k slots their expert outputs wait in, and which of them each expert takes."""
+    """The expert phase of one layer over a group: the top-k slots the outputs wait in, and
+    which of the group's routed tokens each expert takes (a contiguous range of one sort)."""
 
-    def __init__(self, routed: list[Routed], top_k: int, num_experts: int):
-        self.routed = routed
-        self.slots = [L.slots(len(r.x), top_k, r.x, r.weights) for r in routed]
-        self.chosen = chosen_experts(routed)
-        self._pickers = [tokens_by_expert(r, num_experts) for r in routed]
+    def __init__(self, routed: Routed, top_k: int, num_experts: int):
+        self.routed, self.k = routed, top_k
+        self.slots = L.slots(len(routed.x), top_k, routed.x, routed.weights)
+        counts = torch.bincount(routed.chosen.flatten(), minlength=num_experts).tolist()
+        self.counts = counts
+        self.chosen = [e for e, c in enumerate(counts) if c]
+        self._starts = [0, *accumulate(counts)]
+        # flat (token·k + slot) positions in expert order, token order within an expert
+        # (what `torch.where(experts == e)` gives, for every e at once)
+        self._order = torch.argsort(routed.experts.flatten(), stable=True)
+        self._tokens = self._order // top_k
+        self._weights = routed.weights.flatten().index_select(0, self._order)
 
-    def picks(self, e: int) -> list:
-        """Expert `e`'s (token, slot) pairs of each batch."""
-        return [pick(e) for pick in self._pickers]
+    def picks(self, e: int) -> slice:
+        """Expert `e`'s range of the sorted (token, slot) pairs."""
+        return slice(self._starts[e], self._starts[e + 1])
 
-    def inputs(self, picks) -> torch.Tensor:
-        """The picked tokens of every batch, one after the other: one matmul over all of them
-        shares the expert's weight n*bs ways."""
-        return torch.cat([r.x[tok] for r, (tok, _) in zip(self.routed, picks)])
+    def tokens(self, picks: slice) -> torch.Tensor:
+        """Indices into the group's routed tokens of the picked pairs (for tests and tools)."""
+        return self._tokens[picks]
 
-    def put(self, picks, y: torch.Tensor) -> None:
+    def inputs(self, picks: slice) -> torch.Tensor:
+        """The picked tokens of every batch: one matmul over them shares the expert's weight
+        n·bs ways."""
+        return self.routed.x.index_select(0, self._tokens[picks])
+
+    def put(self, picks: slice, y: torch.Tensor) -> None:
         """The expert's outputs y of the picked tokens into their slots, times their router weight."""
-        for r, out, (tok, slot), y_k in zip(self.routed, self.slots, picks, y.split([len(p[0]) for p in picks])):
-            L.put_weighted(out, tok, slot, y_k, r.weights)
+        self.slots.view(-1, self.slots.shape[-1]).index_copy_(0, self._order[picks], y * self._weights[picks, None])
 
     def hidden_states(self, hs: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each batch's hidden states after the layer: its slots summed in top-k order plus the
         shared expert's output, added to the residual."""
-        return [residual(h, L.combine(out, h.dtype, r.shared), r.keep)
-                for h, out, r in zip(hs, self.slots, self.routed)]
+        r = self.routed
+        out = L.combine(self.slots, hs[0].dtype, r.shared)
+        parts = out.split(r.sizes) if len(hs) > 1 else (out,)
+        return [residual(h, o, keep) for h, o, keep in zip(hs, parts, r.keeps)]
 
 
 def run_expert(expert_ffn, x: torch.Tensor, w: dict) -> torch.Tensor:
     """`expert_ffn` over tokens x in PREFILL_EXPERT_CHUNK pieces, so a long prefill does not
     blow the activation reserve."""
+    if len(x) <= PREFILL_EXPERT_CHUNK:
+        return expert_ffn(x, w)
     return torch.cat([expert_ffn(c, w) for c in x.split(PREFILL_EXPERT_CHUNK)])
 
 

@@ -1,7 +1,8 @@
 """Host compute as a step runs it (hostcompute.py decides where; pipeline.py decides when): a
 batch's attention beside its host KV cache, and an expert where its group lives in host RAM.
-Activations cross the link on the KV channels, so an emulated link charges them like any
-transfer, and are waited for at once: host compute needs them now. Host work is timed by
+Activations go down on the KV store channel (after the compute that made them) and come up
+on their own channel, so an emulated link charges them like any transfer; they are waited
+for at once: host compute needs them now. Host work is timed by
 the host clock on its own trace lane (on CUDA too: no stream runs it)."""
 from __future__ import annotations
 
@@ -32,22 +33,26 @@ class HostWork:
         name = f"{layer}.b{k}"
         counts = self.host.attention
 
+        device = DeviceSpan(self.trace, f"attn.{layer}.b{k}")
+
         def write_home(kk, vv):
-            kk, vv = self.ship([kk, vv], DEVICE_TO_HOST, f"kv.{name}")
-            return kv.write(layer, kk, vv)
+            with device.off():
+                kk, vv = self.ship([kk, vv], DEVICE_TO_HOST, f"kv.{name}")
+                return kv.write(layer, kk, vv)
 
         def at_host(attend):
             def run(q, keys, values, mask, **extra):
-                (q,) = self.ship([q], DEVICE_TO_HOST, f"q.{name}")
-                extra = {n: t.to(keys.device) for n, t in extra.items()}  # per-head constants (sinks)
-                with self.span(counts, f"attn.{name}"):
-                    out = attend(q, keys, values, mask.to(keys.device), **extra)
-                return self.ship([out], HOST_TO_DEVICE, f"attn_out.{name}")[0]
+                with device.off():
+                    (q,) = self.ship([q], DEVICE_TO_HOST, f"q.{name}")
+                    extra = {n: t.to(keys.device) for n, t in extra.items()}  # per-head constants (sinks)
+                    with self.span(counts, f"attn.{name}"):
+                        out = attend(q, keys, values, mask.to(keys.device), **extra)
+                    return self.ship([out], HOST_TO_DEVICE, f"attn_out.{name}")[0]
             return run
 
         counts.on_host += 1
         counts.bytes_not_moved += kv.prefix_nbytes()
-        with self.trace.span("compute", f"attn.{layer}.b{k}"):
+        with device:
             return family.attention_block(h, w, cos, sin, host_masks[spec.window(layer)], write_home, spec,
                                           max_scores=ATTENTION_SCORE_CHUNK, attend_at=at_host)
 
@@ -55,14 +60,16 @@ class HostWork:
         """One expert computed where it lives: its tokens of every batch go down, the outputs
         come up into the same top-k slots, so the result is bit for bit the device path's."""
         name = f"{key[1]}.{key[2]}"
-        with self.trace.span("compute", f"expert.{name}"):
-            (x,) = self.ship([moe.inputs(picks)], DEVICE_TO_HOST, f"x.{name}")
-            with self.span(self.host.experts, f"expert.{name}"):
-                w = cache.host_weights(key)  # decoded here when packed
-                y = run_expert(expert_ffn, x, w)
-                del w
-                cache.drop_host_weights(key)
-            (y,) = self.ship([y], HOST_TO_DEVICE, f"y.{name}")
+        with DeviceSpan(self.trace, f"expert.{name}") as device:
+            x = moe.inputs(picks)
+            with device.off():
+                (x,) = self.ship([x], DEVICE_TO_HOST, f"x.{name}")
+                with self.span(self.host.experts, f"expert.{name}"):
+                    w = cache.host_weights(key)  # decoded here when packed
+                    y = run_expert(expert_ffn, x, w)
+                    del w
+                    cache.drop_host_weights(key)
+                (y,) = self.ship([y], HOST_TO_DEVICE, f"y.{name}")
             moe.put(picks, y)
         self.host.experts.on_host += 1
         self.host.experts.bytes_not_moved += cache.moved[key]
@@ -73,8 +80,8 @@ class HostWork:
         if link == DEVICE_TO_HOST:
             ticket = self.ch["kv_store"].submit(lambda: [t.to("cpu") for t in tensors], name=name, nbytes=nbytes,
                                                 link=DEVICE_TO_HOST, after_compute=True, reads=tensors)
-        else:
-            channel = self.ch["kv_load"]
+        else:  # on their own channel: behind KV loads they would wait for what they do not need
+            channel = self.ch["activations"]
             ticket = channel.submit(lambda: [channel.to_device(t, owned=True) for t in tensors], name=name,
                                     nbytes=nbytes, link=HOST_TO_DEVICE)
         return self.wait(ticket, name)
@@ -89,3 +96,32 @@ class HostWork:
             end = time.perf_counter()
             counts.host_s += end - start
             self.trace.add("host", name, start, end)
+
+
+class DeviceSpan:
+    """A compute span that leaves out the host work inside it (`with span.off(): ...`): on
+    CUDA the device stands idle while the host computes and activations cross, and that time
+    is bubble, not compute. On a CPU the host is the device: one span throughout."""
+
+    def __init__(self, trace, name: str):
+        self.trace, self.name, self._open = trace, name, None
+
+    def __enter__(self):
+        self._open = self.trace.span("compute", self.name)
+        self._open.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._open.__exit__(*exc)
+
+    @contextmanager
+    def off(self):
+        if not self.trace.cuda:
+            yield
+            return
+        self._open.__exit__(None, None, None)
+        try:
+            yield
+        finally:
+            self._open = self.trace.span("compute", self.name)
+            self._open.__enter__()

@@ -35,8 +35,7 @@ import torch
 
 from klotski.models import layers as L
 from klotski.runtime.channels import pin
-from klotski.runtime.experts import (LayerExperts, Routed, chosen_experts, first_broken, ids_on_host, real_tokens,
-                                     route_batch, run_expert)
+from klotski.runtime.experts import LayerExperts, first_broken, ids_on_host, real_tokens, route_group, run_expert
 from klotski.runtime.hostcompute import HostCompute
 from klotski.runtime.hostwork import HostWork
 from klotski.runtime.kvcache import BatchKV
@@ -110,7 +109,8 @@ class Pipeline:
                 if columns is not None:  # attend over the kept slots only
                     masks = {w: m.index_select(-1, columns) for w, m in masks.items()}
             hs.append(h)
-            keeps.append(real_tokens(inp.valid, h.device))
+            keep = real_tokens(inp.valid)
+            keeps.append(None if keep is None else self._upload(keep))
             ctx.append((self._upload(cos), self._upload(sin), {w: self._upload(m) for w, m in masks.items()}, masks))
         broken = [torch.full((h.shape[0],), -1, device=h.device) for h in hs]
         for layer in range(self.window):  # already staged by the previous step, except on the first
@@ -121,9 +121,9 @@ class Pipeline:
             # last step of a run that is one window read for nothing).
             self.cache.stage(self._layer_keys((layer + self.window) % spec.num_layers))
             self._attention(layer, hs, ctx, kvs)
-            routed, hot = self._gates(layer, hs, keeps)
+            moe, hot = self._gates(layer, hs, keeps)
             self._load_kv_ahead(layer + 1, kvs)
-            hs = self._experts(layer, hs, routed, hot)
+            hs = self._experts(layer, hs, moe, hot)
             broken = [first_broken(b, layer, h) for b, h in zip(broken, hs)]
             if self.on_layer:
                 self.on_layer(layer, hs)
@@ -225,30 +225,27 @@ class Pipeline:
     def _gates(self, layer, hs, keeps):
         hot = self._predict(layer)
         gate = self._get(("gate", layer))
-        routed = []
-        for k, (h, keep) in enumerate(zip(hs, keeps)):
-            with self.trace.span("compute", f"gate.{layer}.b{k}"):
-                routed.append(self._route(h, gate, keep))
+        with self.trace.span("compute", f"gate.{layer}"):
+            routed = route_group(self.M, self.spec, hs, gate, keeps)
         # The layer's one host sync for routing: every batch's expert ids at once; then every
         # selected expert not on the device goes on the experts channel.
-        for r, chosen in zip(routed, ids_on_host([r.experts for r in routed])):
-            r.chosen = chosen
-        new = chosen_experts(routed)
-        self.host_experts = self._experts_on_host(layer, routed, new)
-        self._want([("expert", layer, e) for e in new if e not in self.host_experts], "experts", front=True)
+        routed.chosen = ids_on_host(routed.experts)
+        moe = LayerExperts(routed, self.spec.top_k, self.spec.num_experts)
+        self.host_experts = self._experts_on_host(layer, moe)
+        self._want([("expert", layer, e) for e in moe.chosen if e not in self.host_experts], "experts", front=True)
         self.cache.release(("gate", layer))
         if self.spec.experts_in(layer):
-            self.predictor.observe(layer - self.spec.dense_layers, [r.chosen for r in routed])
+            self.predictor.observe(layer - self.spec.dense_layers, [routed.chosen])
         if self.next_gate:
             self._speculate(layer + 1, hs, keeps)
-        return routed, hot
+        return moe, hot
 
-    def _experts_on_host(self, layer, routed, chosen) -> set:
+    def _experts_on_host(self, layer, moe: LayerExperts) -> set:
         """The selected experts computed where they live this step: not on the device nor on
         their way, their group in host RAM, and the host deciding (HostCompute)."""
-        if self.host.experts_mode == "off" or not chosen:
+        if self.host.experts_mode == "off" or not moe.chosen:
             return set()
-        counts = torch.bincount(torch.cat([r.chosen.flatten() for r in routed]), minlength=self.spec.num_experts)
+        counts, chosen = moe.counts, moe.chosen
         out = set()
         for e in chosen:
             key = ("expert", layer, e)
@@ -268,18 +265,13 @@ class Pipeline:
             return
         gate = self.cache.get(key)
         with self.trace.span("compute", f"speculate.{layer}"):
-            picks = [self._route(h, gate, keep, shared=False).experts for h, keep in zip(hs, keeps)]
-        self.predictor.speculate(layer - self.spec.dense_layers, ids_on_host(picks))
-
-    def _route(self, h, gate, keep, shared: bool = True) -> Routed:
-        """One batch through this layer's router (and shared expert), by the running family."""
-        return route_batch(self.M, self.spec, h, gate, keep, shared)
+            picks = route_group(self.M, self.spec, hs, gate, keeps, shared=False).experts
+        self.predictor.speculate(layer - self.spec.dense_layers, [ids_on_host(picks)])
 
     # ---- experts ------------------------------------------------------------------------
-    def _experts(self, layer, hs, routed, hot):
+    def _experts(self, layer, hs, moe: LayerExperts, hot):
         if not self.whole_layer:
             self._want(self._next_layer_prefetch(layer), "weights")
-        moe = LayerExperts(routed, self.spec.top_k, self.spec.num_experts)
         expert_ffn, chosen = self.M.bind_expert_ffn(self.spec), moe.chosen
         # expected compute order, for choosing what to evict (needed last goes first)
         first = [e for e in chosen if self.schedule != "klotski" or e in hot]
@@ -321,22 +313,19 @@ class Pipeline:
         return [("attn", nxt), ("gate", nxt)] + [("expert", nxt, e) for e in self._predict(nxt)]
 
     def _order(self, layer, chosen, hot):
-        """Yield experts in compute order. klotski: hot first, then whichever transfer has
-        finished (resident ones are finished already), waiting for the oldest otherwise."""
+        """Experts in compute order. klotski: hot first, then those already there (or computed
+        where they live), then those in flight in the order they were submitted (the channels
+        are FIFO: that is the order they land in), then the rest. One readiness query per
+        expert and one pass over the pending list: a Qwen3 layer has ~126 of them."""
         if self.schedule != "klotski":
-            yield from chosen
-            return
-        rest = [e for e in chosen if e not in hot]
-        yield from (e for e in hot if e in chosen)
-        while rest:
-            # computed where they live: nothing to wait for
-            ready = [e for e in rest if e in self.host_experts or self.cache.ready(("expert", layer, e))]
-            flying = [e for e in rest if self.cache.present(("expert", layer, e))]
-            # FIFO channels: of those in flight, the oldest lands first
-            e = ready[0] if ready else min(flying, key=lambda x: self._submitted(("expert", layer, x))) \
-                if flying else rest[0]
-            rest.remove(e)
-            yield e
+            return chosen
+        first = [e for e in hot if e in chosen]
+        rest = [e for e in chosen if e not in first]
+        now = [e for e in rest if e in self.host_experts or self.cache.ready(("expert", layer, e))]
+        submitted = {key: i for i, key in enumerate(self.cache.pending)}
+        later = sorted((e for e in rest if e not in now),
+                       key=lambda e: submitted.get(("expert", layer, e), len(submitted)))
+        return first + now + later
 
     # ---- residency helpers --------------------------------------------------------------
     def _want(self, keys, channel: str, front: bool = False) -> None:
@@ -391,10 +380,6 @@ class Pipeline:
         """A small host tensor of this step (ids, mask, RoPE tables) on the device, through
         pinned memory so the copy never blocks the host."""
         return pin(t, self.device).to(self.device, non_blocking=True) if t.device.type != self.device.type else t
-
-    def _submitted(self, key) -> int:
-        """Position of `key` in the order its transfer was submitted (pending is insertion-ordered)."""
-        return list(self.cache.pending).index(key)
 
     def make_room(self, nbytes: int, what) -> None:
         """Evict transient groups until `nbytes` fit, the one needed farthest in the future

@@ -1,7 +1,8 @@
 """Timeline of a run: every compute and transfer as an event (lane, name, start, end, bytes).
 
 Lanes: `compute`, `wait` (compute idle: the bubble), one per channel, and `host` (attention
-or experts computed on the host, by the host clock; on CPU inside a compute span). `to_chrome()` gives
+or experts computed on the host, by the host clock; on CPU inside a compute span, on CUDA
+outside it: the device idles meanwhile). `to_chrome()` gives
 the Chrome-trace JSON that Perfetto opens.
 
 On CPU a span is timed by the thread that runs it, and `wait` is the scheduling thread
@@ -19,7 +20,7 @@ from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-LANES = ("compute", "wait", "weights", "experts", "kv_load", "kv_store", "disk", "host_wait", "host")
+LANES = ("compute", "wait", "weights", "experts", "kv_load", "kv_store", "activations", "disk", "host_wait", "host")
 
 
 @dataclass(frozen=True)

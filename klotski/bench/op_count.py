@@ -1,0 +1,81 @@
+"""How many ATen ops the compute thread issues per layer of a decode step, for n batches of bs
+rows with A experts active: the host's share of a GPU step (each op not a view is a launch).
+Used by `benchmarks/op_count.py` (the table and its fit) and by the gate test that keeps the
+expert phase's launches independent of the number of batches."""
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from klotski.util.opcount import OpCounter
+
+
+class ForcedRouting:
+    """A family whose router picks exactly `active` experts for any tokens: token t's k slots
+    go to experts (t·k + j) mod active, so A is set by the caller, not by random weights. The
+    router's own weights are kept (the math is unchanged, only the choice)."""
+
+    def __init__(self, family, active: int):
+        self._family, self._active = family, active
+
+    def __getattr__(self, name):
+        return getattr(self._family, name)
+
+    def route(self, x, gate, spec):
+        weights, experts = self._family.route(x, gate, spec)
+        picks = torch.arange(experts.numel(), device=experts.device) % self._active
+        return weights, picks.view_as(experts)
+
+
+def build_model(root: Path, experts: int = 32, top_k: int = 8, layers: int = 3) -> Path:
+    """A tiny Mixtral with `experts` experts, `top_k` per token (launch-bound: small widths)."""
+    from klotski.builtin import tiny
+    return tiny.build_checkpoint(root, "tiny", num_local_experts=experts, num_experts_per_tok=top_k,
+                                 num_hidden_layers=layers)
+
+
+def layer_ops(model_dir, n: int, bs: int, active: int | None = None, schedule: str = "klotski",
+              kernels: bool = True, **config) -> float:
+    """Median ops per decode layer step (layers after the first, so embedding is not counted),
+    for a group of n batches of bs rows; `active` forces A (ForcedRouting)."""
+    from klotski.assemble import open_engine
+    from klotski.config import RunConfig
+    from klotski.io.requests import Request
+
+    cfg = RunConfig(model=str(model_dir), progress=False, dtype="float32", batch_size=bs, num_batches=n,
+                    batching="static", schedule=schedule, **config)
+    reqs = [Request(id=f"r{i}", line=i + 1, prompt=f"item {i} of the list", messages=None, max_new_tokens=3)
+            for i in range(n * bs)]
+    engine, seqs, errors = open_engine(cfg, reqs)
+    assert not errors, errors
+    pipe = engine.pipeline
+    if active is not None:
+        pipe.M = ForcedRouting(pipe.M, active)
+    counts, seen = [], {"last": 0}
+    counter = OpCounter()
+
+    def on_layer(layer, hs):
+        now = counter.kernels if kernels else counter.total
+        if layer > 0 and hs[0].shape[1] == 1:  # a decode step's layer, embedding excluded
+            counts.append(now - seen["last"])
+        seen["last"] = now
+
+    pipe.on_layer = on_layer
+    try:
+        with counter:
+            list(engine.run(seqs))
+    finally:
+        engine.close()
+    return statistics.median(counts)
+
+
+def fit(rows: list[tuple[int, int, float]]) -> dict:
+    """Least squares ops = a + b·n + c·A + d·A·n over (n, A, ops) rows."""
+    X = np.array([[1, n, a, a * n] for n, a, _ in rows], dtype=float)
+    y = np.array([o for _, _, o in rows], dtype=float)
+    coef, *_ = np.linalg.lstsq(X, y, rcond=None)
+    worst = float(np.max(np.abs(X @ coef - y))) if len(rows) else 0.0
+    return {"a": coef[0], "b": coef[1], "c": coef[2], "d": coef[3], "max_residual": worst}

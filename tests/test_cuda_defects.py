@@ -1,0 +1,117 @@
+"""Defects of the CUDA path that a CPU can catch (issue 37): the padded prefill's token index
+sent up without blocking, host compute's results on their own channel and outside compute
+spans, and the expert order asking each transfer once. (tests/gpu/test_gpu_defects.py checks
+what only CUDA shows.)"""
+from contextlib import contextmanager
+
+import pytest
+
+from conftest import PROMPTS, engine_tokens, reference_tokens
+from klotski.bench.op_count import build_model
+from klotski.runtime import pipeline as P
+from klotski.runtime.trace import Trace
+from placement.placement import Placement
+
+
+@pytest.fixture(scope="module")
+def host_placement(checkpoints):
+    _, probe = engine_tokens(checkpoints["gqa"], prompts=["x"], max_new_tokens=1)
+    return Placement.by_kind(probe.spec.group_keys(), kv="host", expert="host")
+
+
+def test_padded_prefill_index_goes_up_through_the_pinned_upload(checkpoints, monkeypatch):
+    """The real-token index of a padded prefill is built on the host and sent by the
+    pipeline's upload (pinned, non-blocking), not copied pageable and blocking."""
+    made, uploaded = [], []
+    real_tokens, upload = P.real_tokens, P.Pipeline._upload
+
+    def made_here(valid):
+        keep = real_tokens(valid)
+        if keep is not None:
+            assert keep.device.type == "cpu"
+            made.append(keep)
+        return keep
+
+    def recording(self, t):
+        uploaded.append(t)
+        return upload(self, t)
+
+    monkeypatch.setattr(P, "real_tokens", made_here)
+    monkeypatch.setattr(P.Pipeline, "_upload", recording)
+    out, _ = engine_tokens(checkpoints["gqa"], batch_size=6, num_batches=1, max_new_tokens=2)
+    assert made and all(any(k is u for u in uploaded) for k in made)
+
+
+def test_host_results_travel_apart_from_kv_loads_and_outside_compute_spans(checkpoints, host_placement, monkeypatch):
+    """Host compute's outputs come up on the `activations` channel (behind KV loads they would
+    queue for nothing), and, where the device is not the host (CUDA), no compute span is open
+    while the host computes: that time is bubble."""
+    from klotski.runtime.channels import Channel
+    lanes, open_spans, overlaps = [], [0], []
+    submit = Channel.submit
+
+    def recording_submit(self, fn, *, name, **kw):
+        if name.startswith(("attn_out.", "y.")):
+            lanes.append(self.name)
+        return submit(self, fn, name=name, **kw)
+
+    @contextmanager
+    def span(self, lane, name, nbytes=0, link=None):
+        open_spans[0] += lane == "compute"
+        try:
+            yield
+        finally:
+            open_spans[0] -= lane == "compute"
+
+    add = Trace.add
+
+    def checked_add(self, lane, *args, **kw):
+        if lane == "host" and open_spans[0]:
+            overlaps.append(args[0])
+        return add(self, lane, *args, **kw)
+
+    monkeypatch.setattr(Channel, "submit", recording_submit)
+    monkeypatch.setattr(Trace, "span", span)
+    monkeypatch.setattr(Trace, "add", checked_add)
+    init = Trace.__init__
+
+    def as_on_a_gpu(self, *a, **kw):  # spans read as the GPU's trace reads them
+        init(self, *a, **kw)
+        self.cuda = True
+
+    monkeypatch.setattr(Trace, "__init__", as_on_a_gpu)
+    monkeypatch.setattr(Trace, "resolve", lambda self, everything=False: None)
+    out, _ = engine_tokens(checkpoints["gqa"], placement=host_placement, batch_size=3, num_batches=2,
+                                max_new_tokens=3, host_attention="on", host_experts="on")
+    assert lanes and set(lanes) == {"activations"}
+    assert overlaps == []
+
+
+def test_expert_order_asks_each_transfer_once(tmp_path):
+    """Ordering A experts queries each one's transfer once (not O(A²) event queries: ~8k per
+    layer on a Qwen3-shaped model) and reads the submission order once."""
+    model = build_model(tmp_path / "m32", experts=32, top_k=8, layers=2)
+    calls, sizes = [], []
+    order = P.Pipeline._order
+
+    def counted(self, layer, chosen, hot):
+        ready = self.cache.ready
+        n = [0]
+
+        def counting(key):
+            n[0] += 1
+            return ready(key)
+        self.cache.ready = counting
+        try:
+            return list(order(self, layer, chosen, hot))
+        finally:
+            self.cache.ready = ready
+            calls.append(n[0])
+            sizes.append(len(chosen))
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(P.Pipeline, "_order", counted)
+        engine_tokens(model, prompts=PROMPTS * 2, batch_size=4, num_batches=3, max_new_tokens=3,
+                      device_memory=12 << 20)
+    assert sizes and max(sizes) >= 16
+    assert all(c <= a for c, a in zip(calls, sizes)), list(zip(calls, sizes))
