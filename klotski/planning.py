@@ -8,6 +8,7 @@ import dataclasses
 from pathlib import Path
 
 from klotski.errors import UserError
+from klotski.runtime.overhead import LAUNCHES
 from klotski.runtime.profile_ops import EngineOps
 from placement.placement import Placement
 from planner.costmodel import CostModel
@@ -47,10 +48,17 @@ def measure_here(shape, *, device: str = "auto", link_gbps: float | None = None,
     from klotski.util.writes import writing
     with writing(cachedir.profiles(), "the disk-speed probe of the hardware profile"):
         profile = measure(shape, ops=EngineOps(), device=compute_device(device), link_gbps=link_gbps,
-                          refresh=refresh, cache_dir=cachedir.profiles())
+                          refresh=refresh, cache_dir=cachedir.profiles(), announce=_say)
         if pipeline_cost:  # what the pipeline adds around the ops (klotski/runtime/overhead.py, via assemble)
-            profile.overhead_s.update(pipeline_cost(compute_device(device), emulated_link=bool(link_gbps)))
+            found = pipeline_cost(compute_device(device), emulated_link=bool(link_gbps))
+            profile.overhead_s.update({k: v for k, v in found.items() if not k.startswith(LAUNCHES)})
+            profile.launches = {k[len(LAUNCHES):]: v for k, v in found.items() if k.startswith(LAUNCHES)}
     return profile
+
+
+def _say(text: str) -> None:
+    import sys
+    print(f"klotski: {text}", file=sys.stderr, flush=True)
 
 
 def profile_for(hardware: str, shape, *, device: str = "auto", link_gbps: float | None = None, pipeline_cost=None):

@@ -206,12 +206,22 @@ class CostModel:
         residency cache, submitting and awaiting transfers), per batch-layer, expert call,
         transfer, step, batch-layer whose KV cache comes from the host and token-layer beyond
         one a row (`tokens`: a prefill's), as a measured profile records it (`overhead_s`;
-        klotski/runtime/overhead.py). Noise on a big model, most of a step on a tiny one; 0 where the
-        profile has none."""
-        o = self.profile.overhead_s
-        return (batch_layers * o.get("batch_layer", 0.0) + expert_calls * o.get("expert_call", 0.0)
-                + transfers * o.get("transfer", 0.0) + steps * o.get("step", 0.0)
-                + kv_layers * o.get("kv_layer", 0.0) + tokens * o.get("token", 0.0))
+        klotski/runtime/overhead.py), each term at least its counted launches times the
+        device's per-launch cost. Noise on a big model, most of a step on a tiny one; 0 where
+        the profile has none."""
+        o, n, launch = self.profile.overhead_s, self.profile.launches, self.profile.launch_s
+
+        def term(kind: str) -> float:  # never below the ops it launches (a GPU waits on them)
+            return max(o.get(kind, 0.0), n.get(kind, 0.0) * launch)
+        return (batch_layers * term("batch_layer") + expert_calls * term("expert_call")
+                + transfers * term("transfer") + steps * term("step")
+                + kv_layers * term("kv_layer") + tokens * term("token"))
+
+    def launches(self, batch_layers: float = 0, expert_calls: float = 0, steps: float = 0) -> float:
+        """Ops the pipeline launches around the timed ones (the profile's counts), e.g. per step."""
+        n = self.profile.launches
+        return (batch_layers * n.get("batch_layer", 0.0) + expert_calls * n.get("expert_call", 0.0)
+                + steps * n.get("step", 0.0))
 
     def t_head(self, tokens: int) -> float:
         """Final norm + LM head logits for `tokens` tokens (one per sequence per step)."""

@@ -84,6 +84,12 @@ class Profile:
     # host is the device: the cost model then uses the device's rates and samples.
     host_flops: float = 0.0           # effective host FLOP/s in the model dtype
     host_mem_bw: float = 0.0          # effective host-memory bytes/s read by host compute
+    # The host's cost of one op launched on the device (CUDA: launch plus a small kernel's
+    # latency; CPU: per-op dispatch), and the ops the engine's pipeline issues around the
+    # timed ops, per term of `overhead_s` (counted by the engine: klotski/runtime/overhead.py).
+    # The cost model never prices a term below its launches: a GPU waits on them.
+    launch_s: float = 0.0
+    launches: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1)
@@ -168,7 +174,7 @@ def profile_key(shape, device: str, link_gbps: float | None, grid: dict, ops_key
 def measure(shape, *, ops, batch_sizes=(1, 4, 16, 64), context_lengths=(128, 512), token_counts=(1, 8, 64, 512),
             device: str = "cpu", link_gbps: float | None = None, refresh: bool = False,
             cache_dir: str | os.PathLike | None = None, reps: int = 5, io_bytes: int = 64 << 20,
-            io_dir: str | os.PathLike | None = None) -> Profile:
+            io_dir: str | os.PathLike | None = None, announce=None) -> Profile:
     """Time one layer's ops (`ops`: the caller's factory, see the module docstring) for
     `shape` on `device` of this machine, kept in `cache_dir` (the caller's; none: measured
     every time) unless `refresh`.
@@ -178,7 +184,8 @@ def measure(shape, *, ops, batch_sizes=(1, 4, 16, 64), context_lengths=(128, 512
     context (prefill is costly; a big batch's does not scale plainly from a small one's),
     whole prompts and chunks of CHUNK_SAMPLE tokens over them.
     `link_gbps` (GB/s) replaces the host↔device bandwidth, as `--emulate-link` throttles
-    that channel in the engine.
+    that channel in the engine. `announce(text)`, if given, is told when a measurement starts
+    and how long it took (nothing when the cache answers).
     """
     shape = as_shape(shape)
     grid = {"bs": list(batch_sizes), "ctx": list(context_lengths), "tokens": list(token_counts),
@@ -191,7 +198,13 @@ def measure(shape, *, ops, batch_sizes=(1, 4, 16, 64), context_lengths=(128, 512
             return Profile.from_json(path.read_text())
         except (ValueError, TypeError):
             pass  # a damaged cache file is re-measured
+    started = time.perf_counter()
+    if announce:  # a new machine or new layer shapes: the user waits, so say for what
+        announce(f"measuring this machine's speed at this model's layer shapes on {device} (once; cached"
+                 f"{' in ' + str(cache_dir) if cache else ' for this run only'})")
     prof = _measure(shape, ops, grid, device, link_gbps, reps, io_bytes, io_dir or cache_dir)
+    if announce:
+        announce(f"speed measured in {time.perf_counter() - started:.1f} s")
     prof.name = f"measured-{key}"
     if cache:
         _save(path, prof.to_json())
@@ -256,10 +269,28 @@ def _measure(shape, make_ops, grid, device, link_gbps, reps, io_bytes, io_dir) -
     host_flops, host_bw = flops, mem_bw  # CPU-only: the host is the device
     if dev.type == "cuda":
         host_flops, host_bw = host_rates(shape, make_ops, grid, reps, samples)
+    launch_s = _launch_cost(dev, sync)
     machine["measure_s"] = round(time.perf_counter() - started, 2)
     return Profile(name="measured", device=dev.type, flops=flops, mem_bw=mem_bw, links=links,
                    samples=samples, shape_key=shape.key(), machine=machine,
-                   memory=_memory_capacity(dev), host_flops=host_flops, host_mem_bw=host_bw)
+                   memory=_memory_capacity(dev), host_flops=host_flops, host_mem_bw=host_bw, launch_s=launch_s)
+
+
+def _launch_cost(dev, sync, ops: int = 2000, rounds: int = 5) -> float:
+    """Seconds per op of a chain of one-element ops issued back to back and waited for once:
+    on CUDA a kernel launch plus the smallest kernel's latency, on a CPU the dispatch of an
+    op. The median of `rounds`."""
+    import torch
+    x = torch.zeros(1, device=dev)
+    times = []
+    for _ in range(rounds):
+        sync()
+        start = time.perf_counter()
+        for _ in range(ops):
+            x.add_(1.0)
+        sync()
+        times.append((time.perf_counter() - start) / ops)
+    return statistics.median(times)
 
 
 def median_of_rounds(rounds: list[dict[str, list[list[float]]]]) -> dict[str, list[list[float]]]:

@@ -158,8 +158,11 @@ def test_pipeline_overhead_is_measured_once_and_priced_per_call(tmp_path, monkey
     from planner.costmodel import CostModel
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     found = overhead.pipeline_overhead("cpu", open_engine, steps=3)
-    assert set(found) == set(overhead.KINDS) and all(v >= 0 for v in found.values())
-    assert sum(found.values()) > 0
+    launches = {k: found[overhead.LAUNCHES + k] for k in overhead.KINDS}
+    assert set(found) == set(overhead.KINDS) | {overhead.LAUNCHES + k for k in overhead.KINDS}
+    assert all(v >= 0 for v in found.values()) and sum(found[k] for k in overhead.KINDS) > 0
+    # counted, not timed: each expert call and each batch-layer issues ops of its own
+    assert launches["expert_call"] >= 1 and launches["batch_layer"] >= 1 and launches["step"] >= 1
     monkeypatch.setattr(overhead, "_measure", lambda *a: pytest.fail("measured twice"))
     assert overhead.pipeline_overhead("cpu", open_engine, steps=3) == found
     profile = load_profile("rtx3090-pcie4")
@@ -168,6 +171,10 @@ def test_pipeline_overhead_is_measured_once_and_priced_per_call(tmp_path, monkey
     cost = CostModel(profile, TINY)
     assert cost.t_pipeline(batch_layers=2, expert_calls=3, transfers=4, steps=1, kv_layers=5, tokens=6) == \
         pytest.approx(2e-3 + 3e-4 + 4e-5 + 1e-2 + 5e-6 + 6e-7)
+    # a term is never priced below its launches: 10 ops an expert call at 20 µs a launch
+    profile.launches, profile.launch_s = {"expert_call": 10.0, "step": 1.0}, 20e-6
+    assert cost.t_pipeline(expert_calls=3, steps=1) == pytest.approx(3 * 2e-4 + 1e-2)
+    assert cost.launches(expert_calls=3, steps=1) == 31
 
 
 def test_pipeline_overhead_stubs_reach_every_expert():

@@ -21,10 +21,14 @@ tables, gathers and scatters of a prefill's tokens; the profile's ops time none 
 The result is kept in the user cache per machine, pipeline source and channel mode (a run
 with `--emulate-link` copies on the channels' threads, one without copies inline on a CPU;
 tiny-mixtral's threaded transfer and KV terms ran 1.8x and 2.4x the inline ones), and added to the
-profile's `overhead_s` (planner/costmodel.py: `t_pipeline`).
+profile's `overhead_s` (planner/costmodel.py: `t_pipeline`). Beside each term's seconds, the
+ops it issues on the compute thread (`launches.<kind>`, counted once: the same on every
+machine), which the cost model prices at the profile's per-launch cost as a floor: on a GPU
+each is a kernel launch the device waits for when the host is slower than it.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import json
@@ -33,7 +37,10 @@ import time
 
 import torch
 
+from klotski.util.opcount import OpCounter
+
 KINDS = ("batch_layer", "expert_call", "transfer", "kv_layer", "token", "step")
+LAUNCHES = "launches."  # prefix of the ops counted per kind, beside its seconds
 WIDE = 8  # tokens a row in the run that prices a prefill's tokens beyond a decode step's one
 FAST_LINK = 1e6  # GB/s: channels on their threads, no transfer held back
 
@@ -90,10 +97,16 @@ def pipeline_overhead(device: str, open_engine, steps: int = 16, rounds: int = 1
     mode = "-threads" if emulated_link else ""
     path = cachedir.profiles() / f"pipeline-overhead-{_source_key(device)}{mode}.json"
     try:
-        return {k: float(v) for k, v in json.loads(path.read_text()).items() if k in KINDS}
+        return {k: float(v) for k, v in json.loads(path.read_text()).items()
+                if k in KINDS or k.startswith(LAUNCHES)}
     except (OSError, ValueError):
         pass
+    import sys
+    print(f"klotski: measuring what the pipeline itself costs on this machine ({device}; once, "
+          f"cached in {path.parent})", file=sys.stderr, flush=True)
+    started = time.perf_counter()
     found = _measure(device, steps, rounds, open_engine, FAST_LINK if emulated_link else None)
+    print(f"klotski: pipeline cost measured in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
@@ -110,6 +123,8 @@ def _measure(device: str, steps: int, rounds: int, open_engine, link_gbps: float
     from klotski.runtime.pipeline import StepInput
     from klotski.builtin.tiny import ensure_builtin
     from klotski.models.spec import ModelSpec
+    from klotski.prefetch.correlate import new_table
+    from klotski.prefetch.predictors import CorrelationPredictor
     from placement.placement import Placement
 
     cfg = RunConfig(model="tiny-mixtral", batch_size=2, num_batches=3, progress=False, dtype="float32",
@@ -119,19 +134,23 @@ def _measure(device: str, steps: int, rounds: int, open_engine, link_gbps: float
     keys = spec.group_keys()  # bs, n and placement given: nothing is planned (no profile asked for)
     bs = _rows(spec.num_experts, spec.top_k)
 
-    def per_step(engine, n: int, chosen: int, new: int = 1) -> float:
+    def per_step(engine, n: int, chosen: int, new: int = 1, counter: OpCounter | None = None) -> float:
+        """Median seconds of a step; with `counter`, the ops of one step (after a warm-up)."""
         engine.pipeline.M = _Stubs(chosen, engine.spec.top_k)
         space = engine.kv_space()
         kvs = [space.allocate(bs, (steps + 2) * new)[0] for _ in range(n)]
         ids = torch.zeros(bs, new, dtype=torch.long)
         times = []
-        for t in range(steps + 1):
+        for t in range(2 if counter else steps + 1):
             at = torch.arange(t * new, (t + 1) * new).expand(bs, new)
             inputs = [StepInput(ids, torch.ones_like(ids, dtype=torch.bool), at) for _ in kvs]
             start = time.perf_counter()
-            engine.pipeline.forward(kvs, inputs)
+            with counter if counter and t else contextlib.nullcontext():
+                engine.pipeline.forward(kvs, inputs)
             times.append(time.perf_counter() - start)
         space.close()
+        if counter:
+            return float(counter.kernels)
         # the first is a warm-up; the median, not the fastest: a step's waits on the channel
         # threads and the allocator are part of what every step pays (the fastest of 12 ran
         # ~30% under the typical step on tiny-mixtral)
@@ -144,23 +163,29 @@ def _measure(device: str, steps: int, rounds: int, open_engine, link_gbps: float
     layouts = {"device": {}, "host": {"expert": "host"}, "kv": {"kv": "host"}}
     try:
         for name, where in layouts.items():
-            engines[name] = open_engine(cfg, request, placement=Placement.by_kind(keys, **where))[0]
+            # a predictor of its own: it learns nothing worth keeping about a stub model
+            quiet = CorrelationPredictor(new_table(spec))
+            engines[name] = open_engine(cfg, request, placement=Placement.by_kind(keys, **where), predictor=quiet)[0]
         spec = engines["device"].spec
         L, E, k = spec.num_layers, spec.num_experts, spec.top_k
         terms = []
-        for _ in range(rounds):
-            one, three, few = (per_step(engines["device"], 1, E), per_step(engines["device"], 3, E),
-                               per_step(engines["device"], 1, k))
-            moved, kv = per_step(engines["host"], 1, E), per_step(engines["kv"], 1, E)
-            wide = per_step(engines["device"], 1, E, WIDE)
+        def run(count: bool = False) -> dict:
+            c = OpCounter if count else (lambda: None)
+            one, three, few = (per_step(engines["device"], 1, E, counter=c()), per_step(engines["device"], 3, E, counter=c()),
+                               per_step(engines["device"], 1, k, counter=c()))
+            moved, kv = per_step(engines["host"], 1, E, counter=c()), per_step(engines["kv"], 1, E, counter=c())
+            wide = per_step(engines["device"], 1, E, WIDE, counter=c())
             batch_layer = max(0.0, (three - one) / (2 * L))
             expert_call = max(0.0, (one - few) / (L * (E - k))) if E > k else 0.0
-            terms.append({"batch_layer": batch_layer, "expert_call": expert_call,
-                          "transfer": max(0.0, (moved - one) / (L * E)),
-                          "kv_layer": max(0.0, (kv - one) / L),
-                          "token": max(0.0, (wide - one) / (L * bs * (WIDE - 1))),
-                          "step": max(0.0, one - L * batch_layer - L * E * expert_call)})
+            return {"batch_layer": batch_layer, "expert_call": expert_call,
+                    "transfer": max(0.0, (moved - one) / (L * E)),
+                    "kv_layer": max(0.0, (kv - one) / L),
+                    "token": max(0.0, (wide - one) / (L * bs * (WIDE - 1))),
+                    "step": max(0.0, one - L * batch_layer - L * E * expert_call)}
+        terms = [run() for _ in range(rounds)]
+        counted = run(count=True)  # the ops themselves: the same on every run, once is enough
     finally:
         for engine in engines.values():
             engine.close()
-    return {kind: statistics.median(t[kind] for t in terms) for kind in KINDS}
+    return ({kind: statistics.median(t[kind] for t in terms) for kind in KINDS}
+            | {LAUNCHES + kind: counted[kind] for kind in KINDS})

@@ -75,6 +75,7 @@ class LayerOps:
         self.attn, self.gate_w, self.expert_w = (self._copies(k) for k in (("attn", 0), ("gate", moe),
                                                                            ("expert", moe, 0)))
         self._head = None
+        self._packed = None
 
     def _copies(self, key) -> list[dict]:
         first = self._weights(key)
@@ -171,7 +172,9 @@ class LayerOps:
             return lambda: {m: mxfp4.dequantize(parts[f"{m}_blocks"], parts[f"{m}_scales"], self.dtype)
                             for m in mxfp4.MATRICES}
         from klotski.compress import hqq as quant
-        parts = quant.quantize_group(self.expert_w[0], quant.QuantSpec())  # packed on the device, where it is decoded
+        if self._packed is None:  # quantized once per profile, not once per round
+            self._packed = quant.quantize_group(self.expert_w[0], quant.QuantSpec())  # on the device, where it is decoded
+        parts = self._packed
         return lambda: quant.dequantize_group(parts, self.dtype)
 
 
