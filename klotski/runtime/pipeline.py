@@ -6,11 +6,12 @@ A step takes every batch of the group through the model layer by layer. Per laye
   1. attention, batch by batch; with the KV cache on the host, batch k+1's KV is loaded
      (`kv_load`) while batch k computes and batch k's new KV is stored behind (`kv_store`);
      meanwhile `weights` prefetches this layer's gate and K hot experts;
-  2. the gate, batch by batch; every selected expert that is neither on the device nor on
-     its way is queued on `experts` at once;
-  3. experts over the tokens of *all* batches: hot ones first, then the rest in the order
-     their transfers finish, each released the moment it is done; `weights` starts on the
-     next layer's attention as soon as there is room.
+  2. the gate, once over every batch's tokens; every selected expert that is neither on the
+     device nor on its way is queued on `experts` at once;
+  3. experts over the tokens of *all* batches, each expert once (experts.py: its host work
+     never grows with batches × experts): hot ones first, then the rest in the order their
+     transfers finish, each released the moment it is done; `weights` starts on the next
+     layer's attention as soon as there is room.
 
 Host compute (klotski/runtime/hostcompute.py decides, per layer and step; hostwork.py runs it):
 a batch whose KV cache is on the host may attend there (q down, the output up; no KV load),
