@@ -255,6 +255,6 @@ def test_the_expert_phase_is_bit_identical_in_any_order():
     # what transformers computes: each token's k expert outputs times their weights, summed in slot order
     want = torch.stack([sum((L.swiglu(x[t:t + 1], w[int(experts[t, j])]) * weights[t, j]).squeeze(0)
                             for j in range(k)) for t in range(len(x))])
-    assert torch.allclose(torch.cat([(a - h).reshape(-1, H) for a, h in zip(first, hs)]), want, atol=1e-5)
+    assert torch.allclose(torch.cat([(a - h).reshape(-1, H) for a, h in zip(first, hs)]), want, rtol=1e-4, atol=1e-4)
     for again in (layer(lambda chosen: chosen[::-1]), layer(lambda chosen: chosen[1::2] + chosen[::2])):
         assert all(torch.equal(a, b) for a, b in zip(first, again))

@@ -21,6 +21,10 @@ finished takes the next waiting prompt:
   finished is never computed, whether a newcomer is still prefilling for it or none is left.
 - With nothing left to admit, the sparsest batch's rows move into other batches' free rows,
   so the tail runs as few batches as its sequences fill.
+- A cache's budget account is given back only once its tensors are dropped, and a realign's
+  scratch block is reserved while it lives: what is alive never exceeds what is accounted.
+  On the host a newcomer cache whose prompts all have rows is kept for the next newcomers
+  (its pages stay locked: a CUDA host cache is registered once, not per newcomer batch).
 
 Every sequence sees exactly its own tokens at the positions it would have alone: the output
 is the static schedule's, token for token (tests/test_batching.py).
@@ -28,6 +32,7 @@ is the static schedule's, token for token (tests/test_batching.py).
 from __future__ import annotations
 
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -100,6 +105,7 @@ class ContinuousRun:
         self.queue = deque(sorted(seqs, key=lambda s: (-s.max_new_tokens, -len(s.prompt_ids))))
         # room for the window's longest request, as static batching gives its batch
         self.capacity = max(len(s.prompt_ids) + s.max_new_tokens for s in seqs)
+        self.longest_prompt = max(len(s.prompt_ids) for s in seqs)  # a host newcomer cache's slots
         self.chunk = engine.prefill_chunk or max(len(s.prompt_ids) for s in seqs)
         # every step's attention beside the host cache: the plan reserved no keys or scores
         self.host_attention = self.space.on_host and engine.pipeline.always_host_attention()
@@ -112,6 +118,7 @@ class ContinuousRun:
         self.headroom = self.step_limit + engine.cache.largest_use()
         self.decode: list[_Decode] = []
         self.newcomers: list[_Newcomers] = []  # oldest first
+        self.spare: list[BatchKV] = []  # host newcomer caches done with, for the next newcomers
 
     def run(self):
         bs, n = self.e.batch_size, self.e.num_batches
@@ -124,8 +131,9 @@ class ContinuousRun:
                 work = [(d, *self._input(d)) for d in self.decode if d.live()]
                 work += self._newcomer_inputs(sum(inp.ids.shape[0] for _, inp, _ in work))
                 if not work and self.queue:  # every row idle and no newcomer fits beside the caches: start afresh
-                    for d in self.decode:
-                        self.space.free(d.kv)
+                    for kv in [d.kv for d in self.decode] + self.spare:
+                        self._drop(kv)
+                    self.spare = []
                     self.decode = self._fill([self.queue.popleft() for _ in range(min(len(self.queue), n * bs))])
                     continue
                 if not work:
@@ -133,7 +141,14 @@ class ContinuousRun:
                 yield from self._step(work)
                 self._adopt_ready()
         finally:
+            for kv in [d.kv for d in self.decode] + [nc.kv for nc in self.newcomers] + self.spare:
+                kv.release()  # before close gives their accounts back
             self.space.close()
+
+    def _drop(self, kv: BatchKV) -> None:
+        """Give a cache back: its tensors first, then its account."""
+        kv.release()
+        self.space.free(kv)
 
     def _fill(self, seqs) -> list[_Decode]:
         seqs = sorted(seqs, key=lambda s: -len(s.prompt_ids))
@@ -188,6 +203,8 @@ class ContinuousRun:
         for i, s in enumerate(d.rows[:m]):
             if s is not None and s.done:
                 d.rows[i] = None  # free for the next prompt
+                if d.broken[i] >= 0:  # its slots may hold non-finite values a newcomer must not see
+                    d.kv.scrub(i)
             elif s is not None:
                 d.tokens[i] = tokens[i]
                 d.positions[i] += fed
@@ -210,6 +227,8 @@ class ContinuousRun:
         """Row `i` of `d` takes the sequence state of row `j` of batch `src`; that row frees."""
         d.rows[i], d.tokens[i], d.positions[i], d.broken[i] = src.rows[j], src.tokens[j], src.positions[j], src.broken[j]
         src.rows[j] = None
+        if src.broken[j] >= 0:  # non-finite values it leaves behind (its padding) go with it
+            src.kv.scrub(j)
 
     def _prefilled(self, nc: _Newcomers, out):
         if nc.left:  # more of their prompts to prefill
@@ -232,8 +251,52 @@ class ContinuousRun:
                 nc.ready.remove((j, token))
                 self.e.stats.refills += 1
             if not nc.ready:
-                self.space.free(nc.kv)
                 self.newcomers.remove(nc)
+                self._retire(nc.kv)
+
+    def _retire(self, kv: BatchKV) -> None:
+        """A newcomer cache every prompt of which has a row: on the host it waits for the next
+        newcomers (kept to the most that can be alive at once, 2n); on the device its room
+        goes back to the steps."""
+        if not self.space.on_host:
+            self._drop(kv)
+            return
+        self.spare.append(kv)
+        if len(self.spare) > 2 * self.e.num_batches:
+            smallest = min(self.spare, key=lambda c: c.batch * c.capacity)
+            self.spare.remove(smallest)
+            self._drop(smallest)
+
+    def _newcomer_cache(self, take: int, longest: int) -> BatchKV | None:
+        """A cache for a newcomer batch of `take` prompts padded to `longest`, or None if none
+        fits the budget. On the host a spare one of `take` rows and enough slots is used again
+        (a prefill writes every slot before a step reads it); a new one there gets the
+        window's longest prompt's slots, so that it serves every later batch of its rows."""
+        if not self.space.on_host:
+            try:
+                return self.space.allocate(take, longest, keep_free=self.headroom)[0]
+            except OverBudget:
+                return None
+        fits = [kv for kv in self.spare if kv.batch == take and kv.capacity >= longest]
+        if fits:
+            kv = min(fits, key=lambda c: c.capacity)
+            self.spare.remove(kv)
+            kv.reset(take)
+            return kv
+        for capacity in dict.fromkeys((self.longest_prompt, longest)):
+            try:
+                return self.space.allocate(take, capacity)[0]
+            except OverBudget:
+                pass
+        if not self.spare:
+            return None
+        for kv in self.spare:  # the spares' room, for this batch
+            self._drop(kv)
+        self.spare = []
+        try:
+            return self.space.allocate(take, longest)[0]
+        except OverBudget:
+            return None
 
     def _move(self, src: BatchKV, j: int, d: _Decode, i: int, length: int) -> None:
         """Row `i` of batch `d` takes the newest `length` slots of row `j` of `src`."""
@@ -242,8 +305,20 @@ class ContinuousRun:
         d.kv.adopt(i, src, j, length)
 
     def _realign(self, d: _Decode, keep: int) -> None:
-        d.kv.realign(keep, keep)
+        d.kv.realign(keep, keep, room=self._room)
         self.e.stats.kv_realigns += 1
+
+    @contextmanager
+    def _room(self, nbytes: int):
+        """`nbytes` more of the caches' budget while a block lives beside them (a realign's
+        scratch): room is made on the device as for a cache, or the run stops over budget."""
+        if not self.space.on_host:
+            self.e.pipeline.make_room(nbytes, "KV realign")
+        self.space.account.reserve(nbytes, "KV realign")
+        try:
+            yield
+        finally:
+            self.space.account.free(nbytes)
 
     # ---- the tail: nothing left to admit --------------------------------------------------
     def _consolidate(self) -> None:
@@ -291,11 +366,9 @@ class ContinuousRun:
             decode_rows = min(self.e.batch_size * n - sum(r for r, _, _ in others), live + ready)
             if not self.widest((take, 0, 1), decode_rows, others):
                 continue
-            try:
-                kv, _ = self.space.allocate(take, longest, keep_free=self.headroom)
-            except OverBudget:
-                continue
-            break
+            kv = self._newcomer_cache(take, longest)
+            if kv is not None:
+                break
         else:
             return  # nothing fits this step: the prompts wait for room
         seqs = [self.queue.popleft() for _ in range(take)]

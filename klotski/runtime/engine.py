@@ -18,7 +18,6 @@ import time
 import torch
 
 from klotski.runtime import sequences as S
-from klotski.runtime.channels import pin
 from klotski.runtime.batching import ContinuousRun, chunks, prefill_input
 from klotski.runtime.kvcache import BatchKV
 from klotski.runtime.pipeline import StepInput
@@ -83,11 +82,13 @@ class Engine:
 
     def _run_group(self, group: list[list[S.Sequence]]):
         prompt_len = [max(len(s.prompt_ids) for s in b) for b in group]
-        space = self.kv_space()
+        space, kvs = self.kv_space(), []
         try:
             kvs = [space.allocate(len(b), p + max(s.max_new_tokens for s in b))[0] for b, p in zip(group, prompt_len)]
             yield from self._steps(group, kvs, prompt_len)
         finally:
+            for kv in kvs:  # the tensors go before their accounts do
+                kv.release()
             space.close()
 
     def kv_space(self) -> "KVSpace":
@@ -186,7 +187,7 @@ class KVSpace:
         self.e = engine
         self.on_host = engine.placement.kv == HOST
         self.account = engine.host_memory if self.on_host else engine.memory
-        self.held: dict[int, tuple[int, PinnedBlocks | None]] = {}  # id(kv) -> (bytes charged, its blocks)
+        self.held: dict[int, tuple[int, PinnedBlocks | None, BatchKV]] = {}  # id(kv) -> (bytes charged, blocks, kv)
 
     def allocate(self, rows: int, capacity: int, keep_free: int = 0) -> tuple[BatchKV, int]:
         """A cache for `rows` sequences of `capacity` slots; raises OverBudget if it does not
@@ -201,23 +202,24 @@ class KVSpace:
         if not self.on_host:
             e.pipeline.make_room(nbytes + keep_free, "KV cache")
         self.account.reserve(nbytes, "KV cache")
-        kv = BatchKV(*shape, e.dtype, device=e.device, on_host=self.on_host, pin=lambda t: pin(t, e.device),
+        kv = BatchKV(*shape, e.dtype, device=e.device, on_host=self.on_host,
                      host_zeros=blocks.zeros if blocks else None, value_dim=value_dim)
-        self.held[id(kv)] = (nbytes, blocks)
+        self.held[id(kv)] = (nbytes, blocks, kv)
         return kv, nbytes
 
     def free(self, kv: BatchKV) -> None:
-        nbytes, blocks = self.held.pop(id(kv))
+        nbytes, blocks, _ = self.held.pop(id(kv))
         if blocks:
-            torch.cuda.synchronize(self.e.device)  # the last stores into the blocks have landed
+            # its own last stores have landed (its loads finished before the compute those
+            # stores wait for): no device-wide synchronize
+            kv.settle()
             blocks.close()
         self.account.free(nbytes)
 
     def close(self) -> None:
-        if any(blocks for _, blocks in self.held.values()):
-            torch.cuda.synchronize(self.e.device)
-        for nbytes, blocks in self.held.values():
+        for nbytes, blocks, kv in self.held.values():
             if blocks:
+                kv.settle()
                 blocks.close()
             self.account.free(nbytes)
         self.held.clear()

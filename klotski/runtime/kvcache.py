@@ -15,11 +15,89 @@ On the device tier attention writes straight into the cache. On the host tier th
 pipeline asks for `load(layer)` (on `kv_load`: a device buffer holding the prefix plus room
 for this step) ahead of the batch's attention, and `store(layer, buf)` (on `kv_store`:
 only this step's new slots go back) after it. `stored[layer]` is the last store's ticket,
-which the next load of that layer waits for.
+which the next load of that layer waits for. A load's host->device copies read page-locked
+memory only, contiguous: the host cache's own slots when they are one block, else a
+device's staging ring (`Staging`) that the kv_load channel gathers them into, chunk by chunk.
 """
 from __future__ import annotations
 
+import threading
+from contextlib import nullcontext
+
 import torch
+
+from klotski.runtime.channels import pinned_staging
+
+STAGING_BYTES = 8 << 20        # each half of a device's staging ring (grown to one slot if that is more)
+REALIGN_BLOCK_BYTES = 16 << 20  # the most a realign's scratch block takes (at least one slot)
+
+
+def upload(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """A KV load's host->device copy: `src` is a contiguous view of page-locked memory (the
+    host cache or a staging ring), so the copy is asynchronous on the channel's stream."""
+    dst.copy_(src, non_blocking=True)
+
+
+class Staging:
+    """A persistent page-locked host buffer in two halves, one per device, that loads gather
+    strided host slots into (fewer rows than the batch, a sparse cache's kept slots) on their
+    way to the device: one half fills while the other's copy runs, and a half is refilled
+    only once the copy that last read it has completed (its event), never per copy. A run's
+    loads are serial on its kv_load channel; the lock serialises runs sharing a device."""
+
+    def __init__(self, device, half_bytes: int = STAGING_BYTES):
+        self.device = torch.device(device)
+        self.half_bytes = half_bytes
+        self.halves = [pinned_staging(half_bytes, self.device) for _ in range(2)]
+        self.events = [None, None]
+        self.turn = 0
+        self.lock = threading.Lock()
+
+    def upload(self, dst: torch.Tensor, src: torch.Tensor, index: torch.Tensor | None = None) -> None:
+        """dst[i] = src[i] (or src[index[i]]) for every slot i of the contiguous buffer `dst`."""
+        count = dst.shape[0]
+        if not count:
+            return
+        slot = dst[0].numel() * dst.element_size()
+        with self.lock:
+            if slot > self.half_bytes:  # one slot must fit: grow once the copies out of it are done
+                for i in range(2):
+                    self._free_half(i)
+                self.half_bytes = slot
+                self.halves = [pinned_staging(slot, self.device) for _ in range(2)]
+            step = self.half_bytes // slot
+            for a in range(0, count, step):
+                b = min(count, a + step)
+                i = self.turn
+                self._free_half(i)
+                buf = self.halves[i][:(b - a) * slot].view(dst.dtype).view(b - a, *dst.shape[1:])
+                if index is None:
+                    buf.copy_(src[a:b])
+                else:
+                    torch.index_select(src, 0, index[a:b], out=buf)
+                upload(dst[a:b], buf)
+                if self.device.type == "cuda":
+                    self.events[i] = torch.cuda.Event()
+                    self.events[i].record()  # on the current stream: the channel's, behind the copy
+                self.turn ^= 1
+
+    def _free_half(self, i: int) -> None:
+        if self.events[i] is not None:
+            self.events[i].synchronize()  # that copy alone, not the device
+            self.events[i] = None
+
+
+_STAGING: dict[str, Staging] = {}
+_STAGING_LOCK = threading.Lock()
+
+
+def staging_for(device) -> Staging:
+    """The staging ring of a CUDA device, made on first use and kept for the process."""
+    key = str(torch.device(device))
+    with _STAGING_LOCK:
+        if key not in _STAGING:
+            _STAGING[key] = Staging(device)
+        return _STAGING[key]
 
 
 def _heads(slot_major: torch.Tensor) -> torch.Tensor:
@@ -29,17 +107,18 @@ def _heads(slot_major: torch.Tensor) -> torch.Tensor:
 
 class BatchKV:
     def __init__(self, num_layers: int, batch: int, kv_heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype, *, device="cpu", on_host: bool = False, pin=lambda t: t,
+                 dtype: torch.dtype, *, device="cpu", on_host: bool = False,
                  host_zeros=None, value_dim: int | None = None):
         shape = (capacity, batch, kv_heads, head_dim)
         vshape = (capacity, batch, kv_heads, value_dim or head_dim)
-        # host copies live in exact page-locked blocks on CUDA (`host_zeros`: placement/pinned.py)
+        # host copies live in exact page-locked blocks on CUDA (`host_zeros`: placement/pinned.py);
+        # loads gather into a persistent staging ring, never a fresh copy
         zeros = host_zeros if on_host and host_zeros else \
             lambda shape, dtype: torch.zeros(shape, dtype=dtype, device="cpu" if on_host else device)
         self.keys = [zeros(shape, dtype) for _ in range(num_layers)]
         self.values = [zeros(vshape, dtype) for _ in range(num_layers)]
         self.valid = torch.zeros(batch, capacity, dtype=torch.bool)
-        self.on_host, self.pin = on_host, pin
+        self.on_host = on_host
         self.filled = 0
         self.new = 0
         self.capacity = capacity
@@ -48,6 +127,7 @@ class BatchKV:
         self.first = 0  # the oldest slot a step loads: before it, no computed row has a token
         self._columns = {}  # device -> this step's columns there
         self.stored: dict = {}
+        self.staging: Staging | None = None  # loads gather through this (default: the CUDA device's ring)
 
     @staticmethod
     def nbytes_for(num_layers: int, batch: int, kv_heads: int, head_dim: int, capacity: int,
@@ -61,6 +141,11 @@ class BatchKV:
         """Bytes of one layer's keys tensor and of its values tensor."""
         per_slot = capacity * batch * kv_heads * dtype.itemsize
         return per_slot * head_dim, per_slot * (value_dim or head_dim)
+
+    @property
+    def batch(self) -> int:
+        """Rows the cache holds (a step may compute fewer: `rows`)."""
+        return self.valid.shape[0]
 
     def use_rows(self, rows: int) -> None:
         """Steps compute only the first `rows` rows (their slots are views: nothing moves)."""
@@ -120,7 +205,13 @@ class BatchKV:
     # ---- continuous batching: rows change hands (klotski/runtime/batching.py) --------------------
     def settle(self) -> None:
         """Block until every store into the host copy has landed (before the host rewrites it)."""
-        for ticket in self.stored.values():
+        for layer in self.stored:
+            self._landed(layer)
+
+    def _landed(self, layer: int) -> None:
+        """Block until the last store of `layer` has landed: its own event, not the device."""
+        ticket = self.stored.get(layer)
+        if ticket is not None:
             ticket.future.result()
             if ticket.event is not None:
                 ticket.event.synchronize()
@@ -132,36 +223,83 @@ class BatchKV:
         first = torch.nonzero(used)
         return self.filled - int(first[0]) if len(first) else 0
 
-    def realign(self, keep: int, filled: int) -> None:
+    def realign(self, keep: int, filled: int, room=None) -> None:
         """Move the newest `keep` slots (fewer if there are not that many) to end at slot
         `filled`, every slot before them invalid: the cache makes room at its end (keep <=
         filled) or in front (a newcomer's prompt longer than the slots so far). Positions are
-        the rows' own, so moving slots changes no number."""
+        the rows' own, so moving slots changes no number. Overlapping ranges move through a
+        scratch block of at most REALIGN_BLOCK_BYTES; `room(nbytes)` is a context holding
+        that many bytes of the caches' budget while the block lives."""
         self.settle()
         m = min(keep, self.filled)
-        src, dst = slice(self.filled - m, self.filled), slice(filled - m, filled)
-        for tensors in (self.keys, self.values):
-            for t in tensors:
-                t[dst] = t[src].clone()
-        valid = self.valid[:, src].clone()
+        if m and filled != self.filled:
+            self._move_slots(self.filled - m, filled - m, m, room or (lambda nbytes: nullcontext()))
+        valid = self.valid[:, self.filled - m:self.filled].clone()
         self.valid.zero_()
-        self.valid[:, dst] = valid
+        self.valid[:, filled - m:filled] = valid
         self.filled = filled
+
+    def _move_slots(self, src: int, dst: int, m: int, room) -> None:
+        tensors = self.keys + self.values
+        if abs(dst - src) >= m:  # apart: one copy each
+            for t in tensors:
+                t[dst:dst + m].copy_(t[src:src + m])
+            return
+        # Block by block, in the order that reads every source block before a write lands on
+        # it: from the front moving back, from the end moving forward.
+        per_slot = max(t[0].numel() for t in tensors)
+        size = tensors[0].element_size()
+        block = max(1, min(m, REALIGN_BLOCK_BYTES // (per_slot * size)))
+        starts = list(range(0, m, block))
+        if dst > src:
+            starts.reverse()
+        with room(block * per_slot * size):
+            scratch = torch.empty(block * per_slot, dtype=tensors[0].dtype, device=tensors[0].device)
+            for t in tensors:
+                for a in starts:
+                    n = min(block, m - a)
+                    buf = scratch[:n * t[0].numel()].view(n, *t.shape[1:])
+                    buf.copy_(t[src + a:src + a + n])
+                    t[dst + a:dst + a + n].copy_(buf)
+            del scratch, buf  # dropped before its bytes go back to the budget
 
     def adopt(self, row: int, src: "BatchKV", src_row: int, length: int) -> None:
         """Row `row` takes the newest `length` slots of `src`'s row `src_row` (a prompt
-        prefilled elsewhere), ending at this cache's newest slot; its older slots go invalid."""
+        prefilled elsewhere), ending at this cache's newest slot; its older slots go invalid.
+        Only the adopted slots are written: the older ones keep what earlier sequences of
+        the row left, which a step may attend over masked, and a probability of exactly 0
+        times a finite value adds exactly 0 (a row whose sequence went non-finite was
+        `scrub`bed when it left); slots past the newest are written by each step before
+        it reads them."""
         self.settle()
         src.settle()
         dst, frm = slice(self.filled - length, self.filled), slice(src.filled - length, src.filled)
         for mine, theirs in ((self.keys, src.keys), (self.values, src.values)):
             for a, b in zip(mine, theirs):
-                # the row's old slots go invalid, and zero: a masked probability of 0 times a
-                # value its finished sequence left non-finite would still be NaN
-                a[:, row] = 0
                 a[dst, row] = b[frm, src_row]
         self.valid[row] = False
         self.valid[row, dst] = src.valid[src_row, frm]
+
+    def scrub(self, row: int) -> None:
+        """Zero row `row`'s slots in every layer: its sequence went non-finite, and a later
+        one in this row may attend over them masked (0 times NaN is NaN)."""
+        self.settle()
+        for t in self.keys + self.values:
+            t[:, row] = 0
+
+    def reset(self, rows: int) -> None:
+        """Empty again, for `rows` new prompts (a newcomer cache used once more): the old
+        slots stay, since a prefill writes every slot before a step reads it."""
+        self.settle()
+        self.valid.zero_()
+        self.filled = self.new = self.first = 0
+        self.old_slots, self._columns, self.stored = None, {}, {}
+        self.use_rows(rows)
+
+    def release(self) -> None:
+        """Drop the cache's tensors, before its budget account is given back (so the account
+        never says less than what is alive)."""
+        self.keys, self.values = [], []
 
     # ---- device-resident use ------------------------------------------------------------
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, buf=None):
@@ -199,20 +337,28 @@ class BatchKV:
 
     def load(self, layer: int, device):
         """Slot-major device buffer with the visible old slots of `layer`, and room for this
-        step's tokens: one contiguous copy from pinned memory per tensor (the kept slots of a
-        sparse cache are gathered into a pinned block first)."""
+        step's tokens. On CUDA every copy reads page-locked memory, contiguous: the host
+        slots themselves when they are one block (all the rows, no sparsity), else a staging
+        ring they are gathered into; on a CPU "device" one copy straight from the slots."""
         old = self._old_count()
-        # fewer rows than the batch has: a strided view, which torch stages through a
-        # contiguous copy (synchronous on CUDA, so never racing the pinned block)
         k, v = self.keys[layer][:, :self.rows], self.values[layer][:, :self.rows]
         keys = torch.empty((old + self.new, *k.shape[1:]), dtype=k.dtype, device=device)
         values = torch.empty((old + self.new, *v.shape[1:]), dtype=v.dtype, device=device)
-        if self.old_slots is None:
-            src_k, src_v = k[self.first:self.filled], v[self.first:self.filled]
-        else:
-            src_k, src_v = self.pin(k.index_select(0, self.old_slots)), self.pin(v.index_select(0, self.old_slots))
-        keys[:old].copy_(src_k, non_blocking=True)
-        values[:old].copy_(src_v, non_blocking=True)
+        staging = self.staging
+        if staging is None and torch.device(device).type == "cuda":
+            staging = staging_for(device)
+        for dst, src in ((keys[:old], k), (values[:old], v)):
+            part = src[self.first:self.filled] if self.old_slots is None else None
+            if staging is None:
+                if part is None:
+                    torch.index_select(src, 0, self.old_slots, out=dst)
+                else:
+                    dst.copy_(part)
+            elif part is not None and part.is_contiguous():
+                upload(dst, part)  # stream-ordered behind the last store (the channel waits on it)
+            else:
+                self._landed(layer)  # the host reads these slots now: the last store must have landed
+                staging.upload(dst, src if part is None else part, self.old_slots)
         return keys, values, old
 
     def store(self, layer: int, buf) -> None:
