@@ -136,6 +136,85 @@ def tail(path: Path, chars: int = 1500) -> str:
 
 # --------------------------------------------------------------------------- commands
 
+# --------------------------------------------------------------------------- disk reads during decode
+
+def read_bytes() -> int:
+    """Bytes this process (all its threads) had the block layer fetch for it: O_DIRECT reads
+    and page faults on memory-mapped files alike, page-cache hits not at all."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    raise OSError("/proc/self/io has no read_bytes")
+
+
+def count_reads(cls, name: str, acc: dict, *, counts=lambda kwargs: True) -> None:
+    """Wrap method `name` of `cls` so the bytes read (read_bytes) and seconds spent inside the
+    calls that `counts` (from their keyword arguments) add up in acc["bytes"], acc["s"]."""
+    inner = getattr(cls, name)
+
+    def wrapped(*args, **kwargs):
+        if not counts(kwargs):
+            return inner(*args, **kwargs)
+        b0, t0 = read_bytes(), time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            acc["bytes"] += read_bytes() - b0
+            acc["s"] += time.perf_counter() - t0
+            acc["calls"] += 1
+    setattr(cls, name, wrapped)
+
+
+def with_io_probe(cmd: list[str], out: Path) -> list[str]:
+    """`cmd` (a `klotski generate` or accelerate_run.py command) run under `probe_main`, which
+    writes the disk bytes the process read during decode to `out`."""
+    return [cmd[0], str(Path(__file__).resolve()), "--io-probe", str(out), *cmd[1:]]
+
+
+def probe_main(out: str, argv: list[str]) -> int:
+    """Run a system in this process with its decode phase instrumented, exactly where its own
+    report times decode: Klotski's `Engine.step` when it decodes (Stats.record_step adds those
+    seconds to decode_s); accelerate_run.py from the first logits call of a generate (its
+    StepClock: prefill has ended) to the last (no forward follows it)."""
+    import runpy
+    acc = {"bytes": 0, "s": 0.0, "calls": 0}
+    settle = lambda: None
+    if argv[:2] == ["-m", "klotski.cli"]:
+        from klotski.runtime.engine import Engine
+        count_reads(Engine, "step", acc, counts=lambda kw: kw.get("decode") is not None)
+        sys.argv = ["klotski", *argv[2:]]
+        target = lambda: runpy.run_module("klotski.cli", run_name="__main__", alter_sys=True)
+    else:
+        sys.path.insert(0, str(Path(argv[0]).resolve().parent))
+        import accelerate_run
+        clock_call, clocks = accelerate_run.StepClock.__call__, []
+
+        def clocked(self, input_ids, scores):
+            now = (read_bytes(), time.perf_counter())
+            if self.first is None:  # one clock per generate: [first call, last call]
+                self.probe = [now, now]
+                clocks.append(self)
+            else:
+                self.probe[1] = now
+            return clock_call(self, input_ids, scores)
+
+        def settle():
+            for c in clocks:
+                (b0, t0), (b1, t1) = c.probe
+                acc["bytes"], acc["s"], acc["calls"] = acc["bytes"] + b1 - b0, acc["s"] + t1 - t0, acc["calls"] + 1
+        accelerate_run.StepClock.__call__ = clocked
+        target = lambda: accelerate_run.main(argv[1:])
+    try:
+        code = target()
+    except SystemExit as e:
+        code = e.code
+    finally:
+        settle()
+        Path(out).write_text(json.dumps({"decode_read_bytes": acc["bytes"], "decode_probe_s": round(acc["s"], 4),
+                                         "decode_probe_calls": acc["calls"], "read_bytes_total": read_bytes()}))
+    return code if isinstance(code, int) else (0 if code is None else 1)
+
+
 def klotski_cmd(*, model, jobs, out, report, schedule, batch_size=None, num_batches=None,
                 max_new_tokens, device_memory, host_memory, link_gbps=None, direct_io=False,
                 trace=None) -> list[str]:
@@ -166,6 +245,14 @@ def accelerate_cmd(*, model, jobs, out, report, batch_size, max_new_tokens, devi
 
 # --------------------------------------------------------------------------- metrics rows
 
+def decode_rates(generated: int, sequences: int, decode_s: float, proc: dict) -> dict:
+    """Decode-only figures: every sequence's first token comes from its prefill, the rest from
+    decode steps; the disk bytes the process read while decoding (the io probe) per second."""
+    nbytes = proc.get("decode_read_bytes")
+    return {"decode_tokens_per_s": round((generated - sequences) / decode_s, 3) if decode_s else None,
+            "decode_read_gb_per_s": round(nbytes / decode_s / 1e9, 4) if decode_s and nbytes is not None else None}
+
+
 def _per_group(total: float, groups: int) -> float:
     return total / groups if groups else 0.0
 
@@ -187,6 +274,7 @@ def klotski_row(report: dict, proc: dict) -> dict:
     gen_s = report["prefill_s"] + report["decode_s"]
     return {
         "tokens_per_s": report["tokens_per_s"],
+        **decode_rates(report["tokens"]["generated"], served, report["decode_s"], proc),
         "predicted_tokens_per_s": report.get("predicted_tokens_per_s"),
         "generated_tokens": report["tokens"]["generated"],
         "prefill_s": report["prefill_s"], "decode_s": report["decode_s"],
@@ -219,6 +307,7 @@ def accelerate_row(report: dict, proc: dict) -> dict:
     steps = batches * report["max_new_tokens"]
     return {
         "tokens_per_s": report["tokens_per_s"],
+        **decode_rates(report["generated_tokens"], report["requests"]["ok"], report["decode_s"], proc),
         "predicted_tokens_per_s": None,
         "generated_tokens": report["generated_tokens"],
         "prefill_s": report["prefill_s"], "decode_s": report["decode_s"],
@@ -325,3 +414,7 @@ def code_state() -> dict:
     dirty = git("status", "--porcelain", "--", "klotski", "planner", "placement", "benchmarks")
     return {"commit": git("rev-parse", "--short", "HEAD"), "source_sha256": h.hexdigest()[:16],
             "uncommitted": dirty.splitlines() if dirty else []}
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--io-probe"]:  # with_io_probe's commands
+    sys.exit(probe_main(sys.argv[2], sys.argv[3:]))

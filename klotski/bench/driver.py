@@ -8,6 +8,7 @@ settings, prepares the model and the prompts, and writes the results.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -36,11 +37,16 @@ XL_DISK_BYTES = 65e9  # the model (~32 GB) and accelerate's re-saved experts (~2
 # reload 28 GB per candidate).
 FITS_IN_RAM = dict(prompts=16, max_new_tokens=8, reps=3, emulate_link=2.0, ns="1,2,4", direct_io=False,
                    single_batch_prompts=None, accelerate_batch=None, dtype="float32", memory_limit="none",
-                   cold_cache=False)
+                   cold_cache=False, systems=",".join(SYSTEMS), threads=1)
+# disk: sized to the machine by benchmarks/common.py (size_disk_run) before anything is built:
+# the model, both budgets, the job (prompts, prompt tokens, new tokens) and the threads; the
+# comparison is Klotski against accelerate at the same batch size, decode steps only.
 PRESET_DEFAULTS = {"tiny": FITS_IN_RAM, "small": FITS_IN_RAM, "medium": FITS_IN_RAM,
                    "xl": dict(prompts=64, max_new_tokens=4, reps=1, emulate_link=0.0, ns="", direct_io=True,
                               single_batch_prompts=8, accelerate_batch=64, dtype="bfloat16", memory_limit="auto",
-                              cold_cache=True)}
+                              cold_cache=True, systems=",".join(SYSTEMS), threads=1),
+                   "disk": dict(reps=1, emulate_link=0.0, ns="", direct_io=True, dtype="float32", memory_limit="auto",
+                                cold_cache=True, systems="accelerate,klotski")}
 RUNTIME_ALLOWANCE = 2 << 30  # interpreter, torch, transformers, activations: outside both tier budgets
 
 LLAMA_CPP_NOTE = (
@@ -70,7 +76,19 @@ def add_parser(sub) -> argparse.ArgumentParser:
                     "ratios and whether all greedy outputs agree. Needs the source checkout (benchmarks/).")
     p.add_argument("--preset", default="medium", choices=tuple(PRESET_DEFAULTS),
                    help="built-in model size (default medium). xl (~32 GB, bigger than RAM, run by hand, "
-                        "about an hour) changes the defaults marked 'xl:'")
+                        "about an hour) changes the defaults marked 'xl:'. disk: the bigger-than-memory regime "
+                        "sized to this machine (free disk, RAM, cores, disk and CPU speed; printed before "
+                        "anything is built): a model at least twice the memory limit and at most half the "
+                        "free disk, budgets the planner accepts, Klotski against accelerate at the same "
+                        "batch size, decode steps only")
+    p.add_argument("--disk-shape", choices=("xl", "large", "medium"),
+                   help="disk: the layer shape (default: the largest that fits the disk, RAM and --disk-minutes)")
+    p.add_argument("--disk-layers", type=int, metavar="L",
+                   help="disk: layers (default: the fewest that make the model twice the memory limit)")
+    p.add_argument("--disk-minutes", type=float, default=30.0, metavar="M",
+                   help="disk: the time one system may take, as estimated from the probes (default 30)")
+    p.add_argument("--prompt-tokens", type=int, metavar="P",
+                   help="cut every prompt to at most P tokens (default: whole; disk: sized to the CPU)")
     p.add_argument("--routing", default="skewed", choices=("uniform", "skewed"),
                    help="expert popularity of the built model (default: skewed, like real Mixtral)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"),
@@ -88,14 +106,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--host-memory", metavar="SIZE", help="host budget (default: per preset, medium 8GiB)")
     p.add_argument("--emulate-link", type=float, metavar="GBPS",
                    help="also run the ladder with host->device throttled to GBPS GB/s (0 = skip; default 2; xl: 0)")
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--threads", type=int,
                    help="torch threads of every process (default 1: on a shared 2-core box, all-core "
-                        "OpenMP stalls whenever a neighbour runs)")
+                        "OpenMP stalls whenever a neighbour runs; disk: the cores the load average leaves idle)")
     p.add_argument("--batch-size", default="4", metavar="B|auto",
                    help="Klotski's batch size; the planner chooses n for it (auto: the planner chooses both). "
                         "Default 4, as in the paper's ablation: with few prompts the planner's own bs would "
                         "leave a single batch, and n would mean nothing")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"subset of {','.join(SYSTEMS)}")
+    p.add_argument("--systems", help=f"subset of {','.join(SYSTEMS)} (default: all; disk: accelerate,klotski)")
     p.add_argument("--ns", help="n sweep (batches per group); empty to skip (default 1,2,4; xl: empty)")
     p.add_argument("--sweep-schedules", default="klotski,multibatch", help="schedules swept over n")
     p.add_argument("--sweep-batch-size", type=int, default=4,
@@ -173,6 +191,95 @@ def ensure_model(preset: str, routing: str, dtype: str) -> Path:
     return final
 
 
+def ensure_disk_model(sizing: dict, routing: str) -> Path:
+    """The disk preset's model as sized (layer shape, layers, float32), built once in the user
+    cache; a disk model of another size is removed first (it was counted as free disk)."""
+    from klotski.builtin import tiny
+    from common import DISK_SHAPES
+    base = DISK_SHAPES[sizing["shape"]][0]
+    cache = cachedir.models()
+    final = cache / f"disk-{sizing['shape']}-{sizing['layers']}l-mixtral-{routing}-{sizing['dtype']}"
+    try:
+        st = json.loads((final / tiny.STAMP_FILE).read_text())
+        if (st.get("build_version"), st.get("preset"), st.get("routing"), st.get("dtype"), st.get("overrides")) == \
+                (tiny.BUILD_VERSION, base, routing, sizing["dtype"], sizing["config_fields"]):
+            return final
+    except (OSError, ValueError):
+        pass
+    for old in cache.glob("disk-*"):
+        print(f"bench: removing {old.name} (another size of the disk model)", file=sys.stderr, flush=True)
+        shutil.rmtree(old, ignore_errors=True)
+    print(f"bench: building {final.name} ({sizing['model_bytes'] / 1e9:.2f} GB) into {cache}", file=sys.stderr,
+          flush=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"disk-.{final.name}.building-", dir=cache))
+    try:
+        tiny.build_checkpoint(tmp, base, routing=routing, dtype=sizing["dtype"],
+                              num_shards=max(1, round(sizing["model_bytes"] / 2e9)), **sizing["config_fields"])
+        os.replace(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _engine_compute(rung: str, threads: int):
+    """The compute model of the disk sizing: the planner's profile of the engine's own ops for
+    one layer of `rung`, timed on `threads` threads as the runs will use (cached in the user
+    cache; the first run of a new size times its own shape again)."""
+    import torch
+
+    import common
+    from klotski.assemble import pipeline_cost
+    from klotski.planning import measure_here
+    shape, _ = common.disk_shape(rung, 1)
+    print(f"bench: disk regime: timing the engine's ops on one {rung} layer, {threads} thread(s) "
+          "(the planner's profile)", file=sys.stderr, flush=True)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return common.planner_compute(measure_here(shape, device="cpu", pipeline_cost=pipeline_cost), shape)
+    finally:
+        torch.set_num_threads(before)
+
+
+def disk_settings(a) -> dict:
+    """`--preset disk`: probe the machine, size the run (benchmarks/common.py), print it, and
+    fill every flag left unset from it; nothing is built yet. Raises common.DiskRegimeRefused."""
+    import common
+    from klotski.config import parse_size
+    cache = cachedir.models()
+    cache.mkdir(parents=True, exist_ok=True)
+    old = sum(f.stat().st_size for d in cache.glob("disk-*") for f in d.rglob("*") if f.is_file())
+    why = common.regime_controls()
+    if why:
+        raise common.DiskRegimeRefused(f"the disk regime needs {why}")
+    machine, probes = common.probe_machine(cache, reclaimable=old)
+    bs = 4 if a.batch_size == "auto" else int(a.batch_size)
+    sizing = common.size_disk_run(machine, shape=a.disk_shape, layers=a.disk_layers, bs=bs,
+                                  minutes=a.disk_minutes, threads=a.threads, compute=_engine_compute)
+    mib = lambda x: f"{x >> 20}MiB"  # the sizing rounds budgets up to whole MiB
+    sized = {"prompts": sizing["prompts"], "max_new_tokens": sizing["max_new_tokens"], "threads": sizing["threads"],
+             "prompt_tokens": sizing["prompt_tokens"], "single_batch_prompts": bs, "accelerate_batch": bs,
+             "device_memory": mib(sizing["device_memory"]), "host_memory": mib(sizing["host_memory"]),
+             "batch_size": str(bs), "disk_shape": sizing["shape"], "disk_layers": sizing["layers"]}
+    for key, value in sized.items():
+        if getattr(a, key) is None or key == "batch_size":
+            setattr(a, key, value)
+    gb, gib = 1e9, 2**30
+    limit = parse_size(a.device_memory) + parse_size(a.host_memory) + common.RUNTIME_ALLOWANCE
+    print(f"bench: disk regime, this machine: {machine.free_disk_bytes / gb:.0f} GB free disk at {cache}, "
+          f"{machine.ram_bytes / gib:.1f} GiB RAM, {machine.cores} cores (load {machine.load:.1f}), O_DIRECT read "
+          f"{machine.disk_gbps} GB/s, float32 matmul {machine.core_gflops} GFLOP/s per core\n"
+          f"bench: disk regime, sized: {sizing['shape']} layers x {sizing['layers']} in {sizing['dtype']} = "
+          f"{sizing['model_bytes'] / gb:.2f} GB (memory limit {limit / gib:.2f} GiB = device "
+          f"{a.device_memory} + host {a.host_memory} + {common.RUNTIME_ALLOWANCE >> 30} GiB runtime); "
+          f"{a.prompts} prompts of at most {a.prompt_tokens} tokens, {a.max_new_tokens} new tokens, bs {bs}, "
+          f"{a.threads} threads, decode-only tokens/s; a decode step computes in about "
+          f"{sizing['decode_step_compute_s']:.1f} s and reads in {sizing['read_s']:.1f} s; "
+          f"about {sizing['estimate_s']['klotski'] / 60:.0f} min "
+          f"(klotski) and {sizing['estimate_s']['accelerate'] / 60:.0f} min (accelerate)", file=sys.stderr, flush=True)
+    return {"machine": dataclasses.asdict(machine), "probes": probes, "sizing": sizing}
+
+
 def read_prompts(path: str) -> list[dict]:
     out = []
     for line in Path(path).read_text(encoding="utf-8").splitlines():
@@ -197,7 +304,7 @@ def default_budgets(preset: str, dtype: str | None) -> tuple[str, str]:
 
 def fill_preset_defaults(a) -> None:
     """Flags left unset take the preset's defaults (a --model run takes the fits-in-RAM ones)."""
-    defaults = PRESET_DEFAULTS[a.preset]
+    defaults = FITS_IN_RAM if a.model and a.preset == "disk" else PRESET_DEFAULTS[a.preset]
     for key, value in defaults.items():
         if getattr(a, key) is None:
             setattr(a, key, value)
@@ -225,7 +332,7 @@ def settings_from_args(a) -> dict:
         "sweep_schedules": _csv(a.sweep_schedules), "sweep_batch_size": a.sweep_batch_size,
         "direct_io": a.direct_io, "jobs_source": a.jobs,
         "single_batch_prompts": a.single_batch_prompts, "accelerate_batch": a.accelerate_batch,
-        "memory_limit": a.memory_limit, "cold_cache": a.cold_cache,
+        "memory_limit": a.memory_limit, "cold_cache": a.cold_cache, "prompt_tokens": a.prompt_tokens,
         "memory_limit_bytes": memory_limit_bytes(a.memory_limit, a.device_memory or device, a.host_memory or host),
     }
 
@@ -253,6 +360,10 @@ def command_line(s: dict, a) -> str:
         if s[key]:
             parts += [flag, s[key]]
     parts += ["--memory-limit", s["memory_limit"], "--cold-cache" if s["cold_cache"] else "--no-cold-cache"]
+    if s["prompt_tokens"]:
+        parts += ["--prompt-tokens", s["prompt_tokens"]]
+    if s["preset"] == "disk":
+        parts += ["--disk-shape", a.disk_shape, "--disk-layers", a.disk_layers, "--disk-minutes", a.disk_minutes]
     return shlex.join(map(str, parts))
 
 
@@ -275,23 +386,36 @@ def main(a) -> int:
     import bench_driver
     import bench_plots
     import bench_runner
+    import common
 
+    disk = a.preset == "disk" and not a.model
     try:
+        sized = disk_settings(a) if disk else None
         s = settings_from_args(a)
-        s["model_dir"] = str(Path(a.model).expanduser() if a.model else ensure_model(a.preset, a.routing, a.dtype))
-    except ValueError as e:
+        if disk and s["memory_limit_bytes"] and sized["sizing"]["model_bytes"] < 2 * s["memory_limit_bytes"]:
+            raise ValueError(f"the disk regime's model ({sized['sizing']['model_bytes'] / 1e9:.2f} GB) must be at "
+                             f"least twice the memory limit ({s['memory_limit_bytes'] / 2**30:.2f} GiB); give "
+                             "smaller budgets or more --disk-layers")
+        s["model_dir"] = str(Path(a.model).expanduser() if a.model else
+                             ensure_disk_model(sized["sizing"], a.routing) if disk else
+                             ensure_model(a.preset, a.routing, a.dtype))
+        pool, checked = common.prepare_prompts(read_prompts(a.jobs), Path(s["model_dir"]), s)
+    except ValueError as e:  # common.DiskRegimeRefused among them
         print(f"klotski: error: {e}", file=sys.stderr)
         return 2
+    if disk:
+        s["disk_regime"] = {**sized, **checked}
     s["command"] = command_line(s, a)
     shards = sorted(Path(s["model_dir"]).glob("*.safetensors"))
     s["model_bytes"] = sum(f.stat().st_size for f in shards)
     machine, code = bench_runner.machine_info(), bench_runner.code_state()
-    s["bigger_than_ram"] = s["model_bytes"] > (machine["ram_bytes"] or 0)
+    # The regime is what the processes may use: RAM, or less under a memory cgroup.
+    room = min(machine["ram_bytes"] or 0, s["memory_limit_bytes"] or machine["ram_bytes"] or 0)
+    s["bigger_than_ram"] = s["model_bytes"] > room
     if s["direct_io"]:  # the physical limit O_DIRECT reads are judged against
         s["disk_read"] = {"start": bench_runner.disk_read_samples(shards)}
         s["disk_read_gbps"] = bench_runner.median_gbps(s["disk_read"]["start"])
         print(f"bench: disk read bandwidth (dd, O_DIRECT, median of 3): {s['disk_read_gbps']} GB/s", file=sys.stderr)
-    pool = read_prompts(a.jobs)
     need = max([s["prompts"]] + [n * s["sweep_batch_size"] for n in s["ns"]])
     if need > len(pool):
         print(f"klotski: error: {a.jobs} has {len(pool)} prompts, the runs need {need}", file=sys.stderr)
@@ -338,7 +462,8 @@ def main(a) -> int:
 
 
 def summary(results: dict) -> str:
-    lines = [f"{'config':24s} {'tok/s':>9s} {'min-max':>17s} {'bs':>4s} {'n':>3s} {'bubble':>7s}"]
+    lines = [f"{'config':24s} {'tok/s':>9s} {'min-max':>17s} {'bs':>4s} {'n':>3s} {'bubble':>7s} "
+             f"{'decode tok/s':>12s} {'decode disk GB/s':>16s}"]
     for key, d in results["systems"].items():
         m, lo, hi = d["median"], d["min"], d["max"]
         if "tokens_per_s" not in m:
@@ -346,7 +471,8 @@ def summary(results: dict) -> str:
             continue
         bub = m.get("bubble_share")
         lines.append(f"{key:24s} {m['tokens_per_s']:9.2f} {lo['tokens_per_s']:8.2f}-{hi['tokens_per_s']:<8.2f} "
-                     f"{d['batch_size']:4d} {d['num_batches'] or 1:3d} {'' if bub is None else f'{bub:6.1%}':>7s}")
+                     f"{d['batch_size']:4d} {d['num_batches'] or 1:3d} {'' if bub is None else f'{bub:6.1%}':>7s} "
+                     f"{_num(m.get('decode_tokens_per_s')):>12s} {_num(m.get('decode_read_gb_per_s')):>16s}")
     for r in results["ratios"]:
         lines.append(f"ratio {r['name']}: {r['value']}" + (f" (target {r['target']})" if r["target"] else ""))
     ag = results["agreement"]
@@ -354,6 +480,10 @@ def summary(results: dict) -> str:
                  else f"outputs: {len(ag['disagreements'])} runs disagree with {ag['reference']}")
     lines.append(f"elapsed {results['elapsed_s']:.0f} s")
     return "\n".join(lines)
+
+
+def _num(x) -> str:
+    return "-" if x is None else f"{x:.3f}"
 
 
 if __name__ == "__main__":  # `python -m klotski.bench.driver ...` works before the CLI is wired
