@@ -38,6 +38,9 @@ class WeightCache:
         # transient copy (packed + decoded)
         self.moved = {k: self.codec.packed_nbytes(k) if self._coded(k) else full[k] for k in full}
         self.sizes = {k: self.moved[k] + full[k] if self._coded(k) else full[k] for k in full}
+        # temporaries a codec's decode holds while it runs (MXFP4's slabs): reserved for the call only
+        work = getattr(codec, "workspace_nbytes", None)
+        self.workspace = {k: work(k) for k in full if work and self._coded(k)}
         self.decoded: set = set()
         self.unpacked: dict = {}   # resident quantized groups decoded for the current use
         self.resident: dict = {}   # device-placed groups
@@ -141,24 +144,31 @@ class WeightCache:
         return self._coded(key) and (key in self.loaded or key in self.resident) and key not in self.decoded
 
     def decode_nbytes(self, key) -> int:
-        """Device bytes `decode` will reserve: a transient copy's reservation already covers it."""
-        return self.full[key] if key in self.resident else 0
+        """Device bytes `decode` will reserve: the decoded copy of a resident group (a transient
+        copy's reservation already covers it) and the codec's temporaries while it runs."""
+        return (self.full[key] if key in self.resident else 0) + self.workspace.get(key, 0)
 
     def largest_use(self) -> int:
         """Device bytes computing with one group can take beyond what is resident: the largest
         group fetched from another tier, or the largest resident one decoded for its use."""
-        moved = max((size for key, size in self.sizes.items() if key not in self.resident), default=0)
+        moved = max((size + self.workspace.get(key, 0) for key, size in self.sizes.items() if key not in self.resident),
+                    default=0)
         return max(moved, max((self.decode_nbytes(key) for key in self.resident if self._coded(key)), default=0))
 
     def decode(self, key) -> dict:
-        """Dequantize `key` on the device for this use."""
+        """Dequantize `key` on the device for this use, its codec's temporaries reserved meanwhile."""
         self.decoded.add(key)
-        if key in self.resident:
-            self.memory.reserve(self.full[key], f"decoded {key}")
-            self.unpacked[key] = self.codec.decode(self.resident[key])
-            return self.unpacked[key]
-        self.loaded[key] = self.codec.decode(self.loaded[key])
-        return self.loaded[key]
+        work = self.workspace.get(key, 0)
+        self.memory.reserve(work, f"decoding {key}")
+        try:
+            if key in self.resident:
+                self.memory.reserve(self.full[key], f"decoded {key}")
+                self.unpacked[key] = self.codec.decode(self.resident[key])
+                return self.unpacked[key]
+            self.loaded[key] = self.codec.decode(self.loaded[key])
+            return self.loaded[key]
+        finally:
+            self.memory.free(work)
 
     def release(self, key) -> None:
         """The pipeline is done with `key` for now: drop a transient copy and free its bytes."""

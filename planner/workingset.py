@@ -201,11 +201,12 @@ def working_set(cost, *, bs: int, n: int, prompt_len: int, gen_len: int, chunk: 
         return {"activations": act, "decoded": 0,
                 "attention_buffers": cost.attention_bytes + cost.attention_decoded,
                 "gate_buffers": cost.gate_bytes,
-                "expert_buffers": cost.expert_bytes + cost.expert_decoded,
+                "expert_buffers": cost.expert_bytes + cost.expert_decoded + cost.expert_workspace,
                 "head_buffer": cost.head_bytes, "kv_buffers": kv,
                 # a resident quantized group is still dequantized into a transient copy per use
-                "attention_resident": cost.attention_decoded, "expert_resident": cost.expert_decoded}
-    return {"activations": act, "decoded": cost.attention_decoded + cost.expert_decoded,
+                "attention_resident": cost.attention_decoded,
+                "expert_resident": cost.expert_decoded + cost.expert_workspace}
+    return {"activations": act, "decoded": cost.attention_decoded + cost.expert_decoded + cost.expert_workspace,
             "attention_buffers": 2 * cost.attention_bytes, "gate_buffers": 2 * cost.gate_bytes,
             "expert_buffers": expert_slots(schedule, s.num_experts, hot) * cost.expert_bytes,
             "head_buffer": cost.head_bytes, "kv_buffers": kv}

@@ -10,30 +10,65 @@ way the HQQ codec (klotski/compress/quantized.py) does. Decoding follows transfo
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 # E2M1 values of the 16 codes (sign bit high)
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 MATRICES = ("gate_up", "down")  # group-local names of an expert's packed matrices
 PACKED_PARTS = tuple(f"{m}_{p}" for m in MATRICES for p in ("blocks", "scales"))
+# cap on one decode slab's temporaries: larger means fewer kernel launches per expert, but more
+# device bytes reserved while an expert decodes (workspace_nbytes)
+WORKSPACE_BYTES = 16 << 20
 
 
 def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """blocks [rows, cols/32, 16], scales [rows, cols/32] -> the weight transposed, [cols, rows]
-    (what `x @ W` takes, as transformers lays gpt-oss experts out in memory)."""
+    (what `x @ W` takes, as transformers lays gpt-oss experts out in memory). Beyond the output it
+    takes at most `workspace_nbytes(rows, cols, dtype)` bytes of temporaries."""
     rows, groups, width = blocks.shape
-    # one lookup per byte gives both of its values (low nibble first); scaling by an exact power
-    # of two is what transformers' ldexp does, bit for bit
-    out = torch.nn.functional.embedding(blocks.reshape(rows, -1).long(), _byte_values(dtype, blocks.device))
-    out = out.reshape(rows, groups, 2 * width) * torch.exp2(scales.float() - 127).to(dtype)[..., None]
-    return out.reshape(rows, groups * 2 * width).t().contiguous()
+    table = byte_values(dtype, blocks.device)
+    # scaling by an exact power of two is what transformers' ldexp does, bit for bit; in place, so
+    # the float copy is the only temporary
+    scale = scales.to(torch.float32, copy=True).sub_(127).exp2_().to(dtype)
+    out = torch.empty(groups * 2 * width, rows, dtype=dtype, device=blocks.device)
+    step = _chunk_groups(rows, groups, dtype)
+    for g in range(0, groups, step):
+        k = min(step, groups - g)
+        # one lookup per byte gives both of its values (low nibble first); a slab of whole groups is
+        # a contiguous block of rows of the transposed output
+        codes = blocks[:, g:g + k].to(torch.int32, memory_format=torch.contiguous_format)
+        vals = torch.nn.functional.embedding(codes.view(rows, k * width), table)
+        del codes
+        vals = vals.view(rows, k, 2 * width).mul_(scale[:, g:g + k, None])
+        out[g * 2 * width:(g + k) * 2 * width].copy_(vals.view(rows, k * 2 * width).t())
+        del vals
+    return out
 
 
-def _byte_values(dtype: torch.dtype, device) -> torch.Tensor:
-    """[256, 2]: the two E2M1 values of every byte."""
-    lut = torch.tensor(FP4_VALUES, dtype=dtype, device=device)
-    codes = torch.arange(256, device=device)
-    return torch.stack([lut[codes & 0x0F], lut[codes >> 4]], dim=-1)
+@functools.cache
+def byte_values(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[256, 2]: the two E2M1 values of every byte, built once per (dtype, device): a decode per
+    expert per step must not upload it again. Built on the host and copied synchronously, so a
+    decode on any stream finds it whole."""
+    lut = torch.tensor(FP4_VALUES, dtype=dtype)
+    codes = torch.arange(256)
+    return torch.stack([lut[codes & 0x0F], lut[codes >> 4]], dim=-1).to(device)
+
+
+def _chunk_groups(rows: int, groups: int, dtype: torch.dtype) -> int:
+    """Groups of 32 columns decoded at once: as many as keep a slab's int32 codes (2 bytes a
+    weight) and values within WORKSPACE_BYTES, at least one."""
+    return max(1, min(groups, WORKSPACE_BYTES // (rows * 32 * (2 + dtype.itemsize))))
+
+
+def workspace_nbytes(rows: int, cols: int, dtype: torch.dtype) -> int:
+    """Bytes of temporaries `dequantize` holds at once beyond its output, at most: the float
+    scales while they become `dtype`, then the scales beside one slab's codes and values."""
+    groups, item = cols // 32, dtype.itemsize
+    slab = _chunk_groups(rows, groups, dtype) * rows * 32 * (2 + item)
+    return max((4 + item) * rows * groups, rows * groups * item + slab)
 
 
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,6 +102,17 @@ def group_nbytes(spec, store, key, dtype: torch.dtype) -> tuple[int, int]:
     return packed, decoded + 3 * H * I * dtype.itemsize
 
 
+def group_workspace_nbytes(spec, store, key, dtype: torch.dtype) -> int:
+    """Device bytes of temporaries decoding expert group `key` holds beside its decoded copy while
+    it runs, at most (the matrices decode one after the other): reserved for the call only."""
+    refs, work = spec.group_refs(key), 0
+    for m in MATRICES:
+        ref = refs[f"{m}_blocks"]
+        rows, groups, width = store.entries[ref.name].span(ref.index, ref.rows)[2]
+        work = max(work, workspace_nbytes(rows, groups * 2 * width, dtype))
+    return work
+
+
 class Mxfp4Codec:
     """The WeightCache's codec for an MXFP4 checkpoint: experts read and moved packed, decoded
     on the device per use (the pipeline times it as compute)."""
@@ -82,6 +128,9 @@ class Mxfp4Codec:
 
     def decoded_nbytes(self, key) -> int:
         return group_nbytes(self.spec, self.store, key, self.dtype)[1]
+
+    def workspace_nbytes(self, key) -> int:
+        return group_workspace_nbytes(self.spec, self.store, key, self.dtype)
 
     def read(self, key) -> dict:
         """Host tensors of an expert: packed parts as stored, biases in the compute dtype."""

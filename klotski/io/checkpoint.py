@@ -69,6 +69,10 @@ class Checkpoint:
             sizes[kind] = max(sizes.get(kind, 0), moved)
             if decoded:
                 sizes[f"{kind}_decoded"] = max(sizes.get(f"{kind}_decoded", 0), decoded)
+            if key[0] == "expert" and self.spec.expert_format == "mxfp4":  # decode temporaries, one at a time
+                from klotski.compress import mxfp4
+                work = mxfp4.group_workspace_nbytes(self.spec, self.store, key, dtype)
+                sizes["expert_workspace"] = max(sizes.get("expert_workspace", 0), work)
         return GroupBytes(**sizes)
 
     def close(self) -> None:
