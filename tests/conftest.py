@@ -32,6 +32,15 @@ def isolated_cache(tmp_path_factory):
     mp.undo()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def exact_fp32():
+    """fp32 means fp32 on a GPU too: no TF32 in matmuls or convolutions (the GPU tests compare
+    tokens and hidden states with transformers' fp32 and between placements)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
@@ -85,3 +94,21 @@ def engine_tokens(model_dir, placement=None, prompts=PROMPTS, max_new_tokens=10,
     if close:
         engine.close()
     return [done[f"r{i}"] for i in range(len(prompts))], engine
+
+
+def run_keeping_states(engine, seqs, sync: bool = False):
+    """Run `seqs` to the end keeping every layer's hidden states (device copies); with `sync`
+    the device is synchronised after every layer (the GPU tests' reference). Closes the
+    engine; returns (outputs by request id, states)."""
+    states = []
+
+    def keep(layer, hs):
+        states.append([h.clone() for h in hs])
+        if sync:
+            torch.cuda.synchronize()
+    engine.pipeline.on_layer = keep
+    done = {s.request.id: s.out for s in engine.run(seqs)}
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    engine.close()
+    return done, states

@@ -26,15 +26,9 @@ from klotski.runtime import batching, kvcache
 from klotski.runtime.engine import Engine, KVSpace
 from klotski.runtime.kvcache import BatchKV, Staging
 from placement.placement import Placement
+from test_batching import PROMPTS as BATCHING_PROMPTS
 
-PROMPTS = [
-    "Paris",
-    "The history of the city begins",
-    "A river is a natural flowing watercourse",
-    "Mount Everest",
-    "Quantum mechanics is a fundamental theory in physics that describes the behaviour of nature at small scales",
-    "The album was recorded in London during the winter of 1971 and released the following spring",
-]
+PROMPTS = BATCHING_PROMPTS[:6]
 
 
 def _many(count=24):

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import PROMPTS, engine_tokens, reference_tokens, requests
+from conftest import PROMPTS, engine_tokens, reference_tokens, requests, run_keeping_states
 from klotski.builtin import tiny
 from klotski.assemble import open_engine
 from klotski.config import RunConfig
@@ -33,13 +33,6 @@ PLACEMENTS = {  # kind -> tier, and where the KV cache lives
     "mixed": dict(kv="device", attn="host", expert="disk"),
 }
 SLEEP_CYCLES = 4_000_000  # ~2 ms of GPU time: long enough to expose a missing wait
-
-
-@pytest.fixture(scope="module", autouse=True)
-def exact_fp32():
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    yield
 
 
 @pytest.fixture(scope="module")
@@ -60,17 +53,7 @@ def run(model_dir, kind="resident", *, sync=False, max_new_tokens=8, **config):
                     batch_size=3, num_batches=2, **config)
     engine, seqs, errors = open_engine(cfg, requests(PROMPTS, max_new_tokens), placement=placement_of(model_dir, kind))
     assert not errors
-    states = []
-
-    def keep(layer, hs):
-        states.append([h.clone() for h in hs])
-        if sync:
-            torch.cuda.synchronize()
-
-    engine.pipeline.on_layer = keep
-    done = {s.request.id: s.out for s in engine.run(seqs)}
-    torch.cuda.synchronize()
-    engine.close()
+    done, states = run_keeping_states(engine, seqs, sync)
     return [done[f"r{i}"] for i in range(len(PROMPTS))], states, engine
 
 

@@ -13,12 +13,6 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA device: run tests/gpu on a GPU machine (../shared/gpu/README.md)")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def exact_fp32():
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-
-
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     return build_model(tmp_path_factory.mktemp("gpu-defects") / "m32", experts=32, top_k=8, layers=3)

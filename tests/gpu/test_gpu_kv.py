@@ -13,7 +13,7 @@ prefilled, adopted and their caches retired, and steps compute fewer rows than t
 import pytest
 import torch
 
-from conftest import PROMPTS
+from conftest import PROMPTS, run_keeping_states
 from klotski.assemble import open_engine
 from klotski.builtin import tiny
 from klotski.config import RunConfig
@@ -31,13 +31,6 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
 LIMITS = [24, 9, 2, 5, 2, 7, 3, 2, 8, 3, 2, 4] + [2, 3, 2, 4, 2, 3] * 4
 SLEEP_CYCLES = 4_000_000  # ~2 ms of GPU time: long enough to expose a missing wait
 HOST = dict(kv="host", attn="host", gate="host", expert="host", head="host", embed="host")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def exact_fp32():
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    yield
 
 
 @pytest.fixture(scope="module")
@@ -67,16 +60,7 @@ def _open(model_dir, host: bool, **config):
 def run(model_dir, host: bool, *, sync=False, **config):
     """Tokens, per-layer hidden states (device copies) and the engine of one continuous run."""
     engine, seqs = _open(model_dir, host, **config)
-    states = []
-
-    def keep(layer, hs):
-        states.append([h.clone() for h in hs])
-        if sync:
-            torch.cuda.synchronize()
-    engine.pipeline.on_layer = keep
-    done = {s.request.id: s.out for s in engine.run(seqs)}
-    torch.cuda.synchronize()
-    engine.close()
+    done, states = run_keeping_states(engine, seqs, sync)
     assert engine.stats.refills > 0  # newcomers did take rows
     return [done[f"r{i}"] for i in range(len(LIMITS))], states, engine
 

@@ -38,13 +38,6 @@ pytestmark = pytest.mark.skipif(CUDA and not torch.cuda.is_available(),
                                        "KLOTSKI_TEST_DEVICE=cpu runs these checks on the CPU")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def exact_fp32():
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    yield
-
-
 def by_kind(model_dir, **tiers):
     from klotski.io.checkpoint import Checkpoint
     ckpt = Checkpoint.open(str(model_dir))
