@@ -12,12 +12,14 @@ from klotski.runtime.overhead import LAUNCHES
 from klotski.runtime.profile_ops import EngineOps
 from placement.placement import Placement
 from planner.costmodel import CostModel
-from planner.profile import builtin_profiles, load_profile, measure
+from klotski.compress.hqq import spec_for
+from planner.profile import Profile, builtin_profiles, load_profile, measure
 from planner.shapes import KNOWN_MODELS, as_shape
 from planner.solve import BATCH_SIZES, Budgets, Infeasible, Plan, solve
 from planner.units import format_size_flag
 
 _FLAGS = {"device": "--device-memory", "host": "--host-memory"}
+LINKS = ("host_to_device", "device_to_host", "disk_to_host")
 
 
 def model_shape(model: str):
@@ -79,7 +81,6 @@ def make_plan(shape, profile, *, device_memory, host_memory, prompt_len, gen_len
     fixed. Time is planned for `prompt_len` (the typical prompt: batches are formed by length,
     so padding is small), memory for `longest_prompt`. A refusal names the budget to raise
     and the smallest value that is then accepted."""
-    from klotski.compress.hqq import spec_for
     quant = spec_for(config)
     cost = CostModel(profile, shape, quant_bits=quant.bits if quant else None, sizes=sizes)
     budgets = Budgets.from_profile(profile, device=device_memory, host=host_memory)
@@ -112,7 +113,6 @@ def compare_schedules(shape, profile, plan, config, *, prompt_len: int, gen_len:
                       trace: bool = False) -> tuple[list[dict], dict | None]:
     """Every schedule replayed by the simulator at the plan's bs and n (simple: n = 1) on
     synthetic routing of Zipf `skew`: a row each, and the klotski schedule's Chrome trace."""
-    from klotski.compress.hqq import spec_for
     from planner.routing import RoutingSample
     from planner.simulate import simulate
     quant = spec_for(config)
@@ -170,12 +170,19 @@ def replayed_plan(config, ckpt, setup, prompt_lens, gen_lens, pipeline_cost=None
 def _plan_lengths(config, ckpt, dtype, device, budgets, prompt_lens, gen_lens, gen_len, pipeline_cost):
     """The plan for a job of these prompt and answer lengths (time planned for the answers'
     `gen_lens`, memory for `gen_len`); no lengths: one sequence of a one-token prompt."""
-    shape, profile, quant = _measured(config, ckpt, dtype, device, pipeline_cost)
     lengths = prompt_lens or [1]
-    return make_plan(shape, profile, device_memory=budgets.device, host_memory=budgets.host,
-                     prompt_len=-(-sum(lengths) // len(lengths)), longest_prompt=max(lengths), gen_len=gen_len,
-                     config=config, sequences=max(1, len(prompt_lens)), sizes=ckpt.group_bytes(dtype, quant),
-                     gen_lens=gen_lens or None, prompt_lens=prompt_lens or None)
+
+    def plan(shape, profile, quant):
+        return make_plan(shape, profile, device_memory=budgets.device, host_memory=budgets.host,
+                         prompt_len=-(-sum(lengths) // len(lengths)), longest_prompt=max(lengths), gen_len=gen_len,
+                         config=config, sequences=max(1, len(prompt_lens)), sizes=ckpt.group_bytes(dtype, quant),
+                         gen_lens=gen_lens or None, prompt_lens=prompt_lens or None)
+    # Memory alone decides whether the budgets can work: a refusal (and the minimum it names)
+    # comes before this machine is measured, from a profile whose times are never used.
+    quant = spec_for(config)
+    plan(_compute_shape(ckpt, dtype), Profile(name="memory-only", device=device.type, flops=1.0, mem_bw=1.0,
+                                              links=dict.fromkeys(LINKS, 1.0)), quant)
+    return plan(*_measured(config, ckpt, dtype, device, pipeline_cost))
 
 
 def run_cost_model(config, ckpt, dtype, device, pipeline_cost=None) -> CostModel:
@@ -189,12 +196,15 @@ def run_cost_model(config, ckpt, dtype, device, pipeline_cost=None) -> CostModel
 def _measured(config, ckpt, dtype, device, pipeline_cost):
     """(shape, this machine's profile for it, quantization) of a run: planned in the compute
     dtype, as that is what sits on the device and crosses the links."""
-    from klotski.compress.hqq import spec_for
-    from klotski.util.dtypes import name_of
-    shape = dataclasses.replace(as_shape(ckpt.spec), dtype=name_of(dtype))
+    shape = _compute_shape(ckpt, dtype)
     profile = profile_for("auto", shape, device=device.type, link_gbps=config.emulate_link_gbps,
                           pipeline_cost=pipeline_cost)
     return shape, profile, spec_for(config)
+
+
+def _compute_shape(ckpt, dtype):
+    from klotski.util.dtypes import name_of
+    return dataclasses.replace(as_shape(ckpt.spec), dtype=name_of(dtype))
 
 
 def host_modes(config, device, plan) -> tuple[str, str]:

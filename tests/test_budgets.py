@@ -113,6 +113,17 @@ def test_every_budget_runs_exactly_within_it_or_names_a_minimum_that_does(model,
     assert sum(kind == "ran" for kind, _ in outcomes) >= 4
 
 
+def test_a_budget_that_cannot_work_is_refused_before_any_measurement(model, prompts, monkeypatch):
+    """The minimum needs no timings: a refusal comes before this machine is measured (on a
+    new machine or model that measure is the first run's wait), and names the same minimum."""
+    with pytest.raises(BudgetRefused) as measured:
+        _run(model, prompts, 64 << 10)
+    monkeypatch.setattr("klotski.planning.profile_for", lambda *a, **k: pytest.fail("measured before refusing"))
+    with pytest.raises(BudgetRefused) as early:
+        _run(model, prompts, 64 << 10)
+    assert str(early.value) == str(measured.value) and early.value.needed == measured.value.needed
+
+
 def test_a_tight_budget_prefills_long_prompts_in_chunks(model, prompts, ref):
     total = _model_bytes(model)
     ours, engine = _run(model, prompts, total // 4)
