@@ -194,6 +194,9 @@ def make_plan(cost, shape, budgets, pred, bs, n, layout, ios, binding, schedule,
         "bubble_ms": {"decode": pred["decode_bubble_s"] / L * 1e3, "prefill": pred["prefill_bubble_s"] / L * 1e3},
         "expected_distinct_experts": sum(1 - (1 - min(1.0, m)) ** (n * bs) for m in marg),
     }
+    # ops the pipeline launches around the timed ones in a decode layer (the profile's counts)
+    launches = cost.launches(batch_layers=n, expert_calls=per_layer["expected_distinct_experts"])
+    per_layer["launches"] = {"decode": launches, "ms": launches * cost.profile.launch_s * 1e3}
     if schedule in ("klotski", "hot-prefetch"):
         lhs, rhs, _ = ineq_terms(cost, io, dec, marg, hot, schedule, host=host)
         per_layer["inequalities_ms"] = [{"name": nm, "lhs": l * 1e3, "rhs": r * 1e3}
@@ -246,6 +249,9 @@ def format_plan(plan: Plan) -> str:
     lines.append(f"  transfers: attention {io['attention']:.3f}, gate {io['gate']:.3f}, expert {io['expert']:.3f} "
                  f"(from disk {io['expert_from_disk']:.3f}), KV of one batch {io['kv_batch_decode']:.3f}")
     lines.append(f"  expected distinct experts per layer: {pl['expected_distinct_experts']:.2f}")
+    if pl.get("launches", {}).get("decode"):
+        lines.append(f"  ops the pipeline launches around the timed ones, per decode layer: {pl['launches']['decode']:.0f} "
+                     f"(at least {pl['launches']['ms']:.3f} ms of host time at the measured cost per launch)")
     for q in pl.get("inequalities_ms", []):
         mark = "ok " if q["lhs"] >= q["rhs"] * (1 - 1e-9) else "NO "
         lines.append(f"  {mark}{q['name']:<62} {q['lhs']:9.2f} vs {q['rhs']:9.2f}")

@@ -126,8 +126,14 @@ def test_solver_binding_inequality_5():
     plan = solve(HAND, cm, tight_budgets(cm, 4, 6, 1, 2), prompt_len=1, gen_len=2, batch_sizes=(4,))
     assert (plan.num_batches, plan.binding[:3]) == (5, "(5)")
     text = format_plan(plan)
-    assert "binding: (5)" in text and "placement:" in text
+    assert "binding: (5)" in text and "placement:" in text and "launches" not in text  # none counted
     assert json.loads(plan.to_json())["num_batches"] == 5
+    # with the pipeline's counted ops: n batch-layers and each expected expert's call, per decode layer
+    cm.profile.launches, cm.profile.launch_s = {"batch_layer": 10.0, "expert_call": 3.0}, 5e-6
+    plan = solve(HAND, cm, tight_budgets(cm, 4, 6, 1, 2), prompt_len=1, gen_len=2, batch_sizes=(4,))
+    want = 10 * plan.num_batches + 3 * plan.per_layer["expected_distinct_experts"]
+    assert plan.per_layer["launches"]["decode"] == pytest.approx(want)
+    assert f"per decode layer: {want:.0f} " in format_plan(plan)
 
 
 def test_solver_infeasible_device_names_the_minimum_that_works():
