@@ -164,6 +164,24 @@ BAD_LINES = [
      "use /v1/chat/completions"),
     ({"custom_id": "x", "body": {"prompt": "a", "max_tokens": "ten"}}, "body.max_tokens must be an integer"),
     ({"custom_id": "x", "body": {"prompt": "a", "n": 3}}, "body.n is 3"),
+    # fields that would change the answer and are not implemented: never silently ignored
+    ({"id": "x", "prompt": "a", "logprobs": True}, "logprobs is not supported"),
+    ({"custom_id": "x", "body": {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 5}},
+     "body.top_logprobs is not supported"),
+    ({"custom_id": "x", "body": {"prompt": "a", "logit_bias": {"50256": -100}}}, "body.logit_bias is not supported"),
+    ({"id": "x", "prompt": "a", "presence_penalty": 0.5}, "presence_penalty is not supported"),
+    ({"id": "x", "prompt": "a", "frequency_penalty": -1}, "frequency_penalty is not supported"),
+    ({"custom_id": "x", "body": {"prompt": "a", "best_of": 3}}, "body.best_of is not supported"),
+    ({"custom_id": "x", "body": {"prompt": "a", "echo": True}}, "body.echo is not supported"),
+    ({"custom_id": "x", "body": {"messages": [{"role": "user", "content": "a"}],
+                                 "tools": [{"type": "function", "function": {"name": "f"}}]}}, "body.tools is not"),
+    ({"custom_id": "x", "body": {"messages": [{"role": "user", "content": "a"}], "tool_choice": "auto"}},
+     "body.tool_choice is not supported"),
+    ({"custom_id": "x", "body": {"messages": [{"role": "user", "content": "a"}],
+                                 "response_format": {"type": "json_object"}}}, "body.response_format is not"),
+    ({"id": "x", "prompt": "a", "structured_outputs": {"choice": ["yes", "no"]}}, "structured_outputs is not"),
+    ({"id": "x", "prompt": "a", "guided_choice": ["yes", "no"]}, "guided_choice is not supported"),
+    ({"id": "x", "prompt": "a", "top_k": 40}, "top_k is not supported"),
 ]
 
 
@@ -180,6 +198,18 @@ def test_bad_line_is_reported_and_others_survive(tmp_path, bad, expected):
     assert "\n" not in err.message
     assert err.id not in {"before", "after"}
     assert error_record(err, fmt="klotski") == {"id": err.id, "error": {"line": 2, "message": err.message}}
+
+
+def test_fields_that_change_nothing_are_accepted(tmp_path):
+    """Their neutral values, and the fields that never change an answer (model, user,
+    metadata), are not errors: a client that sends its defaults keeps working."""
+    body = {"messages": [{"role": "user", "content": "a"}], "model": "m", "user": "u", "metadata": {"k": "v"},
+            "logprobs": False, "presence_penalty": 0.0, "frequency_penalty": 0, "logit_bias": {}, "tools": [],
+            "response_format": {"type": "text"}, "echo": False, "best_of": 1, "n": 1, "top_logprobs": None}
+    path = write_lines(tmp_path / "j.jsonl", [{"custom_id": "x", "body": body},
+                                              {"id": "y", "prompt": "a", "logprobs": None, "top_k": -1}])
+    requests, errors = read_jobs(path)
+    assert errors == [] and [r.id for r in requests] == ["x", "y"]
 
 
 def test_error_keeps_the_id_it_could_read(tmp_path):

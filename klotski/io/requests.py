@@ -6,8 +6,11 @@
 * OpenAI batch: {"custom_id": "q3", "method": "POST", "url": "/v1/chat/completions",
                  "body": {"messages": [...], "max_tokens": 64, ...}}
 
-Unknown keys are ignored so that files can carry their own metadata; ``null`` for an
-optional field means "use the run's default". ``max_tokens`` (and OpenAI's
+Unknown keys are ignored so that files can carry their own metadata, except the API fields
+that would change the answer and are not implemented (`UNSUPPORTED`: logprobs, penalties,
+tools, constrained output, ...): a line setting one gets an error record naming it, so no
+answer silently differs from what its line asked. ``null`` for an optional field means "use
+the run's default". ``max_tokens`` (and OpenAI's
 ``max_completion_tokens``) is accepted as another name for ``max_new_tokens``.
 
 Which id a line is answered under, and reading the file, are klotski/io/jobs.py's.
@@ -26,6 +29,18 @@ COMPLETIONS_URL = "/v1/completions"
 CHAT_URL = "/v1/chat/completions"
 MAX_TOKENS_KEYS = ("max_new_tokens", "max_tokens", "max_completion_tokens")  # one limit, three names
 OPTIONS = (*MAX_TOKENS_KEYS, "temperature", "top_p", "stop", "seed")  # what a line may set beside its prompt
+# Request fields of the OpenAI and vLLM APIs that change the answer and that klotski does not
+# implement, with the value that changes nothing (None: only absence or null does). A line
+# setting one gets an error record naming it: ignored, its answer would silently differ from
+# what was asked (vLLM ignores its removed guided_* fields so: vllm issue #53975).
+UNSUPPORTED = {
+    "logprobs": False, "top_logprobs": 0, "logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0,
+    "repetition_penalty": 1, "best_of": 1, "echo": False, "suffix": None, "tools": [], "tool_choice": "none",
+    "functions": [], "function_call": "none", "parallel_tool_calls": None, "response_format": {"type": "text"},
+    "structured_outputs": None, "guided_choice": None, "guided_regex": None, "guided_json": None,
+    "guided_grammar": None, "top_k": -1, "min_p": 0, "min_tokens": 0, "reasoning_effort": None,
+    "prediction": None, "audio": None, "modalities": ["text"],
+}
 EXAMPLE_LINE = '{"id": "q1", "prompt": "Hello"}'
 ROW_KEY = "_klotski_row"  # a dataset row's columns, carried beside its job fields (klotski/io/dataset_files.py)
 
@@ -142,6 +157,11 @@ def line_fields(obj: dict) -> dict:
     if not has_prompt and not has_messages:
         raise InvalidLine(f'missing "{prefix}prompt" (or "{prefix}messages" for chat); '
                           f"e.g. {EXAMPLE_LINE}")
+    for key, neutral in UNSUPPORTED.items():
+        value = src.get(key)
+        if value is not None and (neutral is None or value != neutral):
+            raise InvalidLine(f"{prefix}{key} is not supported by klotski (it would change the answer); "
+                              f"drop it from the line")
     prompt = _prompt(src["prompt"], prefix) if has_prompt else None
     messages = _messages(src["messages"], prefix) if has_messages else None
     return dict(
