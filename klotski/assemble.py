@@ -53,11 +53,11 @@ class RunSetup:
         return self
 
 
-def pipeline_cost(device: str, emulated_link: bool = False) -> dict:
+def pipeline_cost(device: str, emulated_link: bool = False, announce=None) -> dict:
     """The pipeline's own cost per call on `device` (klotski/runtime/overhead.py), for measured profiles:
     with an emulated link the CPU channels copy on their threads, without one inline."""
     from klotski.runtime.overhead import pipeline_overhead
-    return pipeline_overhead(device, open_engine, emulated_link=emulated_link)
+    return pipeline_overhead(device, open_engine, emulated_link=emulated_link, announce=announce)
 
 
 def setup_run(config, ckpt: Checkpoint, seqs, *, placement: Placement | None = None) -> RunSetup:

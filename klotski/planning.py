@@ -7,19 +7,18 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from klotski.compress.hqq import spec_for
 from klotski.errors import UserError
 from klotski.runtime.overhead import LAUNCHES
 from klotski.runtime.profile_ops import EngineOps
 from placement.placement import Placement
-from planner.costmodel import CostModel
-from klotski.compress.hqq import spec_for
+from planner.costmodel import LINKS, CostModel
 from planner.profile import Profile, builtin_profiles, load_profile, measure
 from planner.shapes import KNOWN_MODELS, as_shape
 from planner.solve import BATCH_SIZES, Budgets, Infeasible, Plan, solve
 from planner.units import format_size_flag
 
 _FLAGS = {"device": "--device-memory", "host": "--host-memory"}
-LINKS = ("host_to_device", "device_to_host", "disk_to_host")
 
 
 def model_shape(model: str):
@@ -52,7 +51,7 @@ def measure_here(shape, *, device: str = "auto", link_gbps: float | None = None,
         profile = measure(shape, ops=EngineOps(), device=compute_device(device), link_gbps=link_gbps,
                           refresh=refresh, cache_dir=cachedir.profiles(), announce=_say)
         if pipeline_cost:  # what the pipeline adds around the ops (klotski/runtime/overhead.py, via assemble)
-            found = pipeline_cost(compute_device(device), emulated_link=bool(link_gbps))
+            found = pipeline_cost(compute_device(device), emulated_link=bool(link_gbps), announce=_say)
             profile.overhead_s.update({k: v for k, v in found.items() if not k.startswith(LAUNCHES)})
             profile.launches = {k[len(LAUNCHES):]: v for k, v in found.items() if k.startswith(LAUNCHES)}
     return profile
@@ -146,9 +145,11 @@ class BudgetRefused(UserError):
 def plan_job(config, ckpt, dtype, device, budgets, seqs, pipeline_cost=None):
     """The planner's answer for this job on this machine, from the checkpoint's exact group
     sizes (quantized ones as they will be packed)."""
-    return _plan_lengths(config, ckpt, dtype, device, budgets, [len(s.prompt_ids) for s in seqs],
-                         [s.max_new_tokens for s in seqs],
-                         max((s.max_new_tokens for s in seqs), default=config.max_new_tokens), pipeline_cost)
+    lengths = ([len(s.prompt_ids) for s in seqs], [s.max_new_tokens for s in seqs],
+               max((s.max_new_tokens for s in seqs), default=config.max_new_tokens))
+    # a budget that cannot work is refused before this machine is measured
+    _plan_lengths(config, ckpt, dtype, device, budgets, *lengths, pipeline_cost, memory_only=True)
+    return _plan_lengths(config, ckpt, dtype, device, budgets, *lengths, pipeline_cost)
 
 
 def replayed_plan(config, ckpt, setup, prompt_lens, gen_lens, pipeline_cost=None) -> Plan | None:
@@ -167,22 +168,23 @@ def replayed_plan(config, ckpt, setup, prompt_lens, gen_lens, pipeline_cost=None
     return again
 
 
-def _plan_lengths(config, ckpt, dtype, device, budgets, prompt_lens, gen_lens, gen_len, pipeline_cost):
+def _plan_lengths(config, ckpt, dtype, device, budgets, prompt_lens, gen_lens, gen_len, pipeline_cost,
+                  memory_only: bool = False):
     """The plan for a job of these prompt and answer lengths (time planned for the answers'
-    `gen_lens`, memory for `gen_len`); no lengths: one sequence of a one-token prompt."""
+    `gen_lens`, memory for `gen_len`); no lengths: one sequence of a one-token prompt. With
+    `memory_only`, from a profile whose times mean nothing and nothing is measured: whether
+    the budgets can work (and the minimum a refusal names) depends on memory alone."""
     lengths = prompt_lens or [1]
-
-    def plan(shape, profile, quant):
-        return make_plan(shape, profile, device_memory=budgets.device, host_memory=budgets.host,
-                         prompt_len=-(-sum(lengths) // len(lengths)), longest_prompt=max(lengths), gen_len=gen_len,
-                         config=config, sequences=max(1, len(prompt_lens)), sizes=ckpt.group_bytes(dtype, quant),
-                         gen_lens=gen_lens or None, prompt_lens=prompt_lens or None)
-    # Memory alone decides whether the budgets can work: a refusal (and the minimum it names)
-    # comes before this machine is measured, from a profile whose times are never used.
-    quant = spec_for(config)
-    plan(_compute_shape(ckpt, dtype), Profile(name="memory-only", device=device.type, flops=1.0, mem_bw=1.0,
-                                              links=dict.fromkeys(LINKS, 1.0)), quant)
-    return plan(*_measured(config, ckpt, dtype, device, pipeline_cost))
+    if memory_only:
+        shape, quant = _compute_shape(ckpt, dtype), spec_for(config)
+        profile = Profile(name="memory-only", device=device.type, flops=1.0, mem_bw=1.0,
+                          links=dict.fromkeys(LINKS, 1.0))
+    else:
+        shape, profile, quant = _measured(config, ckpt, dtype, device, pipeline_cost)
+    return make_plan(shape, profile, device_memory=budgets.device, host_memory=budgets.host,
+                     prompt_len=-(-sum(lengths) // len(lengths)), longest_prompt=max(lengths), gen_len=gen_len,
+                     config=config, sequences=max(1, len(prompt_lens)), sizes=ckpt.group_bytes(dtype, quant),
+                     gen_lens=gen_lens or None, prompt_lens=prompt_lens or None)
 
 
 def run_cost_model(config, ckpt, dtype, device, pipeline_cost=None) -> CostModel:

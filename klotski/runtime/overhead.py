@@ -86,13 +86,13 @@ def _source_key(device: str) -> str:
 
 
 def pipeline_overhead(device: str, open_engine, steps: int = 16, rounds: int = 11,
-                      emulated_link: bool = False) -> dict[str, float]:
+                      emulated_link: bool = False, announce=None) -> dict[str, float]:
     """Seconds the pipeline adds on `device` per each of KINDS (the module docstring's terms),
     measured once per machine, pipeline source and channel mode (user cache): with
     `emulated_link` the channels run on their threads, as a run with `--emulate-link` does
     (through a link too fast to hold anything back); without, a CPU copies inline.
     `open_engine` is the composition root's (klotski.assemble), handed in so this module does
-    not import it."""
+    not import it. `announce(text)` is told when a measure starts and how long it took."""
     from klotski.util import cachedir
     mode = "-threads" if emulated_link else ""
     path = cachedir.profiles() / f"pipeline-overhead-{_source_key(device)}{mode}.json"
@@ -101,12 +101,12 @@ def pipeline_overhead(device: str, open_engine, steps: int = 16, rounds: int = 1
                 if k in KINDS or k.startswith(LAUNCHES)}
     except (OSError, ValueError):
         pass
-    import sys
-    print(f"klotski: measuring what the pipeline itself costs on this machine ({device}; once, "
-          f"cached in {path.parent})", file=sys.stderr, flush=True)
+    if announce:  # a new machine or pipeline: the user waits, so say for what
+        announce(f"measuring what the pipeline itself costs on this machine ({device}; once, cached in {path.parent})")
     started = time.perf_counter()
     found = _measure(device, steps, rounds, open_engine, FAST_LINK if emulated_link else None)
-    print(f"klotski: pipeline cost measured in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+    if announce:
+        announce(f"pipeline cost measured in {time.perf_counter() - started:.1f} s")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
