@@ -178,7 +178,7 @@ def _plan_lengths(config, ckpt, dtype, device, budgets, prompt_lens, gen_lens, g
     if memory_only:
         shape, quant = _compute_shape(ckpt, dtype), spec_for(config)
         profile = Profile(name="memory-only", device=device.type, flops=1.0, mem_bw=1.0,
-                          links=dict.fromkeys(LINKS, 1.0))
+                          links=dict.fromkeys(LINKS, 1.0), host_flops=1.0, host_mem_bw=1.0)
     else:
         shape, profile, quant = _measured(config, ckpt, dtype, device, pipeline_cost)
     return make_plan(shape, profile, device_memory=budgets.device, host_memory=budgets.host,

@@ -124,6 +124,23 @@ def test_a_budget_that_cannot_work_is_refused_before_any_measurement(model, prom
     assert str(early.value) == str(measured.value) and early.value.needed == measured.value.needed
 
 
+def test_the_timeless_precheck_takes_host_compute_on_a_gpu(model):
+    """Found on an H200: the memory-only pre-check's profile had no host rates, so on a CUDA
+    device `--host-attention on` was refused as 'no host rates' before anything ran."""
+    import torch
+
+    from klotski import planning
+    from klotski.io.checkpoint import Checkpoint
+    from placement.tiers import Budgets
+
+    cfg = RunConfig(model=str(model), dtype="float32", batch_size=4, max_new_tokens=NEW,
+                    host_attention="on", host_experts="on")
+    ckpt = Checkpoint.open(cfg.model)
+    plan = planning._plan_lengths(cfg, ckpt, torch.float32, torch.device("cuda"), Budgets(device=_model_bytes(model) // 4, host=1 << 34),
+                                  [20, 30], [NEW, NEW], NEW, None, memory_only=True)
+    assert plan.host_attention and plan.host_experts == "on"
+
+
 def test_a_tight_budget_prefills_long_prompts_in_chunks(model, prompts, ref):
     total = _model_bytes(model)
     ours, engine = _run(model, prompts, total // 4)
