@@ -44,6 +44,7 @@ class RunSetup:
     plan: object | None = None  # the planner's Plan, when it decided
     cost: object | None = None  # the run's CostModel, for the engine's own choices (host compute: auto)
     host_modes: tuple = ("off", "off")  # host attention, host experts as run (planning.host_modes)
+    quantize: str = "none"      # the precision run: --quantize, or what `auto` took (plan.precision says why)
 
     def for_later_prompts(self) -> RunSetup:
         """Planned from the first prompts (a window, a shard, a batch): a longer prompt later is
@@ -64,6 +65,10 @@ def setup_run(config, ckpt: Checkpoint, seqs, *, placement: Placement | None = N
     """Budgets from the flags or the machine; bs, n, prefill chunk and placement from the
     planner wherever the user left them open. Raises planning.BudgetRefused (one line, with
     the minimum that works) when nothing fits."""
+    if config.quantize == "hqq4" and ckpt.is_gguf:
+        from klotski.errors import ConfigError
+        raise ConfigError(f"--quantize hqq4: {ckpt.directory} is a GGUF checkpoint, already quantized (its experts "
+                          "stay in their GGUF blocks on every tier); run without --quantize")
     device, dtype = torch.device(planning.compute_device(config.device)), ckpt.compute_dtype(config.dtype)
     budgets = detect_budgets(device.type, config.device_memory, config.host_memory)
     simple = config.schedule == "simple"
@@ -74,6 +79,10 @@ def setup_run(config, ckpt: Checkpoint, seqs, *, placement: Placement | None = N
         n = 1 if simple else (config.num_batches or plan.num_batches)
         chunk = plan.prefill_chunk if plan.prefill_chunk < plan.longest_prompt else None
         placement = placement or planning.engine_placement(plan, ckpt.spec)
+    if config.quantize == "auto":  # the planner weighed each precision and took one (none when it did not plan)
+        config = config.replace(quantize=plan.precision["quantize"] if plan and plan.precision else "none")
+        if plan and plan.precision:
+            planning.announce(plan.precision["why"])
     if config.quantize == "hqq4" and ckpt.spec.expert_format == "mxfp4":
         from klotski.errors import ConfigError
         raise ConfigError(f"--quantize hqq4: {ckpt.directory} ships its experts in MXFP4 already (4.25 bits a "
@@ -83,7 +92,7 @@ def setup_run(config, ckpt: Checkpoint, seqs, *, placement: Placement | None = N
         check_room(ckpt, dtype, config.offload_dir, optimize=config.quantize_optimize)
     modes = planning.host_modes(config, device, plan)
     cost = planning.run_cost_model(config, ckpt, dtype, device, pipeline_cost) if "auto" in modes else None
-    return RunSetup(bs, n, chunk, placement, budgets, device, dtype, plan, cost, modes)
+    return RunSetup(bs, n, chunk, placement, budgets, device, dtype, plan, cost, modes, config.quantize)
 
 
 def make_predictor(config, ckpt: Checkpoint):
@@ -99,14 +108,15 @@ def make_predictor(config, ckpt: Checkpoint):
 def build_engine(config, ckpt: Checkpoint, setup: RunSetup, *, predictor=None) -> Engine:
     """Fill the tiers as planned and wire the pipeline; the only step that reads weights."""
     device, dtype = setup.device, setup.dtype
+    if config.quantize == "auto":
+        config = config.replace(quantize=setup.quantize)
     codec = None
     if config.quantize == "hqq4":
         from klotski.compress.quantized import QuantCodec, ensure_quantized
         codec = QuantCodec(ensure_quantized(ckpt, dtype, config.offload_dir, optimize=config.quantize_optimize),
                            dtype)
-    elif ckpt.spec.expert_format == "mxfp4":  # experts stay packed as shipped, decoded on the device
-        from klotski.compress.mxfp4 import Mxfp4Codec
-        codec = Mxfp4Codec(ckpt.store, ckpt.spec, dtype)
+    else:  # MXFP4 or GGUF experts stay packed as shipped, decoded on the device
+        codec = ckpt.expert_codec(dtype)
     predictor = predictor or make_predictor(config, ckpt)
     trace = Trace(keep_events=bool(config.trace), cuda=device.type == "cuda")
     channels = make_channels(device, trace, config.emulate_link_gbps)

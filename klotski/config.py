@@ -60,7 +60,7 @@ class RunConfig:
     prefetch: str = "correlation"
     hot_experts: int | None = None    # K; None = the model's top-k
     attention: str = "full"           # or "sink:S,window:W" (StreamingLLM-style KV sparsity)
-    quantize: str = "none"
+    quantize: str = "none"            # none | hqq4 | auto (the planner weighs precision: planner/precision.py)
     quantize_optimize: bool = False   # HQQ's half-quadratic optimisation (slow on CPU)
     emulate_link_gbps: float | None = None
     # Attention where a host KV cache lives / cold experts where they live (klotski/runtime/hostcompute.py):
@@ -70,6 +70,7 @@ class RunConfig:
     host_attention: str = "off"
     host_experts: str = "off"
     direct_io: bool = True
+    prefix_cache: bool = True         # a prompt prefix a window's lines share is prefilled once (runtime/prefix.py)
     resume: bool = True
     include_token_ids: bool = False
     output_format: str = "auto"       # auto: each output line in its input line's form
@@ -112,8 +113,8 @@ class RunConfig:
             if getattr(self, name) not in HOST_COMPUTE:
                 raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)!r}: choose one of "
                                   f"{', '.join(HOST_COMPUTE)}")
-        if self.quantize not in ("none", "hqq4"):
-            raise ConfigError(f"--quantize {self.quantize!r}: choose none or hqq4")
+        if self.quantize not in ("none", "hqq4", "auto"):
+            raise ConfigError(f"--quantize {self.quantize!r}: choose none, hqq4 or auto")
         if self.emulate_link_gbps is not None and self.emulate_link_gbps <= 0:
             raise ConfigError("--emulate-link must be a positive bandwidth in GB/s")
 

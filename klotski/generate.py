@@ -33,6 +33,7 @@ from klotski.io.parquet_output import ParquetOutput, is_parquet
 from klotski.io.records import error_record, result_record
 from klotski.io.requests import model_error
 from klotski.planning import replayed_plan
+from klotski.runtime import sequences as S
 from klotski.runtime.report import build_report, replayed, save_report, summary
 from klotski.runtime.windows import Background, LineCount, drain, job_windows, read_ahead
 from klotski.util.writes import replace_atomically, writing
@@ -74,7 +75,7 @@ class Job:
         self.prompt_lens, self.gen_lens = array("I"), array("I")  # of the answers this run generated, for the replay
 
     def run(self) -> int:
-        self.ckpt = Checkpoint.open(self.config.model, direct_io=self.config.direct_io)  # a bad model fails here
+        self.ckpt = self.open_checkpoint()  # a bad model fails here
         self.read_resume_state()
         self.stream = job_windows(self.jobs, self.config, self.ckpt, self.done,
                                   start=self.resume.start if self.resume else None)
@@ -86,6 +87,10 @@ class Job:
             report = self.report()
         self.save(report)
         return 1 if self.failed else 0
+
+    def open_checkpoint(self) -> Checkpoint:
+        """The checkpoint the job runs (`klotski serve` hands in its engine's)."""
+        return Checkpoint.open(self.config.model, direct_io=self.config.direct_io)
 
     def read_resume_state(self) -> None:
         """The ids an earlier run finished. A valid progress sidecar: seek past the finished
@@ -137,7 +142,7 @@ class Job:
         bar = tqdm(total=None, unit="line", desc="generate", disable=None if self.config.progress else True,
                    file=sys.stderr, mininterval=0.5, initial=self.skipped)
         try:
-            self.engine = build_engine(self.config, self.ckpt, self.setup) if self.setup else None
+            self.engine = self.make_engine() if self.setup else None
             with bar:
                 for window in drain(self.ahead, stream):
                     if lines.total is not None and bar.total is None:
@@ -154,13 +159,20 @@ class Job:
         finally:
             stream.close()
             if self.engine:
-                self.engine.close()
+                self.close_engine()
             if self.tracker:
                 with writing(progress.sidecar(out), "the progress sidecar",
                              then="every record is in the output; a rerun reads it all again"):
                     self.tracker.close()
         if self.skipped:
             print(f"klotski: resumed {out}: {self.skipped} requests were already done", file=sys.stderr)
+
+    def make_engine(self):
+        """The engine the windows run on (`klotski serve` hands in its one long-lived engine)."""
+        return build_engine(self.config, self.ckpt, self.setup)
+
+    def close_engine(self) -> None:
+        self.engine.close()
 
     def run_window(self, window, bar) -> None:
         if window.skipped and not self.skipped and not self.resume:
@@ -169,29 +181,35 @@ class Job:
         self.skipped += window.skipped
         # a record already in the file (from before the rerun's window reached it) is not an error
         seqs = [s for s in window.seqs if s.request.id not in self.writer]
-        self.skipped += len(window.seqs) - len(seqs)
+        dropped = sum(s.sample == 0 for s in window.seqs) - sum(s.sample == 0 for s in seqs)  # lines, not samples
+        self.skipped += dropped
         self.failed += sum(self.emit(error_record(err, fmt=self.config.output_format), err, err.row)
                            for err in window.errors)
-        bar.update(window.skipped + len(window.errors) + len(window.seqs) - len(seqs))
+        bar.update(window.skipped + len(window.errors) + dropped)
         for seq in self.engine.run(seqs) if seqs else ():
-            self.emit_sequence(seq)
-            bar.update(1)
+            bar.update(self.emit_sequence(seq))
             gen_s = self.engine.stats.prefill_s + self.engine.stats.decode_s
             if gen_s > 0:
                 bar.set_postfix_str(f"{self.engine.stats.generated_tokens / gen_s:.1f} tok/s")
         if self.tracker and window.mark:
             self.tracker.window_done(window.mark)
 
-    def emit_sequence(self, seq) -> None:
+    def emit_sequence(self, seq) -> int:
+        """Write the record of `seq`'s line once all its samples are done: 1 line answered, else 0."""
         c = self.config
-        if seq.error:
-            err = model_error(seq)
+        samples = S.gather(seq)
+        if samples is None:
+            return 0  # its line's other samples are still running: the line is written whole or not at all
+        if failed := next((s for s in samples if s.error), None):
+            err = model_error(failed)
             self.failed += self.emit(error_record(err, fmt=c.output_format), err, err.row)
-            return
-        self.prompt_lens.append(len(seq.prompt_ids))
-        self.gen_lens.append(len(seq.out))
-        self.ok += self.emit(result_record(seq, fmt="klotski" if self.parquet else c.output_format, model=c.model,
+            return 1
+        for s in samples:  # each sample is a sequence the engine ran, for the replay
+            self.prompt_lens.append(len(s.prompt_ids))
+            self.gen_lens.append(len(s.out))
+        self.ok += self.emit(result_record(samples, fmt="klotski" if self.parquet else c.output_format, model=c.model,
                                            include_token_ids=c.include_token_ids), row=seq.request.row)
+        return 1
 
     def emit(self, record, error=None, row=None) -> bool:
         """Write one record (the sidecar notes an error record's place); False: already there."""

@@ -13,6 +13,8 @@ from klotski.runtime.overhead import LAUNCHES
 from klotski.runtime.profile_ops import EngineOps
 from placement.placement import Placement
 from planner.costmodel import LINKS, CostModel
+from planner.precision import (Precision, Weighed, choose, default_options, link_bytes_per_step, quality_row,
+                               to_dict)
 from planner.profile import Profile, builtin_profiles, load_profile, measure
 from planner.shapes import KNOWN_MODELS, as_shape
 from planner.solve import BATCH_SIZES, Budgets, Infeasible, Plan, solve
@@ -62,6 +64,9 @@ def _say(text: str) -> None:
     print(f"klotski: {text}", file=sys.stderr, flush=True)
 
 
+announce = _say  # a line on stderr, as the profile's own
+
+
 def profile_for(hardware: str, shape, *, device: str = "auto", link_gbps: float | None = None, pipeline_cost=None):
     """`auto` measures this machine on `device` (cached); otherwise a built-in profile name or a
     JSON path (which says its own device)."""
@@ -80,8 +85,7 @@ def make_plan(shape, profile, *, device_memory, host_memory, prompt_len, gen_len
     fixed. Time is planned for `prompt_len` (the typical prompt: batches are formed by length,
     so padding is small), memory for `longest_prompt`. A refusal names the budget to raise
     and the smallest value that is then accepted."""
-    quant = spec_for(config)
-    cost = CostModel(profile, shape, quant_bits=quant.bits if quant else None, sizes=sizes)
+    cost = _cost(profile, shape, config, sizes)
     budgets = Budgets.from_profile(profile, device=device_memory, host=host_memory)
     batch_sizes = (config.batch_size,) if config.batch_size else BATCH_SIZES
     if sequences is not None:  # never plan a group larger than the job: idle capacity
@@ -97,15 +101,76 @@ def make_plan(shape, profile, *, device_memory, host_memory, prompt_len, gen_len
         raise BudgetRefused(e) from None
 
 
+def _cost(profile, shape, config, sizes=None) -> CostModel:
+    quant = spec_for(config)
+    return CostModel(profile, shape, quant_bits=quant.bits if quant else None, sizes=sizes)
+
+
 def plan_from_flags(model: str, hardware: str, config, *, device_memory, host_memory, prompt_len: int,
                     gen_len: int, pipeline_cost=None):
     """(shape, profile, Plan) of `--model` on `--hardware` for a typical prompt and answer
-    length, without weights: what `klotski plan` and `klotski simulate` show."""
+    length, without weights: what `klotski plan` and `klotski simulate` show. Every precision
+    the model can take is planned (the Plan's `precision`), `--quantize` picks one."""
     shape = model_shape(model)
     profile = profile_for(hardware, shape, device=config.device, link_gbps=config.emulate_link_gbps,
                           pipeline_cost=pipeline_cost)
-    return shape, profile, make_plan(shape, profile, device_memory=device_memory, host_memory=host_memory,
-                                     prompt_len=prompt_len, gen_len=gen_len, config=config)
+    options = precision_options(shape)
+    if config.quantize != "auto" and not any(o.quantize == config.quantize for o in options):
+        from klotski.errors import ConfigError
+        raise ConfigError(f"--quantize {config.quantize}: {model}'s experts ship packed already "
+                          f"({shape.expert_format}); run without --quantize")
+    return shape, profile, weigh_plans(shape, profile, config, options, device_memory=device_memory,
+                                       host_memory=host_memory, prompt_len=prompt_len, gen_len=gen_len)
+
+
+# ---- precision: the planner weighs it (planner/precision.py) ---------------------------------
+QUALITY_TABLE = Path(__file__).parent / "builtin" / "data" / "precision_quality.json"
+
+
+def quality_table() -> dict | None:
+    """The measured quality cost of each precision (benchmarks/precision_quality.py), or None."""
+    import json
+    try:
+        return json.loads(QUALITY_TABLE.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def precision_options(shape, ckpt=None, dtype=None) -> list[Precision]:
+    """The precisions a run can take. A checkpoint with quant types of its own (GGUF) may list
+    them as `ckpt.precision_options(dtype)` -> [planner.precision.Precision], each with its bytes
+    per group as stored and its quality-table row; otherwise the checkpoint's own precision
+    and HQQ 4-bit where `--quantize hqq4` runs (not over MXFP4 or GGUF experts, packed already)."""
+    hook = getattr(ckpt, "precision_options", None)
+    if hook is not None:
+        return list(hook(dtype))
+    options = default_options(shape)
+    if getattr(ckpt, "is_gguf", False):
+        return [dataclasses.replace(options[0], name="GGUF as stored")]
+    return options[:1] if shape.expert_format == "mxfp4" else options
+
+
+def weigh_plans(shape, profile, config, options, *, sizes_of=None, **plan_kw) -> Plan:
+    """make_plan once per precision option; the Plan of the one `config.quantize` takes (none,
+    hqq4, or auto: planner.precision.choose), with the weighing in its `precision`. `sizes_of`
+    gives a run's exact group bytes for an option's config (None: from the shape). Raises the
+    taken option's refusal when it does not fit (under auto: when no option fits)."""
+    table = quality_table()
+    weighed = []
+    for option in options:
+        cfg = config.replace(quantize=option.quantize)
+        sizes = option.sizes if option.sizes is not None else sizes_of(cfg) if sizes_of else None
+        w = Weighed(option, quality=quality_row(table, option))
+        try:
+            w.plan = make_plan(shape, profile, config=cfg, sizes=sizes, **plan_kw)
+            w.link_bytes = link_bytes_per_step(w.plan, _cost(profile, shape, cfg, sizes))
+        except BudgetRefused as e:
+            w.refusal, w.error = str(e), e
+        weighed.append(w)
+    chosen, why = choose(weighed, config.quantize)
+    if chosen.plan is None:
+        raise chosen.error
+    return dataclasses.replace(chosen.plan, precision=to_dict(weighed, chosen, why, table))
 
 
 def compare_schedules(shape, profile, plan, config, *, prompt_len: int, gen_len: int, skew: float,
@@ -114,8 +179,7 @@ def compare_schedules(shape, profile, plan, config, *, prompt_len: int, gen_len:
     synthetic routing of Zipf `skew`: a row each, and the klotski schedule's Chrome trace."""
     from planner.routing import RoutingSample
     from planner.simulate import simulate
-    quant = spec_for(config)
-    cost = CostModel(profile, shape, quant_bits=quant.bits if quant else None)
+    cost = _cost(profile, shape, config.replace(quantize=plan.precision.get("quantize", config.quantize)))
     routing = RoutingSample.synthetic(shape.num_layers, shape.num_experts, shape.top_k, skew=skew)
     rows, chrome = [], None
     for schedule in ("simple", "multibatch", "hot-prefetch", "klotski"):
@@ -162,7 +226,8 @@ def replayed_plan(config, ckpt, setup, prompt_lens, gen_lens, pipeline_cost=None
     if plan is None or not gen_lens:
         return None
     fixed = dataclasses.replace(config, batch_size=setup.batch_size, num_batches=setup.num_batches,
-                                prefill_chunk=plan.prefill_chunk)
+                                prefill_chunk=plan.prefill_chunk,
+                                quantize=plan.precision.get("quantize", config.quantize))
     again = _plan_lengths(fixed, ckpt, setup.dtype, setup.device, setup.budgets, list(prompt_lens),
                           [max(1, g) for g in gen_lens], plan.gen_len, pipeline_cost)
     return again
@@ -176,15 +241,18 @@ def _plan_lengths(config, ckpt, dtype, device, budgets, prompt_lens, gen_lens, g
     the budgets can work (and the minimum a refusal names) depends on memory alone."""
     lengths = prompt_lens or [1]
     if memory_only:
-        shape, quant = _compute_shape(ckpt, dtype), spec_for(config)
+        shape = _compute_shape(ckpt, dtype)
         profile = Profile(name="memory-only", device=device.type, flops=1.0, mem_bw=1.0,
                           links=dict.fromkeys(LINKS, 1.0), host_flops=1.0, host_mem_bw=1.0)
     else:
-        shape, profile, quant = _measured(config, ckpt, dtype, device, pipeline_cost)
-    return make_plan(shape, profile, device_memory=budgets.device, host_memory=budgets.host,
-                     prompt_len=-(-sum(lengths) // len(lengths)), longest_prompt=max(lengths), gen_len=gen_len,
-                     config=config, sequences=max(1, len(prompt_lens)), sizes=ckpt.group_bytes(dtype, quant),
-                     gen_lens=gen_lens or None, prompt_lens=prompt_lens or None)
+        shape, profile, _ = _measured(config, ckpt, dtype, device, pipeline_cost)
+    kw = dict(device_memory=budgets.device, host_memory=budgets.host, prompt_len=-(-sum(lengths) // len(lengths)),
+              longest_prompt=max(lengths), gen_len=gen_len, sequences=max(1, len(prompt_lens)),
+              gen_lens=gen_lens or None, prompt_lens=prompt_lens or None)
+    if config.quantize == "auto":  # under memory_only, refused only when no precision fits
+        return weigh_plans(shape, profile, config, precision_options(shape, ckpt, dtype),
+                           sizes_of=lambda cfg: ckpt.group_bytes(dtype, spec_for(cfg)), **kw)
+    return make_plan(shape, profile, config=config, sizes=ckpt.group_bytes(dtype, spec_for(config)), **kw)
 
 
 def run_cost_model(config, ckpt, dtype, device, pipeline_cost=None) -> CostModel:

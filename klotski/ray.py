@@ -87,7 +87,7 @@ class Worker:
         from klotski.errors import USER_ERRORS
         from klotski.io.records import error_record, result_record
         from klotski.io.requests import model_error
-        from klotski.runtime.sequences import prepare
+        from klotski.runtime.sequences import gather, prepare
         c = self.config
         seqs, errors = prepare(shard, self.ckpt.tokenizer, self.ckpt.spec, c)
         records = [error_record(e, fmt=c.output_format) for e in errors]
@@ -99,10 +99,13 @@ class Worker:
                 return {"user_error": str(e)}
         before = self._done()
         for seq in self.engine.run(seqs) if seqs else ():
-            if seq.error:
-                records.append(error_record(model_error(seq), fmt=c.output_format))
+            samples = gather(seq)  # a line of n samples is one record, once all are done
+            if samples is None:
+                continue
+            if failed := next((s for s in samples if s.error), None):
+                records.append(error_record(model_error(failed), fmt=c.output_format))
             else:
-                records.append(result_record(seq, fmt=c.output_format, model=c.model,
+                records.append(result_record(samples, fmt=c.output_format, model=c.model,
                                              include_token_ids=c.include_token_ids))
         after = self._done()
         return {"records": records, "busy_s": time.perf_counter() - t0, "generated": after[0] - before[0],
@@ -425,9 +428,15 @@ class Generator:
                    "prompt": obj.get(pf), "messages": obj.get(mf)}
             rid = columns[idf][i] if idf in columns and columns[idf][i] is not None else f"row{i}"
             try:  # the job file's own validation of a line's fields (klotski/io/requests.py)
-                requests.append(Request(id=str(rid), line=i + 1, **line_fields(obj)))
+                req = Request(id=str(rid), line=i + 1, **line_fields(obj))
             except InvalidLine as e:
                 out["error"][i] = str(e)
+                continue
+            if req.n > 1 or req.logprobs is not None:  # no column holds them: refused, never dropped
+                out["error"][i] = ("n > 1 and logprobs have no column here; use klotski generate "
+                                   "(with --ray) for them")
+                continue
+            requests.append(req)
         seqs, errors = prepare(requests, self.ckpt.tokenizer, self.ckpt.spec, self.config)
         for e in errors:
             out["error"][e.line - 1] = e.message

@@ -39,6 +39,7 @@ class Plan:
     slot_utilisation: dict = field(default_factory=dict)  # {"continuous": u, "static": u}
     job_prefill_s: float = 0.0   # the whole job's prefill and decode seconds, when its lengths were given
     job_decode_s: float = 0.0
+    precision: dict = field(default_factory=dict)  # the precisions weighed and the one taken (planner.precision)
 
     def to_dict(self) -> dict:
         return asdict(self)

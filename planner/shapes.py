@@ -11,6 +11,7 @@ place that knows, and `intermediate_size` here is always one routed expert's wid
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from functools import cached_property
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -41,8 +42,12 @@ class ModelShape:
     q_lora_rank: int = 0               # 0: q_proj straight from the hidden state
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
-    dense_layers: int = 0              # the first layers have a dense MLP instead of experts
+    dense_layers: int = 0              # the first layers have a dense MLP instead of experts (DeepSeek)
     dense_intermediate_size: int = 0
+    # Qwen MoE's dense layers anywhere, as transformers decides them: layer j is MoE iff j is
+    # not in `mlp_only_layers` and (j + 1) % `sparse_step` == 0 (config `decoder_sparse_step`)
+    sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_config(cls, cfg: dict, name: str = "") -> "ModelShape":
@@ -74,7 +79,8 @@ class ModelShape:
             attention_bias=attention_bias(cfg),
             qk_norm=names.get("qk_norm", ""),
             expert_format=expert_format(cfg),
-            **{"shared_intermediate_size": int(cfg.get(names.get("shared", ""), 0) or 0), **mla_fields(cfg)},
+            **{"shared_intermediate_size": int(cfg.get(names.get("shared", ""), 0) or 0), **mla_fields(cfg),
+               **qwen_dense_fields(cfg)},
         )
 
     @property
@@ -85,9 +91,35 @@ class ModelShape:
     def expert_params(self) -> int:
         return 3 * self.hidden_size * self.intermediate_size
 
+    def is_dense(self, layer: int) -> bool:
+        """Whether `layer` has a dense MLP (in its gate group) instead of routed experts."""
+        return layer < self.dense_layers or layer in self.mlp_only_layers or (layer + 1) % self.sparse_step != 0
+
     def experts_in(self, layer: int) -> int:
-        """Routed experts of one layer (0 in a dense first layer)."""
-        return 0 if layer < self.dense_layers else self.num_experts
+        """Routed experts of one layer (0 in a dense layer)."""
+        return 0 if self.is_dense(layer) else self.num_experts
+
+    def moe_index(self, layer: int) -> int:
+        """`layer`'s index among the MoE layers (predictors count only those)."""
+        return self._moe_before[layer]
+
+    @cached_property
+    def _moe_before(self) -> tuple[int, ...]:
+        # asked per layer and step by the pipeline: counted once
+        out, n = [], 0
+        for j in range(self.num_layers):
+            out.append(n)
+            n += not self.is_dense(j)
+        return tuple(out)
+
+    @property
+    def num_dense_layers(self) -> int:
+        return sum(1 for j in range(self.num_layers) if self.is_dense(j))
+
+    @property
+    def first_moe_layer(self) -> int:
+        """The first layer with experts (the last layer if none has)."""
+        return next((j for j in range(self.num_layers) if not self.is_dense(j)), self.num_layers - 1)
 
     @property
     def kv_cache_dims(self) -> tuple[int, int, int]:
@@ -156,8 +188,14 @@ class ModelShape:
         return self.num_layers * self.kv_width * (dtype_bytes or self.dtype_bytes)
 
     def key(self) -> str:
-        """Stable text identifying the shapes and dtype (for profile cache keys)."""
-        return ",".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self) if f.name != "name")
+        """Stable text identifying the shapes and dtype (for profile cache keys); fields added
+        later are left out at their defaults, so keys cached before them still match."""
+        return ",".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self)
+                        if f.name != "name" and _LATER_DEFAULTS.get(f.name, _NONE) != getattr(self, f.name))
+
+
+_NONE = object()
+_LATER_DEFAULTS = {"sparse_step": 1, "mlp_only_layers": ()}
 
 
 # Per family: the config field of one routed expert's width and of the expert count, the
@@ -183,6 +221,17 @@ def mla_fields(cfg: dict) -> dict:
             "qk_nope_head_dim": cfg["qk_nope_head_dim"], "v_head_dim": cfg["v_head_dim"],
             "dense_layers": dense, "dense_intermediate_size": cfg.get("intermediate_size", 0) if dense else 0,
             "shared_intermediate_size": cfg["moe_intermediate_size"] * (cfg.get("n_shared_experts") or 0)}
+
+
+def qwen_dense_fields(cfg: dict) -> dict:
+    """Qwen MoE's dense layers (`mlp_only_layers`, `decoder_sparse_step`) and their MLP width
+    (`intermediate_size`); empty for every other family and for an all-MoE Qwen config."""
+    if cfg.get("model_type") not in ("qwen2_moe", "qwen3_moe"):
+        return {}
+    only, step = tuple(sorted(set(cfg.get("mlp_only_layers") or ()))), int(cfg.get("decoder_sparse_step") or 1)
+    if not only and step == 1:
+        return {}
+    return {"sparse_step": step, "mlp_only_layers": only, "dense_intermediate_size": cfg.get("intermediate_size", 0)}
 
 
 def family_fields(cfg: dict) -> dict[str, str]:
@@ -301,7 +350,7 @@ def total_params(shape) -> int:
     per_layer = shape.attention_params + shape.gate_params + shape.num_experts * (
         shape.expert_params + shape.expert_bias_params)
     outer = shape.vocab_size * shape.hidden_size * (1 if shape.tie_word_embeddings else 2) + shape.hidden_size
-    dense = getattr(shape, "dense_layers", 0)  # its MLP and norm instead of router, shared and routed experts
+    dense = getattr(shape, "num_dense_layers", 0)  # its MLP and norm instead of router, shared and routed experts
     dense_layer = shape.attention_params + 3 * shape.hidden_size * getattr(shape, "dense_intermediate_size", 0) \
         + shape.hidden_size
     return (shape.num_layers - dense) * per_layer + dense * dense_layer + outer

@@ -58,7 +58,7 @@ def _copy_with_config(src, dst, **changes):
     ("qwen2_moe", {"shared_expert_intermediate_size": 48}, r"mlp\.shared_expert\.\w+_proj\.weight has shape"),
     ("olmoe", {"attention_bias": True}, r"model\.layers\.0\.self_attn\.q_proj\.bias"),
     ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 8}, r"config\.json: field 'use_sliding_window'"),
-    ("qwen2_moe", {"mlp_only_layers": [1]}, r"config\.json: fields 'mlp_only_layers' \[1\].*not supported"),
+    ("qwen2_moe", {"mlp_only_layers": [1]}, r"model\.layers\.1\.mlp\.gate_proj\.weight"),  # a dense layer's MLP
     ("olmoe", {"clip_qkv": -1}, r"config\.json: field 'clip_qkv' is -1"),
     ("qwen3_moe", {"model_type": "phimoe"}, r"field 'model_type' is 'phimoe'; supported: mixtral, qwen3_moe"),
 ])
@@ -155,7 +155,7 @@ def protocol_breaches(module) -> list[str]:
 def test_the_protocol_states_every_hook_and_each_says_what_it_is_for():
     from klotski.models.family import Family
     constants, functions = _protocol()
-    assert set(constants) == {"MODEL_TYPE", "QUANTIZATION", "HOST_ATTENTION"}
+    assert set(constants) == {"MODEL_TYPE", "QUANTIZATION", "HOST_ATTENTION", "SHARED_PREFIX"}
     assert {"check_config", "group_refs", "attention_block", "route", "bind_expert_ffn"} <= set(functions)
     assert all(vars(Family)[n].__doc__ for n in functions)
 

@@ -163,11 +163,24 @@ BAD_LINES = [
     ({"custom_id": "x", "url": "/v1/completions", "body": {"messages": [{"role": "user", "content": "a"}]}},
      "use /v1/chat/completions"),
     ({"custom_id": "x", "body": {"prompt": "a", "max_tokens": "ten"}}, "body.max_tokens must be an integer"),
-    ({"custom_id": "x", "body": {"prompt": "a", "n": 3}}, "body.n is 3"),
-    # fields that would change the answer and are not implemented: never silently ignored
-    ({"id": "x", "prompt": "a", "logprobs": True}, "logprobs is not supported"),
+    ({"custom_id": "x", "body": {"prompt": "a", "n": 0}}, "body.n must be an integer in [1, 128], got 0"),
+    ({"id": "x", "prompt": "a", "n": 2.5}, "n must be an integer in [1, 128]"),
+    ({"id": "x", "prompt": "a", "n": 129}, "n must be an integer in [1, 128]"),
+    # log-probabilities in OpenAI's two shapes, out of range or mixed up: the field is named
+    ({"custom_id": "x", "body": {"messages": [{"role": "user", "content": "a"}], "logprobs": True,
+                                 "top_logprobs": 21}}, "body.top_logprobs must be an integer in [0, 20], got 21"),
     ({"custom_id": "x", "body": {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 5}},
-     "body.top_logprobs is not supported"),
+     "body.top_logprobs needs body.logprobs: true"),
+    ({"custom_id": "x", "body": {"messages": [{"role": "user", "content": "a"}], "logprobs": 3}},
+     "body.logprobs must be true or false in a chat body"),
+    ({"custom_id": "x", "body": {"prompt": "a", "logprobs": 6}}, "body.logprobs must be an integer in [0, 5], got 6"),
+    ({"custom_id": "x", "body": {"prompt": "a", "logprobs": -1}}, "body.logprobs must be an integer in [0, 5]"),
+    ({"custom_id": "x", "body": {"prompt": "a", "logprobs": True}}, "body.logprobs must be an integer in [0, 5]"),
+    ({"custom_id": "x", "body": {"prompt": "a", "logprobs": 2, "top_logprobs": 2}}, "body.top_logprobs is a chat"),
+    ({"id": "x", "prompt": "a", "logprobs": 21}, "logprobs must be an integer in [0, 20], got 21"),
+    ({"id": "x", "prompt": "a", "logprobs": "yes"}, "logprobs must be true or false or an integer"),
+    ({"id": "x", "prompt": "a", "logprobs": True, "top_logprobs": -2}, "top_logprobs must be an integer in [0, 20]"),
+    # fields that would change the answer and are not implemented: never silently ignored
     ({"custom_id": "x", "body": {"prompt": "a", "logit_bias": {"50256": -100}}}, "body.logit_bias is not supported"),
     ({"id": "x", "prompt": "a", "presence_penalty": 0.5}, "presence_penalty is not supported"),
     ({"id": "x", "prompt": "a", "frequency_penalty": -1}, "frequency_penalty is not supported"),
@@ -178,9 +191,10 @@ BAD_LINES = [
     ({"custom_id": "x", "body": {"messages": [{"role": "user", "content": "a"}], "tool_choice": "auto"}},
      "body.tool_choice is not supported"),
     ({"custom_id": "x", "body": {"messages": [{"role": "user", "content": "a"}],
-                                 "response_format": {"type": "json_object"}}}, "body.response_format is not"),
-    ({"id": "x", "prompt": "a", "structured_outputs": {"choice": ["yes", "no"]}}, "structured_outputs is not"),
-    ({"id": "x", "prompt": "a", "guided_choice": ["yes", "no"]}, "guided_choice is not supported"),
+                                 "response_format": {"type": "grammar"}}}, "body.response_format must be"),
+    ({"id": "x", "prompt": "a", "structured_outputs": {"structural_tag": "t"}},
+     "structured_outputs.structural_tag is not"),
+    ({"id": "x", "prompt": "a", "guided_choice": "yes"}, "guided_choice must be a non-empty list"),
     ({"id": "x", "prompt": "a", "top_k": 40}, "top_k is not supported"),
 ]
 
@@ -210,6 +224,26 @@ def test_fields_that_change_nothing_are_accepted(tmp_path):
                                               {"id": "y", "prompt": "a", "logprobs": None, "top_k": -1}])
     requests, errors = read_jobs(path)
     assert errors == [] and [r.id for r in requests] == ["x", "y"]
+
+
+def test_n_and_logprobs_in_every_shape(tmp_path):
+    """n samples and log-probabilities: chat's logprobs true + top_logprobs, completions'
+    logprobs k, and a plain line's either; off is None, not 0 (0: the token's own only)."""
+    chat = [{"role": "user", "content": "a"}]
+    path = write_lines(tmp_path / "j.jsonl", [
+        {"custom_id": "c", "body": {"messages": chat, "logprobs": True, "top_logprobs": 20, "n": 3}},
+        {"custom_id": "c0", "body": {"messages": chat, "logprobs": True}},
+        {"custom_id": "t", "body": {"prompt": "a", "logprobs": 5, "n": 1}},
+        {"custom_id": "t0", "body": {"prompt": "a", "logprobs": 0}},
+        {"custom_id": "off", "body": {"prompt": "a", "logprobs": False}},
+        {"id": "p", "prompt": "a", "logprobs": 7, "n": 128},
+        {"id": "q", "prompt": "a", "logprobs": True, "top_logprobs": 2},
+        {"id": "r", "prompt": "a", "top_logprobs": 0}])
+    requests, errors = read_jobs(path)
+    assert errors == []
+    assert [(r.id, r.n, r.logprobs) for r in requests] == [
+        ("c", 3, 20), ("c0", 1, 0), ("t", 1, 5), ("t0", 1, 0), ("off", 1, None), ("p", 128, 7), ("q", 1, 2),
+        ("r", 1, None)]
 
 
 def test_error_keeps_the_id_it_could_read(tmp_path):

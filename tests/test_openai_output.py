@@ -87,3 +87,30 @@ def test_output_format_can_be_forced_either_way(job, tmp_path, checkpoints):
     _generate(job, out, checkpoints, "--output-format", "openai")
     plain = next(r for r in _records(out) if r.get("custom_id") == "plain")
     Completion.model_validate(plain["response"]["body"])
+
+
+def test_a_line_that_is_not_json_gets_openais_error_shape(tmp_path, checkpoints):
+    """Among OpenAI requests (auto) or with --output-format openai, a line that cannot be read
+    as JSON is answered as OpenAI does: custom_id null, code invalid_json_line, its line number;
+    a rerun retries it without writing it twice."""
+    job = tmp_path / "batch.jsonl"
+    job.write_text(_batch_line("a", TEXT, prompt="Paris is", max_tokens=2)
+                   + '{"custom_id": "b", "method": "POST", "url": "/v1/completions", "body": {\n'
+                   + "not json at all\n" + _batch_line("c", TEXT, prompt="A river is", max_tokens=2))
+    for extra in ((), ("--output-format", "openai")):
+        out = tmp_path / f"out{len(extra)}.jsonl"
+        for _ in range(2):  # the rerun: the error records are retried, never duplicated
+            assert _generate(job, out, checkpoints, *extra) == 1
+            records = _records(out)
+            bad = [r for r in records if r["response"] is None] if extra else [r for r in records if r.get("error")]
+            assert len(records) == 4 and len(bad) == 2
+        by_line = {r["error"]["line"]: r for r in bad} if extra else None
+        if extra:
+            assert set(by_line) == {2, 3}
+            for line, r in by_line.items():
+                assert r["custom_id"] is None and r["id"].startswith("batch_req_")
+                assert r["error"]["code"] == "invalid_json_line" and r["error"]["message"].startswith(f"line {line}: ")
+        else:  # auto: the line that names a custom_id is OpenAI's; the other has no form to follow
+            meant = next(r for r in bad if "custom_id" in r)
+            assert meant["custom_id"] is None and meant["error"]["code"] == "invalid_json_line"
+            assert meant["error"]["message"].startswith("line 2: ")

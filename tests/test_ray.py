@@ -75,6 +75,25 @@ def test_ray_matches_single_process_and_both_actors_serve(cluster, job, checkpoi
     assert [single[f"q{i}"]["token_ids"] for i in range(len(PROMPTS))] == ref
 
 
+def test_ray_answers_a_line_of_n_samples_with_logprobs_as_one_process_does(cluster, checkpoints, tmp_path):
+    from klotski.generate import generate
+    jobs = tmp_path / "n.jsonl"
+    jobs.write_text("".join(json.dumps({"id": f"n{i}", "prompt": f"{PROMPTS[i]} number {i}", "n": 2, "seed": i,
+                                        "temperature": 1.0, "logprobs": 2}) + "\n" for i in range(4)))
+    config = RunConfig(model=str(checkpoints["gqa"]), max_new_tokens=4, progress=False)
+    generate(config, jobs, str(tmp_path / "single.jsonl"))
+    ray_run(config, jobs, tmp_path / "ray.jsonl", cluster, workers=2, shard=2).run()
+    single, got = by_id(tmp_path / "single.jsonl"), by_id(tmp_path / "ray.jsonl")
+    assert all(len(r["choices"]) == 2 for r in single.values())
+
+    def numbers(records):  # taken out: the same tokens, their logprobs within float noise of another batching
+        entries = [x for _, r in sorted(records.items()) for c in r["choices"] for t in c["logprobs"]
+                   for x in (t, *t["top_logprobs"])]
+        return [x.pop("logprob") for x in entries]
+    want = numbers(single)
+    assert len(want) > 8 and numbers(got) == pytest.approx(want, abs=1e-4) and got == single
+
+
 def _wait_for_lines(path, count, alive=lambda: True, timeout=120):
     deadline = time.time() + timeout
     while time.time() < deadline and alive():

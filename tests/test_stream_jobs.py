@@ -14,7 +14,7 @@ from klotski.config import RunConfig
 from klotski.io.idset import IdSet
 from klotski.io.jobs import count_lines, stream_jobs, windows
 from klotski.io.output import OutputWriter
-from klotski.io.records import classify, error_record, is_error, parse, record_key, result_record
+from klotski.io.records import _KLOTSKI, classify, error_record, is_error, parse, record_key, result_record
 from klotski.io.requests import CHAT_URL, LineError, Request
 
 
@@ -96,16 +96,18 @@ def test_duplicate_far_after_the_first_window_is_an_error_not_a_second_request(t
 
 def test_fast_record_reading_agrees_with_the_full_parse():
     class Seq:
-        def __init__(self, rid, openai=None):
-            self.request = Request(rid, 1, "p", None, openai=openai)
+        def __init__(self, rid, openai=None, n=1):
+            self.request = Request(rid, 1, "p", None, openai=openai, n=n)
             self.prompt_ids, self.out, self.text, self.finish_reason = [1], [2], 'a "quoted"\nline é', "stop"
     err = LineError('we"ird\\id é', 3, "bad", openai=CHAT_URL)
     records = [result_record(Seq('x"\\y é'), fmt="auto", model="m"),
                result_record(Seq("oa", openai=CHAT_URL), fmt="auto", model="m"),
+               result_record([Seq("n2", n=2), Seq("n2", n=2)], fmt="auto", model="m"),  # a line of n: one record
                error_record(err, fmt="klotski"), error_record(err, fmt="openai")]
     for rec in records:
         raw = (json.dumps(rec, ensure_ascii=False) + "\n").encode()
         assert classify(raw) == parse(raw) == ("error" if is_error(rec) else "ok", record_key(rec))
+        assert "custom_id" in rec or _KLOTSKI.match(raw)  # klotski's own records, a line of n too: found unparsed
         assert classify(raw[:-5] + b"\n")[0] == "corrupt"  # a record cut short is never taken as done
 
 

@@ -18,6 +18,13 @@ def generate(a) -> int:
     return run(config_from_args(a), Path(a.jobs), a.output)
 
 
+def serve(a) -> int:
+    from klotski.cli.parser import config_from_args
+    from klotski.serve.server import serve as run
+    return run(config_from_args(a), host=a.host, port=a.port, api_key=a.api_key, data_dir=a.data_dir,
+               max_upload=a.max_upload_size)
+
+
 def _config(a) -> RunConfig:
     return RunConfig(model=a.model, batch_size=a.batch_size, num_batches=a.num_batches, schedule=a.schedule,
                      quantize=a.quantize, emulate_link_gbps=a.emulate_link_gbps, max_new_tokens=a.gen_len,
@@ -26,9 +33,11 @@ def _config(a) -> RunConfig:
 
 
 def plan(a) -> int:
+    from planner.precision import format_options
     from planner.solve import format_plan
     _, _, result = _plan(a)
-    print(result.to_json() if a.json else format_plan(result))
+    # each precision weighed first, then the plan of the one --quantize took
+    print(result.to_json() if a.json else format_options(result.precision) + "\n\n" + format_plan(result))
     return 0
 
 
@@ -139,8 +148,8 @@ def show(a) -> int:
         elif "custom_id" in rec:
             choice = rec["response"]["body"]["choices"][0]
             text = choice["message"]["content"] if "message" in choice else choice["text"]
-        else:
-            text = rec["completion"]
+        else:  # (a line of n samples: its first)
+            text = rec["completion"] if "completion" in rec else rec["choices"][0]["completion"]
         prompt = " ".join(prompts.get(key, "").split())
         print(f"[{key}] " + textwrap.shorten(prompt, width - len(key) - 3) if prompt else f"[{key}]")
         print(textwrap.fill(text.strip() or "(empty)", width, initial_indent="  -> ", subsequent_indent="     "))
@@ -181,4 +190,5 @@ def jobs(a) -> int:
 
 
 COMMANDS = {"generate": generate, "plan": plan, "simulate": simulate, "profile": profile, "correlate": correlate,
-            "quantize": quantize, "show": show, "check": check, "bench": bench, "make-tiny": make_tiny, "jobs": jobs}
+            "quantize": quantize, "show": show, "check": check, "bench": bench, "make-tiny": make_tiny, "jobs": jobs,
+            "serve": serve}

@@ -53,9 +53,11 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", default="full", metavar="full|sink:S,window:W",
                    help="full (exact, default) or StreamingLLM-style: keep each sequence's first S and "
                         "last W tokens of the KV cache")
-    p.add_argument("--quantize", default="none", choices=("none", "hqq4"),
+    p.add_argument("--quantize", default="none", choices=("none", "hqq4", "auto"),
                    help="hqq4: move attention and experts as HQQ 4-bit (g64, scale/zero g128), "
-                        "dequantized on the device before use; the copy is made once in --offload-dir")
+                        "dequantized on the device before use; the copy is made once in --offload-dir. "
+                        "auto: the planner weighs each precision and takes 4-bit only where it predicts "
+                        ">= 1.3x the exact plan's tokens/s (none, the default: exact)")
     p.add_argument("--quantize-optimize", action="store_true",
                    help="run HQQ's half-quadratic optimisation (~4%% less error, ~40x slower to quantize)")
     p.add_argument("--emulate-link", type=float, metavar="GBPS", dest="emulate_link_gbps",
@@ -67,6 +69,9 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="compute a cold expert that lives on the host there (tokens down, outputs up) instead "
                         "of moving it: auto = where the cost model says it finishes sooner")
     p.add_argument("--no-direct-io", action="store_true", help="read weights through the page cache")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="prefill every line whole, even the prompt prefix a window's lines share (by default "
+                        "that prefix is prefilled once and every line starts from it)")
 
 
 def _add_plan_flags(p: argparse.ArgumentParser) -> None:
@@ -81,7 +86,9 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-batches", type=_num_batches, default=None, metavar="N|auto")
     p.add_argument("--prefill-chunk", type=int, metavar="TOKENS")
     p.add_argument("--schedule", default="klotski", choices=SCHEDULES)
-    p.add_argument("--quantize", default="none", choices=("none", "hqq4"))
+    p.add_argument("--quantize", default="none", choices=("none", "hqq4", "auto"),
+                   help="the precision to plan (every option is weighed and printed; auto takes 4-bit where it "
+                        "predicts >= 1.3x the exact plan's tokens/s)")
     p.add_argument("--emulate-link", type=float, metavar="GBPS", dest="emulate_link_gbps")
     p.add_argument("--host-attention", default="off", choices=HOST_COMPUTE,
                    help="let the plan compute attention beside a host KV cache (auto: where it is faster)")
@@ -95,6 +102,35 @@ def _add_profile_device_flag(p: argparse.ArgumentParser) -> None:
                    help="compute device a measured profile times (default: auto, the GPU where there is one)")
 
 
+def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    """A request's defaults, where its line leaves them open (generate and serve)."""
+    p.add_argument("--max-new-tokens", type=int, default=32, help="default per-request limit (default: 32)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed; each request's stream is derived from "
+                                                         "it and the request id, so results do not depend on batching")
+
+
+def _add_serve_parser(sub) -> None:
+    s = sub.add_parser("serve", help="serve the OpenAI Batch API (and chat/completions) over HTTP, durably",
+                       description="Serve /v1/files, /v1/batches, /v1/chat/completions, /v1/completions and "
+                                   "/v1/models on one engine. Accepted batches survive a crash or a restart: "
+                                   "start the server again on the same --data-dir and they resume.")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on every route but /health")
+    s.add_argument("--data-dir", default="klotski-serve", metavar="DIR",
+                   help="where files and batches are kept (default: ./klotski-serve)")
+    s.add_argument("--max-upload-size", type=_size, default=parse_size("200MB"), metavar="SIZE",
+                   help="largest file /v1/files accepts (default: 200MB)")
+    _add_sampling_flags(s)
+    _add_model_flags(s)
+    s.add_argument("--window", type=int, default=RunConfig.window, metavar="LINES",
+                   help=f"batch lines read and tokenized together (default: {RunConfig.window})")
+    s.set_defaults(no_resume=False, include_token_ids=False, output_format="openai", report=None, trace=None,
+                   no_progress=True)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="klotski",
@@ -106,11 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "line per prompt to the output. Rerunning the same command resumes.")
     g.add_argument("jobs", metavar="JOBS.jsonl")
     g.add_argument("-o", "--output", metavar="OUT.jsonl", help="output file (default: JOBS.out.jsonl)")
-    g.add_argument("--max-new-tokens", type=int, default=32, help="default per-request limit (default: 32)")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=0, help="sampling seed; each request's stream is derived from "
-                                                         "it and the request id, so results do not depend on batching")
+    _add_sampling_flags(g)
     _add_model_flags(g)
     g.add_argument("--report", metavar="PATH", help="write the run report as JSON")
     g.add_argument("--trace", metavar="PATH", help="write a Chrome-trace JSON (open in Perfetto)")
@@ -139,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--id-field", default=RunConfig.id_field, metavar="COLUMN",
                    help=f"the id column of a dataset input; a row without one gets its row number "
                         f"(default: {RunConfig.id_field})")
+
+    _add_serve_parser(sub)
 
     pl = sub.add_parser("plan", help="choose batch size, n and placement; predict throughput (no weights needed)",
                         description="Plan a run: batch size, batches per group, hot experts, placement per tier, "
@@ -221,7 +255,7 @@ def config_from_args(a: argparse.Namespace) -> RunConfig:
         emulate_link_gbps=a.emulate_link_gbps,
         host_attention=getattr(a, "host_attention", RunConfig.host_attention),
         host_experts=getattr(a, "host_experts", RunConfig.host_experts),
-        direct_io=not a.no_direct_io, resume=not a.no_resume, include_token_ids=a.include_token_ids,
+        direct_io=not a.no_direct_io, prefix_cache=not getattr(a, "no_prefix_cache", False), resume=not a.no_resume, include_token_ids=a.include_token_ids,
         output_format=a.output_format,
         report=a.report, trace=a.trace, progress=not a.no_progress,
         window=getattr(a, "window", RunConfig.window), ray=getattr(a, "ray", None),

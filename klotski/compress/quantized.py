@@ -63,8 +63,13 @@ def _room_needed(ckpt, dtype, qspec) -> int:
 
 
 def check_room(ckpt, dtype, offload_dir: str | None, *, optimize: bool = False) -> None:
-    """Refuse, before the output exists, a quantized copy that is not there and cannot fit."""
+    """Refuse, before the output exists, a quantized copy that is not there and cannot fit, or of
+    a checkpoint already quantized (GGUF: requantizing its blocks would only lose precision)."""
     from klotski.util.writes import require_space
+    if getattr(ckpt, "is_gguf", False):
+        from klotski.errors import ConfigError
+        raise ConfigError(f"{ckpt.directory}: a GGUF checkpoint is quantized already (its experts stay in their "
+                          "GGUF blocks on every tier); HQQ 4-bit (--quantize hqq4) applies to 16-bit checkpoints")
     out, qspec, dtype_name = copy_path(ckpt, dtype, offload_dir, optimize)
     if not quant.manifest_matches(out, ckpt.directory, qspec, dtype_name):
         require_space(out.parent, _room_needed(ckpt, dtype, qspec), "the HQQ 4-bit copy of the model",

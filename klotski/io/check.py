@@ -21,6 +21,11 @@ def scan(model: str, *, host_memory: int | None = None, progress: bool = False):
     from klotski.models.spec import ModelSpec
 
     directory = Path(registry.resolve(model))
+    piece = max(1, min(MAX_PIECE_BYTES, (host_memory or MAX_PIECE_BYTES * 4) // 4))
+    from klotski.io import gguf
+    if gguf.is_gguf(directory):
+        yield from gguf.scan(directory, piece)
+        return
     try:
         store = TensorStore(directory)
     except CheckpointError as e:
@@ -36,7 +41,6 @@ def scan(model: str, *, host_memory: int | None = None, progress: bool = False):
                        f"{spec.vocab_size}; prompts that use the extra tokens will fail")
         except CheckpointError as e:
             yield str(e)
-        piece = max(1, min(MAX_PIECE_BYTES, (host_memory or MAX_PIECE_BYTES * 4) // 4))
         yield from _non_finite(store, piece, progress)
     finally:
         store.close()

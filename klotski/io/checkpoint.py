@@ -4,6 +4,7 @@ refuse a run is known here, before a single weight is read.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import torch
 
 from klotski.compress import hqq
 from klotski.util import cachedir, dtypes
-from klotski.io import registry
+from klotski.io import gguf, registry
 from klotski.models.spec import ModelSpec
 from placement.store import CheckpointError, TensorStore
 from planner.costmodel import GroupBytes
@@ -28,6 +29,8 @@ class Checkpoint:
     @classmethod
     def open(cls, model: str, *, direct_io: bool = True) -> "Checkpoint":
         directory = registry.resolve(model)
+        if gguf.is_gguf(directory):  # config, tokenizer and tensors from the GGUF file(s)
+            return cls(directory, *gguf.open_parts(directory, direct_io))
         store = TensorStore(directory, direct=direct_io)
         spec = ModelSpec.from_dir(directory, store.names())
         store.validate(spec.expected_shapes())
@@ -50,10 +53,13 @@ class Checkpoint:
         if key[0] == "expert" and self.spec.expert_format == "mxfp4":  # packed as shipped
             from klotski.compress import mxfp4
             return mxfp4.group_nbytes(self.spec, self.store, key, dtype)
+        if key[0] == "expert" and self.is_gguf:  # GGUF blocks as stored
+            codec = self.expert_codec(dtype)
+            return codec.packed_nbytes(key), codec.decoded_nbytes(key)
         full = packed = 0
         for name, ref in self.spec.group_refs(key).items():
             shape = self.store.entries[ref.name].span(ref.index, ref.rows)[2]
-            nbytes = _numel(shape) * dtype.itemsize
+            nbytes = math.prod(shape) * dtype.itemsize
             full += nbytes
             coded = quant is not None and key[0] in hqq.QUANTIZED_KINDS and name in hqq.PROJECTIONS
             packed += hqq.packed_weight_nbytes(*shape, quant) if coded else nbytes
@@ -73,7 +79,24 @@ class Checkpoint:
                 from klotski.compress import mxfp4
                 work = mxfp4.group_workspace_nbytes(self.spec, self.store, key, dtype)
                 sizes["expert_workspace"] = max(sizes.get("expert_workspace", 0), work)
+            if key[0] == "expert" and self.is_gguf:
+                work = self.expert_codec(dtype).workspace_nbytes(key)
+                sizes["expert_workspace"] = max(sizes.get("expert_workspace", 0), work)
         return GroupBytes(**sizes)
+
+    @property
+    def is_gguf(self) -> bool:
+        return getattr(self.store, "gguf", False)
+
+    def expert_codec(self, dtype: torch.dtype):
+        """The codec that keeps this checkpoint's experts packed (GGUF blocks, MXFP4), or None."""
+        if self.is_gguf:
+            from klotski.compress.ggml import GgufCodec
+            return GgufCodec(self.store, self.spec, dtype)
+        if self.spec.expert_format == "mxfp4":
+            from klotski.compress.mxfp4 import Mxfp4Codec
+            return Mxfp4Codec(self.store, self.spec, dtype)
+        return None
 
     def close(self) -> None:
         self.store.close()
@@ -95,10 +118,3 @@ def load_tokenizer(directory: Path, spec: ModelSpec):
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise CheckpointError(f"{directory}: cannot load the tokenizer ({reason}); {how}") from None
     return tokenizer
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

@@ -31,8 +31,8 @@ from typing import Iterator
 
 from klotski.errors import JobFileError
 from klotski.io.idset import IdSet, id_hash
-from klotski.io.requests import (EXAMPLE_LINE, ROW_KEY, InvalidLine, LineError, Request, explicit_id, line_fields,
-                                 openai_endpoint)
+from klotski.io.requests import (CHAT_URL, EXAMPLE_LINE, ROW_KEY, InvalidLine, LineError, Request, explicit_id,
+                                 line_fields, openai_endpoint)
 
 
 @dataclass
@@ -91,8 +91,8 @@ def stream_jobs(path, done=None, *, start: Start | None = None,
         for line, begin, raw in lines:
             try:
                 yield line, begin, begin + len(raw), _decode(raw, first=line == 1), None
-            except InvalidLine as e:
-                yield line, begin, begin + len(raw), {}, str(e)
+            except InvalidLine as e:  # (one naming a custom_id was meant as an OpenAI request)
+                yield line, begin, begin + len(raw), _MEANT_OPENAI if b'"custom_id"' in raw else {}, str(e)
     replay = objects(_lines_at(path, start.replay)) if start else ()
     rest = objects(_numbered_lines(path, *((start.line, start.offset) if start else (0, 0))))
     return claim_items(rest, done, start=start, cursor=cursor, replayed=replay)
@@ -137,12 +137,16 @@ def claim_items(objects, done=None, *, start: Start | None = None, cursor: Curso
 
 
 _BLANK = object()
+_MEANT_OPENAI = {"custom_id": None}  # an unreadable line that names a custom_id
 
 
 def _item(line: int, obj, error, done, claim):
     """One row: its Request, LineError, None (done earlier) or _BLANK; `claim(id)` gives the
     id it is answered under and whether it owns its natural id."""
     explicit, openai = None, None
+    unreadable = error is not None  # not JSON (or not an object): no field of it can be read
+    if unreadable and obj is _MEANT_OPENAI:
+        openai = CHAT_URL  # answered in OpenAI's form, as the requests around it are
     if error is None:
         if obj is None:
             return _BLANK
@@ -169,7 +173,8 @@ def _item(line: int, obj, error, done, claim):
     row = obj.get(ROW_KEY) if obj else None
     if error is None:
         return Request(id=name, line=line, openai=openai, row=row, **fields)
-    return LineError(name, line, error, openai=openai, row=row)
+    code = {"code": "invalid_json_line"} if unreadable else {}
+    return LineError(name, line, error, openai=openai, row=row, **code)
 
 
 def read_jobs(path) -> tuple[list[Request], list[LineError]]:

@@ -1,5 +1,7 @@
 """A Parquet output (``-o OUT.parquet``): the input row's columns beside ``completion``,
-``finish_reason``, ``prompt_tokens``, ``completion_tokens`` and ``error``, resumable after a kill.
+``finish_reason``, ``prompt_tokens``, ``completion_tokens`` and ``error``, resumable after a kill;
+``token_ids``, ``logprobs`` (a list of {token, logprob, top_logprobs} structs) and, for a line of
+n > 1 samples, ``choices`` (a list of per-sample structs; ``completion`` is then null) where asked.
 
 A Parquet file is only readable once its footer is written, so a run killed while writing
 ``OUT.parquet`` itself would leave nothing a rerun can read. Records are therefore written
@@ -220,8 +222,9 @@ def _row(record: dict) -> dict:
     row = {"id": record["id"], "completion": record.get("completion"), "finish_reason": record.get("finish_reason"),
            "prompt_tokens": record.get("prompt_tokens"), "completion_tokens": record.get("completion_tokens"),
            "error": err["message"] if err else None}
-    if "token_ids" in record:
-        row["token_ids"] = record["token_ids"]
+    for key in ("token_ids", "logprobs", "choices"):  # (a line of n samples: `choices`, its completion null)
+        if key in record:
+            row[key] = record[key]
     for key, value in (record.get("input") or {}).items():
         row[f"input_{key}" if key in row else key] = value
     return row

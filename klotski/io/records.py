@@ -3,7 +3,10 @@
 Two record forms (``--output-format``; ``auto`` answers each line in its own form):
 
 * klotski: ``{"id", "completion", "finish_reason", "prompt_tokens", "completion_tokens"}``
-  (+ ``token_ids``); a line that cannot be served: ``{"id", "error": {"line", "message"}}``.
+  (+ ``token_ids``, + ``logprobs``: ``[{token, logprob, top_logprobs: [{token, logprob}]}]``);
+  a line of n > 1 samples: ``{"id", "choices": [{"index", "completion", "finish_reason",
+  "completion_tokens", ...}], "prompt_tokens", "completion_tokens"}`` (the line's total);
+  a line that cannot be served: ``{"id", "error": {"line", "message"}}``.
 * openai: an OpenAI Batch output line, ``{"id": "batch_req_…", "custom_id", "response":
   {"status_code": 200, "request_id", "body": <chat.completion | text_completion>}, "error":
   null}``; a line that cannot be served: ``"response": null, "error": {"code", "message"}``.
@@ -14,7 +17,7 @@ resume skips and what is never written twice.
 ``scan_file`` reads an output back in one pass (what resume and repair need, never the
 lines): it keeps keys as 64-bit hashes (klotski/io/idset.py) and error lines as byte spans,
 and recognises the records Klotski itself wrote by their opening (``{"id": "…",
-"completion":``) instead of parsing each in full.
+"completion":``, or ``"choices":`` for a line of n samples) instead of parsing each in full.
 
 This module only uses the standard library.
 """
@@ -43,33 +46,91 @@ def record_form(fmt: str, openai_endpoint: str | None) -> str:
 
 
 def result_record(seq, *, fmt: str, model: str, include_token_ids: bool = False) -> dict:
-    """The output line of a finished sequence."""
-    req = seq.request
+    """The output line of a finished line: `seq` is its sequence, or the list of its n samples
+    (klotski.runtime.sequences.gather), all done. A line of n > 1 is answered in one record:
+    OpenAI's ``choices[i]``, klotski's ``choices`` list (`_klotski_record`)."""
+    samples = seq if isinstance(seq, list) else [seq]
+    req, first = samples[0].request, samples[0]
+    asked = getattr(req, "logprobs", None) is not None
     if record_form(fmt, req.openai) == "klotski":
-        rec = {"id": req.id, "completion": seq.text, "finish_reason": seq.finish_reason,
-               "prompt_tokens": len(seq.prompt_ids), "completion_tokens": len(seq.out)}
-        if include_token_ids:
-            rec["token_ids"] = list(seq.out)
-        return rec
+        return _klotski_record(samples, include_token_ids, asked)
     endpoint = req.openai or (CHAT_URL if req.messages is not None else COMPLETIONS_URL)
-    usage = {"prompt_tokens": len(seq.prompt_ids), "completion_tokens": len(seq.out),
-             "total_tokens": len(seq.prompt_ids) + len(seq.out)}
+    completion = sum(len(s.out) for s in samples)
+    usage = {"prompt_tokens": len(first.prompt_ids), "completion_tokens": completion,
+             "total_tokens": len(first.prompt_ids) + completion}
     if endpoint == CHAT_URL:
         body = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": seq.text},
-                             "finish_reason": seq.finish_reason, "logprobs": None}]}
+                "choices": [{"index": i, "message": {"role": "assistant", "content": s.text},
+                             "finish_reason": s.finish_reason, "logprobs": _chat_logprobs(s) if asked else None}
+                            for i, s in enumerate(samples)]}
     else:
         body = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
-                "choices": [{"index": 0, "text": seq.text, "finish_reason": seq.finish_reason, "logprobs": None}]}
+                "choices": [{"index": i, "text": s.text, "finish_reason": s.finish_reason,
+                             "logprobs": _completion_logprobs(s) if asked else None}
+                            for i, s in enumerate(samples)]}
     body.update(created=int(time.time()), model=model, usage=usage)
     return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": req.id,
             "response": {"status_code": 200, "request_id": uuid.uuid4().hex, "body": body}, "error": None}
+
+
+def _klotski_record(samples: list, include_token_ids: bool, asked: bool) -> dict:
+    """klotski's form: a line of one sample keeps its flat fields; a line of n > 1 has a
+    ``choices`` list of those per-sample fields (completion, finish_reason,
+    completion_tokens, token_ids, logprobs) and the line's totals beside it."""
+    def fields(s) -> dict:
+        one = {"completion": s.text, "finish_reason": s.finish_reason, "completion_tokens": len(s.out)}
+        if include_token_ids:
+            one["token_ids"] = list(s.out)
+        if asked:
+            one["logprobs"] = [{"token": _text(s, t), "logprob": lp,
+                                "top_logprobs": [{"token": _text(s, a), "logprob": alp} for a, alp in alts]}
+                               for t, lp, alts in s.logprobs]
+        return one
+    req, prompt_tokens = samples[0].request, len(samples[0].prompt_ids)
+    if len(samples) == 1 and getattr(req, "n", 1) == 1:
+        one = fields(samples[0])
+        return {"id": req.id, "completion": one.pop("completion"), "finish_reason": one.pop("finish_reason"),
+                "prompt_tokens": prompt_tokens, **one}
+    return {"id": req.id, "choices": [{"index": i, **fields(s)} for i, s in enumerate(samples)],
+            "prompt_tokens": prompt_tokens, "completion_tokens": sum(len(s.out) for s in samples)}
+
+
+def _text(s, token: int) -> str:
+    return s.pieces[token][0] if s.pieces and token in s.pieces else str(token)
+
+
+def _bytes(s, token: int) -> list[int]:
+    return s.pieces[token][1] if s.pieces and token in s.pieces else list(_text(s, token).encode("utf-8"))
+
+
+def _chat_logprobs(s) -> dict:
+    """OpenAI chat's ``choices[i].logprobs``: each token with its bytes and alternatives."""
+    return {"content": [{"token": _text(s, t), "logprob": lp, "bytes": _bytes(s, t),
+                         "top_logprobs": [{"token": _text(s, a), "logprob": alp, "bytes": _bytes(s, a)}
+                                          for a, alp in alts]}
+                        for t, lp, alts in s.logprobs], "refusal": None}
+
+
+def _completion_logprobs(s) -> dict:
+    """OpenAI completions' ``choices[i].logprobs``: parallel lists, alternatives as {text: logprob}
+    and each token's character offset in the answer."""
+    tokens = [_text(s, t) for t, _, _ in s.logprobs]
+    offsets, at = [], 0
+    for text in tokens:
+        offsets.append(at)
+        at += len(text)
+    return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in s.logprobs],
+            "top_logprobs": [{_text(s, a): alp for a, alp in alts} for _, _, alts in s.logprobs],
+            "text_offset": offsets}
 
 
 def error_record(err, *, fmt: str) -> dict:
     """The output line of a job that cannot be served (a klotski.io.requests.LineError)."""
     if record_form(fmt, err.openai) == "klotski":
         return {"id": err.id, "error": {"line": err.line, "message": err.message}}
+    if err.code == "invalid_json_line":  # no custom_id can be read from a line that is not JSON
+        return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": None, "response": None,
+                "error": {"code": err.code, "message": f"line {err.line}: {err.message}", "line": err.line}}
     return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": err.id, "response": None,
             "error": {"code": err.code, "message": f"line {err.line}: {err.message}"}}
 
@@ -79,6 +140,9 @@ def record_key(obj) -> str | None:
     if not isinstance(obj, dict):
         return None
     key = obj.get("custom_id") if "custom_id" in obj else obj.get("id")
+    if key is None and "custom_id" in obj and isinstance(obj.get("error"), dict) and type(
+            line := obj["error"].get("line")) is int:
+        return f"#line{line}"  # the error record of a line that is not JSON: its number is all it has
     return key if isinstance(key, str) else None
 
 
@@ -138,7 +202,7 @@ def scan_file(f, base: int = 0) -> Scan:
 # The openings klotski's own writer gives its records (json.dumps keeps key order), so a
 # whole line (ending in "}\n": a crash can only cut a record short) is classified without
 # parsing it; anything else is parsed in full.
-_KLOTSKI = re.compile(rb'\{"id": "((?:[^"\\]|\\.)*)", "(completion|error)": ')
+_KLOTSKI = re.compile(rb'\{"id": "((?:[^"\\]|\\.)*)", "(completion|choices|error)": ')
 _OPENAI = re.compile(rb'\{"id": "batch_req_[0-9a-f]+", "custom_id": "((?:[^"\\]|\\.)*)", "response": ')
 
 
@@ -148,7 +212,7 @@ def classify(raw: bytes) -> tuple[str, str | None]:
     if raw.endswith(b"}\n"):
         try:
             if m := _KLOTSKI.match(raw):
-                return ("ok" if m.group(2) == b"completion" else "error"), _key(m.group(1))
+                return ("ok" if m.group(2) != b"error" else "error"), _key(m.group(1))
             if m := _OPENAI.match(raw):
                 ok = raw.endswith(b', "error": null}\n') and not raw.startswith(b"null", m.end())
                 return ("ok" if ok else "error"), _key(m.group(1))

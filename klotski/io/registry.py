@@ -29,7 +29,7 @@ def resolve(model: str) -> Path:
     from klotski.builtin import smollm, tiny
 
     path = Path(model).expanduser()
-    if path.is_dir():
+    if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):  # a GGUF file is a checkpoint of its own
         return path
     if model in tiny.BUILTIN_MODELS:
         return tiny.ensure_builtin(model)

@@ -7,10 +7,13 @@
                  "body": {"messages": [...], "max_tokens": 64, ...}}
 
 Unknown keys are ignored so that files can carry their own metadata, except the API fields
-that would change the answer and are not implemented (`UNSUPPORTED`: logprobs, penalties,
-tools, constrained output, ...): a line setting one gets an error record naming it, so no
-answer silently differs from what its line asked. ``null`` for an optional field means "use
-the run's default". ``max_tokens`` (and OpenAI's
+that would change the answer and are not implemented (`UNSUPPORTED`: penalties, tools, ...):
+a line setting one gets an error record naming it, so no answer silently differs from what
+its line asked. ``n`` asks for that many samples, answered in one record; ``logprobs`` (and
+chat's ``top_logprobs``) for each token's log-probability in OpenAI's shapes (`_logprobs`).
+``response_format`` (OpenAI), ``structured_outputs`` (vLLM) or a ``guided_*`` alias constrain
+the answer to a JSON schema, regex, choice or grammar (`_constraint`).
+``null`` for an optional field means "use the run's default". ``max_tokens`` (and OpenAI's
 ``max_completion_tokens``) is accepted as another name for ``max_new_tokens``.
 
 Which id a line is answered under, and reading the file, are klotski/io/jobs.py's.
@@ -28,17 +31,19 @@ ROLES = ("system", "user", "assistant")
 COMPLETIONS_URL = "/v1/completions"
 CHAT_URL = "/v1/chat/completions"
 MAX_TOKENS_KEYS = ("max_new_tokens", "max_tokens", "max_completion_tokens")  # one limit, three names
-OPTIONS = (*MAX_TOKENS_KEYS, "temperature", "top_p", "stop", "seed")  # what a line may set beside its prompt
+OPTIONS = (*MAX_TOKENS_KEYS, "temperature", "top_p", "stop", "seed", "n", "logprobs",
+           "top_logprobs")  # what a line may set beside its prompt
+MAX_N = 128  # samples per line (OpenAI's limit)
+MAX_TOP_LOGPROBS, MAX_COMPLETION_LOGPROBS = 20, 5  # OpenAI's limits: chat's top_logprobs, completions' logprobs
 # Request fields of the OpenAI and vLLM APIs that change the answer and that klotski does not
 # implement, with the value that changes nothing (None: only absence or null does). A line
 # setting one gets an error record naming it: ignored, its answer would silently differ from
 # what was asked (vLLM ignores its removed guided_* fields so: vllm issue #53975).
 UNSUPPORTED = {
-    "logprobs": False, "top_logprobs": 0, "logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0,
+    "logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0,
     "repetition_penalty": 1, "best_of": 1, "echo": False, "suffix": None, "tools": [], "tool_choice": "none",
-    "functions": [], "function_call": "none", "parallel_tool_calls": None, "response_format": {"type": "text"},
-    "structured_outputs": None, "guided_choice": None, "guided_regex": None, "guided_json": None,
-    "guided_grammar": None, "top_k": -1, "min_p": 0, "min_tokens": 0, "reasoning_effort": None,
+    "functions": [], "function_call": "none", "parallel_tool_calls": None,
+    "top_k": -1, "min_p": 0, "min_tokens": 0, "reasoning_effort": None,
     "prediction": None, "audio": None, "modalities": ["text"],
 }
 EXAMPLE_LINE = '{"id": "q1", "prompt": "Hello"}'
@@ -64,7 +69,10 @@ class Request:
     top_p: float | None = None
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    n: int = 1  # samples of this line, answered together in one record
+    logprobs: int | None = None  # None: no log-probabilities; k: each token's, with its k most likely alternatives
     openai: str | None = None  # the endpoint ("/v1/chat/completions", ...) of an OpenAI Batch line
+    constraint: tuple[str, str, str] | None = None  # (field, kind, text): the answer's grammar (`_constraint`)
     row: dict | None = field(default=None, compare=False, hash=False, repr=False)  # a dataset row's columns
 
     def chat_messages(self) -> list[dict[str, str]]:
@@ -172,6 +180,9 @@ def line_fields(obj: dict) -> dict:
         top_p=_number(src, "top_p", prefix, low=0.0, high=1.0, open_low=True),
         stop=_stop(src.get("stop"), prefix),
         seed=_seed(src.get("seed"), prefix),
+        n=_n(src.get("n"), prefix),
+        constraint=_constraint(src, prefix),
+        logprobs=_logprobs(src, prefix, None if not is_openai(obj) else "completions" if has_prompt else "chat"),
     )
 
 
@@ -179,10 +190,6 @@ def _check_openai_envelope(obj: dict, body: dict) -> None:
     method = obj.get("method")
     if method is not None and method != "POST":
         raise InvalidLine(f'method must be "POST", got {_show(method)}')
-    n = body.get("n")
-    if n is not None and n != 1:
-        raise InvalidLine(f"body.n is {_show(n)} but only one completion per job is supported; "
-                          f"drop n or repeat the job with other ids")
     url = obj.get("url")
     if url is None:
         return
@@ -270,6 +277,126 @@ def _seed(value, prefix: str) -> int | None:
     if not _is_int(value) or not 0 <= value < 2**64:
         raise InvalidLine(f"{prefix}seed must be an integer in [0, 2**64), got {_show(value)}")
     return value
+
+
+def _n(value, prefix: str) -> int:
+    if value is None:
+        return 1
+    if not _is_int(value) or not 1 <= value <= MAX_N:
+        raise InvalidLine(f"{prefix}n must be an integer in [1, {MAX_N}], got {_show(value)}")
+    return value
+
+
+def _logprobs(src: dict, prefix: str, endpoint: str | None) -> int | None:
+    """How many alternatives each token's log-probability comes with (None: none asked).
+    OpenAI's two shapes: chat's ``logprobs: true`` with ``top_logprobs`` 0..20, completions'
+    ``logprobs: k`` with k 0..5; a plain line (endpoint None) may give either, k up to 20."""
+    value, top = src.get("logprobs"), src.get("top_logprobs")
+    if endpoint == "completions" and top is not None:
+        raise InvalidLine(f"{prefix}top_logprobs is a chat field; a completions body gives "
+                          f"logprobs: k (0 to {MAX_COMPLETION_LOGPROBS}) instead")
+    if _is_int(value):
+        if endpoint == "chat":
+            raise InvalidLine(f"{prefix}logprobs must be true or false in a chat body (top_logprobs gives "
+                              f"how many alternatives), got {_show(value)}")
+        high = MAX_COMPLETION_LOGPROBS if endpoint == "completions" else MAX_TOP_LOGPROBS
+        if not 0 <= value <= high:
+            raise InvalidLine(f"{prefix}logprobs must be an integer in [0, {high}], got {_show(value)}")
+        if top is not None:
+            raise InvalidLine(f"give {prefix}logprobs: k or {prefix}top_logprobs, not both")
+        return value
+    if value is not None and not isinstance(value, bool):
+        raise InvalidLine(f"{prefix}logprobs must be true or false"
+                          f"{' or an integer' if endpoint != 'chat' else ''}, got {_show(value)}")
+    if endpoint == "completions" and value is True:
+        raise InvalidLine(f"{prefix}logprobs must be an integer in [0, {MAX_COMPLETION_LOGPROBS}] in a "
+                          f"completions body, got {_show(value)}")
+    if top is not None and (not _is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS):
+        raise InvalidLine(f"{prefix}top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {_show(top)}")
+    if not value:
+        if top:  # alternatives asked without the log-probabilities they come with
+            raise InvalidLine(f"{prefix}top_logprobs needs {prefix}logprobs: true")
+        return None
+    return top or 0
+
+
+# ---------------------------------------------------------------- constrained answers
+# Which grammar kind each constraint key gives (vLLM's structured_outputs keys and its older
+# guided_* aliases); the grammar itself is compiled by klotski/runtime/constrain.py.
+CONSTRAINT_KINDS = ("choice", "regex", "json", "grammar")
+
+
+def _constraint(src: dict, prefix: str) -> tuple[str, str, str] | None:
+    """The line's answer grammar as (field, kind, text), or None: OpenAI's `response_format`,
+    vLLM's `structured_outputs` or a `guided_*` alias; at most one of them."""
+    found = []
+    if src.get("response_format") is not None:
+        found.append(_response_format(src["response_format"], f"{prefix}response_format"))
+    if src.get("structured_outputs") is not None:
+        found.append(_structured_outputs(src["structured_outputs"], f"{prefix}structured_outputs"))
+    for kind in CONSTRAINT_KINDS:
+        if src.get(f"guided_{kind}") is not None:
+            found.append(_grammar_of(kind, src[f"guided_{kind}"], f"{prefix}guided_{kind}"))
+    found = [c for c in found if c is not None]
+    if len(found) > 1:
+        raise InvalidLine(f"give only one of {', '.join(c[0] for c in found)}: each constrains the whole answer")
+    return found[0] if found else None
+
+
+def _response_format(value, name: str) -> tuple[str, str, str] | None:
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return (name, "json", '{"type": "object"}')
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or spec.get("schema") is None:
+            raise InvalidLine(f'{name}.json_schema must be an object with a "schema", like '
+                              f'{{"name": "answer", "schema": {{"type": "object"}}}}, got {_show(spec)}')
+        return _grammar_of("json", spec["schema"], f"{name}.json_schema.schema")
+    raise InvalidLine(f'{name} must be {{"type": "text"}}, {{"type": "json_object"}} or '
+                      f'{{"type": "json_schema", "json_schema": {{"schema": ...}}}}, got {_show(value)}')
+
+
+def _structured_outputs(value, name: str) -> tuple[str, str, str] | None:
+    if not isinstance(value, dict):
+        raise InvalidLine(f'{name} must be an object like {{"choice": ["yes", "no"]}}, got {_show(value)}')
+    for key, given in value.items():  # its options that would shape the answer are not implemented
+        if key not in (*CONSTRAINT_KINDS, "json_object") and given not in (None, False):
+            raise InvalidLine(f"{name}.{key} is not supported by klotski (it would change the answer); "
+                              f"give one of {', '.join(CONSTRAINT_KINDS)} or json_object")
+    found = [_grammar_of(k, value[k], f"{name}.{k}") for k in CONSTRAINT_KINDS if value.get(k) is not None]
+    if value.get("json_object") is True:
+        found.append((f"{name}.json_object", "json", '{"type": "object"}'))
+    if len(found) != 1:
+        raise InvalidLine(f"{name} must give exactly one of {', '.join(CONSTRAINT_KINDS)} or json_object, "
+                          f"got {_show(value)}")
+    return found[0]
+
+
+def _grammar_of(kind: str, value, name: str) -> tuple[str, str, str]:
+    """(name, kind, text) with the shape of `value` checked; whether llguidance accepts the
+    schema, regex or grammar is checked when it is compiled for the tokenizer."""
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise InvalidLine(f'{name} must be a non-empty list of non-empty strings, like ["yes", "no"], '
+                              f"got {_show(value)}")
+        return (name, kind, json.dumps(value))
+    if kind == "json":
+        if isinstance(value, str):  # vLLM also takes the schema as JSON text
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise InvalidLine(f"{name} must be a JSON schema (an object, or its JSON text), "
+                                  f"got {_show(value)}") from None
+        if not isinstance(value, (dict, bool)):
+            raise InvalidLine(f"{name} must be a JSON schema (an object), got {_show(value)}")
+        return (name, kind, json.dumps(value, sort_keys=True))
+    if not isinstance(value, str) or not value:
+        what = "regular expression" if kind == "regex" else "grammar (Lark or GBNF)"
+        raise InvalidLine(f"{name} must be a non-empty string holding a {what}, got {_show(value)}")
+    return (name, kind, value)
 
 
 def _is_int(value) -> bool:

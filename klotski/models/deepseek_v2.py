@@ -163,7 +163,14 @@ def rotate(q, k, cos, sin, spec):
 HOST_ATTENTION = False
 
 
-def attention_block(h, w, cos, sin, mask, cache_write, spec, max_scores=None, attend_at=None):
+# Not shared: MLA expands every head's keys and values from the cached latent per batch;
+# a shared latent prefix would need the absorbed form (attention over the latent itself).
+SHARED_PREFIX = False
+
+
+def attention_block(h, w, cos, sin, mask, cache_write, spec, max_scores=None, attend_at=None, prefix=None):
+    if prefix is not None:
+        raise ValueError("MLA attention does not read a shared prefix (SHARED_PREFIX is False)")
     return mla_block(h, w, cos, sin, mask, cache_write, spec, max_scores, attend_at, rotate)
 
 
@@ -213,10 +220,7 @@ def _attend(q, keys, values, mask, scale):
     return torch.matmul(probs, values).transpose(1, 2).reshape(B, T, heads * values.shape[-1])
 
 
-def no_experts(x):
-    """A dense layer's router: no token picks an expert."""
-    return (torch.zeros(len(x), 0, dtype=torch.float32, device=x.device),
-            torch.zeros(len(x), 0, dtype=torch.long, device=x.device))
+no_experts = defaults.no_experts
 
 
 def route(x, gate: dict, spec):

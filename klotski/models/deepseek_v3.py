@@ -75,7 +75,12 @@ def rotate(q, k, cos, sin, spec):
     return turn(q), turn(k)
 
 
-def attention_block(h, w, cos, sin, mask, cache_write, spec, max_scores=None, attend_at=None):
+SHARED_PREFIX = V2.SHARED_PREFIX
+
+
+def attention_block(h, w, cos, sin, mask, cache_write, spec, max_scores=None, attend_at=None, prefix=None):
+    if prefix is not None:
+        raise ValueError("MLA attention does not read a shared prefix (SHARED_PREFIX is False)")
     return V2.mla_block(h, w, cos, sin, mask, cache_write, spec, max_scores, attend_at, rotate)
 
 

@@ -3,6 +3,8 @@ assigns the ones it does not change (`group_refs = defaults.group_refs`). Each r
 family's own hooks through `spec.family`."""
 from __future__ import annotations
 
+import torch
+
 from klotski.models.refs import TensorRef
 
 
@@ -54,3 +56,9 @@ def bind_expert_ffn(spec):
 def shared_ffn(x, gate: dict, spec):
     """No shared expert."""
     return None
+
+
+def no_experts(x):
+    """A dense layer's router: no token picks an expert."""
+    return (torch.zeros(len(x), 0, dtype=torch.float32, device=x.device),
+            torch.zeros(len(x), 0, dtype=torch.long, device=x.device))

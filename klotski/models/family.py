@@ -22,6 +22,8 @@ class Family(Protocol):
     """The `quantization_config` quant_methods read as published; any other is refused."""
     HOST_ATTENTION: bool
     """Whether attention_block's core can run beside a host KV cache, handed it through `attend_at`."""
+    SHARED_PREFIX: bool
+    """Whether attention_block takes `prefix`: the keys/values of a prompt prefix every row shares."""
 
     # ---- config.json ----------------------------------------------------------------------
     def check_config(self, cfg: dict) -> None:
@@ -55,8 +57,9 @@ class Family(Protocol):
     # ---- math -----------------------------------------------------------------------------
     def attention_block(self, h: torch.Tensor, w: dict, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
                         cache_write: Callable, spec, max_scores: int | None = None,
-                        attend_at: Callable | None = None) -> torch.Tensor:
-        """Residual attention sub-layer of one batch; `attend_at` moves its core beside a host KV cache."""
+                        attend_at: Callable | None = None, prefix: tuple | None = None) -> torch.Tensor:
+        """Residual attention sub-layer of one batch; `attend_at` moves its core beside a host KV cache;
+        `prefix` (keys, values [kvh, P, D]) is a shared prompt prefix attended before the batch's own keys."""
 
     def route(self, x: torch.Tensor, gate: dict, spec) -> tuple[torch.Tensor, torch.Tensor]:
         """The router over normalised tokens x [N, H]: (weights [N, k], experts [N, k])."""

@@ -115,7 +115,14 @@ def attend_with_sinks(q, keys, values, mask, sinks):
 HOST_ATTENTION = True  # attention_block takes `attend_at` (attention beside a host KV cache)
 
 
-def attention_block(h, w, cos, sin, mask, cache_write, spec, max_scores=None, attend_at=None):
+# Not shared: the sinks and the sliding-window layers (a window may cut into the prefix, and
+# differently for each line) are not plain attention over a prefix every row sees whole.
+SHARED_PREFIX = False
+
+
+def attention_block(h, w, cos, sin, mask, cache_write, spec, max_scores=None, attend_at=None, prefix=None):
+    if prefix is not None:
+        raise ValueError("gpt-oss attention does not read a shared prefix (SHARED_PREFIX is False)")
     # the sinks (one logit per head) travel with q where the attention runs
     core = attend_at(attend_with_sinks) if attend_at else attend_with_sinks
     return L.attention_block(h, w, cos, sin, mask, cache_write, spec, qkv, max_scores,

@@ -12,6 +12,8 @@ once (what transformers' default `grouped_mm` experts do).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -89,6 +91,25 @@ def attend(q, keys, values, mask) -> torch.Tensor:
     return out.transpose(1, 2).reshape(B, T, -1)
 
 
+def attend_shared(q, keys, values, mask, prefix_keys, prefix_values) -> torch.Tensor:
+    """`attend` over a prefix every row shares (prefix_keys/values [kvh, P, D], one copy
+    broadcast over the rows' queries: every query sees all of it) followed by each row's own
+    keys/values [B, kvh, S, D] under `mask`. The softmax runs over the two parts' scores side
+    by side, i.e. over the concatenation, so the probabilities are those of one attention
+    over prefix + own keys; the two weighted sums are added."""
+    B, heads, T, D = q.shape
+    kv_heads, P = keys.shape[1], prefix_keys.shape[1]
+    rep = heads // kv_heads
+    grouped = q.reshape(B, kv_heads, rep * T, D)
+    shared = torch.matmul(grouped, prefix_keys.transpose(1, 2)).view(B, heads, T, P) * D ** -0.5
+    own = torch.matmul(grouped, keys.transpose(2, 3)).view(B, heads, T, -1) * D ** -0.5
+    own = own.masked_fill(~mask, torch.finfo(own.dtype).min)
+    probs = torch.softmax(torch.cat([shared, own], dim=-1), dim=-1, dtype=torch.float32).to(q.dtype)
+    probs = probs.view(B, kv_heads, rep * T, -1)
+    out = torch.matmul(probs[..., :P], prefix_values) + torch.matmul(probs[..., P:], values)
+    return out.view(B, heads, T, -1).transpose(1, 2).reshape(B, T, -1)
+
+
 def route(x: torch.Tensor, router: torch.Tensor, top_k: int, *, renormalise: bool, cast: bool):
     """Router over normalised tokens x [N, H]: (weights [N, k], experts [N, k]). Softmax in
     fp32 over all experts, top-k, optionally renormalised over the k; `cast` brings the
@@ -124,7 +145,7 @@ def combine(buffer: torch.Tensor, dtype: torch.dtype, shared: torch.Tensor | Non
 
 
 def attention_block(h, w: dict, cos, sin, mask, cache_write, spec, qkv, max_scores: int | None = None,
-                    attend=None, attend_at=None):
+                    attend=None, attend_at=None, prefix=None):
     """Residual attention sub-layer for one batch. `qkv(x, w, spec)` is the family's projection
     to q [B, T, h, D], k, v [B, T, kvh, D] before RoPE. `cache_write(k, v)` stores this step's
     keys/values and returns every key/value the batch has so far. Queries are taken in
@@ -132,23 +153,29 @@ def attention_block(h, w: dict, cos, sin, mask, cache_write, spec, qkv, max_scor
     would otherwise hold B x heads x T x S of them); each query row's result is unchanged.
     `attend` is the family's attention over (q, keys, values, mask) where it is not plain;
     `attend_at(attend)` runs it elsewhere (the host, beside a host KV cache: the caller moves
-    q in and the output back; the math is the same function)."""
+    q in and the output back; the math is the same function). `prefix` = (keys, values)
+    [kvh, P, D] of a prompt prefix every row shares, attended before the rows' own keys
+    (`attend_shared`; plain attention only)."""
     attend = attend or globals()["attend"]  # looked up per call: the profile's tests count the calls
+    shared = 0
+    if prefix is not None:
+        attend = functools.partial(attend_shared, prefix_keys=prefix[0], prefix_values=prefix[1])
+        shared = prefix[0].shape[1]
     if attend_at is not None:
         attend = attend_at(attend)
     x = rms_norm(h, w["input_norm"], spec.rms_norm_eps)
     q, k, v = (t.transpose(1, 2) for t in qkv(x, w, spec))
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     keys, values = cache_write(k, v)
-    return h + linear(in_blocks(attend, q, keys, values, mask, max_scores), w, "o")
+    return h + linear(in_blocks(attend, q, keys, values, mask, max_scores, shared), w, "o")
 
 
-def in_blocks(attend, q, keys, values, mask, max_scores: int | None) -> torch.Tensor:
+def in_blocks(attend, q, keys, values, mask, max_scores: int | None, shared: int = 0) -> torch.Tensor:
     """`attend(q, keys, values, mask)` -> [B, T, ...], computed in blocks of rows and queries
     (score_blocks), each written into its place: beside the result only one block's scores
-    and output exist at a time."""
+    and output exist at a time. `shared`: keys of a shared prefix each query scores too."""
     B, heads, T, _ = q.shape
-    rows, step = score_blocks(B, heads, T, keys.shape[2], max_scores, cpu=q.device.type == "cpu")
+    rows, step = score_blocks(B, heads, T, keys.shape[2] + shared, max_scores, cpu=q.device.type == "cpu")
     if rows >= B and step >= T:
         return attend(q, keys, values, mask)
     out = None

@@ -47,5 +47,9 @@ def qkv(x, w: dict, spec):
 HOST_ATTENTION = True  # attention_block takes `attend_at` (attention beside a host KV cache)
 
 
-def attention_block(h, w, cos, sin, mask, cache_write, spec, max_scores=None, attend_at=None):
-    return L.attention_block(h, w, cos, sin, mask, cache_write, spec, qkv, max_scores, attend_at=attend_at)
+SHARED_PREFIX = True  # plain softmax attention: a shared prefix's keys are read once for every row
+
+
+def attention_block(h, w, cos, sin, mask, cache_write, spec, max_scores=None, attend_at=None, prefix=None):
+    return L.attention_block(h, w, cos, sin, mask, cache_write, spec, qkv, max_scores, attend_at=attend_at,
+                             prefix=prefix)

@@ -1,6 +1,7 @@
 """Qwen2-MoE (Qwen/Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): biases on q/k/v, routed SwiGLU
 experts (not renormalised by default, weights cast to the activation dtype) plus a shared
-expert scaled by sigmoid(shared_expert_gate x), used by every token."""
+expert scaled by sigmoid(shared_expert_gate x), used by every token. A dense layer (as in
+qwen3_moe.py) has a plain MLP and no shared expert."""
 from __future__ import annotations
 
 import torch
@@ -34,6 +35,8 @@ def check_config(cfg: dict) -> None:
 def gate_names(spec, layer: int) -> dict[str, str]:
     # The shared expert is used by every token, like the router: it travels with it.
     p = f"model.layers.{layer}.mlp."
+    if spec.is_dense(layer):
+        return qwen3_moe.gate_names(spec, layer)
     return {**qwen3_moe.gate_names(spec, layer), "shared_gate": p + "shared_expert_gate.weight",
             "shared_w1": p + "shared_expert.gate_proj.weight", "shared_w3": p + "shared_expert.up_proj.weight",
             "shared_w2": p + "shared_expert.down_proj.weight"}
@@ -43,10 +46,16 @@ def gate_names(spec, layer: int) -> dict[str, str]:
 HOST_ATTENTION = True  # attention_block takes `attend_at` (attention beside a host KV cache)
 
 
-def attention_block(h, w, cos, sin, mask, cache_write, spec, max_scores=None, attend_at=None):
-    return L.attention_block(h, w, cos, sin, mask, cache_write, spec, qkv, max_scores, attend_at=attend_at)
+SHARED_PREFIX = True  # plain softmax attention: a shared prefix's keys are read once for every row
+
+
+def attention_block(h, w, cos, sin, mask, cache_write, spec, max_scores=None, attend_at=None, prefix=None):
+    return L.attention_block(h, w, cos, sin, mask, cache_write, spec, qkv, max_scores, attend_at=attend_at,
+                             prefix=prefix)
 
 
 def shared_ffn(x, gate: dict, spec):
-    """The shared expert over tokens x [N, H], scaled by its sigmoid gate."""
+    """The shared expert over tokens x [N, H], scaled by its sigmoid gate; a dense layer's MLP."""
+    if "dense_w1" in gate:
+        return L.swiglu(x, gate, "dense_")
     return torch.sigmoid(torch.nn.functional.linear(x, gate["shared_gate"])) * L.swiglu(x, gate, "shared_")

@@ -1,6 +1,11 @@
 """Qwen3-MoE (Qwen/Qwen3-30B-A3B, 235B-A22B and their variants): RMSNorm of q and k per
 head before RoPE, an explicit head_dim, 128 SwiGLU experts top-8 renormalised when
-`norm_topk_prob`, router weights cast to the activation dtype."""
+`norm_topk_prob`, router weights cast to the activation dtype.
+
+Dense layers (`mlp_only_layers`, `decoder_sparse_step`; the shape's `is_dense` decides as
+transformers does): a plain SwiGLU MLP `intermediate_size` wide under `mlp.`, no router and
+no experts. It travels in the layer's gate group (`dense_w1/w3/w2`), its router picks no
+expert and the pipeline adds its output the way it adds a shared expert's, as DeepSeek's."""
 from __future__ import annotations
 
 from klotski.models import defaults, fields
@@ -19,12 +24,21 @@ def check_config(cfg: dict) -> None:
     if cfg.get("use_sliding_window"):
         raise fields.BadField("field 'use_sliding_window' is true; windows that differ per layer are not supported "
                               "(no published Qwen MoE checkpoint uses them): set it to false")
-    dense = cfg.get("mlp_only_layers") or []
-    step = cfg.get("decoder_sparse_step", 1)
-    if dense or step != 1:
-        raise fields.BadField(f"fields 'mlp_only_layers' {dense!r} / 'decoder_sparse_step' {step!r} ask for dense "
-                              "layers, which are not supported yet; supported: [] and 1 (every layer MoE, as "
-                              "every published Qwen MoE checkpoint)")
+    check_dense_layers(cfg)
+
+
+def check_dense_layers(cfg: dict) -> None:
+    """`decoder_sparse_step` a positive integer, `mlp_only_layers` a list of layer indices and,
+    where any layer is dense, its MLP's `intermediate_size`."""
+    step = fields.integer(cfg, "decoder_sparse_step", default=1, optional=True) or 1
+    only = cfg.get("mlp_only_layers")
+    layers = cfg["num_hidden_layers"]
+    if only is not None and not (isinstance(only, list) and all(
+            isinstance(j, int) and not isinstance(j, bool) and 0 <= j < layers for j in only)):
+        raise fields.BadField(f"field 'mlp_only_layers' is {only!r}; must be a list of layer indices from 0 to "
+                              f"num_hidden_layers - 1 ({layers - 1})")
+    if only or step != 1:
+        fields.integer(cfg, "intermediate_size")  # the dense MLP's width
 
 
 def options(cfg: dict) -> dict:
@@ -45,8 +59,16 @@ def attention_names(spec, layer: int) -> dict[str, str]:
 
 
 def gate_names(spec, layer: int) -> dict[str, str]:
-    return {"post_norm": f"model.layers.{layer}.post_attention_layernorm.weight",
-            "router": f"model.layers.{layer}.mlp.gate.weight"}
+    p = f"model.layers.{layer}."
+    if spec.is_dense(layer):
+        return {"post_norm": p + "post_attention_layernorm.weight", **dense_names(layer)}
+    return {"post_norm": p + "post_attention_layernorm.weight", "router": p + "mlp.gate.weight"}
+
+
+def dense_names(layer: int) -> dict[str, str]:
+    """A dense layer's MLP (Qwen2-MoE's too)."""
+    p = f"model.layers.{layer}.mlp."
+    return {"dense_w1": p + "gate_proj.weight", "dense_w3": p + "up_proj.weight", "dense_w2": p + "down_proj.weight"}
 
 
 def expert_names(spec, layer: int, expert: int) -> dict[str, str]:
@@ -65,14 +87,24 @@ def qkv(x, w: dict, spec):
 HOST_ATTENTION = True  # attention_block takes `attend_at` (attention beside a host KV cache)
 
 
-def attention_block(h, w, cos, sin, mask, cache_write, spec, max_scores=None, attend_at=None):
-    return L.attention_block(h, w, cos, sin, mask, cache_write, spec, qkv, max_scores, attend_at=attend_at)
+SHARED_PREFIX = True  # plain softmax attention: a shared prefix's keys are read once for every row
+
+
+def attention_block(h, w, cos, sin, mask, cache_write, spec, max_scores=None, attend_at=None, prefix=None):
+    return L.attention_block(h, w, cos, sin, mask, cache_write, spec, qkv, max_scores, attend_at=attend_at,
+                             prefix=prefix)
 
 
 def route(x, gate: dict, spec):
+    if "router" not in gate:  # a dense layer
+        return defaults.no_experts(x)
     return L.route(x, gate["router"], spec.top_k, renormalise=spec.norm_topk_prob, cast=True)
 
 
 expert_ffn = L.swiglu
 bind_expert_ffn = defaults.bind_expert_ffn
-shared_ffn = defaults.shared_ffn
+
+
+def shared_ffn(x, gate: dict, spec):
+    """A dense layer's MLP; nothing beside the routed experts of a MoE layer."""
+    return L.swiglu(x, gate, "dense_") if "dense_w1" in gate else None

@@ -148,6 +148,7 @@ class ModelSpec:
     def local_shapes(self) -> dict[str, tuple[int, ...]]:
         """Shape of every group-local weight name any family uses."""
         H, I, Is, D = self.hidden_size, self.intermediate_size, self.shared_intermediate_size, self.head_dim
+        Dn = self.dense_intermediate_size
         q, kv = self.num_heads * D, self.num_kv_heads * D
         per_head = self.qk_norm == "head"
         return {"input_norm": (H,), "q": (q, H), "k": (kv, H), "v": (kv, H), "o": (H, q),
@@ -156,6 +157,7 @@ class ModelSpec:
                 "post_norm": (H,), "router": (self.num_experts, H),
                 "shared_w1": (Is, H), "shared_w3": (Is, H), "shared_w2": (H, Is), "shared_gate": (1, H),
                 "w1": (I, H), "w3": (I, H), "w2": (H, I),
+                "dense_w1": (Dn, H), "dense_w3": (Dn, H), "dense_w2": (H, Dn),  # a dense layer's MLP
                 "embed": (self.vocab_size, H), "norm": (H,), "lm_head": (self.vocab_size, H),
                 **self.family.local_shapes(self)}
 

@@ -103,14 +103,17 @@ class ContinuousRun:
         self.e, self.spec = engine, engine.spec
         self.space = engine.kv_space()  # caches on the run's KV tier, each charged to its budget
         self.queue = deque(sorted(seqs, key=lambda s: (-s.max_new_tokens, -len(s.prompt_ids))))
-        # room for the window's longest request, as static batching gives its batch
-        self.capacity = max(len(s.prompt_ids) + s.max_new_tokens for s in seqs)
-        self.longest_prompt = max(len(s.prompt_ids) for s in seqs)  # a host newcomer cache's slots
-        self.chunk = engine.prefill_chunk or max(len(s.prompt_ids) for s in seqs)
+        # room for the window's longest request, as static batching gives its batch (a cache
+        # holds a line's own tokens: a shared prefix's are the engine's, once)
+        own = engine.own_len
+        self.capacity = max(own(s) + s.max_new_tokens for s in seqs)
+        self.longest_prompt = max(own(s) for s in seqs)  # a host newcomer cache's slots
+        self.chunk = engine.prefill_chunk or self.longest_prompt
         # every step's attention beside the host cache: the plan reserved no keys or scores
         self.host_attention = self.space.on_host and engine.pipeline.always_host_attention()
-        args = (self.spec, engine.dtype.itemsize, engine.batch_size, engine.num_batches, self.chunk, self.capacity,
-                self.host_attention)
+        # every row also attends over the shared prefix: its keys count in the context
+        args = (self.spec, engine.dtype.itemsize, engine.batch_size, engine.num_batches, self.chunk,
+                self.capacity + engine.shared, self.host_attention)
         self.step_limit = continuous_step_limit(*args)
         self.widest = newcomer_chunks(*args)  # a newcomer batch's chunk, as the planner replays it
         # a newcomer's cache beyond the planned ones is taken only if a step can still run
@@ -158,7 +161,7 @@ class ContinuousRun:
     # ---- the first fill: prefilled in place, as static batching does ----------------------
     def _first_fill(self, batch) -> _Decode:
         kv, _ = self.space.allocate(len(batch), self.capacity)
-        whole = prefill_input(batch, max(len(s.prompt_ids) for s in batch), self.e._pad_id())
+        whole = prefill_input(batch, max(map(self.e.own_len, batch)), self.e._pad_id(), self.e.shared)
         self.e.stats.record_prompts(batch)
         return _Decode(kv, list(batch), [0] * len(batch), whole.positions[:, -1] + 1,
                        torch.full((len(batch),), -1), chunks(whole, self.chunk))
@@ -245,9 +248,9 @@ class ContinuousRun:
                 continue
             free = [(d, i) for d in self.decode for i in d.free_rows()]
             for (d, i), (j, token) in zip(free, list(nc.ready)):
-                s, length = nc.seqs[j], len(nc.seqs[j].prompt_ids)
-                self._move(nc.kv, j, d, i, length)
-                d.rows[i], d.tokens[i], d.positions[i], d.broken[i] = s, token, length, nc.broken[j]
+                s = nc.seqs[j]  # its own slots move; its next position counts the shared prefix too
+                self._move(nc.kv, j, d, i, self.e.own_len(s))
+                d.rows[i], d.tokens[i], d.positions[i], d.broken[i] = s, token, len(s.prompt_ids), nc.broken[j]
                 nc.ready.remove((j, token))
                 self.e.stats.refills += 1
             if not nc.ready:
@@ -357,7 +360,7 @@ class ContinuousRun:
                       key=lambda s: -len(s.prompt_ids))
         self.queue.extendleft(reversed(head))
         for take in range(min(len(self.queue), self.e.batch_size), 0, -1):
-            longest = max(len(self.queue[j].prompt_ids) for j in range(take))
+            longest = max(self.e.own_len(self.queue[j]) for j in range(take))
             # one token a row beside everyone else's at their least, decode rows at their most
             # (ready newcomers join them while this batch prefills): then every step has room
             others = [(len(nc.seqs), 1, nc.done) for nc in self.newcomers if nc.left]
@@ -373,7 +376,7 @@ class ContinuousRun:
             return  # nothing fits this step: the prompts wait for room
         seqs = [self.queue.popleft() for _ in range(take)]
         self.e.stats.record_prompts(seqs)
-        whole = prefill_input(seqs, longest, self.e._pad_id())
+        whole = prefill_input(seqs, longest, self.e._pad_id(), self.e.shared)
         self.newcomers.append(_Newcomers(seqs, kv, whole, torch.full((take,), -1)))
 
     def _newcomer_inputs(self, decode_rows: int) -> list:
@@ -388,14 +391,16 @@ class ContinuousRun:
         return [(nc, nc.take(w), True) for nc, w in zip(prefilling, widths) if w]
 
 
-def prefill_input(batch: list[S.Sequence], length: int, pad: int) -> StepInput:
-    """Left-pad prompts to `length`; positions count real tokens only (cumsum(mask) - 1)."""
+def prefill_input(batch: list[S.Sequence], length: int, pad: int, skip: int = 0) -> StepInput:
+    """Left-pad prompts, less their first `skip` tokens (a shared prefix's), to `length`;
+    positions count real tokens only (cumsum(mask) - 1), after the skipped ones."""
     ids = torch.full((len(batch), length), pad, dtype=torch.long)
     valid = torch.zeros((len(batch), length), dtype=torch.bool)
     for i, s in enumerate(batch):
-        ids[i, length - len(s.prompt_ids):] = torch.tensor(s.prompt_ids)
-        valid[i, length - len(s.prompt_ids):] = True
-    positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
+        own = s.prompt_ids[skip:]
+        ids[i, length - len(own):] = torch.tensor(own)
+        valid[i, length - len(own):] = True
+    positions = (valid.long().cumsum(-1) - 1).clamp(min=0) + skip
     return StepInput(ids, valid, positions)
 
 

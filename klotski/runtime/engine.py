@@ -17,10 +17,12 @@ import time
 
 import torch
 
+from klotski.runtime import constrain
 from klotski.runtime import sequences as S
 from klotski.runtime.batching import ContinuousRun, chunks, prefill_input
 from klotski.runtime.kvcache import BatchKV
 from klotski.runtime.pipeline import StepInput
+from klotski.runtime.prefix import SharedPrefix, common_prefix, refusal
 from klotski.runtime.stats import DecodeRows, Stats
 from placement import pinned
 from placement.cache import DISK_TO_HOST
@@ -37,6 +39,8 @@ class Engine:
         self.device, self.dtype = device, dtype
         self.eos = ckpt.eos_ids()
         self.stats = Stats()
+        self.prefix: SharedPrefix | None = None  # the prompt prefix the window's lines share (runtime/prefix.py)
+        self.prefix_off = refusal(ckpt.spec, config)
 
     # the pieces a caller (report, tests) looks at
     spec = property(lambda self: self.ckpt.spec)
@@ -60,6 +64,7 @@ class Engine:
 
     def run(self, seqs: list[S.Sequence]):
         """Generate for every sequence; yield each one as soon as it finishes."""
+        self._share_prefix(seqs)
         if self.config.batching == "continuous" and seqs:
             # a "group" for the predictor is a group's worth of finished sequences (n x bs)
             finished = 0
@@ -80,8 +85,53 @@ class Engine:
         self.predictor.end_group()
         self.predictor.persist()  # what this group taught the predictor survives a crash
 
+    # ---- a prompt prefix the window's lines share -----------------------------------------
+    @property
+    def shared(self) -> int:
+        """Prompt tokens every line of this window starts from instead of prefilling."""
+        return self.prefix.length if self.prefix else 0
+
+    def own_len(self, s: S.Sequence) -> int:
+        """Prompt tokens a line prefills itself: those after the shared prefix."""
+        return len(s.prompt_ids) - self.shared
+
+    def _share_prefix(self, seqs) -> None:
+        """Keep the prefix held if every line starts with it, else prefill the window's own
+        (if its lines share one): once, in a one-row cache of its own."""
+        if self.prefix_off or not seqs:
+            return
+        if not (self.prefix and self.prefix.serves(seqs)):
+            self.drop_prefix()
+            ids = common_prefix(seqs)
+            if not ids:
+                return
+            space, kv = KVSpace(self), None
+            try:
+                kv, _ = space.allocate(1, len(ids))
+                whole = StepInput(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.bool),
+                                  torch.arange(len(ids))[None])
+                for part in chunks(whole, self.prefill_chunk or len(ids)):
+                    self.step([kv], [part], prompt=True, decode=None)
+                kv.settle()  # its stores have landed: loads read it from now on with no wait
+            except BaseException:
+                if kv is not None:
+                    kv.release()  # the tensors before their account
+                space.close()
+                raise
+            self.prefix = SharedPrefix(ids, kv, space)
+            self.stats.prefix_prefills += 1
+            self.stats.prefix_tokens_saved -= len(ids)
+        self.stats.prefix_tokens = self.prefix.length
+        self.stats.prefix_lines += len(seqs)
+        self.stats.prefix_tokens_saved += self.prefix.length * len(seqs)
+
+    def drop_prefix(self) -> None:
+        if self.prefix is not None:
+            self.prefix.release()
+            self.prefix = None
+
     def _run_group(self, group: list[list[S.Sequence]]):
-        prompt_len = [max(len(s.prompt_ids) for s in b) for b in group]
+        prompt_len = [max(self.own_len(s) for s in b) for b in group]
         space, kvs = self.kv_space(), []
         try:
             kvs = [space.allocate(len(b), p + max(s.max_new_tokens for s in b))[0] for b, p in zip(group, prompt_len)]
@@ -97,12 +147,14 @@ class Engine:
     def step(self, kvs, inputs, *, prompt: bool, decode: DecodeRows | None):
         """One forward step through the pipeline, timed until its logits reach the host (its
         compute is then done) and counted into `stats` (Stats.record_step)."""
-        t0, disk0 = time.perf_counter(), self.trace.bytes[DISK_TO_HOST]
+        t0, disk0, kv0 = time.perf_counter(), self.trace.bytes[DISK_TO_HOST], self.pipeline.kv_bytes_loaded
         self.trace.phase = "prefill" if decode is None else "decode"
         outs = self.pipeline.forward(kvs, inputs)
         elapsed = time.perf_counter() - t0
         self.trace.resolve()
-        self.stats.record_step(elapsed, self.trace.bytes[DISK_TO_HOST] - disk0, prompt=prompt, decode=decode)
+        tokens = sum(int(i.valid.sum()) for i in inputs) if decode is None else 0  # host tensors: no sync
+        self.stats.record_step(elapsed, self.trace.bytes[DISK_TO_HOST] - disk0, prompt=prompt, decode=decode,
+                               tokens=tokens, kv_bytes=self.pipeline.kv_bytes_loaded - kv0)
         return outs
 
     def _steps(self, group, kvs, prompt_len):
@@ -111,7 +163,7 @@ class Engine:
         for its own longest request)."""
         pad = self._pad_id()
         chunk = self.prefill_chunk or max(prompt_len)
-        whole = {k: prefill_input(b, p, pad) for k, (b, p) in enumerate(zip(group, prompt_len))}
+        whole = {k: prefill_input(b, p, pad, self.shared) for k, (b, p) in enumerate(zip(group, prompt_len))}
         prompts = {k: chunks(inp, chunk) for k, inp in whole.items()}
         next_pos = {k: inp.positions[:, -1] + 1 for k, inp in whole.items()}
         inputs = {k: parts.pop(0) for k, parts in prompts.items()}
@@ -150,7 +202,8 @@ class Engine:
                 S.fail(s, _non_finite(layer, self.spec.num_layers))
                 finished.append(s)
         live = [s for s in rows if s is not None]
-        picked = iter(S.pick(live, logits[[i for i, s in enumerate(rows) if s is not None]]))
+        # a constrained row's forbidden tokens go to -inf first (no op at all when none is)
+        picked = iter(S.pick(live, constrain.mask(live, logits[[i for i, s in enumerate(rows) if s is not None]])))
         tokens = [next(picked) if s is not None else 0 for s in rows]
         for s, t in zip(rows, tokens):
             if s is not None and not s.done:
@@ -158,6 +211,7 @@ class Engine:
                 S.append(s, t, self.tokenizer, self.eos)
                 if s.done:
                     finished.append(s)
+        constrain.start(live)  # the next masks, computed while the next step's forward runs
         return tokens, finished
 
     def _pad_id(self) -> int:
@@ -165,6 +219,7 @@ class Engine:
         return pad if pad is not None else next(iter(self.eos), 0)
 
     def close(self) -> None:
+        self.drop_prefix()
         for channel in self.channels.values():
             channel.close()
         if self.device.type == "cuda":
@@ -204,6 +259,7 @@ class KVSpace:
         self.account.reserve(nbytes, "KV cache")
         kv = BatchKV(*shape, e.dtype, device=e.device, on_host=self.on_host,
                      host_zeros=blocks.zeros if blocks else None, value_dim=value_dim)
+        kv.shared = e.prefix  # its rows start from the window's shared prefix, if any
         self.held[id(kv)] = (nbytes, blocks, kv)
         return kv, nbytes
 

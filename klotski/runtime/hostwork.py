@@ -22,11 +22,12 @@ class HostWork:
     def __init__(self, host: HostCompute, channels, trace, wait):
         self.host, self.ch, self.trace, self.wait = host, channels, trace, wait
 
-    def attention(self, family, spec, layer: int, k: int, h, w: dict, ctx, kv: BatchKV):
+    def attention(self, family, spec, layer: int, k: int, h, w: dict, ctx, kv: BatchKV, **prefix):
         """Batch k's attention with its KV cache on the host, computed there: the projections
         run where the weights are; the new keys/values go straight into the host cache and q
         follows them down; the attention core runs on the host over the host cache; the output
-        comes back up. Nothing of the prefix crosses the link."""
+        comes back up. Nothing of the prefix crosses the link; a shared prompt prefix
+        (`prefix`, its host keys/values) is read where it lives too."""
         if layer in kv.stored:  # an earlier step's store of this layer writes beside the new slots
             self.wait(kv.stored[layer], "kv_store")
         cos, sin, _, host_masks = ctx
@@ -54,7 +55,7 @@ class HostWork:
         counts.bytes_not_moved += kv.prefix_nbytes()
         with device:
             return family.attention_block(h, w, cos, sin, host_masks[spec.window(layer)], write_home, spec,
-                                          max_scores=ATTENTION_SCORE_CHUNK, attend_at=at_host)
+                                          max_scores=ATTENTION_SCORE_CHUNK, attend_at=at_host, **prefix)
 
     def expert(self, cache, key, moe: LayerExperts, picks, expert_ffn) -> None:
         """One expert computed where it lives: its tokens of every batch go down, the outputs

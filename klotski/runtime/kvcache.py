@@ -128,6 +128,9 @@ class BatchKV:
         self._columns = {}  # device -> this step's columns there
         self.stored: dict = {}
         self.staging: Staging | None = None  # loads gather through this (default: the CUDA device's ring)
+        # a prompt prefix every row starts from (runtime/prefix.py): not in this cache's slots,
+        # attended before them; positions here count after it
+        self.shared = None
 
     @staticmethod
     def nbytes_for(num_layers: int, batch: int, kv_heads: int, head_dim: int, capacity: int,

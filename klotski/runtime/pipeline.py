@@ -81,6 +81,7 @@ class Pipeline:
         self.at_host: list = []   # this step's batches whose attention runs beside their host KV
         self.layer = -1
         self.on_layer = None     # optional callback(layer, hidden states per batch), for tests
+        self.kv_bytes_loaded = 0  # host->device KV bytes loads moved (a shared prefix's once per layer)
 
     # ---- one step -----------------------------------------------------------------------
     @torch.inference_mode()
@@ -154,6 +155,7 @@ class Pipeline:
         loads, stores = {}, []
         at_host = self.at_host
         moves = [kv.on_host and not h for kv, h in zip(kvs, at_host)]  # whose KV prefix comes up
+        shared = self._shared_prefix(layer, kvs)
         if moves[0]:
             ahead, self.kv_ahead = self.kv_ahead, None
             loads[0] = ahead[1] if ahead and ahead[0] == layer else self._kv_load(kvs[0], layer)
@@ -164,8 +166,10 @@ class Pipeline:
                 while len(stores) > KV_BUFFERS - 2:
                     self._kv_stored(*stores.pop(0))
                 loads[k + 1] = self._kv_load(kvs[k + 1], layer)
+            # the batch's rows start from a shared prefix: its keys, read once for every row
+            prefix = {} if kv.shared is None else {"prefix": kv.shared.layer(layer) if at_host[k] else shared.get()}
             if at_host[k]:
-                hs[k] = self.host_work.attention(self.M, self.spec, layer, k, hs[k], w, ctx[k], kv)
+                hs[k] = self.host_work.attention(self.M, self.spec, layer, k, hs[k], w, ctx[k], kv, **prefix)
                 continue
             buf = None
             if kv.on_host:
@@ -175,7 +179,7 @@ class Pipeline:
             with self.trace.span("compute", f"attn.{layer}.b{k}"):
                 hs[k] = self.M.attention_block(hs[k], w, cos, sin, mask,
                                           lambda kk, vv, kv=kv, buf=buf: kv.write(layer, kk, vv, buf), self.spec,
-                                          max_scores=ATTENTION_SCORE_CHUNK)
+                                          max_scores=ATTENTION_SCORE_CHUNK, **prefix)
             if kv.on_host:
                 # a device->host copy of what this attention just wrote: after the compute queued so far
                 kv.stored[layer] = self.ch["kv_store"].submit(
@@ -184,8 +188,24 @@ class Pipeline:
                 stores.append((kv.stored[layer], loads[k][1]))
         for ticket, nbytes in stores:  # sync(store_cache_stream) before the buffers go
             self._kv_stored(ticket, nbytes)
+        shared.release()
         self.cache.release(("attn", layer))
         self._pump()
+
+    def _shared_prefix(self, layer: int, kvs) -> "_SharedLayer":
+        """The shared prefix's keys/values of `layer` for the batches attending on the device:
+        on the device tier, views of the one copy; on the host, one load for the whole group
+        (on kv_load, beside batch 0's), its room held until the layer's attention is done."""
+        prefix = next((kv.shared for kv, h in zip(kvs, self.at_host) if kv.shared is not None and not h), None)
+        if prefix is None or not prefix.on_host:
+            return _SharedLayer(self, None if prefix is None else prefix.layer(layer))
+        nbytes = prefix.nbytes()
+        self.make_room(nbytes, "kv prefix")
+        self.memory.reserve(nbytes, f"kv prefix layer {layer}")
+        self.kv_bytes_loaded += nbytes
+        ticket = self.ch["kv_load"].submit(lambda: prefix.load(layer, self.device), name=f"prefix.{layer}",
+                                           nbytes=nbytes)
+        return _SharedLayer(self, None, ticket, nbytes, f"prefix.{layer}")
 
     def always_host_attention(self) -> bool:
         """Every host-KV batch attends beside its cache (`--host-attention on`), as planned."""
@@ -220,6 +240,7 @@ class Pipeline:
         previous = [kv.stored[layer]] if layer in kv.stored else []
         ticket = self.ch["kv_load"].submit(lambda: kv.load(layer, self.device), name=f"kv.{layer}",
                                            nbytes=kv.prefix_nbytes(), after=previous)
+        self.kv_bytes_loaded += kv.prefix_nbytes()
         return ticket, nbytes
 
     # ---- gate ---------------------------------------------------------------------------
@@ -236,7 +257,7 @@ class Pipeline:
         self._want([("expert", layer, e) for e in moe.chosen if e not in self.host_experts], "experts", front=True)
         self.cache.release(("gate", layer))
         if self.spec.experts_in(layer):
-            self.predictor.observe(layer - self.spec.dense_layers, [routed.chosen])
+            self.predictor.observe(self.spec.moe_index(layer), [routed.chosen])
         if self.next_gate:
             self._speculate(layer + 1, hs, keeps)
         return moe, hot
@@ -267,7 +288,7 @@ class Pipeline:
         gate = self.cache.get(key)
         with self.trace.span("compute", f"speculate.{layer}"):
             picks = route_group(self.M, self.spec, hs, gate, keeps, shared=False).experts
-        self.predictor.speculate(layer - self.spec.dense_layers, [ids_on_host(picks)])
+        self.predictor.speculate(self.spec.moe_index(layer), [ids_on_host(picks)])
 
     # ---- experts ------------------------------------------------------------------------
     def _experts(self, layer, hs, moe: LayerExperts, hot):
@@ -409,16 +430,36 @@ class Pipeline:
         return [("expert", layer, e) for e in range(self.spec.experts_in(layer))]
 
     def _predict(self, layer: int) -> list[int]:
-        """Hot experts of a layer. Predictors count MoE layers only: a dense first layer
-        (DeepSeek's `first_k_dense_replace`) has no experts and no routing to learn from."""
+        """Hot experts of a layer. Predictors count MoE layers only: a dense layer
+        (DeepSeek's first layers, Qwen's `mlp_only_layers`) has no experts and no routing to learn from."""
         if not self.spec.experts_in(layer):
             return []
-        return self.predictor.predict(layer - self.spec.dense_layers, self.K)
+        return self.predictor.predict(self.spec.moe_index(layer), self.K)
 
     def _activation_bytes(self, kvs, inputs) -> int:
         """This step's activation reserve, by the planner's own formula (workingset.py)."""
-        step = Step.of_batches((i.ids.shape[0], i.ids.shape[1], kv.filled + i.ids.shape[1])
+        # a shared prefix's keys are scored too: they count in each batch's context
+        step = Step.of_batches((i.ids.shape[0], i.ids.shape[1],
+                                kv.filled + i.ids.shape[1] + (kv.shared.length if kv.shared else 0))
                                for kv, i in zip(kvs, inputs))
         # as the plan reserved it when every batch attends beside its host cache
         return activation_bytes(self.spec, self.cache.dtype.itemsize, step, host_attention=all(self.at_host))
 
+
+class _SharedLayer:
+    """One layer's shared-prefix keys/values for a step: `get()` waits for a host load once
+    (timed as bubble), `release()` gives its room back after the layer's attention."""
+
+    def __init__(self, pipeline, tensors, ticket=None, nbytes: int = 0, name: str = ""):
+        self.p, self.tensors, self.ticket, self.nbytes, self.name = pipeline, tensors, ticket, nbytes, name
+
+    def get(self):
+        if self.tensors is None and self.ticket is not None:
+            self.tensors = self.p._wait(self.ticket, self.name)
+        return self.tensors
+
+    def release(self) -> None:
+        if self.ticket is not None:
+            self.p._wait(self.ticket, self.name)  # no copy into the room is still running
+            self.tensors, self.ticket = None, None
+            self.p.memory.free(self.nbytes)

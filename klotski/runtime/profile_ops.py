@@ -71,7 +71,7 @@ class LayerOps:
                               max_position_embeddings=1 << 20, rope_inv_freq=inv_freq,
                               rope_attention_scaling=scaling, **family.options({}))
         self.M = family
-        moe = min(shape.dense_layers, shape.num_layers - 1)  # a MoE layer's gate, not a dense layer's MLP
+        moe = shape.first_moe_layer  # a MoE layer's gate, not a dense layer's MLP
         self.attn, self.gate_w, self.expert_w = (self._copies(k) for k in (("attn", 0), ("gate", moe),
                                                                            ("expert", moe, 0)))
         self._head = None

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from klotski.errors import UserError
+from klotski.runtime.prefix import report as prefix_report
 from klotski.util.writes import replace_atomically
 
 REPLAY_SAMPLE = 65536  # answers the replay prices at most (it walks every batch and slot)
@@ -39,7 +40,9 @@ def build_report(engine, setup, *, ok: int, failed: int, skipped: int, wall_s: f
                  "prefill_chunk": setup.prefill_chunk, "prefill_passes": s.prefill_passes,
                  "hot_experts": engine.pipeline.K, "schedule": config.schedule,
                  "placement": setup.placement.summary(),
-                 "buffers": plan.buffers if plan else None, "binding": plan.binding if plan else None},
+                 "buffers": plan.buffers if plan else None, "binding": plan.binding if plan else None,
+                 # the precision run; under --quantize auto, every option weighed and why this one
+                 "precision": {"quantize": setup.quantize, **(plan.precision if plan and plan.precision else {})}},
         "memory": {"peak_device_bytes": engine.memory.peak, "budget_device_bytes": engine.memory.budget,
                    "peak_host_bytes": engine.host_memory.peak, "budget_host_bytes": engine.host_memory.budget,
                    **_allocator(engine)},
@@ -60,6 +63,7 @@ def build_report(engine, setup, *, ok: int, failed: int, skipped: int, wall_s: f
                    "decode_share": round(engine.trace.bubble_share(decode_only=True), 4)},
         "prefetch": engine.predictor.report(),
         "host_compute": engine.pipeline.host.report(),
+        "prefix_cache": prefix_report(engine),
     })
     return report
 
@@ -116,6 +120,8 @@ def summary(report: dict, out_path: Path) -> str:
                if report.get("replayed_tokens_per_s") else ""),
             f"plan      batch size {plan['batch_size']} x {plan['num_batches']} batches"
             + (f", prefill in chunks of {plan['prefill_chunk']} tokens" if plan["prefill_chunk"] else ""),
+            *([f"precision {plan['precision']['chosen']}: {plan['precision']['why']}"]
+              if plan.get("precision", {}).get("why") else []),
             f"bubble    {report['bubble']['share']:.1%} of compute time waiting on transfers",
             *([f"slots     {report['decode_slot_utilisation']:.0%} of decode rows computed served a sequence still "
                f"generating; {report['decode_occupancy']:.0%} of the group's rows did "
@@ -127,6 +133,7 @@ def summary(report: dict, out_path: Path) -> str:
               if report["decode_slot_utilisation"] is not None else []),
             *_prefetch_line(report["prefetch"]),
             *host_line(report.get("host_compute")),
+            *_prefix_line(report.get("prefix_cache")),
             f"memory    peak device {mem['peak_device_bytes'] / 2**20:.1f} of {mem['budget_device_bytes'] / 2**20:.1f} MiB, "
             f"host {mem['peak_host_bytes'] / 2**20:.1f} of {mem['budget_host_bytes'] / 2**20:.1f} MiB",
         ]
@@ -152,6 +159,18 @@ def host_line(host: dict | None) -> list[str]:
             f"({a['kv_bytes_not_moved'] / 2**20:.1f} MiB of KV not moved, {a['host_s']:.2f} s; {a['mode']}), "
             f"{e['experts_on_host']} experts on the host ({e['bytes_not_moved'] / 2**20:.1f} MiB not moved, "
             f"{e['host_s']:.2f} s; {e['mode']})"]
+
+
+def _prefix_line(prefix: dict | None) -> list[str]:
+    """What the shared-prefix cache saved, or why it was off."""
+    if not prefix:
+        return []
+    if not prefix["prefix_prefills"]:
+        return [f"prefix    {prefix['status']}"]
+    saved = prefix["prefill_s_saved_estimate"]
+    return [f"prefix    {prefix['prefix_tokens']} prompt tokens shared by {prefix['lines']} lines, prefilled "
+            f"{prefix['prefix_prefills']}x: {prefix['prefill_tokens_saved']} prompt tokens not prefilled"
+            + (f" (about {saved:.2f} s at this run's prefill rate)" if saved is not None else "")]
 
 
 def _prefetch_line(prefetch: dict) -> list[str]:

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from klotski.runtime import constrain, logprobs
+
 
 @dataclass
 class Sequence:
@@ -27,6 +29,12 @@ class Sequence:
     finish_reason: str | None = None
     text: str = ""
     error: str | None = None  # why the model could not produce this sequence (an error record)
+    top_logprobs: int | None = None  # None: its line asked no log-probabilities; k: alternatives per token
+    logprobs: list = field(default_factory=list)  # (token, logprob, [(alternative, logprob), ...]) per out token
+    pieces: dict | None = None  # token id -> (text, bytes) of the tokens in `logprobs`, once done
+    sample: int = 0  # which of its line's n samples this is
+    samples: list | None = None  # all n samples of its line (itself included), when n > 1
+    grammar: constrain.Grammar | None = None  # the answer's constraint (klotski/runtime/constrain.py)
 
     @property
     def done(self) -> bool:
@@ -57,7 +65,19 @@ def prepare(requests, tokenizer, spec, config):
                                     f"vocabulary (vocab_size {spec.vocab_size} in config.json): the tokenizer "
                                     "does not match the checkpoint", openai=req.openai, row=req.row))
             continue
-        seqs.append(_sequence(req, ids, ctx, config))
+        try:  # a schema, regex or grammar llguidance rejects is this line's error; each sample has its own matcher
+            grammars = [constrain.compile_grammar(req.constraint, tokenizer, spec) if req.constraint else None
+                        for _ in range(req.n)]
+        except constrain.BadGrammar as e:
+            errors.append(LineError(req.id, req.line, str(e), openai=req.openai, row=req.row))
+            continue
+        samples = [_sequence(req, ids, ctx, config, i) for i in range(req.n)]
+        for s, grammar in zip(samples, grammars):
+            s.grammar = grammar
+        if req.n > 1:
+            for s in samples:
+                s.samples = samples
+        seqs.extend(samples)
     return seqs, errors
 
 
@@ -68,28 +88,43 @@ def tokenize(tokenizer, req) -> list[int]:
     return list(tokenizer(req.prompt)["input_ids"])
 
 
-def _sequence(req, ids, ctx, config) -> Sequence:
+def _sequence(req, ids, ctx, config, sample: int = 0) -> Sequence:
     temperature = config.temperature if req.temperature is None else req.temperature
     gen = None
     if temperature > 0:
         seed = req.seed if req.seed is not None else _stable_seed(config.seed, req.id)
+        if sample:  # sample i's own stream, from (seed, line id, i): the same whatever n and the batching
+            seed = _stable_seed(seed, f"{req.id}#{sample}")
         gen = torch.Generator().manual_seed(seed)
     max_new = min(req.max_new_tokens or config.max_new_tokens, ctx - len(ids))
+    # (the samples of a line share one prompt list: nothing changes it)
     return Sequence(req, ids, max_new, temperature, config.top_p if req.top_p is None else req.top_p,
-                    tuple(req.stop), gen)
+                    tuple(req.stop), gen, top_logprobs=getattr(req, "logprobs", None), sample=sample)
+
+
+def gather(s: Sequence) -> list[Sequence] | None:
+    """The samples of `s`'s line once all are done (in sample order; [s] for a line of one),
+    else None: a line is answered in one record, whole or not at all."""
+    if s.samples is None:
+        return [s]
+    return s.samples if all(x.done for x in s.samples) else None
 
 
 def pick(batch: list[Sequence], logits: torch.Tensor) -> list[int]:
     """Next token of every sequence of a batch: greedy, or sampled with its own generator."""
     greedy = logits.argmax(dim=-1).tolist()
-    return [g if s.done or s.generator is None else _sample(lg, s.temperature, s.top_p, s.generator)
-            for s, g, lg in zip(batch, greedy, logits)]
+    tokens = [g if s.done or s.generator is None else _sample(lg, s.temperature, s.top_p, s.generator)
+              for s, g, lg in zip(batch, greedy, logits)]
+    logprobs.record(batch, logits, tokens)  # the rows whose line asked, from these logits
+    return tokens
 
 
 def append(s: Sequence, token: int, tokenizer, eos: set[int]) -> None:
-    """Add `token` to `s` and decide whether `s` is done (EOS, a stop string, its limit)."""
+    """Add `token` to `s` and decide whether `s` is done (EOS, a stop string, its grammar
+    complete, its limit)."""
     if token in eos:
         s.finish_reason = "stop"
+        del s.logprobs[len(s.out):]  # the EOS token is not part of the answer, nor its logprob
     else:
         s.out.append(token)
         if s.stop:
@@ -97,11 +132,25 @@ def append(s: Sequence, token: int, tokenizer, eos: set[int]) -> None:
             cut = min((i for i in (text.find(x) for x in s.stop) if i >= 0), default=-1)
             if cut >= 0:
                 s.text, s.finish_reason = text[:cut], "stop"
+                _name_tokens(s, tokenizer)
                 return
-        if len(s.out) >= s.max_new_tokens:
+        end = s.grammar.advance(token) if s.grammar is not None else None
+        if end is not None and end != "stop":  # the matcher failed (a resource limit): this line's error
+            fail(s, end)
+            return
+        if end == "stop":  # the grammar is complete: nothing may follow
+            s.finish_reason = "stop"
+        elif len(s.out) >= s.max_new_tokens:
             s.finish_reason = "length"
     if s.done:
         s.text = tokenizer.decode(s.out, skip_special_tokens=True)
+        _name_tokens(s, tokenizer)
+
+
+def _name_tokens(s: Sequence, tokenizer) -> None:
+    """The text and bytes of the tokens its logprobs name (its output has them), once done."""
+    if s.top_logprobs is not None:
+        s.pieces = logprobs.pieces(tokenizer, [t for tok, _, alts in s.logprobs for t in (tok, *(a for a, _ in alts))])
 
 
 def fail(s: Sequence, message: str) -> None:

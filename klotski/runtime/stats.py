@@ -30,18 +30,30 @@ class Stats:
     kv_realigns: int = 0        # continuous batching: times a cache's slots were moved to make room
     rows_moved: int = 0         # continuous batching: live rows moved at the end, out of free rows' way
     decode_prompt_tokens: int = 0  # continuous batching: prompt tokens prefilled by steps that also decode
+    prefill_tokens: int = 0     # real prompt tokens computed by prefill-only steps (a shared prefix once)
+    decode_steps: int = 0
+    decode_kv_bytes: int = 0    # KV bytes loaded host->device by decode steps (the KV on the host)
+    prefix_tokens: int = 0      # the shared prefix's length (the last one shared, runtime/prefix.py)
+    prefix_prefills: int = 0    # times a shared prefix was prefilled (once per job unless windows differ)
+    prefix_lines: int = 0       # lines started from a shared prefix
+    prefix_tokens_saved: int = 0  # prompt tokens not prefilled thanks to it (its own prefill deducted)
 
     def record_prompts(self, seqs) -> None:
         """Prompt tokens of sequences whose prefill starts."""
         self.prompt_tokens += sum(len(s.prompt_ids) for s in seqs)
 
-    def record_step(self, seconds: float, disk_bytes: int, *, prompt: bool, decode: DecodeRows | None) -> None:
+    def record_step(self, seconds: float, disk_bytes: int, *, prompt: bool, decode: DecodeRows | None,
+                    tokens: int = 0, kv_bytes: int = 0) -> None:
         """One forward step: `prompt`, it carried prompt tokens; `decode`, it decoded (its time
-        is decode time, prompt tokens riding along included), else its time is prefill time."""
+        is decode time, prompt tokens riding along included), else its time is prefill time
+        and `tokens` the real prompt tokens it computed; `kv_bytes`, KV it loaded."""
         if decode is None:
             self.prefill_s += seconds
+            self.prefill_tokens += tokens
         else:
             self.decode_s += seconds
+            self.decode_steps += 1
+            self.decode_kv_bytes += kv_bytes
             self.decode_disk_bytes += disk_bytes
             self.decode_rows += decode.computed
             self.decode_useful_rows += decode.useful

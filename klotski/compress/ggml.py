@@ -1,0 +1,185 @@
+"""GGUF (ggml) block types decoded with torch, and the codec that keeps GGUF experts packed.
+
+A quantized GGUF tensor is rows of blocks: each row of `cols` weights is `cols / block`
+blocks of `type_size` bytes (a 16-bit scale or two, then the packed codes). Experts stay in
+that form on disk, in host memory and on the link (`GgufCodec`), and are decoded on the
+compute device right before use, like MXFP4 and HQQ experts; the same code runs on the host.
+Each decoder works on all blocks at once (no loop per block) and follows the operation
+order of the `gguf` package's numpy decoders, which transformers uses, so the weights come
+out bit-identical to what transformers computes with.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from klotski.compress import mxfp4
+
+# ggml type id -> (name, weights a block, bytes a block): the types decoded here
+TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 30: ("BF16", 1, 2), 2: ("Q4_0", 32, 18), 8: ("Q8_0", 32, 34),
+         12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 39: ("MXFP4", 32, 17)}
+BY_NAME = {name: (tid, block, size) for tid, (name, block, size) in TYPES.items()}
+FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+# device bytes of temporaries a decode holds per weight beyond its output, at most: the codes
+# as uint8 pieces, then as fp32 scaled in place (the output itself in fp32, a temporary before
+# the cast to bf16); MXFP4's table lookup takes int32 indices and a [n, 16, 2] fp32 gather
+WORKSPACE_PER_WEIGHT = 12
+
+
+def row_nbytes(qtype: str, cols: int) -> int:
+    """Bytes of one row of `cols` weights stored as `qtype`."""
+    _, block, size = BY_NAME[qtype]
+    return cols // block * size
+
+
+def dequantize(raw: torch.Tensor, qtype: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """raw uint8 [..., row bytes] (whole blocks per row) -> [..., cols] in `dtype`, on raw's device."""
+    if qtype in FLOAT_TYPES:
+        return raw.contiguous().view(FLOAT_TYPES[qtype]).to(dtype)
+    _, block, size = BY_NAME[qtype]
+    lead, row = raw.shape[:-1], raw.shape[-1]
+    blocks = raw.reshape(-1, size)
+    out = _DECODERS[qtype](blocks)
+    return out.reshape(*lead, row // size * block).to(dtype)
+
+
+def _f16(b: torch.Tensor, at: int) -> torch.Tensor:
+    """The fp16 at byte `at` of every block, as fp32 [n, 1]."""
+    return b[:, at:at + 2].contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor, dim: int) -> torch.Tensor:
+    """Low then high nibbles of `qs`, stacked at `dim`."""
+    return torch.stack((qs & 0x0F, qs >> 4), dim=dim)
+
+
+def _q4_0(b):
+    n = b.shape[0]
+    q = _nibbles(b[:, 2:], 1).reshape(n, 32).float().sub_(8.0)  # element j low nibble, j + 16 high
+    return q.mul_(_f16(b, 0))
+
+
+def _q8_0(b):
+    return b[:, 2:].contiguous().view(torch.int8).float().mul_(_f16(b, 0))
+
+
+def _scale_min_k4(scales: torch.Tensor):
+    """The 8 six-bit scales and mins packed in 12 bytes (Q4_K, Q5_K), as fp32 [n, 8]."""
+    s = scales.reshape(-1, 3, 4)
+    d, m, md = s[:, 0], s[:, 1], s[:, 2]
+    sc = torch.cat((d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)), dim=1)
+    mn = torch.cat((m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)), dim=1)
+    return sc.float(), mn.float()
+
+
+def _q4_k(b):
+    n = b.shape[0]
+    sc, mn = _scale_min_k4(b[:, 4:16])
+    d = (_f16(b, 0) * sc).reshape(n, 8, 1)
+    dm = (_f16(b, 2) * mn).reshape(n, 8, 1)
+    q = _nibbles(b[:, 16:].reshape(n, 4, 32), 2).reshape(n, 8, 32).float()
+    return q.mul_(d).sub_(dm).reshape(n, 256)  # (d * q) - dm, each rounded, as gguf computes
+
+
+def _q5_k(b):
+    n = b.shape[0]
+    sc, mn = _scale_min_k4(b[:, 4:16])
+    d = (_f16(b, 0) * sc).reshape(n, 8, 1)
+    dm = (_f16(b, 2) * mn).reshape(n, 8, 1)
+    ql = _nibbles(b[:, 48:].reshape(n, 4, 32), 2).reshape(n, 8, 32)
+    shifts = torch.arange(8, dtype=torch.uint8, device=b.device).view(1, 8, 1)
+    qh = (b[:, 16:48].reshape(n, 1, 32) >> shifts) & 1  # bit i of each high byte: sub-block i
+    q = (ql | (qh << 4)).float()
+    return q.mul_(d).sub_(dm).reshape(n, 256)
+
+
+def _q6_k(b):
+    n = b.shape[0]
+    scales = b[:, 192:208].contiguous().view(torch.int8).float()
+    d = (_f16(b, 208) * scales).reshape(n, 16, 1)
+    ql = _nibbles(b[:, :128].reshape(n, 2, 64), 2).reshape(n, 8, 32)
+    shifts = torch.tensor((0, 2, 4, 6), dtype=torch.uint8, device=b.device).view(1, 1, 4, 1)
+    qh = ((b[:, 128:192].reshape(n, 2, 1, 32) >> shifts) & 3).reshape(n, 8, 32)
+    q = (ql | (qh << 4)).float().sub_(32.0).reshape(n, 16, 16)
+    return q.mul_(d).reshape(n, 256)
+
+
+def _mxfp4(b):
+    """GGUF's MXFP4 block: an E8M0 exponent, then 16 bytes whose low nibbles are weights 0..15
+    and high nibbles 16..31; values through mxfp4.py's table (the E2M1 values of each byte)
+    times 2^(e - 127), exact in fp32 as ggml's doubled codes times half the scale are."""
+    n = b.shape[0]
+    table = mxfp4.byte_values(torch.float32, b.device)
+    vals = torch.nn.functional.embedding(b[:, 1:].to(torch.int32), table)  # [n, 16, 2]
+    scale = b[:, :1].float().sub_(127).exp2_()
+    return vals.transpose(1, 2).reshape(n, 32).mul_(scale)  # the reshape copies: in place is safe
+
+
+_DECODERS = {"Q4_0": _q4_0, "Q8_0": _q8_0, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "MXFP4": _mxfp4}
+
+
+def scale_bytes(qtype: str) -> list[tuple[int, str]]:
+    """(byte offset in a block, 'f16' | 'e8m0') of each scale field of `qtype`: what
+    `klotski check` reads for non-finite scales."""
+    return {"Q4_0": [(0, "f16")], "Q8_0": [(0, "f16")], "Q4_K": [(0, "f16"), (2, "f16")],
+            "Q5_K": [(0, "f16"), (2, "f16")], "Q6_K": [(208, "f16")], "MXFP4": [(0, "e8m0")]}.get(qtype, [])
+
+
+def non_finite_scales(raw: torch.Tensor, qtype: str) -> int:
+    """Blocks of raw bytes [.., row bytes] of `qtype` with a NaN or infinite scale."""
+    fields = scale_bytes(qtype)
+    if not fields:
+        return 0
+    size = BY_NAME[qtype][2]
+    blocks = raw.reshape(-1, size)
+    bad = torch.zeros(blocks.shape[0], dtype=torch.bool)
+    for at, kind in fields:
+        bad |= (~torch.isfinite(_f16(blocks, at))[:, 0]) if kind == "f16" else blocks[:, at] == 255
+    return int(bad.sum())
+
+
+class GgufCodec:
+    """The WeightCache's codec for a GGUF checkpoint: expert matrices read, held and moved as
+    their GGUF blocks, decoded on the device per use. A packed part is named `<local>.<TYPE>`
+    (`w1.Q4_K`), so `decode` knows its type from the parts alone; float parts (an F16 expert
+    tensor) are cast to the compute dtype on read and travel as such."""
+
+    def __init__(self, store, spec, dtype: torch.dtype):
+        self.store, self.spec, self.dtype = store, spec, dtype
+
+    def covers(self, key) -> bool:
+        return key[0] == "expert"
+
+    def _parts(self, key):
+        for name, ref in self.spec.group_refs(key).items():
+            yield name, ref, self.store.qtype(ref.name)
+
+    def packed_nbytes(self, key) -> int:
+        return sum(self.store.raw_nbytes(r.name, r.index, r.rows) if q not in FLOAT_TYPES
+                   else math.prod(self.store.entries[r.name].span(r.index, r.rows)[2]) * self.dtype.itemsize
+                   for _, r, q in self._parts(key))
+
+    def decoded_nbytes(self, key) -> int:
+        return sum(math.prod(self.store.entries[r.name].span(r.index, r.rows)[2]) * self.dtype.itemsize
+                   for _, r, _ in self._parts(key))
+
+    def workspace_nbytes(self, key) -> int:
+        return max((math.prod(self.store.entries[r.name].span(r.index, r.rows)[2]) * WORKSPACE_PER_WEIGHT
+                    for _, r, q in self._parts(key) if q not in FLOAT_TYPES), default=0)
+
+    def read(self, key) -> dict:
+        out = {}
+        for name, ref, qtype in self._parts(key):
+            if qtype in FLOAT_TYPES:
+                out[name] = self.store.read(ref.name, ref.index, ref.rows).to(self.dtype)
+            else:
+                out[f"{name}.{qtype}"] = self.store.read_raw(ref.name, ref.index, ref.rows)
+        return out
+
+    def decode(self, parts: dict) -> dict:
+        out = {}
+        for name, t in parts.items():
+            local, _, qtype = name.partition(".")
+            out[local] = dequantize(t, qtype, self.dtype) if qtype else t
+        return out

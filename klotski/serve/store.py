@@ -1,0 +1,162 @@
+"""The server's durable state under --data-dir: uploaded files and batches.
+
+    DIR/lock                    flock'ed by the one server using DIR
+    DIR/files/<id>.json         a FileObject (openai.types.FileObject), its content beside it
+    DIR/files/<id>.jsonl
+    DIR/batches/<id>/batch.json a Batch (openai.types.Batch); jobs.jsonl (the input as the run
+                                reads it), run.jsonl (the run's records), report.json
+
+Every metadata write is a whole new file fsynced and renamed over the old one (and the
+directory fsynced), so a crash leaves the old or the new object, never half of one; a reply
+that says a batch was accepted comes after its object is on disk. Ids are opaque
+(`file-<hex>`, `batch_<hex>`) and checked against their pattern before they are joined to a
+path: an id like `../../etc/passwd` is simply unknown.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import threading
+import time
+from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # not on Windows: the lock is a safety net, not a requirement
+    fcntl = None
+
+from klotski.errors import UserError
+from klotski.util.writes import fsync_dir
+
+FILE_ID = re.compile(r"file-[0-9a-f]{24}")
+BATCH_ID = re.compile(r"batch_[0-9a-f]{24}")
+# a batch whose server stopped midway resumes in these states on the next start
+UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
+
+
+def new_id(prefix: str) -> str:
+    return prefix + secrets.token_hex(12)
+
+
+def write_json(path: Path, obj: dict) -> None:
+    """`obj` as `path`, durably and atomically (fsync, rename, fsync of the directory)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(str(path.parent))
+
+
+class Store:
+    """Files and batches in memory, each change written through to disk before it is visible."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.files_dir, self.batches_dir = self.root / "files", self.root / "batches"
+        try:
+            for d in (self.files_dir, self.batches_dir, self.root / "tmp"):
+                d.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"--data-dir {self.root}: cannot create it ({e.strerror}); choose another directory")
+        self._lock_fd = self._take_lock()
+        self.lock = threading.RLock()  # the HTTP threads and the worker share these dicts
+        self.files = {p.stem: json.loads(p.read_text()) for p in self.files_dir.glob("file-*.json")}
+        self.batches = {}
+        for p in self.batches_dir.glob("batch_*/batch.json"):
+            self.batches[p.parent.name] = json.loads(p.read_text())
+        for tmp in (self.root / "tmp").iterdir():  # uploads cut short by a crash
+            tmp.unlink(missing_ok=True)
+
+    def _take_lock(self) -> int:
+        fd = os.open(self.root / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+        if fcntl is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                raise UserError(f"--data-dir {self.root} is in use by another klotski server; stop it or "
+                                "choose another --data-dir") from None
+        return fd
+
+    def close(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # also releases the lock
+            self._lock_fd = None
+
+    # ---- files -------------------------------------------------------------------------
+    def tmp_path(self) -> Path:
+        return self.root / "tmp" / secrets.token_hex(8)
+
+    def content_path(self, file_id: str) -> Path:
+        return self.files_dir / f"{file_id}.jsonl"
+
+    def get_file(self, file_id: str) -> dict | None:
+        return self.files.get(file_id) if FILE_ID.fullmatch(file_id or "") else None
+
+    def add_file(self, src: Path, filename: str, purpose: str, file_id: str | None = None) -> dict:
+        """Take `src` (already fsynced) as a new file's content (under `file_id`, else a new id)."""
+        fid = file_id or new_id("file-")
+        os.replace(src, self.content_path(fid))
+        meta = {"id": fid, "object": "file", "bytes": self.content_path(fid).stat().st_size,
+                "created_at": int(time.time()), "filename": filename, "purpose": purpose, "status": "processed"}
+        with self.lock:
+            write_json(self.files_dir / f"{fid}.json", meta)
+            self.files[fid] = meta
+        return meta
+
+    def file_in_use(self, file_id: str) -> str | None:
+        """The unfinished batch that reads or writes this file, if any."""
+        with self.lock:
+            for b in self.batches.values():
+                if b["status"] in UNFINISHED and file_id in (b["input_file_id"], b.get("output_file_id"),
+                                                             b.get("error_file_id")):
+                    return b["id"]
+        return None
+
+    def delete_file(self, file_id: str) -> None:
+        with self.lock:
+            (self.files_dir / f"{file_id}.json").unlink(missing_ok=True)
+            self.content_path(file_id).unlink(missing_ok=True)
+            fsync_dir(str(self.files_dir))
+            self.files.pop(file_id, None)
+
+    # ---- batches -----------------------------------------------------------------------
+    def batch_dir(self, batch_id: str) -> Path:
+        return self.batches_dir / batch_id
+
+    def get_batch(self, batch_id: str) -> dict | None:
+        return self.batches.get(batch_id) if BATCH_ID.fullmatch(batch_id or "") else None
+
+    def new_batch(self, fields: dict) -> dict:
+        bid = new_id("batch_")
+        batch = {"id": bid, "object": "batch", "status": "validating", "created_at": int(time.time()),
+                 "request_counts": {"total": 0, "completed": 0, "failed": 0}, **fields}
+        self.batch_dir(bid).mkdir()
+        self.save_batch(batch)
+        return batch
+
+    def save_batch(self, batch: dict) -> None:
+        with self.lock:
+            write_json(self.batch_dir(batch["id"]) / "batch.json", batch)
+            self.batches[batch["id"]] = batch
+
+    def update(self, batch_id: str, only_if: tuple = (), **fields) -> dict | None:
+        """Set fields of a batch (a new dict, so a reader never sees it half-changed) and save it;
+        with `only_if`, only while its status is one of those (None if it is not: a cancel and
+        the worker's next step can race, and the later must not undo the earlier)."""
+        with self.lock:
+            if only_if and self.batches[batch_id]["status"] not in only_if:
+                return None
+            batch = {**self.batches[batch_id], **fields}
+            self.save_batch(batch)
+            return batch
+
+    def unfinished(self) -> list[dict]:
+        """Batches accepted and not finished, oldest first: the worker's queue after a restart."""
+        with self.lock:
+            return sorted((b for b in self.batches.values() if b["status"] in UNFINISHED),
+                          key=lambda b: (b["created_at"], b["id"]))
