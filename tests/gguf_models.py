@@ -40,6 +40,26 @@ def expert_blocks(qtype: str, w: np.ndarray, rng) -> tuple[np.ndarray, object]:
     return raw.reshape(rows, -1), T[qtype]
 
 
+def add_tokenizer(w, size: int) -> None:
+    """The built-in byte-level BPE as GGUF `gpt2` tokenizer metadata, padded to `size` tokens."""
+    from klotski.builtin import tokenizer as builtin_tok
+    tok = json.loads(builtin_tok.tokenizer_json(size))
+    vocab = tok["model"]["vocab"]
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    assert len(tokens) <= size
+    tokens += [f"<unused{i}>" for i in range(size - len(tokens))]
+    specials = set(builtin_tok.SPECIAL_TOKENS)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in specials else 1 for t in tokens])
+    w.add_token_merges(merges)
+    w.add_bos_token_id(tokens.index("<s>"))
+    w.add_eos_token_id(tokens.index("</s>"))
+    w.add_pad_token_id(tokens.index("<pad>"))
+
+
 def permute(w: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's convert: q/k rows regrouped per head (interleaved rotary halves)."""
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -51,7 +71,6 @@ def write(path: Path, qtype: str = "Q8_0", shape: dict = QWEN3, seed: int = 0, m
     given, receives the weights as a Hugging Face checkpoint names and lays them out (fp32 as
     gguf decodes them), written independently of Klotski's reader: the Mixtral reference."""
     import gguf
-    from klotski.builtin import tokenizer as builtin_tok
 
     rng = np.random.default_rng(seed)
     s = shape
@@ -74,21 +93,7 @@ def write(path: Path, qtype: str = "Q8_0", shape: dict = QWEN3, seed: int = 0, m
     if "shared_inter" in s:
         w.add_expert_shared_feed_forward_length(s["shared_inter"])
 
-    tok = json.loads(builtin_tok.tokenizer_json(s["vocab"]))
-    vocab = tok["model"]["vocab"]
-    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
-    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
-    assert len(tokens) <= s["vocab"]
-    tokens += [f"<unused{i}>" for i in range(s["vocab"] - len(tokens))]
-    specials = set(builtin_tok.SPECIAL_TOKENS)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t in specials else 1 for t in tokens])
-    w.add_token_merges(merges)
-    w.add_bos_token_id(tokens.index("<s>"))
-    w.add_eos_token_id(tokens.index("</s>"))
-    w.add_pad_token_id(tokens.index("<pad>"))
+    add_tokenizer(w, s["vocab"])
 
     llama = s["arch"] == "llama"
     hf = {} if hf is None else hf
@@ -172,16 +177,101 @@ def decoded(data: np.ndarray, raw_type) -> np.ndarray:
 
 
 def write_reference(hf: dict, path: Path, out: Path) -> Path:
-    """A Mixtral safetensors checkpoint of `hf`'s weights, config and tokenizer from the GGUF
+    """A Mixtral (or gpt-oss) safetensors checkpoint of `hf`'s weights, config and tokenizer from the GGUF
     file (transformers' own GGUF readers), for transformers to run as the reference."""
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoTokenizer
     from klotski.io import gguf as kg
     out.mkdir()
     save_file({n: torch.from_numpy(np.ascontiguousarray(t)) for n, t in hf.items()}, str(out / "model.safetensors"))
     cfg = kg.read_config(path)
+    cfg.pop("gguf_experts", None)  # Klotski's own mark; transformers runs the unquantized layout
     cfg["dtype"] = "float32"
     (out / "config.json").write_text(json.dumps(cfg))
-    AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(out)
+    kg.load_tokenizer(path, cfg["model_type"]).save_pretrained(out)
     return out
+
+
+GPT_OSS = dict(hidden=128, heads=4, kv_heads=2, head_dim=32, layers=2, experts=4, top_k=2, inter=128, vocab=384,
+               window=8)
+
+
+def mxfp4_blocks(rows: int, cols: int, rng) -> np.ndarray:
+    """Random valid GGUF MXFP4 blocks [rows, cols / 32 * 17]: an E8M0 exponent (2^-8 .. 2^-5, so
+    weights stay within ±0.2) then 16 bytes of two E2M1 codes each."""
+    raw = rng.integers(0, 256, size=(rows, cols // 32, 17), dtype=np.uint8)
+    raw[..., 0] = rng.integers(119, 123, size=(rows, cols // 32))
+    return raw.reshape(rows, -1)
+
+
+def write_gpt_oss(path: Path, hf: dict, seed: int = 0, s: dict = GPT_OSS) -> Path:
+    """A gpt-oss GGUF file named and laid out as llama.cpp's convert writes one (separate
+    `ffn_{gate,up,down}_exps` MXFP4 experts with F32 `.bias` tensors, `attn_sinks`,
+    `post_attention_norm`, router `ffn_gate_inp` with a bias, yarn RoPE); `hf` receives the same
+    weights in transformers' unquantized gpt-oss layout (gate and up columns interleaved in
+    `gate_up_proj` [E, H, 2I], `down_proj` [E, I, H]), dequantized by gguf: the reference."""
+    import gguf
+    from gguf.constants import GGMLQuantizationType as T
+    rng = np.random.default_rng(seed)
+    H, D, L, E, I, V = s["hidden"], s["head_dim"], s["layers"], s["experts"], s["inter"], s["vocab"]
+    w = gguf.GGUFWriter(str(path), "gpt-oss")
+    w.add_name("klotski-test")
+    w.add_block_count(L)
+    w.add_context_length(256)
+    w.add_embedding_length(H)
+    w.add_feed_forward_length(I)
+    w.add_expert_feed_forward_length(I)
+    w.add_head_count(s["heads"])
+    w.add_head_count_kv(s["kv_heads"])
+    w.add_key_length(D)
+    w.add_value_length(D)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(150000.0)
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(4.0)
+    w.add_rope_scaling_orig_ctx_len(64)
+    w.add_sliding_window(s["window"])
+    w.add_expert_count(E)
+    w.add_expert_used_count(s["top_k"])
+    add_tokenizer(w, V)
+
+    def f32(name, hf_name, *dims, scale=0.05, base=0.0):
+        data = (base + rng.normal(0, scale, size=dims)).astype(np.float32)
+        hf[hf_name] = data
+        w.add_tensor(name, data)
+        return data
+
+    f32("token_embd.weight", "model.embed_tokens.weight", V, H, scale=0.5)
+    f32("output_norm.weight", "model.norm.weight", H, base=1.0)
+    f32("output.weight", "lm_head.weight", V, H, scale=0.1)
+    for j in range(L):
+        p, q = f"blk.{j}.", f"model.layers.{j}."
+        f32(p + "attn_norm.weight", q + "input_layernorm.weight", H, base=1.0)
+        for n, rows in (("q", s["heads"] * D), ("k", s["kv_heads"] * D), ("v", s["kv_heads"] * D)):
+            f32(p + f"attn_{n}.weight", q + f"self_attn.{n}_proj.weight", rows, H)
+            f32(p + f"attn_{n}.bias", q + f"self_attn.{n}_proj.bias", rows, scale=0.02)
+        f32(p + "attn_output.weight", q + "self_attn.o_proj.weight", H, s["heads"] * D)
+        f32(p + "attn_output.bias", q + "self_attn.o_proj.bias", H, scale=0.02)
+        f32(p + "attn_sinks.weight", q + "self_attn.sinks", s["heads"], scale=0.5)
+        f32(p + "post_attention_norm.weight", q + "post_attention_layernorm.weight", H, base=1.0)
+        f32(p + "ffn_gate_inp.weight", q + "mlp.router.weight", E, H, scale=0.2)
+        f32(p + "ffn_gate_inp.bias", q + "mlp.router.bias", E, scale=0.1)
+        mats, biases = {}, {}
+        for proj, rows, cols in (("gate", I, H), ("up", I, H), ("down", H, I)):
+            raw = np.stack([mxfp4_blocks(rows, cols, rng) for _ in range(E)])
+            w.add_tensor(p + f"ffn_{proj}_exps.weight", raw, raw_dtype=T.MXFP4)
+            mats[proj] = gguf.quants.dequantize(raw, T.MXFP4)  # [E, rows, cols]
+            biases[proj] = (rng.normal(0, 0.02, size=(E, rows))).astype(np.float32)
+            w.add_tensor(p + f"ffn_{proj}_exps.bias", biases[proj])
+        gate_up = np.empty((E, H, 2 * I), np.float32)
+        gate_up[..., ::2], gate_up[..., 1::2] = mats["gate"].transpose(0, 2, 1), mats["up"].transpose(0, 2, 1)
+        gate_up_bias = np.empty((E, 2 * I), np.float32)
+        gate_up_bias[:, ::2], gate_up_bias[:, 1::2] = biases["gate"], biases["up"]
+        hf[q + "mlp.experts.gate_up_proj"], hf[q + "mlp.experts.gate_up_proj_bias"] = gate_up, gate_up_bias
+        hf[q + "mlp.experts.down_proj"] = np.ascontiguousarray(mats["down"].transpose(0, 2, 1))
+        hf[q + "mlp.experts.down_proj_bias"] = biases["down"]
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(path)

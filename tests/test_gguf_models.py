@@ -72,15 +72,15 @@ def test_token_identical_to_transformers_gguf(files, case):
 
 def tight_run(path, engine):
     """Tokens under a tight device budget (experts streamed in their blocks): a quarter of the
-    packed model, or, when the planner refuses that, just above the minimum it names."""
+    packed model, or, when the planner refuses that, the minimum it names."""
     from klotski.planning import BudgetRefused
     budget = sum(engine.cache.moved.values()) // 4
     try:
         ours, engine = engine_tokens(path, device_memory=budget, batch_size=3, num_batches=2)
     except BudgetRefused as e:
-        # 10% above the minimum it names: at the minimum itself the engine overran by a few hundred
-        # bytes in this test (a planner/pipeline working-set gap at buffers=minimum, reported apart)
-        budget = math.ceil(e.needed * 1.1)
+        # the minimum itself: the KV of the next layer once came ahead into the room a GGUF
+        # expert's decode then needed, 3 KB over (the planner holds one or the other)
+        budget = math.ceil(e.needed)
         ours, engine = engine_tokens(path, device_memory=budget, batch_size=3, num_batches=2)
     assert engine.memory.peak <= budget and engine.pipeline.experts_loaded > 0
     return ours
@@ -188,3 +188,24 @@ def test_split_files(files, tmp_path):
     ref = hf_gguf_tokens(single)
     assert engine_tokens(split, batch_size=len(PROMPTS))[0] == ref
     assert Checkpoint.open(str(split / names[1])).store.files == [split / n for n in names]
+
+
+def test_gpt_oss_gguf(tmp_path):
+    """A gpt-oss GGUF as llama.cpp writes one (separate MXFP4 gate/up/down experts with biases,
+    sinks, yarn): transformers cannot read it, so the reference is transformers on the same
+    weights in its unquantized layout (gate and up interleaved). Experts stay MXFP4 blocks, sized
+    as stored; the device decode joins gate and up into the family's layout."""
+    from conftest import reference_tokens
+    hf = {}
+    path = gm.write_gpt_oss(tmp_path / "gpt-oss.gguf", hf)
+    ref = reference_tokens(gm.write_reference(hf, path, tmp_path / "ref"))
+    assert sum(len(set(t)) for t in ref) > 2 * len(PROMPTS)
+    ckpt = Checkpoint.open(str(path))
+    H, I = gm.GPT_OSS["hidden"], gm.GPT_OSS["inter"]
+    parts = ckpt.expert_codec(torch.float32).read(("expert", 1, 2))
+    assert {n: t.dtype for n, t in parts.items() if t.dtype == torch.uint8} == \
+        {f"{m}.MXFP4": torch.uint8 for m in ("gate", "up", "down")}
+    assert ckpt.group_bytes(torch.float32).expert == 3 * H * I // 32 * 17 + (2 * I + H) * 4  # blocks + fp32 biases
+    ours, engine = engine_tokens(path, batch_size=len(PROMPTS))
+    assert engine.spec.model_type == "gpt_oss" and ours == ref
+    assert tight_run(path, engine) == ref

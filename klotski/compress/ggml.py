@@ -143,10 +143,13 @@ class GgufCodec:
     """The WeightCache's codec for a GGUF checkpoint: expert matrices read, held and moved as
     their GGUF blocks, decoded on the device per use. A packed part is named `<local>.<TYPE>`
     (`w1.Q4_K`), so `decode` knows its type from the parts alone; float parts (an F16 expert
-    tensor) are cast to the compute dtype on read and travel as such."""
+    tensor) are cast to the compute dtype on read and travel as such. A family whose experts
+    are laid out otherwise than GGUF's gate/up/down (gpt-oss: gate and up interleaved, transposed)
+    has a `join_gguf_expert` that `decode` hands the decoded matrices to."""
 
     def __init__(self, store, spec, dtype: torch.dtype):
         self.store, self.spec, self.dtype = store, spec, dtype
+        self.join = getattr(spec.family, "join_gguf_expert", None)
 
     def covers(self, key) -> bool:
         return key[0] == "expert"
@@ -165,8 +168,10 @@ class GgufCodec:
                    for _, r, _ in self._parts(key))
 
     def workspace_nbytes(self, key) -> int:
-        return max((math.prod(self.store.entries[r.name].span(r.index, r.rows)[2]) * WORKSPACE_PER_WEIGHT
+        work = max((math.prod(self.store.entries[r.name].span(r.index, r.rows)[2]) * WORKSPACE_PER_WEIGHT
                     for _, r, q in self._parts(key) if q not in FLOAT_TYPES), default=0)
+        # joining copies each matrix once beside the decoded parts (gpt-oss: stack, then transpose)
+        return max(work, 2 * self.decoded_nbytes(key)) if self.join else work
 
     def read(self, key) -> dict:
         out = {}
@@ -182,4 +187,4 @@ class GgufCodec:
         for name, t in parts.items():
             local, _, qtype = name.partition(".")
             out[local] = dequantize(t, qtype, self.dtype) if qtype else t
-        return out
+        return self.join(out) if self.join else out

@@ -25,7 +25,7 @@ from klotski.compress import ggml
 from placement.store import CheckpointError, TensorEntry, TensorStore
 
 # GGUF architecture -> the model_type transformers and the families use
-ARCHITECTURES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "llama": "mixtral"}
+ARCHITECTURES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "llama": "mixtral", "gpt-oss": "gpt_oss"}
 _SPLIT = re.compile(r"-\d{5}-of-\d{5}\.gguf$")
 
 
@@ -74,6 +74,11 @@ def read_config(first: Path) -> dict:
         raise CheckpointError(f"{first}: GGUF architecture {arch!r} is not supported; supported: "
                               f"{', '.join(ARCHITECTURES)} (with expert tensors)")
     meta = {k[len(arch) + 1:]: _field(reader, k) for k in reader.fields if k.startswith(arch + ".")}
+    if ARCHITECTURES[arch] == "gpt_oss":  # transformers' reader fails on its rope.scaling keys
+        try:
+            return _gpt_oss_config(reader, meta)
+        except KeyError as e:
+            raise CheckpointError(f"{first}: GGUF metadata lacks {arch}.{e.args[0]}; not a complete gpt-oss file") from None
     try:
         cfg = AutoConfig.from_pretrained(first.parent, gguf_file=first.name).to_dict()
     except Exception as e:  # transformers raises many kinds on a bad file
@@ -101,6 +106,35 @@ def read_config(first: Path) -> dict:
     return cfg
 
 
+def _gpt_oss_config(reader, meta: dict) -> dict:
+    """gpt-oss's config from llama.cpp's `gpt-oss.*` keys (transformers' GGUF reader fails on
+    them). llama.cpp writes no beta_fast/beta_slow and runs yarn untruncated: OpenAI's values.
+    `gguf_experts` tells the family its experts are GGUF's separate gate/up/down."""
+    from transformers import CONFIG_MAPPING
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    base = {"hidden_size": int(meta["embedding_length"]), "num_hidden_layers": int(meta["block_count"]),
+            "num_attention_heads": int(meta["attention.head_count"]),
+            "num_key_value_heads": int(meta.get("attention.head_count_kv") or meta["attention.head_count"]),
+            "rms_norm_eps": float(meta.get("attention.layer_norm_rms_epsilon") or 1e-5),
+            "max_position_embeddings": int(meta["context_length"]),
+            "vocab_size": int(meta.get("vocab_size") or len(tokens.data)),
+            "tie_word_embeddings": all(t.name != "output.weight" for t in reader.tensors),
+            "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+            "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+            "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id")}
+    rope = {"rope_type": "default", "rope_theta": float(meta.get("rope.freq_base") or 150000.0)}
+    if meta.get("rope.scaling.type") == "yarn":
+        rope.update(rope_type="yarn", factor=float(meta["rope.scaling.factor"]), beta_fast=32.0, beta_slow=1.0,
+                    truncate=False, original_max_position_embeddings=int(meta["rope.scaling.original_context_length"]))
+    base.update(intermediate_size=int(meta.get("expert_feed_forward_length") or meta["feed_forward_length"]),
+                num_local_experts=int(meta["expert_count"]), num_experts_per_tok=int(meta["expert_used_count"]),
+                head_dim=int(meta["attention.key_length"]), sliding_window=int(meta["attention.sliding_window"]),
+                rope_parameters=rope, attention_bias=True)
+    cfg = CONFIG_MAPPING["gpt_oss"](**base).to_dict()
+    cfg.update(gguf_experts=True, dtype="bfloat16")  # quantized weights have no dtype of their own
+    return cfg
+
+
 def _give_gguf_a_version() -> None:
     """transformers parses gguf's version from its metadata, which some gguf wheels lack (see
     klotski/builtin/smollm.py): give the module one."""
@@ -110,11 +144,13 @@ def _give_gguf_a_version() -> None:
         gguf.__version__ = version("gguf")
 
 
-def load_tokenizer(first: Path):
-    from transformers import AutoTokenizer
+def load_tokenizer(first: Path, model_type: str = ""):
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
     _give_gguf_a_version()
+    # AutoTokenizer reads the config first, which transformers' reader fails on for gpt-oss
+    cls = PreTrainedTokenizerFast if model_type == "gpt_oss" else AutoTokenizer
     try:
-        return AutoTokenizer.from_pretrained(first.parent, gguf_file=first.name)
+        return cls.from_pretrained(first.parent, gguf_file=first.name)
     except Exception as e:
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
         raise CheckpointError(f"{first}: cannot load the tokenizer from its GGUF metadata ({reason})") from None
@@ -148,7 +184,7 @@ def open_parts(path: Path, direct: bool):
     except ValueError as e:
         raise CheckpointError(f"{paths[0]}: {e}") from None
     store.validate(spec.expected_shapes())
-    tokenizer = load_tokenizer(paths[0])
+    tokenizer = load_tokenizer(paths[0], cfg["model_type"])
     h = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode())
     for name in sorted(store.entries):
         e = store.entries[name]
@@ -256,7 +292,11 @@ _LAYER = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post
           **{f"ffn_{p}_shexp.weight": f"mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")}}
 _TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
-_EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)(_exps|\.(\d+))\.weight$")
+_EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)(_exps|\.(\d+))\.(weight|bias)$")
+# gpt-oss's own names (llama.cpp's convert): the rest are _LAYER's
+_GPT_OSS = {"post_attention_norm.weight": "post_attention_layernorm.weight", "attn_sinks.weight": "self_attn.sinks",
+            "attn_output.bias": "self_attn.o_proj.bias", "ffn_gate_inp.weight": "mlp.router.weight",
+            "ffn_gate_inp.bias": "mlp.router.bias"}
 
 
 _MIXTRAL = {"gate": "w1", "up": "w3", "down": "w2"}
@@ -272,12 +312,14 @@ def hf_names(name: str, shape: tuple, qtype: str, model_type: str = "qwen3_moe")
     if m:
         layer, proj = m.group(1), m.group(2)
         prefix = f"model.layers.{layer}.{'block_sparse_moe' if mixtral else 'mlp'}.experts."
-        local = f"{_MIXTRAL[proj]}.weight" if mixtral else f"{proj}_proj.weight"
-        if m.group(3) == "_exps":  # [E, rows, cols]: expert e's rows follow expert e - 1's
+        local = f"{_MIXTRAL[proj]}.{m.group(5)}" if mixtral else f"{proj}_proj.{m.group(5)}"
+        if m.group(3) == "_exps":  # [E, rows, cols] ([E, cols] biases): expert e's rows follow expert e - 1's
             step = math.prod(shape[1:-1]) * ggml.row_nbytes(qtype, shape[-1])
             return [(f"{prefix}{e}.{local}", shape[1:], e * step) for e in range(shape[0])]
         return [(f"{prefix}{m.group(4)}.{local}", shape, 0)]
     m = re.match(r"blk\.(\d+)\.(.+)$", name)
+    if m and model_type == "gpt_oss" and m.group(2) in _GPT_OSS:
+        return [(f"model.layers.{m.group(1)}.{_GPT_OSS[m.group(2)]}", shape, 0)]
     if m and m.group(2) in _LAYER:
         hf = f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}"
         if mixtral and m.group(2) == "ffn_gate_inp.weight":

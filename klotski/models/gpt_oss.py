@@ -70,8 +70,12 @@ def gate_names(spec, layer: int) -> dict[str, str]:
 
 
 def expert_names(spec, layer: int, expert: int) -> dict[str, str]:
-    """The fused per-layer tensors (every expert's, along dim 0) that hold one expert's weights."""
+    """The fused per-layer tensors (every expert's, along dim 0) that hold one expert's weights;
+    a GGUF file's own per-expert gate, up and down (klotski/io/gguf.py names them)."""
     p = f"model.layers.{layer}.mlp.experts."
+    if spec.config.get("gguf_experts"):
+        q = f"{p}{expert}."
+        return {**{m: f"{q}{m}_proj.weight" for m in GGUF_PARTS}, **{f"{m}_bias": f"{q}{m}_proj.bias" for m in GGUF_PARTS}}
     parts = ("gate_up_blocks", "gate_up_scales", "down_blocks", "down_scales") if spec.expert_format == "mxfp4" \
         else ("gate_up", "down")
     names = {n: p + n.replace("gate_up", "gate_up_proj").replace("down", "down_proj") for n in parts}
@@ -80,16 +84,32 @@ def expert_names(spec, layer: int, expert: int) -> dict[str, str]:
 
 
 def expert_refs(spec, layer: int, expert: int) -> dict[str, TensorRef]:
-    """An expert's slices of the fused per-layer tensors."""
-    return {n: TensorRef(name, expert) for n, name in expert_names(spec, layer, expert).items()}
+    """An expert's slices of the fused per-layer tensors (GGUF's per-expert entries: whole)."""
+    index = None if spec.config.get("gguf_experts") else expert
+    return {n: TensorRef(name, index) for n, name in expert_names(spec, layer, expert).items()}
+
+
+GGUF_PARTS = ("gate", "up", "down")  # a GGUF expert's matrices, [out, in] as llama.cpp stores them
+
+
+def join_gguf_expert(w: dict) -> dict:
+    """A GGUF expert decoded (gate, up [I, H], down [H, I] and their biases) -> this family's
+    layout: gate and up rows interleaved and transposed into `gate_up` [H, 2I], down [I, H]
+    (contiguous, as transformers holds them, so the products sum in its order)."""
+    I, H = w["gate"].shape
+    gate_up = torch.stack((w["gate"], w["up"]), dim=1).view(2 * I, H).t().contiguous()
+    return {"gate_up": gate_up, "gate_up_bias": torch.stack((w["gate_bias"], w["up_bias"]), dim=1).view(2 * I),
+            "down": w["down"].t().contiguous(), "down_bias": w["down_bias"]}
 
 
 def local_shapes(spec) -> dict[str, tuple[int, ...]]:
     H, I = spec.hidden_size, spec.intermediate_size
+    gguf = spec.config.get("gguf_experts")  # GGUF's down is [out, in]
     return {"sinks": (spec.num_heads,), "router_bias": (spec.num_experts,),
-            "gate_up": (H, 2 * I), "down": (I, H), "gate_up_bias": (2 * I,), "down_bias": (H,),
+            "gate_up": (H, 2 * I), "down": (H, I) if gguf else (I, H), "gate_up_bias": (2 * I,), "down_bias": (H,),
             "gate_up_blocks": (2 * I, H // 32, 16), "gate_up_scales": (2 * I, H // 32),
-            "down_blocks": (H, I // 32, 16), "down_scales": (H, I // 32)}
+            "down_blocks": (H, I // 32, 16), "down_scales": (H, I // 32),
+            "gate": (I, H), "up": (I, H), "gate_bias": (I,), "up_bias": (I,)}
 
 
 # ---- math ------------------------------------------------------------------------------

@@ -227,9 +227,11 @@ class Pipeline:
         already) and beside their compute, as inequality (7) has it: waited for at the start
         of that layer's attention, it left the link idle while the device waited."""
         kv = kvs[0]
-        # only into free room: evicting this layer's experts for it would cost more than it hides
+        # only into free room, evicting nothing (this layer's experts cost more than it hides),
+        # and leaving room for one expert's use (fetched, decoded, its codec's temporaries): the
+        # planner's minimum holds this KV or an expert, never both, and neither can be evicted
         if (layer < self.spec.num_layers and kv.on_host and not self.at_host[0]
-                and self.memory.fits(kv.step_nbytes())):
+                and self.memory.fits(kv.step_nbytes() + self.cache.largest_use())):
             self.kv_ahead = (layer, self._kv_load(kv, layer))
 
     def _kv_load(self, kv: BatchKV, layer: int):
