@@ -15,6 +15,8 @@ and `to_device(t)`); this package never imports them.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from placement import pinned
@@ -148,9 +150,11 @@ class WeightCache:
         copy's reservation already covers it) and the codec's temporaries while it runs."""
         return (self.full[key] if key in self.resident else 0) + self.workspace.get(key, 0)
 
+    @functools.cached_property
     def largest_use(self) -> int:
         """Device bytes computing with one group can take beyond what is resident: the largest
-        group fetched from another tier, or the largest resident one decoded for its use."""
+        group fetched from another tier, or the largest resident one decoded for its use (fixed
+        once the tiers are filled; the pipeline asks every layer)."""
         moved = max((size + self.workspace.get(key, 0) for key, size in self.sizes.items() if key not in self.resident),
                     default=0)
         return max(moved, max((self.decode_nbytes(key) for key in self.resident if self._coded(key)), default=0))

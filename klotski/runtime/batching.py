@@ -118,7 +118,7 @@ class ContinuousRun:
         self.widest = newcomer_chunks(*args)  # a newcomer batch's chunk, as the planner replays it
         # a newcomer's cache beyond the planned ones is taken only if a step can still run
         # beside it: its activations at their limit and the largest group it fetches
-        self.headroom = self.step_limit + engine.cache.largest_use()
+        self.headroom = self.step_limit + engine.cache.largest_use
         self.decode: list[_Decode] = []
         self.newcomers: list[_Newcomers] = []  # oldest first
         self.spare: list[BatchKV] = []  # host newcomer caches done with, for the next newcomers

@@ -231,7 +231,7 @@ class Pipeline:
         # and leaving room for one expert's use (fetched, decoded, its codec's temporaries): the
         # planner's minimum holds this KV or an expert, never both, and neither can be evicted
         if (layer < self.spec.num_layers and kv.on_host and not self.at_host[0]
-                and self.memory.fits(kv.step_nbytes() + self.cache.largest_use())):
+                and self.memory.fits(kv.step_nbytes() + self.cache.largest_use)):
             self.kv_ahead = (layer, self._kv_load(kv, layer))
 
     def _kv_load(self, kv: BatchKV, layer: int):
