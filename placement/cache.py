@@ -16,6 +16,7 @@ and `to_device(t)`); this package never imports them.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,27 +35,45 @@ class WeightCache:
         self.to_device = to_device
         # a codec of a packed checkpoint (MXFP4) knows its decoded size; HQQ's refs are the original
         decoded = getattr(codec, "decoded_nbytes", None)
-        self.full = {k: decoded(k) if decoded and self._coded(k) else self._nbytes(k) for k in placement.tiers}
+        self.full = {k: decoded(k) if decoded and self.coded(k) else self._nbytes(k) for k in placement.tiers}
         full = self.full
         # bytes that cross a link (and that a resident group occupies), and device bytes of a
         # transient copy (packed + decoded)
-        self.moved = {k: self.codec.packed_nbytes(k) if self._coded(k) else full[k] for k in full}
-        self.sizes = {k: self.moved[k] + full[k] if self._coded(k) else full[k] for k in full}
+        self.moved = {k: self.codec.packed_nbytes(k) if self.coded(k) else full[k] for k in full}
+        self.sizes = {k: self.moved[k] + full[k] if self.coded(k) else full[k] for k in full}
         # temporaries a codec's decode holds while it runs (MXFP4's slabs): reserved for the call only
         work = getattr(codec, "workspace_nbytes", None)
-        self.workspace = {k: work(k) for k in full if work and self._coded(k)}
+        self.workspace = {k: work(k) for k in full if work and self.coded(k)}
         self.decoded: set = set()
         self.unpacked: dict = {}   # resident quantized groups decoded for the current use
         self.resident: dict = {}   # device-placed groups
         self.host: dict = {}       # host-placed groups
         self.loaded: dict = {}     # transient device copies: key -> tensors
         self.pending: dict = {}    # key -> Ticket of a transfer in flight
+        self.landings: dict = {}   # key -> the Landing it arrives (or arrived) stacked in
+        self.experts_landed_stacked = 0  # experts moved in a shared submission (start_many)
         self.staging: dict = {}    # key -> Ticket of a disk->host read in flight
         self.held: set = set()     # groups being computed with: never evicted
+        # a layer's resident experts (16-bit or fp32: packed ones decode per use) live stacked,
+        # one tensor per weight name, so one grouped call computes them all; each expert's
+        # tensors are views of its row. Filled once, never re-stacked.
+        self.stacks: dict[int, ExpertStack] = {}
+        for key, tier in placement.tiers.items():
+            if tier == DEVICE and key[0] == "expert" and not self.coded(key):
+                self.stacks.setdefault(key[1], ExpertStack()).experts.append(key[2])
+        for stack in self.stacks.values():
+            stack.experts.sort()
+            stack.row = {e: i for i, e in enumerate(stack.experts)}
+        device = to_device(torch.empty(0)).device if self.stacks else None
         for key, tier in placement.tiers.items():
             if tier == DEVICE:  # quantized groups stay packed, as the planner sized them
                 memory.reserve(self.moved[key], f"resident {key}")
-                self.resident[key] = {n: to_device(t) for n, t in self._read(key).items()}
+                tensors = self._read(key)
+                stack = self.stacks.get(key[1]) if key[0] == "expert" else None
+                if stack is not None and key[2] in stack.row:
+                    self.resident[key] = stack.put(key[2], tensors, device)
+                else:
+                    self.resident[key] = {n: to_device(t) for n, t in tensors.items()}
             elif tier == HOST:
                 tensors = self._read(key)
                 if host_blocks is None:
@@ -75,12 +94,13 @@ class WeightCache:
         return sum(self.store.nbytes(r.name, r.index, r.rows) // self.store.entries[r.name].dtype.itemsize * item
                    for r in self.refs_for(key).values())
 
-    def _coded(self, key) -> bool:
+    def coded(self, key) -> bool:
+        """Whether `key` is kept packed (HQQ, MXFP4, GGUF blocks) and decoded per use."""
         return self.codec is not None and self.codec.covers(key)
 
     def _read(self, key) -> dict:
         """Host tensors of `key` as stored: packed parts when quantized."""
-        if self._coded(key):
+        if self.coded(key):
             return self.codec.read(key)
         return {n: self.store.read_ref(r).to(self.dtype) for n, r in self.refs_for(key).items()}
 
@@ -108,6 +128,39 @@ class WeightCache:
         self.pending[key] = channel.submit(lambda: {n: channel.to_device(t, owned) for n, t in source().items()},
                                            name=_label(key), nbytes=self.moved[key])
         return True
+
+    def start_many(self, keys, channel) -> int:
+        """Begin moving a run of one layer's experts in one submission, as many as fit: host-tier
+        16-bit ones land stacked (`Landing`: one tensor per weight name, a row each, so a wave
+        computes them in one call without copying them again); any other goes alone. Returns
+        how many of `keys` started (0: no room)."""
+        size, run = self.sizes[keys[0]], 0
+        while (run < len(keys) and keys[run] in self.host and not self.coded(keys[run])
+               and not self.present(keys[run]) and self.memory.fits((run + 1) * size)):
+            run += 1
+        if run < 2:
+            return int(self.start(keys[0], channel))
+        keys = keys[:run]
+        landing = Landing(keys, run * size)
+        self.memory.reserve(landing.nbytes, f"experts {keys[0][:2]} x{run}")
+        sources = [self.host[k] for k in keys]
+
+        def work():
+            stacks = {n: channel.empty((run, *t.shape), t.dtype) for n, t in sources[0].items()}
+            for i, tensors in enumerate(sources):
+                for n, t in tensors.items():
+                    channel.copy_into(stacks[n][i], t)
+            return stacks
+
+        ticket = channel.submit(work, name=_label(keys[0]) + f"+{run - 1}", nbytes=sum(self.moved[k] for k in keys))
+        for i, key in enumerate(keys):
+            self.pending[key], self.landings[key] = landing.row_ticket(ticket, i), landing
+        self.experts_landed_stacked += run
+        return run
+
+    def landing(self, key):
+        """The Landing `key` arrived stacked in (its `stacks` set once a member was waited for), or None."""
+        return self.landings.get(key)
 
     def _source(self, key):
         """A callable giving host tensors for `key`, run on the transfer's worker, and whether
@@ -143,7 +196,7 @@ class WeightCache:
         self.held.discard(key)
 
     def needs_decode(self, key) -> bool:
-        return self._coded(key) and (key in self.loaded or key in self.resident) and key not in self.decoded
+        return self.coded(key) and (key in self.loaded or key in self.resident) and key not in self.decoded
 
     def decode_nbytes(self, key) -> int:
         """Device bytes `decode` will reserve: the decoded copy of a resident group (a transient
@@ -157,7 +210,7 @@ class WeightCache:
         once the tiers are filled; the pipeline asks every layer)."""
         moved = max((size + self.workspace.get(key, 0) for key, size in self.sizes.items() if key not in self.resident),
                     default=0)
-        return max(moved, max((self.decode_nbytes(key) for key in self.resident if self._coded(key)), default=0))
+        return max(moved, max((self.decode_nbytes(key) for key in self.resident if self.coded(key)), default=0))
 
     def decode(self, key) -> dict:
         """Dequantize `key` on the device for this use, its codec's temporaries reserved meanwhile."""
@@ -182,13 +235,17 @@ class WeightCache:
                 self.decoded.discard(key)
                 self.memory.free(self.full[key])
             return
-        if key in self.pending:  # prefetched but never used: let it land, then drop it
-            self.pending.pop(key).wait()
+        if key in self.pending:  # prefetched but never used: dropped once issued (nothing waits on it)
+            self.pending.pop(key).discard()
         elif key not in self.loaded:
             return
         self.loaded.pop(key, None)
         self.decoded.discard(key)
-        self.memory.free(self.sizes[key])
+        landing = self.landings.pop(key, None)
+        if landing is None:
+            self.memory.free(self.sizes[key])
+        elif landing.leave():  # its stacks are freed with the last member
+            self.memory.free(landing.nbytes)
 
     def transient(self) -> list:
         """What `release` could free to make room: every transient copy not being computed with."""
@@ -205,13 +262,13 @@ class WeightCache:
         disk read (waited for), decoded on the host when packed (HQQ, MXFP4). A decoded copy is
         reserved in the host account until `drop_host_weights`."""
         tensors = self.host[key] if key in self.host else self.staging[key].wait()
-        if not self._coded(key):
+        if not self.coded(key):
             return tensors
         self.host_memory.reserve(self.full[key], f"decoded {key} on the host")
         return self.codec.decode(tensors)
 
     def drop_host_weights(self, key) -> None:
-        if self._coded(key):
+        if self.coded(key):
             self.host_memory.free(self.full[key])
 
     # ---- the embedding: gathered where it lives ----------------------------------------
@@ -241,6 +298,59 @@ class WeightCache:
         for key in keys:
             if self.staging.pop(key, None) is not None:
                 self.host_memory.free(self.moved[key])
+
+
+@dataclass
+class ExpertStack:
+    """One layer's resident experts, stacked: `tensors[name][row[e]]` is expert e's `name`."""
+    experts: list = field(default_factory=list)   # expert ids, ascending (the rows' order)
+    row: dict = field(default_factory=dict)
+    tensors: dict = field(default_factory=dict)
+
+    def put(self, expert: int, tensors: dict, device) -> dict:
+        """Copy one expert's host tensors into its row (the stack made on the first); its views."""
+        if not self.tensors:
+            self.tensors = {n: torch.empty((len(self.experts), *t.shape), dtype=t.dtype, device=device)
+                            for n, t in tensors.items()}
+        i = self.row[expert]
+        for n, t in tensors.items():
+            self.tensors[n][i].copy_(t)
+        return {n: self.tensors[n][i] for n in tensors}
+
+
+class Landing:
+    """Experts of one layer moved in one submission into stacked tensors (`stacks`, one per weight
+    name, row i = keys[i]). Its bytes are one reservation, freed when the last member leaves."""
+
+    def __init__(self, keys: list, nbytes: int):
+        self.keys, self.nbytes, self.live = keys, nbytes, len(keys)
+        self.row = {k: i for i, k in enumerate(keys)}
+        self.stacks: dict | None = None
+
+    def row_ticket(self, ticket, row: int) -> "_RowTicket":
+        return _RowTicket(self, ticket, row)
+
+    def leave(self) -> bool:
+        """One member released; True when it was the last."""
+        self.live -= 1
+        return self.live == 0
+
+
+class _RowTicket:
+    """A Landing member's view of the one transfer: done with it, its row when waited for."""
+
+    def __init__(self, landing: Landing, ticket, row: int):
+        self.landing, self.ticket, self.row = landing, ticket, row
+
+    def done(self) -> bool:
+        return self.ticket.done()
+
+    def wait(self) -> dict:
+        self.landing.stacks = self.ticket.wait()
+        return {n: t[self.row] for n, t in self.landing.stacks.items()}
+
+    def discard(self) -> None:
+        self.ticket.discard()
 
 
 def _label(key) -> str:

@@ -79,3 +79,44 @@ def fit(rows: list[tuple[int, int, float]]) -> dict:
     coef, *_ = np.linalg.lstsq(X, y, rcond=None)
     worst = float(np.max(np.abs(X @ coef - y))) if len(rows) else 0.0
     return {"a": coef[0], "b": coef[1], "c": coef[2], "d": coef[3], "max_residual": worst}
+
+
+# ---- fine-grained against coarse at equal FLOPs per token (issue 45) ------------------------
+FINE, COARSE = 128, 8  # experts per layer; both route each token to 8 experts of the same width
+
+
+def build_fine_and_coarse(root: Path, layers: int = 3) -> dict[int, Path]:
+    """Two Qwen3-shaped models that differ only in their number of experts (128 and 8, top-8,
+    each 128 wide): the same FLOPs per token, 16x the expert weights."""
+    from klotski.builtin.families import build_family
+    return {e: build_family(root / f"qwen3-{e}", "qwen3_moe", num_experts=e, num_experts_per_tok=8,
+                            moe_intermediate_size=128, num_hidden_layers=layers) for e in (FINE, COARSE)}
+
+
+def job_ops(model_dir, *, experts_on_host: bool, device_memory: int | None = None, lines: int = 32,
+            tokens: int = 24, bs: int = 8, n: int = 4) -> dict:
+    """ATen ops (all, and kernels: not views) the compute thread issues for a whole job of
+    `lines` prompts, `tokens` new tokens each, and its decode seconds (one run): every expert
+    resident, or every expert streamed from host memory through `device_memory`."""
+    from klotski.assemble import open_engine
+    from klotski.config import RunConfig
+    from klotski.io.checkpoint import Checkpoint
+    from klotski.io.requests import Request
+    from placement.placement import Placement
+
+    keys = Checkpoint.open(str(model_dir)).spec.group_keys()
+    placement = Placement.by_kind(keys, expert="host" if experts_on_host else "device")
+    cfg = RunConfig(model=str(model_dir), progress=False, dtype="float32", batch_size=bs, num_batches=n,
+                    device_memory=device_memory)
+    reqs = [Request(id=f"r{i}", line=i + 1, prompt=f"item {i} of the list, a passage about things", messages=None,
+                    max_new_tokens=tokens) for i in range(lines)]
+    engine, seqs, errors = open_engine(cfg, reqs, placement=placement)
+    assert not errors, errors
+    counter = OpCounter()
+    try:
+        with counter:
+            outputs = {s.request.id: s.out for s in engine.run(seqs)}
+    finally:
+        engine.close()
+    return {"ops": counter.total, "kernels": counter.kernels, "decode_s": engine.stats.decode_s,
+            "prefill_s": engine.stats.prefill_s, "outputs": outputs}

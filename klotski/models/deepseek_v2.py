@@ -248,6 +248,7 @@ def _group_mask(group_scores, keep: int, num_experts: int):
 
 expert_ffn = L.swiglu
 bind_expert_ffn = defaults.bind_expert_ffn
+bind_grouped_expert_ffn = defaults.bind_grouped_expert_ffn
 
 
 def shared_ffn(x, gate: dict, spec):

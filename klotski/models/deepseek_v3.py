@@ -31,6 +31,7 @@ attention_names = V2.attention_names
 local_shapes = V2.local_shapes
 expert_ffn = V2.expert_ffn
 bind_expert_ffn = V2.bind_expert_ffn
+bind_grouped_expert_ffn = V2.bind_grouped_expert_ffn
 shared_ffn = V2.shared_ffn
 softmax_scale = V2.softmax_scale
 

@@ -53,6 +53,12 @@ def bind_expert_ffn(spec):
     return spec.family.expert_ffn
 
 
+def bind_grouped_expert_ffn(spec):
+    """SwiGLU experts stacked, over their groups of rows (grouped.grouped_swiglu)."""
+    from klotski.models.grouped import grouped_swiglu
+    return grouped_swiglu
+
+
 def shared_ffn(x, gate: dict, spec):
     """No shared expert."""
     return None

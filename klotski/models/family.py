@@ -12,6 +12,7 @@ from typing import Callable, Protocol
 
 import torch
 
+from klotski.models.grouped import Groups
 from klotski.models.refs import TensorRef
 
 
@@ -72,3 +73,8 @@ class Family(Protocol):
 
     def bind_expert_ffn(self, spec) -> Callable[[torch.Tensor, dict], torch.Tensor]:
         """expert_ffn(x, w) with the constants this checkpoint's config.json sets."""
+
+    def bind_grouped_expert_ffn(self, spec) -> Callable[[torch.Tensor, dict, Groups], torch.Tensor]:
+        """expert_ffn over many experts at once: w's tensors stacked along a first dimension (one
+        expert each), x's rows in contiguous runs, one per expert (`Groups`); bit for bit
+        expert_ffn on each run."""

@@ -18,6 +18,7 @@ import functools
 import torch
 
 from klotski.models import defaults, fields
+from klotski.models import grouped as G
 from klotski.models import layers as L
 from klotski.models import mixtral
 from klotski.models.refs import TensorRef
@@ -173,6 +174,25 @@ def bind_expert_ffn(spec):
     """expert_ffn(x, w) with this checkpoint's clamp and sigmoid gain."""
     cfg = spec.config
     return functools.partial(clamped_swiglu, alpha=float(cfg.get("swiglu_alpha", SWIGLU_ALPHA)),
+                             limit=float(cfg.get("swiglu_limit", SWIGLU_LIMIT)))
+
+
+def grouped_clamped_swiglu(x, w: dict, groups: G.Groups, *, alpha: float = SWIGLU_ALPHA,
+                           limit: float = SWIGLU_LIMIT) -> torch.Tensor:
+    """clamped_swiglu for stacked experts over their groups of rows; each row's biases are its
+    expert's, added after the product as the per-expert path adds them."""
+    rows = groups.row_group()
+    gate_up = G.grouped_mm(x, w["gate_up"], groups)
+    gate_up.add_(w["gate_up_bias"].index_select(0, rows))
+    gate, up = gate_up[..., ::2].clamp(max=limit), gate_up[..., 1::2].clamp(min=-limit, max=limit)
+    out = G.grouped_mm((up + 1) * (gate * torch.sigmoid(gate * alpha)), w["down"], groups)
+    return out.add_(w["down_bias"].index_select(0, rows))
+
+
+def bind_grouped_expert_ffn(spec):
+    """grouped_clamped_swiglu with this checkpoint's clamp and sigmoid gain."""
+    cfg = spec.config
+    return functools.partial(grouped_clamped_swiglu, alpha=float(cfg.get("swiglu_alpha", SWIGLU_ALPHA)),
                              limit=float(cfg.get("swiglu_limit", SWIGLU_LIMIT)))
 
 

@@ -67,4 +67,5 @@ def route(x, gate: dict, spec):
 
 expert_ffn = L.swiglu
 bind_expert_ffn = defaults.bind_expert_ffn
+bind_grouped_expert_ffn = defaults.bind_grouped_expert_ffn
 shared_ffn = defaults.shared_ffn

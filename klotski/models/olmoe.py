@@ -21,6 +21,7 @@ attention_names = qwen3_moe.attention_names
 shared_ffn = defaults.shared_ffn
 expert_ffn = L.swiglu
 bind_expert_ffn = defaults.bind_expert_ffn
+bind_grouped_expert_ffn = defaults.bind_grouped_expert_ffn
 
 
 def check_config(cfg: dict) -> None:

@@ -23,6 +23,7 @@ attention_names = mixtral.attention_names  # plain projections; their biases are
 qkv = mixtral.qkv
 expert_ffn = L.swiglu
 bind_expert_ffn = defaults.bind_expert_ffn
+bind_grouped_expert_ffn = defaults.bind_grouped_expert_ffn
 
 
 def check_config(cfg: dict) -> None:

@@ -103,6 +103,7 @@ def route(x, gate: dict, spec):
 
 expert_ffn = L.swiglu
 bind_expert_ffn = defaults.bind_expert_ffn
+bind_grouped_expert_ffn = defaults.bind_grouped_expert_ffn
 
 
 def shared_ffn(x, gate: dict, spec):

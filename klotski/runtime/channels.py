@@ -62,6 +62,12 @@ class Ticket:
         return result
 
 
+    def discard(self) -> None:
+        """The result is not wanted: wait only until the work was issued, never making the
+        calling stream wait on the copy (its memory stays the copy stream's until it is done)."""
+        self.future.result()
+
+
 def device_tensors(value):
     """The CUDA tensors in a transfer's result (a tensor, or dicts/tuples/lists of them)."""
     if isinstance(value, torch.Tensor):
@@ -174,6 +180,14 @@ class Channel:
         if self.cuda:
             return t.to(self.device, non_blocking=True)
         return t if owned else t.clone()
+
+    def empty(self, shape, dtype) -> torch.Tensor:
+        """Fresh device memory for a transfer to land in (called inside submitted work)."""
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def copy_into(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy a host tensor into device memory `dst` (called inside submitted work)."""
+        dst.copy_(src, non_blocking=self.cuda)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

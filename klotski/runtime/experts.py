@@ -1,19 +1,21 @@
 """The tensor work of a step's MoE phase, apart from its schedule (pipeline.py), for every
-batch of a group at once: the batches' real tokens routed together, one sort by expert, one
-slice of the sorted tokens per expert, each expert run once over all of the group's tokens
-routed to it, its weighted outputs put into their top-k slots, one sum at the end. The host
-work per layer grows with the experts chosen, never with batches × experts (a GPU launches
-a kernel per op; docs/benchmarks.md has the count). Outputs wait in their slots and are
-summed in slot order, so the order (and the place: device or host) experts compute in
+batch of a group at once: the batches' real tokens routed together, one sort by expert, and
+experts computed in *waves*: every expert whose weights are on the device in one grouped call
+(models/grouped.py: gather, up/gate, activation, down, router weight, scatter into the top-k
+slots), a handful of kernels whatever the number of experts or batches (a GPU launches a
+kernel per op; docs/benchmarks.md has the count). Outputs wait in their slots and are summed
+in slot order, so the order, the grouping (and the place: device or host) experts compute in
 never changes a bit of the result."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import accumulate
 
+import numpy as np
 import torch
 
 from klotski.models import layers as L
+from klotski.models.grouped import Groups
 from planner.workingset import PREFILL_EXPERT_CHUNK
 
 
@@ -78,6 +80,38 @@ class LayerExperts:
         self._order = torch.argsort(routed.experts.flatten(), stable=True)
         self._tokens = self._order // top_k
         self._weights = routed.weights.flatten().index_select(0, self._order)
+        self._counts = np.asarray(counts, dtype=np.int64)
+        self._first = np.asarray(self._starts[:-1], dtype=np.int64)
+
+    def run_wave(self, ffn, w: dict, experts, upload) -> None:
+        """`ffn` (the family's grouped expert FFN) over the tokens of `experts`, whose weights are
+        the rows of `w`'s stacked tensors in that order (-1, or an expert no token chose, is an
+        empty group), in one call per PREFILL_EXPERT_CHUNK rows; outputs into their slots.
+        `upload` moves a small host tensor to the device (the row index, the group offsets)."""
+        ids = np.asarray(experts, dtype=np.int64)
+        counts = np.where(ids >= 0, self._counts[ids], 0)
+        total = int(counts.sum())
+        if total == 0:
+            return
+        first = self._first[ids[counts > 0]]
+        if bool(np.all(first[1:] == first[:-1] + counts[counts > 0][:-1])):
+            # one run of the sorted pairs (experts in id order with none between): views, no gather
+            picks = slice(int(first[0]), int(first[0]) + total)
+            order, tokens, weights = self._order[picks], self._tokens[picks], self._weights[picks]
+        else:  # each expert's run of the sorted pairs, in the wave's order
+            rows = np.repeat(self._first[ids] - np.cumsum(counts) + counts, counts) + np.arange(total)
+            rows = upload(torch.from_numpy(rows))
+            order, tokens, weights = (t.index_select(0, rows) for t in (self._order, self._tokens, self._weights))
+        x = self.routed.x.index_select(0, tokens)
+        ends = np.cumsum(counts)
+        pieces = []
+        for start in range(0, total, PREFILL_EXPERT_CHUNK):  # bounds the FFN's intermediates
+            stop = min(start + PREFILL_EXPERT_CHUNK, total)
+            part = (np.clip(ends, start, stop) - np.clip(ends - counts, start, stop)).tolist()
+            offsets = upload(torch.from_numpy(np.cumsum(part, dtype=np.int64).astype(np.int32)))
+            pieces.append(ffn(x[start:stop], w, Groups(part, offsets)))
+        y = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        self.slots.view(-1, self.slots.shape[-1]).index_copy_(0, order, y * weights[:, None])
 
     def picks(self, e: int) -> slice:
         """Expert `e`'s range of the sorted (token, slot) pairs."""

@@ -69,6 +69,9 @@ class _Stubs:
     def bind_expert_ffn(self, spec):
         return self.expert_ffn
 
+    def bind_grouped_expert_ffn(self, spec):
+        return lambda x, w, groups: x
+
 
 def _rows(experts: int, top_k: int) -> int:
     """Rows of a measuring batch: enough that the stub router reaches every expert, so each

@@ -30,18 +30,23 @@ weights only through the WeightCache.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
+from itertools import islice
 
 import torch
 
 from klotski.models import layers as L
 from klotski.runtime.channels import pin
-from klotski.runtime.experts import LayerExperts, first_broken, ids_on_host, real_tokens, route_group, run_expert
+from klotski.runtime.experts import LayerExperts, first_broken, ids_on_host, real_tokens, route_group
 from klotski.runtime.hostcompute import HostCompute
 from klotski.runtime.hostwork import HostWork
 from klotski.runtime.kvcache import BatchKV
 from placement.tiers import OverBudget
 from planner.workingset import ATTENTION_SCORE_CHUNK, DISK_WINDOW_LAYERS, KV_BUFFERS, Step, activation_bytes
+
+
+MAX_RUN = 64  # experts one submission takes at most
 
 
 @dataclass
@@ -74,9 +79,11 @@ class Pipeline:
         self.K = 0 if config.prefetch == "none" else spec.top_k if config.hot_experts is None else config.hot_experts
         self.next_gate = hasattr(predictor, "speculate")
         self.window = DISK_WINDOW_LAYERS  # disk->host staging, layers ahead (paper §6.1's L)
-        self.wants: list = []    # prefetches in priority order: (key, channel name)
+        self.wants: deque = deque()  # prefetches in priority order: (key, channel name, claim)
+        self.claims: dict = {}   # key -> how often it was taken (by _get, or for host compute):
+                                 # a want made before its key's latest claim is stale
         self.experts_loaded = 0
-        self.upcoming: list = []  # this layer's experts in expected compute order
+        self.upcoming: dict = {}  # this layer's experts not computed yet -> their place in compute order
         self.kv_ahead = None      # (layer, load) of batch 0's host KV, issued during the layer before
         self.at_host: list = []   # this step's batches whose attention runs beside their host KV
         self.layer = -1
@@ -118,7 +125,7 @@ class Pipeline:
         for layer in range(self.window):  # already staged by the previous step, except on the first
             self.cache.stage(self._layer_keys(layer))
         for layer in range(spec.num_layers):
-            self.layer, self.upcoming = layer, []
+            self.layer, self.upcoming = layer, {}
             # Wraps to the next step's first layers, so the disk never idles between steps (on the
             # last step of a run that is one window read for nothing).
             self.cache.stage(self._layer_keys((layer + self.window) % spec.num_layers))
@@ -277,8 +284,8 @@ class Pipeline:
                 continue
             if self.host.expert_on_host(int(counts[e]), self.cache.placement.tiers[key]):
                 out.add(e)
-        if out:  # a prefetch not started yet is not wanted any more
-            self.wants = [(k, c) for k, c in self.wants if not (k[:2] == ("expert", layer) and k[2] in out)]
+        for e in out:  # a prefetch not started yet is not wanted any more
+            self._claim(("expert", layer, e))
         return out
 
     def _speculate(self, layer, hs, keeps) -> None:
@@ -294,36 +301,101 @@ class Pipeline:
 
     # ---- experts ------------------------------------------------------------------------
     def _experts(self, layer, hs, moe: LayerExperts, hot):
+        """The layer's experts in waves: the resident ones in one call over the layer's stack,
+        then every transferred expert that has arrived, in one call each time, waiting only when
+        none has; experts computed where they live run while the link is still busy."""
         if not self.whole_layer:
             self._want(self._next_layer_prefetch(layer), "weights")
-        expert_ffn, chosen = self.M.bind_expert_ffn(self.spec), moe.chosen
+        order = self._order(layer, moe.chosen, hot)
         # expected compute order, for choosing what to evict (needed last goes first)
-        first = [e for e in chosen if self.schedule != "klotski" or e in hot]
-        self.upcoming = [("expert", layer, e) for e in first + [e for e in chosen if e not in first]]
-        done = []
-        for e in self._order(layer, chosen, hot):
-            key = ("expert", layer, e)
-            self.upcoming.remove(key)
-            picks = moe.picks(e)
-            if e in self.host_experts:
-                self.host_work.expert(self.cache, key, moe, picks, expert_ffn)
+        self.upcoming = {("expert", layer, e): i for i, e in enumerate(order)}
+        stack = self.cache.stacks.get(layer)
+        resident = [e for e in order if stack is not None and e in stack.row]
+        moved = [e for e in order if e not in self.host_experts and (stack is None or e not in stack.row)]
+        host = [e for e in order if e in self.host_experts]
+        ffn = self.M.bind_grouped_expert_ffn(self.spec)
+        if resident:
+            with self.trace.span("compute", f"experts.{layer}.resident"):
+                moe.run_wave(ffn, stack.tensors, stack.experts, self._upload)
+            for e in resident:
+                self.upcoming.pop(("expert", layer, e))
+        done, i = [], 0
+        while i < len(moved) or host:
+            ready = i
+            while ready < len(moved) and self.cache.ready(("expert", layer, moved[ready])):
+                ready += 1
+            if ready == i and host:  # nothing has landed: compute where an expert lives meanwhile
+                e = host.pop(0)
+                self.upcoming.pop(("expert", layer, e))
+                self.host_work.expert(self.cache, ("expert", layer, e), moe, moe.picks(e),
+                                      self.M.bind_expert_ffn(self.spec))
                 continue
-            w = self._get(key)
-            with self.trace.span("compute", f"expert.{layer}.{e}"):
-                x = moe.inputs(picks)
-                y = run_expert(expert_ffn, x, w)
-                moe.put(picks, y)
-            del w, x, y  # no reference outlives the group's reservation
-            if self.schedule == "klotski":
-                self.cache.release(key)  # early release: room for the next transfer now
-                self._pump()
-            else:
-                self.cache.unhold(key)  # kept to the end of the layer, but evictable
-                done.append(key)
+            if ready == i:  # none yet: wait for the next to land (FIFO: it lands first), then look again
+                self._get(("expert", layer, moved[i]))
+                continue
+            done += self._waves(layer, moe, ffn, moved[i:ready])
+            i = ready
         for key in done + self._expert_keys(layer):  # end of layer: free the rest, incl. unused prefetches
             self.cache.release(key)
         self._pump()
         return moe.hidden_states(hs)
+
+    def _waves(self, layer, moe: LayerExperts, ffn, experts: list[int]) -> list:
+        """Transferred experts computed together: those that landed stacked (WeightCache.start_many)
+        in one call per landing over its stacks, the others stacked into one temporary (a view,
+        for one expert) in as few calls as the free device memory allows; a packed expert
+        (decoded for its use) goes alone. Returns the keys kept to the end of the layer
+        (non-klotski schedules)."""
+        keys = [("expert", layer, e) for e in experts]
+        landed, alone = {}, []
+        for key, e in zip(keys, experts):
+            landing = self.cache.landing(key)
+            if landing is None:
+                alone.append((key, e))
+            else:
+                landed.setdefault(landing, []).append((key, e))
+        kept = []
+        for landing, members in landed.items():
+            ws = [self._get(key) for key, _ in members]  # waited for (timed as bubble)
+            rows = [-1] * len(landing.keys)
+            for key, e in members:
+                rows[landing.row[key]] = e
+            kept += self._computed(moe, ffn, landing.stacks, [k for k, _ in members], rows)
+            del ws
+        start = 0
+        while start < len(alone):
+            stop, nbytes = start + 1, self.cache.full[alone[start][0]]
+            while (stop < len(alone) and not self.cache.coded(alone[stop][0]) and not self.cache.coded(alone[start][0])
+                   and self.memory.fits(nbytes + self.cache.full[alone[stop][0]])):
+                nbytes += self.cache.full[alone[stop][0]]
+                stop += 1
+            part = alone[start:stop]
+            ws = [self._get(key) for key, _ in part]  # each waited for (timed as bubble), decoded if packed
+            if len(ws) > 1:
+                self.memory.reserve(nbytes, "expert wave")
+                w = {n: torch.stack([t[n] for t in ws]) for n in ws[0]}
+            else:
+                w = {n: t.unsqueeze(0) for n, t in ws[0].items()}
+            kept += self._computed(moe, ffn, w, [k for k, _ in part], [e for _, e in part])
+            del w, ws  # no reference outlives the group's reservation
+            if len(part) > 1:
+                self.memory.free(nbytes)
+            start = stop
+        return kept
+
+    def _computed(self, moe: LayerExperts, ffn, w: dict, keys: list, rows: list) -> list:
+        """One wave: `rows` (expert ids by row of w's stacked tensors, -1 for none) in one call;
+        then its experts released (klotski) or kept, evictable, to the layer's end."""
+        with self.trace.span("compute", f"experts.{keys[0][1]}." + ",".join(str(k[2]) for k in keys)):
+            moe.run_wave(ffn, w, rows, self._upload)
+        for key in keys:
+            self.upcoming.pop(key, None)
+            if self.schedule == "klotski":
+                self.cache.release(key)  # early release: room for the next transfers now
+            else:
+                self.cache.unhold(key)  # kept to the end of the layer, but evictable
+        self._pump()
+        return [] if self.schedule == "klotski" else keys
 
     def _next_layer_prefetch(self, layer) -> list:
         """While this layer's experts compute, the link moves what the next layer needs first:
@@ -353,17 +425,42 @@ class Pipeline:
 
     # ---- residency helpers --------------------------------------------------------------
     def _want(self, keys, channel: str, front: bool = False) -> None:
-        items = [(k, channel) for k in keys if not self.cache.present(k)]
-        self.wants = items + self.wants if front else self.wants + items
+        items = [(k, channel, self.claims.get(k, 0)) for k in keys if not self.cache.present(k)]
+        if front:
+            self.wants.extendleft(reversed(items))
+        else:
+            self.wants.extend(items)
         self._pump()
 
+    def _claim(self, key) -> None:
+        """`key` is taken now: any want of it made before is dropped when it comes up."""
+        self.claims[key] = self.claims.get(key, 0) + 1
+
     def _pump(self) -> None:
-        """Start wanted transfers in priority order while the device has room."""
+        """Start wanted transfers in priority order while the device has room; a run of one
+        layer's experts wanted on one channel goes in one submission (WeightCache.start_many)."""
         while self.wants:
-            key, channel = self.wants[0]
-            if not self._start(key, channel):
+            key, channel, claim = self.wants[0]
+            if claim != self.claims.get(key, 0) or self.cache.present(key):
+                self.wants.popleft()
+                continue
+            if key[0] != "expert":
+                if not self._start(key, channel):
+                    return
+                self.wants.popleft()
+                continue
+            run = []
+            for k, c, n in islice(self.wants, MAX_RUN):
+                if (k[:2] != key[:2] or c != channel or n != self.claims.get(k, 0) or self.cache.present(k)
+                        or k in run):
+                    break
+                run.append(k)
+            started = self.cache.start_many(run, self.ch[channel])
+            if not started:
                 return
-            self.wants.pop(0)
+            self.experts_loaded += started
+            for _ in range(started):
+                self.wants.popleft()
 
     def _start(self, key, channel: str) -> bool:
         """Start moving `key` on `channel` unless it is on its way; False if there is no room."""
@@ -376,7 +473,7 @@ class Pipeline:
     def _get(self, key) -> dict:
         """Device tensors of `key`, held until released: start it now if nobody did, and time
         any wait as bubble."""
-        self.wants = [(k, c) for k, c in self.wants if k != key]
+        self._claim(key)
         self.cache.hold(key)
         if not self.cache.present(key):
             self.make_room(self.cache.sizes[key], key)
@@ -419,7 +516,7 @@ class Pipeline:
 
     def _next_use(self, key) -> int:
         if key in self.upcoming:
-            return self.upcoming.index(key)
+            return self.upcoming[key]
         if key[0] == "expert" and key[1] == self.layer:
             return 1 << 30  # computed already this step
         return 1 << 20  # a prefetch for a later layer
