@@ -25,6 +25,7 @@ from klotski.runtime.pipeline import Pipeline
 from klotski.prefetch.predictors import FrequencyPredictor, NextGatePredictor
 from klotski.runtime.sequences import prepare
 from klotski.runtime.trace import Trace
+from klotski.util.threads import ThreadGovernor
 from placement.cache import WeightCache
 from placement.pinned import PinnedBlocks
 from placement.placement import Placement
@@ -133,8 +134,10 @@ def build_engine(config, ckpt: Checkpoint, setup: RunSetup, *, predictor=None) -
     _check_sizes(cache, ckpt, dtype, config)
     host = HostCompute(*setup.host_modes, setup.cost, asked=(config.host_attention, config.host_experts))
     pipeline = Pipeline(ckpt.spec, cache, channels, config, trace, predictor, memory, device, host)
+    # a CPU device computes on the cores free now, looked at again as the run goes (util/threads.py)
+    threads = ThreadGovernor(config.threads) if device.type == "cpu" else None
     return Engine(config, ckpt, setup, pipeline=pipeline, cache=cache, predictor=predictor, channels=channels,
-                  memory=memory, host_memory=host_memory, trace=trace, device=device, dtype=dtype)
+                  memory=memory, host_memory=host_memory, trace=trace, device=device, dtype=dtype, threads=threads)
 
 
 def _cublas_workspace(device, dtype) -> int:

@@ -70,6 +70,7 @@ class RunConfig:
     host_attention: str = "off"
     host_experts: str = "off"
     direct_io: bool = True
+    threads: int | None = None        # CPU compute threads; None = the cores free now, looked at again as it runs
     prefix_cache: bool = True         # a prompt prefix a window's lines share is prefilled once (runtime/prefix.py)
     resume: bool = True
     include_token_ids: bool = False

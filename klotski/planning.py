@@ -48,10 +48,11 @@ def measure_here(shape, *, device: str = "auto", link_gbps: float | None = None,
     """This machine's profile for `shape` on `device` (auto: the GPU where there is one), timed
     with the engine's own ops and cached in the user cache unless `refresh`."""
     from klotski.util import cachedir
+    from klotski.util.threads import machine_busy
     from klotski.util.writes import writing
     with writing(cachedir.profiles(), "the disk-speed probe of the hardware profile"):
         profile = measure(shape, ops=EngineOps(), device=compute_device(device), link_gbps=link_gbps,
-                          refresh=refresh, cache_dir=cachedir.profiles(), announce=_say)
+                          refresh=refresh, cache_dir=cachedir.profiles(), announce=_say, busy=machine_busy)
         if pipeline_cost:  # what the pipeline adds around the ops (klotski/runtime/overhead.py, via assemble)
             found = pipeline_cost(compute_device(device), emulated_link=bool(link_gbps), announce=_say)
             profile.overhead_s.update({k: v for k, v in found.items() if not k.startswith(LAUNCHES)})

@@ -174,7 +174,7 @@ def profile_key(shape, device: str, link_gbps: float | None, grid: dict, ops_key
 def measure(shape, *, ops, batch_sizes=(1, 4, 16, 64), context_lengths=(128, 512), token_counts=(1, 8, 64, 512),
             device: str = "cpu", link_gbps: float | None = None, refresh: bool = False,
             cache_dir: str | os.PathLike | None = None, reps: int = 5, io_bytes: int = 64 << 20,
-            io_dir: str | os.PathLike | None = None, announce=None) -> Profile:
+            io_dir: str | os.PathLike | None = None, announce=None, busy=None) -> Profile:
     """Time one layer's ops (`ops`: the caller's factory, see the module docstring) for
     `shape` on `device` of this machine, kept in `cache_dir` (the caller's; none: measured
     every time) unless `refresh`.
@@ -185,7 +185,10 @@ def measure(shape, *, ops, batch_sizes=(1, 4, 16, 64), context_lengths=(128, 512
     whole prompts and chunks of CHUNK_SAMPLE tokens over them.
     `link_gbps` (GB/s) replaces the host↔device bandwidth, as `--emulate-link` throttles
     that channel in the engine. `announce(text)`, if given, is told when a measurement starts
-    and how long it took (nothing when the cache answers).
+    and how long it took (nothing when the cache answers). `busy()`, if given, says whether
+    other processes are taking the cores (their runnable threads, or None): a profile measured
+    while they were, before and after, is used for this run and not cached (measured again next
+    time), since it is that moment's speed, not the machine's.
     """
     shape = as_shape(shape)
     grid = {"bs": list(batch_sizes), "ctx": list(context_lengths), "tokens": list(token_counts),
@@ -202,11 +205,18 @@ def measure(shape, *, ops, batch_sizes=(1, 4, 16, 64), context_lengths=(128, 512
     if announce:  # a new machine or new layer shapes: the user waits, so say for what
         announce(f"measuring this machine's speed at this model's layer shapes on {device} (once; cached"
                  f"{' in ' + str(cache_dir) if cache else ' for this run only'})")
+    before = busy() if busy else None
     prof = _measure(shape, ops, grid, device, link_gbps, reps, io_bytes, io_dir or cache_dir)
+    after = busy() if busy and before is not None else None
     if announce:
         announce(f"speed measured in {time.perf_counter() - started:.1f} s")
     prof.name = f"measured-{key}"
-    if cache:
+    if after is not None:
+        prof.machine["busy_runnable_threads"] = max(before, after)
+        if announce:
+            announce(f"the machine was busy while measuring ({max(before, after):g} other runnable threads): "
+                     "this speed is used for this run only and measured again next time")
+    elif cache:
         _save(path, prof.to_json())
     return prof
 

@@ -69,6 +69,9 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="compute a cold expert that lives on the host there (tokens down, outputs up) instead "
                         "of moving it: auto = where the cost model says it finishes sooner")
     p.add_argument("--no-direct-io", action="store_true", help="read weights through the page cache")
+    p.add_argument("--threads", type=int, metavar="N",
+                   help="CPU compute threads (default: the cores no other process is using, looked at again "
+                        "every few seconds; a busy core stalls every op split over it)")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="prefill every line whole, even the prompt prefix a window's lines share (by default "
                         "that prefix is prefilled once and every line starts from it)")
@@ -255,7 +258,7 @@ def config_from_args(a: argparse.Namespace) -> RunConfig:
         emulate_link_gbps=a.emulate_link_gbps,
         host_attention=getattr(a, "host_attention", RunConfig.host_attention),
         host_experts=getattr(a, "host_experts", RunConfig.host_experts),
-        direct_io=not a.no_direct_io, prefix_cache=not getattr(a, "no_prefix_cache", False), resume=not a.no_resume, include_token_ids=a.include_token_ids,
+        direct_io=not a.no_direct_io, threads=getattr(a, "threads", None), prefix_cache=not getattr(a, "no_prefix_cache", False), resume=not a.no_resume, include_token_ids=a.include_token_ids,
         output_format=a.output_format,
         report=a.report, trace=a.trace, progress=not a.no_progress,
         window=getattr(a, "window", RunConfig.window), ray=getattr(a, "ray", None),

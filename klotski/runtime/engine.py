@@ -32,8 +32,9 @@ from placement.tiers import HOST
 
 class Engine:
     def __init__(self, config, ckpt, setup, *, pipeline, cache, predictor, channels, memory, host_memory,
-                 trace, device, dtype):
+                 trace, device, dtype, threads=None):
         self.config, self.ckpt, self.setup = config, ckpt, setup
+        self.threads = threads  # a ThreadGovernor (CPU compute), or None
         self.pipeline, self.cache, self.predictor, self.channels = pipeline, cache, predictor, channels
         self.memory, self.host_memory, self.trace = memory, host_memory, trace
         self.device, self.dtype = device, dtype
@@ -147,6 +148,8 @@ class Engine:
     def step(self, kvs, inputs, *, prompt: bool, decode: DecodeRows | None):
         """One forward step through the pipeline, timed until its logits reach the host (its
         compute is then done) and counted into `stats` (Stats.record_step)."""
+        if self.threads is not None:
+            self.threads.check()
         t0, disk0, kv0 = time.perf_counter(), self.trace.bytes[DISK_TO_HOST], self.pipeline.kv_bytes_loaded
         self.trace.phase = "prefill" if decode is None else "decode"
         outs = self.pipeline.forward(kvs, inputs)

@@ -29,10 +29,7 @@ weights only through the WeightCache.
 """
 from __future__ import annotations
 
-import time
-from collections import deque
 from dataclasses import dataclass
-from itertools import islice
 
 import torch
 
@@ -42,11 +39,8 @@ from klotski.runtime.experts import LayerExperts, first_broken, ids_on_host, rea
 from klotski.runtime.hostcompute import HostCompute
 from klotski.runtime.hostwork import HostWork
 from klotski.runtime.kvcache import BatchKV
-from placement.tiers import OverBudget
+from klotski.runtime.residency import Residency
 from planner.workingset import ATTENTION_SCORE_CHUNK, DISK_WINDOW_LAYERS, KV_BUFFERS, Step, activation_bytes
-
-
-MAX_RUN = 64  # experts one submission takes at most
 
 
 @dataclass
@@ -73,20 +67,15 @@ class Pipeline:
         self.host_experts: set = set()  # this layer's experts computed where they live
         self.M = spec.family  # the model's layer functions
         self.trace, self.predictor, self.memory, self.device = trace, predictor, memory, device
-        self.host_work = HostWork(self.host, channels, trace, self._wait)
+        self.res = Residency(cache, channels, memory, trace)
+        self.host_work = HostWork(self.host, channels, trace, self.res.wait)
         self.schedule = config.schedule
         self.whole_layer = self.schedule in ("simple", "multibatch")
         self.K = 0 if config.prefetch == "none" else spec.top_k if config.hot_experts is None else config.hot_experts
         self.next_gate = hasattr(predictor, "speculate")
         self.window = DISK_WINDOW_LAYERS  # disk->host staging, layers ahead (paper §6.1's L)
-        self.wants: deque = deque()  # prefetches in priority order: (key, channel name, claim)
-        self.claims: dict = {}   # key -> how often it was taken (by _get, or for host compute):
-                                 # a want made before its key's latest claim is stale
-        self.experts_loaded = 0
-        self.upcoming: dict = {}  # this layer's experts not computed yet -> their place in compute order
         self.kv_ahead = None      # (layer, load) of batch 0's host KV, issued during the layer before
         self.at_host: list = []   # this step's batches whose attention runs beside their host KV
-        self.layer = -1
         self.on_layer = None     # optional callback(layer, hidden states per batch), for tests
         self.kv_bytes_loaded = 0  # host->device KV bytes loads moved (a shared prefix's once per layer)
 
@@ -101,7 +90,7 @@ class Pipeline:
         # depends on it (a host batch's keys and scores stay on the host)
         self.at_host = [self._attend_on_host(kv, inp.ids.shape[1]) for kv, inp in zip(kvs, inputs)]
         act = self._activation_bytes(kvs, inputs)
-        self.make_room(act, "activations")
+        self.res.make_room(act, "activations")
         self.memory.reserve(act, "activations")
         hs, ctx, keeps = [], [], []
         windows = {spec.window(j) for j in range(spec.num_layers)}  # one mask per distinct window
@@ -125,7 +114,7 @@ class Pipeline:
         for layer in range(self.window):  # already staged by the previous step, except on the first
             self.cache.stage(self._layer_keys(layer))
         for layer in range(spec.num_layers):
-            self.layer, self.upcoming = layer, {}
+            self.res.layer, self.res.upcoming = layer, {}
             # Wraps to the next step's first layers, so the disk never idles between steps (on the
             # last step of a run that is one window read for nothing).
             self.cache.stage(self._layer_keys((layer + self.window) % spec.num_layers))
@@ -140,7 +129,7 @@ class Pipeline:
         assert self.kv_ahead is None, "a KV load issued ahead was never used"
         for kv in kvs:
             kv.end_step()
-        head = self._get(("head",))
+        head = self.res.get(("head",))
         with self.trace.span("compute", "lm_head"):
             out = [StepOutput(L.logits(h[:, -1], head["norm"], head["lm_head"], spec.rms_norm_eps).cpu(), b.cpu())
                    for h, b in zip(hs, broken)]
@@ -151,14 +140,14 @@ class Pipeline:
     # ---- attention ----------------------------------------------------------------------
     def _attention(self, layer, hs, ctx, kvs):
         if self.whole_layer:
-            self._want([("gate", layer)] + self._expert_keys(layer), "weights")
+            self.res.want([("gate", layer)] + self._expert_keys(layer), "weights")
             last = layer + 1 == self.spec.num_layers
-            self._want([("head",)] if last else self._layer_keys(layer + 1), "weights")
+            self.res.want([("head",)] if last else self._layer_keys(layer + 1), "weights")
         else:
             hot = self._predict(layer)
             ahead = [("gate", layer + 1)] if self.next_gate and layer + 1 < self.spec.num_layers else []
-            self._want([("gate", layer)] + [("expert", layer, e) for e in hot] + ahead, "weights")
-        w = self._get(("attn", layer))
+            self.res.want([("gate", layer)] + [("expert", layer, e) for e in hot] + ahead, "weights")
+        w = self.res.get(("attn", layer))
         loads, stores = {}, []
         at_host = self.at_host
         moves = [kv.on_host and not h for kv, h in zip(kvs, at_host)]  # whose KV prefix comes up
@@ -180,7 +169,7 @@ class Pipeline:
                 continue
             buf = None
             if kv.on_host:
-                buf = self._wait(loads[k][0], f"kv.{layer}.{k}")
+                buf = self.res.wait(loads[k][0], f"kv.{layer}.{k}")
             cos, sin, masks, _ = ctx[k]
             mask = masks[self.spec.window(layer)]
             with self.trace.span("compute", f"attn.{layer}.b{k}"):
@@ -197,7 +186,7 @@ class Pipeline:
             self._kv_stored(ticket, nbytes)
         shared.release()
         self.cache.release(("attn", layer))
-        self._pump()
+        self.res.pump()
 
     def _shared_prefix(self, layer: int, kvs) -> "_SharedLayer":
         """The shared prefix's keys/values of `layer` for the batches attending on the device:
@@ -207,7 +196,7 @@ class Pipeline:
         if prefix is None or not prefix.on_host:
             return _SharedLayer(self, None if prefix is None else prefix.layer(layer))
         nbytes = prefix.nbytes()
-        self.make_room(nbytes, "kv prefix")
+        self.res.make_room(nbytes, "kv prefix")
         self.memory.reserve(nbytes, f"kv prefix layer {layer}")
         self.kv_bytes_loaded += nbytes
         ticket = self.ch["kv_load"].submit(lambda: prefix.load(layer, self.device), name=f"prefix.{layer}",
@@ -226,7 +215,7 @@ class Pipeline:
         return self.host.attend_on_host(kv.rows, kv.filled + new, new)
 
     def _kv_stored(self, ticket, nbytes: int) -> None:
-        self._wait(ticket, "kv_store")
+        self.res.wait(ticket, "kv_store")
         self.memory.free(nbytes)
 
     def _load_kv_ahead(self, layer: int, kvs) -> None:
@@ -243,7 +232,7 @@ class Pipeline:
 
     def _kv_load(self, kv: BatchKV, layer: int):
         nbytes = kv.step_nbytes()
-        self.make_room(nbytes, "kv")
+        self.res.make_room(nbytes, "kv")
         self.memory.reserve(nbytes, f"kv layer {layer}")
         # it re-reads host slots the last step's store of this layer wrote
         previous = [kv.stored[layer]] if layer in kv.stored else []
@@ -255,7 +244,7 @@ class Pipeline:
     # ---- gate ---------------------------------------------------------------------------
     def _gates(self, layer, hs, keeps):
         hot = self._predict(layer)
-        gate = self._get(("gate", layer))
+        gate = self.res.get(("gate", layer))
         with self.trace.span("compute", f"gate.{layer}"):
             routed = route_group(self.M, self.spec, hs, gate, keeps)
         # The layer's one host sync for routing: every batch's expert ids at once; then every
@@ -263,7 +252,7 @@ class Pipeline:
         routed.chosen = ids_on_host(routed.experts)
         moe = LayerExperts(routed, self.spec.top_k, self.spec.num_experts)
         self.host_experts = self._experts_on_host(layer, moe)
-        self._want([("expert", layer, e) for e in moe.chosen if e not in self.host_experts], "experts", front=True)
+        self.res.want([("expert", layer, e) for e in moe.chosen if e not in self.host_experts], "experts", front=True)
         self.cache.release(("gate", layer))
         if self.spec.experts_in(layer):
             self.predictor.observe(self.spec.moe_index(layer), [routed.chosen])
@@ -285,7 +274,7 @@ class Pipeline:
             if self.host.expert_on_host(int(counts[e]), self.cache.placement.tiers[key]):
                 out.add(e)
         for e in out:  # a prefetch not started yet is not wanted any more
-            self._claim(("expert", layer, e))
+            self.res.claim(("expert", layer, e))
         return out
 
     def _speculate(self, layer, hs, keeps) -> None:
@@ -305,10 +294,10 @@ class Pipeline:
         then every transferred expert that has arrived, in one call each time, waiting only when
         none has; experts computed where they live run while the link is still busy."""
         if not self.whole_layer:
-            self._want(self._next_layer_prefetch(layer), "weights")
+            self.res.want(self._next_layer_prefetch(layer), "weights")
         order = self._order(layer, moe.chosen, hot)
         # expected compute order, for choosing what to evict (needed last goes first)
-        self.upcoming = {("expert", layer, e): i for i, e in enumerate(order)}
+        self.res.upcoming = {("expert", layer, e): i for i, e in enumerate(order)}
         stack = self.cache.stacks.get(layer)
         resident = [e for e in order if stack is not None and e in stack.row]
         moved = [e for e in order if e not in self.host_experts and (stack is None or e not in stack.row)]
@@ -318,7 +307,7 @@ class Pipeline:
             with self.trace.span("compute", f"experts.{layer}.resident"):
                 moe.run_wave(ffn, stack.tensors, stack.experts, self._upload)
             for e in resident:
-                self.upcoming.pop(("expert", layer, e))
+                self.res.upcoming.pop(("expert", layer, e))
         done, i = [], 0
         while i < len(moved) or host:
             ready = i
@@ -326,18 +315,18 @@ class Pipeline:
                 ready += 1
             if ready == i and host:  # nothing has landed: compute where an expert lives meanwhile
                 e = host.pop(0)
-                self.upcoming.pop(("expert", layer, e))
+                self.res.upcoming.pop(("expert", layer, e))
                 self.host_work.expert(self.cache, ("expert", layer, e), moe, moe.picks(e),
                                       self.M.bind_expert_ffn(self.spec))
                 continue
             if ready == i:  # none yet: wait for the next to land (FIFO: it lands first), then look again
-                self._get(("expert", layer, moved[i]))
+                self.res.get(("expert", layer, moved[i]))
                 continue
             done += self._waves(layer, moe, ffn, moved[i:ready])
             i = ready
         for key in done + self._expert_keys(layer):  # end of layer: free the rest, incl. unused prefetches
             self.cache.release(key)
-        self._pump()
+        self.res.pump()
         return moe.hidden_states(hs)
 
     def _waves(self, layer, moe: LayerExperts, ffn, experts: list[int]) -> list:
@@ -356,7 +345,7 @@ class Pipeline:
                 landed.setdefault(landing, []).append((key, e))
         kept = []
         for landing, members in landed.items():
-            ws = [self._get(key) for key, _ in members]  # waited for (timed as bubble)
+            ws = [self.res.get(key) for key, _ in members]  # waited for (timed as bubble)
             rows = [-1] * len(landing.keys)
             for key, e in members:
                 rows[landing.row[key]] = e
@@ -370,7 +359,7 @@ class Pipeline:
                 nbytes += self.cache.full[alone[stop][0]]
                 stop += 1
             part = alone[start:stop]
-            ws = [self._get(key) for key, _ in part]  # each waited for (timed as bubble), decoded if packed
+            ws = [self.res.get(key) for key, _ in part]  # each waited for (timed as bubble), decoded if packed
             if len(ws) > 1:
                 self.memory.reserve(nbytes, "expert wave")
                 w = {n: torch.stack([t[n] for t in ws]) for n in ws[0]}
@@ -389,12 +378,12 @@ class Pipeline:
         with self.trace.span("compute", f"experts.{keys[0][1]}." + ",".join(str(k[2]) for k in keys)):
             moe.run_wave(ffn, w, rows, self._upload)
         for key in keys:
-            self.upcoming.pop(key, None)
+            self.res.upcoming.pop(key, None)
             if self.schedule == "klotski":
                 self.cache.release(key)  # early release: room for the next transfers now
             else:
                 self.cache.unhold(key)  # kept to the end of the layer, but evictable
-        self._pump()
+        self.res.pump()
         return [] if self.schedule == "klotski" else keys
 
     def _next_layer_prefetch(self, layer) -> list:
@@ -423,103 +412,20 @@ class Pipeline:
                        key=lambda e: submitted.get(("expert", layer, e), len(submitted)))
         return first + now + later
 
-    # ---- residency helpers --------------------------------------------------------------
-    def _want(self, keys, channel: str, front: bool = False) -> None:
-        items = [(k, channel, self.claims.get(k, 0)) for k in keys if not self.cache.present(k)]
-        if front:
-            self.wants.extendleft(reversed(items))
-        else:
-            self.wants.extend(items)
-        self._pump()
-
-    def _claim(self, key) -> None:
-        """`key` is taken now: any want of it made before is dropped when it comes up."""
-        self.claims[key] = self.claims.get(key, 0) + 1
-
-    def _pump(self) -> None:
-        """Start wanted transfers in priority order while the device has room; a run of one
-        layer's experts wanted on one channel goes in one submission (WeightCache.start_many)."""
-        while self.wants:
-            key, channel, claim = self.wants[0]
-            if claim != self.claims.get(key, 0) or self.cache.present(key):
-                self.wants.popleft()
-                continue
-            if key[0] != "expert":
-                if not self._start(key, channel):
-                    return
-                self.wants.popleft()
-                continue
-            run = []
-            for k, c, n in islice(self.wants, MAX_RUN):
-                if (k[:2] != key[:2] or c != channel or n != self.claims.get(k, 0) or self.cache.present(k)
-                        or k in run):
-                    break
-                run.append(k)
-            started = self.cache.start_many(run, self.ch[channel])
-            if not started:
-                return
-            self.experts_loaded += started
-            for _ in range(started):
-                self.wants.popleft()
-
-    def _start(self, key, channel: str) -> bool:
-        """Start moving `key` on `channel` unless it is on its way; False if there is no room."""
-        if self.cache.present(key):
-            return True
-        started = self.cache.start(key, self.ch[channel])
-        self.experts_loaded += started and key[0] == "expert"
-        return started
-
-    def _get(self, key) -> dict:
-        """Device tensors of `key`, held until released: start it now if nobody did, and time
-        any wait as bubble."""
-        self._claim(key)
-        self.cache.hold(key)
-        if not self.cache.present(key):
-            self.make_room(self.cache.sizes[key], key)
-            self._start(key, "experts" if key[0] == "expert" else "weights")
-        tensors = self._timed(self.cache.ready(key), lambda: self.cache.get(key), ".".join(map(str, key)))
-        if self.cache.needs_decode(key):
-            self.make_room(self.cache.decode_nbytes(key), key)
-            with self.trace.span("compute", "dequant." + ".".join(map(str, key))):
-                return self.cache.decode(key)
-        return tensors
-
-    def _wait(self, ticket, name):
-        return self._timed(ticket.done(), ticket.wait, name)
-
-    def _timed(self, ready: bool, fetch, name):
-        """`fetch()`, counting the time as bubble when the data was not there yet."""
-        if ready:
-            return fetch()
-        start = time.perf_counter()
-        out = fetch()
-        self.trace.waited(name, start, time.perf_counter())
-        return out
-
+    # ---- residency -----------------------------------------------------------------------
     def _upload(self, t: torch.Tensor) -> torch.Tensor:
         """A small host tensor of this step (ids, mask, RoPE tables) on the device, through
         pinned memory so the copy never blocks the host."""
         return pin(t, self.device).to(self.device, non_blocking=True) if t.device.type != self.device.type else t
 
     def make_room(self, nbytes: int, what) -> None:
-        """Evict transient groups until `nbytes` fit, the one needed farthest in the future
-        first (Belady): experts already computed, then prefetches for later layers, then this
-        layer's experts from the back of the compute order."""
-        while not self.memory.fits(nbytes):
-            victims = [k for k in self.cache.transient() if k != what]
-            if not victims:
-                raise OverBudget(
-                    f"the device budget ({self.memory.budget} bytes) ran out: {nbytes} bytes needed for {what} "
-                    f"with {self.memory.used} in use and nothing left to evict")
-            self.cache.release(max(victims, key=self._next_use))
+        """Evict transient groups until `nbytes` fit (Residency.make_room)."""
+        self.res.make_room(nbytes, what)
 
-    def _next_use(self, key) -> int:
-        if key in self.upcoming:
-            return self.upcoming[key]
-        if key[0] == "expert" and key[1] == self.layer:
-            return 1 << 30  # computed already this step
-        return 1 << 20  # a prefetch for a later layer
+    @property
+    def experts_loaded(self) -> int:
+        """Expert transfers started so far."""
+        return self.res.experts_loaded
 
     # ---- bookkeeping --------------------------------------------------------------------
     def _layer_keys(self, layer: int) -> list:
@@ -554,11 +460,11 @@ class _SharedLayer:
 
     def get(self):
         if self.tensors is None and self.ticket is not None:
-            self.tensors = self.p._wait(self.ticket, self.name)
+            self.tensors = self.p.res.wait(self.ticket, self.name)
         return self.tensors
 
     def release(self) -> None:
         if self.ticket is not None:
-            self.p._wait(self.ticket, self.name)  # no copy into the room is still running
+            self.p.res.wait(self.ticket, self.name)  # no copy into the room is still running
             self.tensors, self.ticket = None, None
             self.p.memory.free(self.nbytes)

@@ -49,6 +49,8 @@ def build_report(engine, setup, *, ok: int, failed: int, skipped: int, wall_s: f
         "io": {"bytes": dict(engine.trace.bytes),
                "busy_s": {k: round(v, 4) for k, v in engine.trace.busy.items()},
                "experts_loaded": engine.pipeline.experts_loaded,
+               # of those, moved in runs of one layer's experts per submission, landing stacked
+               "experts_landed_stacked": engine.cache.experts_landed_stacked,
                # Disk bytes per second of decode wall time: how busy decode kept the disk.
                "decode_disk_bytes": s.decode_disk_bytes,
                "decode_disk_gb_per_s": round(s.decode_disk_bytes / s.decode_s / 1e9, 4) if s.decode_s else None},
@@ -64,6 +66,9 @@ def build_report(engine, setup, *, ok: int, failed: int, skipped: int, wall_s: f
         "prefetch": engine.predictor.report(),
         "host_compute": engine.pipeline.host.report(),
         "prefix_cache": prefix_report(engine),
+        # CPU compute threads over the run: [seconds into it, threads] at each change (util/threads.py)
+        "threads": None if engine.threads is None else {"history": engine.threads.history,
+                                                        "fixed": bool(engine.threads.fixed)},
     })
     return report
 

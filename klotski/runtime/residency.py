@@ -1,0 +1,118 @@
+"""Residency: what the schedule wants on the device and in which order, what it is computing
+with, and what goes when room runs out. The pipeline (pipeline.py) says what it wants
+(`want`), takes a group when it computes (`get`: started now if nobody did, the wait timed as
+bubble) and lets the cache drop what it is done with; this keeps the queue of wanted
+transfers, starts them while the device has room (a run of one layer's experts in one
+submission), and evicts by Belady's rule (the group needed farthest ahead first)."""
+from __future__ import annotations
+
+import time
+from collections import deque
+from itertools import islice
+
+from placement.tiers import OverBudget
+
+MAX_RUN = 64  # experts one submission takes at most
+
+
+class Residency:
+    def __init__(self, cache, channels, memory, trace):
+        self.cache, self.ch, self.memory, self.trace = cache, channels, memory, trace
+        self.wants: deque = deque()  # prefetches in priority order: (key, channel name, claim)
+        self.claims: dict = {}   # key -> how often it was taken (by get, or for host compute):
+                                 # a want made before its key's latest claim is stale
+        self.upcoming: dict = {}  # this layer's experts not computed yet -> their place in compute order
+        self.layer = -1
+        self.experts_loaded = 0
+
+    def want(self, keys, channel: str, front: bool = False) -> None:
+        items = [(k, channel, self.claims.get(k, 0)) for k in keys if not self.cache.present(k)]
+        if front:
+            self.wants.extendleft(reversed(items))
+        else:
+            self.wants.extend(items)
+        self.pump()
+
+    def claim(self, key) -> None:
+        """`key` is taken now: any want of it made before is dropped when it comes up."""
+        self.claims[key] = self.claims.get(key, 0) + 1
+
+    def pump(self) -> None:
+        """Start wanted transfers in priority order while the device has room; a run of one
+        layer's experts wanted on one channel goes in one submission (WeightCache.start_many)."""
+        while self.wants:
+            key, channel, claim = self.wants[0]
+            if claim != self.claims.get(key, 0) or self.cache.present(key):
+                self.wants.popleft()
+                continue
+            if key[0] != "expert":
+                if not self.start(key, channel):
+                    return
+                self.wants.popleft()
+                continue
+            run = []
+            for k, c, n in islice(self.wants, MAX_RUN):
+                if (k[:2] != key[:2] or c != channel or n != self.claims.get(k, 0) or self.cache.present(k)
+                        or k in run):
+                    break
+                run.append(k)
+            started = self.cache.start_many(run, self.ch[channel])
+            if not started:
+                return
+            self.experts_loaded += started
+            for _ in range(started):
+                self.wants.popleft()
+
+    def start(self, key, channel: str) -> bool:
+        """Start moving `key` on `channel` unless it is on its way; False if there is no room."""
+        if self.cache.present(key):
+            return True
+        started = self.cache.start(key, self.ch[channel])
+        self.experts_loaded += started and key[0] == "expert"
+        return started
+
+    def get(self, key) -> dict:
+        """Device tensors of `key`, held until released: start it now if nobody did, and time
+        any wait as bubble."""
+        self.claim(key)
+        self.cache.hold(key)
+        if not self.cache.present(key):
+            self.make_room(self.cache.sizes[key], key)
+            self.start(key, "experts" if key[0] == "expert" else "weights")
+        tensors = self.timed(self.cache.ready(key), lambda: self.cache.get(key), ".".join(map(str, key)))
+        if self.cache.needs_decode(key):
+            self.make_room(self.cache.decode_nbytes(key), key)
+            with self.trace.span("compute", "dequant." + ".".join(map(str, key))):
+                return self.cache.decode(key)
+        return tensors
+
+    def wait(self, ticket, name):
+        return self.timed(ticket.done(), ticket.wait, name)
+
+    def timed(self, ready: bool, fetch, name):
+        """`fetch()`, counting the time as bubble when the data was not there yet."""
+        if ready:
+            return fetch()
+        start = time.perf_counter()
+        out = fetch()
+        self.trace.waited(name, start, time.perf_counter())
+        return out
+
+    def make_room(self, nbytes: int, what) -> None:
+        """Evict transient groups until `nbytes` fit, the one needed farthest in the future
+        first (Belady): experts already computed, then prefetches for later layers, then this
+        layer's experts from the back of the compute order."""
+        while not self.memory.fits(nbytes):
+            victims = [k for k in self.cache.transient() if k != what]
+            if not victims:
+                raise OverBudget(
+                    f"the device budget ({self.memory.budget} bytes) ran out: {nbytes} bytes needed for {what} "
+                    f"with {self.memory.used} in use and nothing left to evict")
+            self.cache.release(max(victims, key=self.next_use))
+
+    def next_use(self, key) -> int:
+        if key in self.upcoming:
+            return self.upcoming[key]
+        if key[0] == "expert" and key[1] == self.layer:
+            return 1 << 30  # computed already this step
+        return 1 << 20  # a prefetch for a later layer
