@@ -36,6 +36,8 @@ def test_a_governor_keeps_a_fixed_count_and_otherwise_follows_the_machine(monkey
     try:
         fixed = T.ThreadGovernor(fixed=1)
         assert torch.get_num_threads() == 1 and fixed.fixed
+        fixed.restore()
+        assert torch.get_num_threads() == before
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
         monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
         now = [0.0]
@@ -50,6 +52,8 @@ def test_a_governor_keeps_a_fixed_count_and_otherwise_follows_the_machine(monkey
         now[0] = T.CHECK_EVERY_S + 0.1
         g.check()
         assert torch.get_num_threads() == 1 and g.history[-1] == (round(now[0], 1), 1)
+        g.restore()
+        assert torch.get_num_threads() == before
     finally:
         torch.set_num_threads(before)
 

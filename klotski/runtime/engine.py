@@ -229,6 +229,8 @@ class Engine:
             torch.cuda.synchronize(self.device)  # nothing still reads the host blocks
         self.cache.close()
         self.ckpt.close()
+        if self.threads is not None:
+            self.threads.restore()
 
 
 def _non_finite(layer: int, num_layers: int) -> str:
