@@ -74,3 +74,60 @@ def test_streamed_experts_land_stacked_and_tokens_match_transformers(tmp_path):
     assert ours == reference_tokens(model)
     assert engine.cache.experts_landed_stacked > 0
     assert engine.memory.peak <= 3 << 20
+
+
+def test_a_decode_layer_step_issues_no_host_sync_but_the_routing_read(tmp_path):
+    """The step's device-side code (pipeline, residency, experts, KV cache, channels, the family
+    math) calls nothing that waits for the device (.cpu, .item, .tolist, .numpy, bool/int of a
+    tensor, pin_memory, synchronize) inside a decode layer step, except the one sanctioned
+    read of the routing ids (experts.ids_on_host); the predictors work on that host copy.
+    Counted on the CPU path, experts resident and streamed."""
+    import collections
+    import traceback
+
+    from klotski.bench.op_count import build_model
+    from klotski.assemble import open_engine
+    from klotski.config import RunConfig
+    from klotski.io.checkpoint import Checkpoint
+    from klotski.io.requests import Request
+    from placement.placement import Placement
+
+    model = build_model(tmp_path / "m", experts=16, top_k=4, layers=3)
+    keys = Checkpoint.open(str(model)).spec.group_keys()
+    device_side = ("/runtime/pipeline.py", "/runtime/residency.py", "/runtime/experts.py", "/runtime/kvcache.py",
+                   "/runtime/channels.py", "/placement/cache.py", "/klotski/models/")
+    names = ["cpu", "item", "tolist", "numpy", "pin_memory", "__bool__", "__int__", "__float__", "__index__"]
+    for kind, budget in (("device", None), ("host", 2 << 20)):
+        cfg = RunConfig(model=str(model), progress=False, dtype="float32", batch_size=4, num_batches=2,
+                        device_memory=budget)
+        reqs = [Request(id=f"r{i}", line=i + 1, prompt=f"item {i} of the list", messages=None, max_new_tokens=4)
+                for i in range(8)]
+        engine, seqs, _ = open_engine(cfg, reqs, placement=Placement.by_kind(keys, expert=kind))
+        seen, on = collections.Counter(), [False]
+        original = {n: getattr(torch.Tensor, n) for n in names}
+
+        def counting(name):
+            def call(self, *args, **kwargs):
+                if on[0]:
+                    frame = traceback.extract_stack(limit=2)[0]
+                    if any(part in frame.filename for part in device_side) and frame.name != "ids_on_host":
+                        seen[f"{name} at {frame.filename.rsplit('/', 1)[-1]}:{frame.lineno} ({frame.name})"] += 1
+                return original[name](self, *args, **kwargs)
+            return call
+
+        def on_layer(layer, hs):  # from the end of a decode step's layer to the end of the next
+            on[0] = hs[0].shape[1] == 1 and layer + 1 < engine.spec.num_layers
+
+        engine.pipeline.on_layer = on_layer
+        sync = torch.cuda.synchronize
+        try:
+            for n in names:
+                setattr(torch.Tensor, n, counting(n))
+            torch.cuda.synchronize = lambda *a: seen.update(["torch.cuda.synchronize"]) if on[0] else None
+            list(engine.run(seqs))
+        finally:
+            for n in names:
+                setattr(torch.Tensor, n, original[n])
+            torch.cuda.synchronize = sync
+            engine.close()
+        assert not seen, (kind, dict(seen))

@@ -240,10 +240,11 @@ def test_the_expert_phase_is_bit_identical_in_any_order():
     w = {e: {"w1": torch.randn(32, H), "w3": torch.randn(32, H), "w2": torch.randn(H, 32)} for e in range(E)}
     x = torch.cat([h.reshape(-1, H) for h in hs])
     weights, experts = L.route(x, torch.randn(E, H), k, renormalise=True, cast=False)
-    routed = Routed(x, weights, experts, None, [6, 5], [None, None], chosen=ids_on_host(experts))
+    chosen, counts = ids_on_host(experts, E)
+    routed = Routed(x, weights, experts, None, [6, 5], [None, None], chosen=chosen, counts=counts)
 
     def layer(order):
-        moe = LayerExperts(routed, k, E)
+        moe = LayerExperts(routed, k)
         for e in order(moe.chosen):
             picks = moe.picks(e)
             tok = moe.tokens(picks)

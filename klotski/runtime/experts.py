@@ -29,6 +29,7 @@ class Routed:
     sizes: list[int]       # each batch's real tokens (their rows of x, in order)
     keeps: list            # per batch, which of its B*T tokens are real (None: all of them)
     chosen: torch.Tensor | None = None  # `experts` on the host (one copy per layer)
+    counts: list | None = None          # pairs per expert, counted on the host
 
 
 def route_group(family, spec, hs: list[torch.Tensor], gate: dict, keeps: list, shared: bool = True) -> Routed:
@@ -59,20 +60,21 @@ def real_tokens(valid: torch.Tensor) -> torch.Tensor | None:
     return valid.flatten().nonzero().flatten()
 
 
-def ids_on_host(experts: torch.Tensor) -> torch.Tensor:
-    """Expert ids on the host, in one copy (the layer's one sync on CUDA)."""
-    return experts.cpu()
+def ids_on_host(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[int]]:
+    """Expert ids on the host, in one copy (the layer's one sync on CUDA), and how many of the
+    (token, slot) pairs each expert takes, counted there."""
+    ids = experts.cpu()
+    return ids, np.bincount(ids.numpy().ravel(), minlength=num_experts).tolist()
 
 
 class LayerExperts:
     """The expert phase of one layer over a group: the top-k slots the outputs wait in, and
     which of the group's routed tokens each expert takes (a contiguous range of one sort)."""
 
-    def __init__(self, routed: Routed, top_k: int, num_experts: int):
+    def __init__(self, routed: Routed, top_k: int):
         self.routed, self.k = routed, top_k
         self.slots = L.slots(len(routed.x), top_k, routed.x, routed.weights)
-        counts = torch.bincount(routed.chosen.flatten(), minlength=num_experts).tolist()
-        self.counts = counts
+        counts = self.counts = routed.counts
         self.chosen = [e for e, c in enumerate(counts) if c]
         self._starts = [0, *accumulate(counts)]
         # flat (token·k + slot) positions in expert order, token order within an expert

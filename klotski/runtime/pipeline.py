@@ -249,8 +249,8 @@ class Pipeline:
             routed = route_group(self.M, self.spec, hs, gate, keeps)
         # The layer's one host sync for routing: every batch's expert ids at once; then every
         # selected expert not on the device goes on the experts channel.
-        routed.chosen = ids_on_host(routed.experts)
-        moe = LayerExperts(routed, self.spec.top_k, self.spec.num_experts)
+        routed.chosen, routed.counts = ids_on_host(routed.experts, self.spec.num_experts)
+        moe = LayerExperts(routed, self.spec.top_k)
         self.host_experts = self._experts_on_host(layer, moe)
         self.res.want([("expert", layer, e) for e in moe.chosen if e not in self.host_experts], "experts", front=True)
         self.cache.release(("gate", layer))
@@ -286,7 +286,7 @@ class Pipeline:
         gate = self.cache.get(key)
         with self.trace.span("compute", f"speculate.{layer}"):
             picks = route_group(self.M, self.spec, hs, gate, keeps, shared=False).experts
-        self.predictor.speculate(self.spec.moe_index(layer), [ids_on_host(picks)])
+        self.predictor.speculate(self.spec.moe_index(layer), [ids_on_host(picks, self.spec.num_experts)[0]])
 
     # ---- experts ------------------------------------------------------------------------
     def _experts(self, layer, hs, moe: LayerExperts, hot):
