@@ -104,16 +104,16 @@ class LayerExperts:
             rows = np.repeat(self._first[ids] - np.cumsum(counts) + counts, counts) + np.arange(total)
             rows = upload(torch.from_numpy(rows))
             order, tokens, weights = (t.index_select(0, rows) for t in (self._order, self._tokens, self._weights))
-        x = self.routed.x.index_select(0, tokens)
-        ends = np.cumsum(counts)
-        pieces = []
-        for start in range(0, total, PREFILL_EXPERT_CHUNK):  # bounds the FFN's intermediates
+        ends, flat = np.cumsum(counts), self.slots.view(-1, self.slots.shape[-1])
+        for start in range(0, total, PREFILL_EXPERT_CHUNK):  # bounds the gathered rows and FFN intermediates
             stop = min(start + PREFILL_EXPERT_CHUNK, total)
             part = (np.clip(ends, start, stop) - np.clip(ends - counts, start, stop)).tolist()
             offsets = upload(torch.from_numpy(np.cumsum(part, dtype=np.int64).astype(np.int32)))
-            pieces.append(ffn(x[start:stop], w, Groups(part, offsets)))
-        y = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-        self.slots.view(-1, self.slots.shape[-1]).index_copy_(0, order, y * weights[:, None])
+            whole = start == 0 and stop == total
+            x = self.routed.x.index_select(0, tokens if whole else tokens[start:stop])
+            y = ffn(x, w, Groups(part, offsets))
+            rows = slice(start, stop)
+            flat.index_copy_(0, order if whole else order[rows], y * (weights if whole else weights[rows])[:, None])
 
     def picks(self, e: int) -> slice:
         """Expert `e`'s range of the sorted (token, slot) pairs."""
