@@ -22,7 +22,8 @@ from dataclasses import dataclass
 DISK_WINDOW_LAYERS = 2          # layers staged in host memory ahead of the disk-resident ones
 KV_BUFFERS = 3                  # host-KV batches on the device at once: storing, computing, loading
 ATTENTION_SCORE_CHUNK = 1 << 24  # attention scores alive at once (queries are chunked past it)
-PREFILL_EXPERT_CHUNK = 4096     # (token, slot) pairs per expert-wave call (bounds the FFN intermediates)
+PREFILL_EXPERT_CHUNK = 4096     # tokens per one-expert call (host compute; bounds the FFN intermediate)
+WAVE_ROWS = 1024                # (token, slot) pairs per grouped expert call (bounds a wave's temporaries)
 PREFILL_SHARE = 0.25            # a prefill chunk's activations may take this much of the device
 
 
@@ -94,9 +95,9 @@ def activation_bytes(shape, itemsize: int, step: Step, host_attention: bool = Fa
                     + min(s.num_heads * new * keys, ATTENTION_SCORE_CHUNK) * (3 * 4 + itemsize))
         return out
     attention = max(one_batch(*b) for b in t.batches())
-    # an expert wave takes up to PREFILL_EXPERT_CHUNK of the group's (token, slot) pairs at a
-    # time: their gathered inputs, the FFN intermediates, outputs and weighted outputs (fp32 at most)
-    rows = min(t.tokens * s.top_k, PREFILL_EXPERT_CHUNK)
+    # an expert wave takes up to WAVE_ROWS of the group's (token, slot) pairs at a time: their
+    # gathered inputs, the FFN intermediates, outputs and weighted outputs (fp32 at most)
+    rows = min(t.tokens * s.top_k, WAVE_ROWS)
     moe = (t.tokens * (2 * s.num_experts * 4 + s.top_k * 12)
            + 3 * t.tokens * s.hidden_size * itemsize
            + rows * (s.hidden_size * itemsize + 3 * s.intermediate_size * itemsize + 2 * s.hidden_size * 4)

@@ -60,9 +60,10 @@ def test_bf16_grouped_agrees_with_per_expert(path):
     assert (ours - ref).abs().max() <= 2 ** -7 * ref.abs().max()
 
 
-def test_streamed_experts_land_stacked_and_tokens_match_transformers(tmp_path):
+def test_streamed_experts_land_stacked_and_tokens_match_transformers(tmp_path, path):
     """Every expert streamed from host memory through a small device budget: runs of them move in
-    one submission each and compute in waves over their stacks, token for token transformers."""
+    one submission each and compute in waves over their stacks, token for token transformers,
+    with the grouped kernel and with the per-group fallback (a CUDA device's fp32 path)."""
     from klotski.builtin.families import build_family
     from klotski.io.checkpoint import Checkpoint
     from placement.placement import Placement
@@ -70,10 +71,10 @@ def test_streamed_experts_land_stacked_and_tokens_match_transformers(tmp_path):
     model = build_family(tmp_path / "qwen3", "qwen3_moe")
     keys = Checkpoint.open(str(model)).spec.group_keys()
     placement = Placement.by_kind(keys, expert="host")
-    ours, engine = engine_tokens(model, placement=placement, batch_size=3, num_batches=2, device_memory=3 << 20)
+    ours, engine = engine_tokens(model, placement=placement, batch_size=3, num_batches=2, device_memory=6 << 20)
     assert ours == reference_tokens(model)
     assert engine.cache.experts_landed_stacked > 0
-    assert engine.memory.peak <= 3 << 20
+    assert engine.memory.peak <= 6 << 20
 
 
 def test_a_decode_layer_step_issues_no_host_sync_but_the_routing_read(tmp_path):

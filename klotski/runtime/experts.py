@@ -16,7 +16,7 @@ import torch
 
 from klotski.models import layers as L
 from klotski.models.grouped import Groups
-from planner.workingset import PREFILL_EXPERT_CHUNK
+from planner.workingset import PREFILL_EXPERT_CHUNK, WAVE_ROWS
 
 
 @dataclass
@@ -88,7 +88,7 @@ class LayerExperts:
     def run_wave(self, ffn, w: dict, experts, upload) -> None:
         """`ffn` (the family's grouped expert FFN) over the tokens of `experts`, whose weights are
         the rows of `w`'s stacked tensors in that order (-1, or an expert no token chose, is an
-        empty group), in one call per PREFILL_EXPERT_CHUNK rows; outputs into their slots.
+        empty group), in one call per WAVE_ROWS pairs; outputs into their slots.
         `upload` moves a small host tensor to the device (the row index, the group offsets)."""
         ids = np.asarray(experts, dtype=np.int64)
         counts = np.where(ids >= 0, self._counts[ids], 0)
@@ -105,8 +105,8 @@ class LayerExperts:
             rows = upload(torch.from_numpy(rows))
             order, tokens, weights = (t.index_select(0, rows) for t in (self._order, self._tokens, self._weights))
         ends, flat = np.cumsum(counts), self.slots.view(-1, self.slots.shape[-1])
-        for start in range(0, total, PREFILL_EXPERT_CHUNK):  # bounds the gathered rows and FFN intermediates
-            stop = min(start + PREFILL_EXPERT_CHUNK, total)
+        for start in range(0, total, WAVE_ROWS):  # bounds the gathered rows and FFN intermediates
+            stop = min(start + WAVE_ROWS, total)
             part = (np.clip(ends, start, stop) - np.clip(ends - counts, start, stop)).tolist()
             offsets = upload(torch.from_numpy(np.cumsum(part, dtype=np.int64).astype(np.int32)))
             whole = start == 0 and stop == total
