@@ -18,7 +18,7 @@ the answer to a JSON schema, regex, choice or grammar (`_constraint`).
 
 Which id a line is answered under, and reading the file, are klotski/io/jobs.py's.
 
-This module only uses the standard library.
+This module only uses the standard library (and klotski/io/strict_schema.py for strict mode's rules).
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
+
+from klotski.io.strict_schema import strict_refusal
 
 ROLES = ("system", "user", "assistant")
 COMPLETIONS_URL = "/v1/completions"
@@ -354,7 +356,14 @@ def _response_format(value, name: str) -> tuple[str, str, str] | None:
         if not isinstance(spec, dict) or spec.get("schema") is None:
             raise InvalidLine(f'{name}.json_schema must be an object with a "schema", like '
                               f'{{"name": "answer", "schema": {{"type": "object"}}}}, got {_show(spec)}')
-        return _grammar_of("json", spec["schema"], f"{name}.json_schema.schema")
+        strict = spec.get("strict")
+        if strict not in (None, True, False):
+            raise InvalidLine(f"{name}.json_schema.strict must be true or false, got {_show(strict)}")
+        found = _grammar_of("json", spec["schema"], f"{name}.json_schema.schema")
+        refusal = strict and strict_refusal(json.loads(found[2]), found[0])
+        if refusal:  # OpenAI refuses such a schema in strict mode: so do we, naming the rule
+            raise InvalidLine(refusal)
+        return found
     raise InvalidLine(f'{name} must be {{"type": "text"}}, {{"type": "json_object"}} or '
                       f'{{"type": "json_schema", "json_schema": {{"schema": ...}}}}, got {_show(value)}')
 
@@ -392,7 +401,9 @@ def _grammar_of(kind: str, value, name: str) -> tuple[str, str, str]:
                                   f"got {_show(value)}") from None
         if not isinstance(value, (dict, bool)):
             raise InvalidLine(f"{name} must be a JSON schema (an object), got {_show(value)}")
-        return (name, kind, json.dumps(value, sort_keys=True))
+        # the schema's own key order: the answer's keys come in it (a schema written reasoning-first
+        # asks the model to reason before it answers), as in OpenAI's structured outputs
+        return (name, kind, json.dumps(value))
     if not isinstance(value, str) or not value:
         what = "regular expression" if kind == "regex" else "grammar (Lark or GBNF)"
         raise InvalidLine(f"{name} must be a non-empty string holding a {what}, got {_show(value)}")
