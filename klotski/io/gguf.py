@@ -91,8 +91,9 @@ def read_config(first: Path) -> dict:
             raise CheckpointError(f"{first}: a dense llama GGUF (no {arch}.expert_count); Klotski runs MoE models")
         from transformers import CONFIG_MAPPING
         keep = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                "rms_norm_eps", "rope_theta", "max_position_embeddings", "vocab_size", "tie_word_embeddings",
-                "bos_token_id", "eos_token_id", "head_dim")
+                "rms_norm_eps", "rope_theta", "rope_parameters", "max_position_embeddings", "vocab_size",
+                "tie_word_embeddings", "bos_token_id", "eos_token_id", "head_dim")  # (rope_parameters: the
+        # file's rope.freq_base in transformers 5; without it Mixtral's default 1e6 stood in silently)
         base = {k: cfg[k] for k in keep if cfg.get(k) is not None}
         base.update(num_local_experts=int(meta["expert_count"]), num_experts_per_tok=int(meta["expert_used_count"]))
         if moe:
