@@ -223,7 +223,7 @@ def _row(record: dict) -> dict:
     row = {"id": record["id"], "completion": record.get("completion"), "finish_reason": record.get("finish_reason"),
            "prompt_tokens": record.get("prompt_tokens"), "completion_tokens": record.get("completion_tokens"),
            "error": err["message"] if err else None}
-    for key in ("token_ids", "logprobs", "choices"):  # (a line of n samples: `choices`, its completion null)
+    for key in ("token_ids", "logprobs", "choices", "choice_logprobs"):  # (a line of n samples: `choices`, its completion null)
         if key in record:
             row[key] = record[key]
     for key, value in (record.get("input") or {}).items():

@@ -34,7 +34,7 @@ COMPLETIONS_URL = "/v1/completions"
 CHAT_URL = "/v1/chat/completions"
 MAX_TOKENS_KEYS = ("max_new_tokens", "max_tokens", "max_completion_tokens")  # one limit, three names
 OPTIONS = (*MAX_TOKENS_KEYS, "temperature", "top_p", "stop", "seed", "n", "logprobs",
-           "top_logprobs")  # what a line may set beside its prompt
+           "top_logprobs", "choice_logprobs")  # what a line may set beside its prompt
 MAX_N = 128  # samples per line (OpenAI's limit)
 MAX_TOP_LOGPROBS, MAX_COMPLETION_LOGPROBS = 20, 5  # OpenAI's limits: chat's top_logprobs, completions' logprobs
 # Request fields of the OpenAI and vLLM APIs that change the answer and that klotski does not
@@ -75,6 +75,7 @@ class Request:
     logprobs: int | None = None  # None: no log-probabilities; k: each token's, with its k most likely alternatives
     openai: str | None = None  # the endpoint ("/v1/chat/completions", ...) of an OpenAI Batch line
     constraint: tuple[str, str, str] | None = None  # (field, kind, text): the answer's grammar (`_constraint`)
+    choice_logprobs: bool = False  # each option of its choice constraint scored (`_choice_logprobs`)
     row: dict | None = field(default=None, compare=False, hash=False, repr=False)  # a dataset row's columns
 
     def chat_messages(self) -> list[dict[str, str]]:
@@ -183,7 +184,8 @@ def line_fields(obj: dict) -> dict:
         stop=_stop(src.get("stop"), prefix),
         seed=_seed(src.get("seed"), prefix),
         n=_n(src.get("n"), prefix),
-        constraint=_constraint(src, prefix),
+        constraint=(constraint := _constraint(src, prefix)),
+        choice_logprobs=_choice_logprobs(src.get("choice_logprobs"), constraint, prefix),
         logprobs=_logprobs(src, prefix, None if not is_openai(obj) else "completions" if has_prompt else "chat"),
     )
 
@@ -382,6 +384,19 @@ def _structured_outputs(value, name: str) -> tuple[str, str, str] | None:
         raise InvalidLine(f"{name} must give exactly one of {', '.join(CONSTRAINT_KINDS)} or json_object, "
                           f"got {_show(value)}")
     return found[0]
+
+
+def _choice_logprobs(value, constraint, prefix: str) -> bool:
+    """`choice_logprobs: true` asks for every option's log-probability (a label's confidence);
+    it means something only beside a choice constraint."""
+    if value is None or value is False:
+        return False
+    if value is not True:
+        raise InvalidLine(f"{prefix}choice_logprobs must be true or false, got {_show(value)}")
+    if constraint is None or constraint[1] != "choice":
+        raise InvalidLine(f"{prefix}choice_logprobs scores the options of a choice: give it with "
+                          f'{prefix}structured_outputs {{"choice": [...]}} or {prefix}guided_choice')
+    return True
 
 
 def _grammar_of(kind: str, value, name: str) -> tuple[str, str, str]:
