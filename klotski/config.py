@@ -62,6 +62,9 @@ class RunConfig:
     attention: str = "full"           # or "sink:S,window:W" (StreamingLLM-style KV sparsity)
     quantize: str = "none"            # none | hqq4 | auto (the planner weighs precision: planner/precision.py)
     quantize_optimize: bool = False   # HQQ's half-quadratic optimisation (slow on CPU)
+    # the quality --quantize auto may cost, as measured (precision_quality.json); None: no bound
+    quality_max_gap: float | None = None        # largest mean log-prob gap, nats/token
+    quality_min_agreement: float | None = None  # smallest greedy agreement with the reference, 0..1
     emulate_link_gbps: float | None = None
     # Attention where a host KV cache lives / cold experts where they live (klotski/runtime/hostcompute.py):
     # auto = the cost model decides per layer and step from the run's profile; off by default, as
@@ -116,6 +119,10 @@ class RunConfig:
                                   f"{', '.join(HOST_COMPUTE)}")
         if self.quantize not in ("none", "hqq4", "auto"):
             raise ConfigError(f"--quantize {self.quantize!r}: choose none, hqq4 or auto")
+        if self.quality_max_gap is not None and not self.quality_max_gap >= 0:
+            raise ConfigError("--max-logprob-gap must be a gap in nats/token, 0 or more (e.g. 0.05)")
+        if self.quality_min_agreement is not None and not 0 <= self.quality_min_agreement <= 1:
+            raise ConfigError("--min-agreement must be a share in [0, 1] (e.g. 0.95)")
         if self.emulate_link_gbps is not None and self.emulate_link_gbps <= 0:
             raise ConfigError("--emulate-link must be a positive bandwidth in GB/s")
 

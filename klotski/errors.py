@@ -15,6 +15,18 @@ class UserError(Exception):
     """Raised by the engine for conditions the user can fix (e.g. an unwritable output)."""
 
 
+def require(module: str, *, extra: str, needed_by: str):
+    """`module` imported, or a UserError in one line naming the extra that installs it (every
+    optional package is in one of pyproject.toml's extras: tests/test_extras.py checks both)."""
+    import importlib
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        missing = (e.name or module).split(".")[0]
+        raise UserError(f"{needed_by} needs the {missing} package, which is not installed: "
+                        f"pip install 'klotski[{extra}]'") from None
+
+
 class JobFileError(Exception):
     """A problem with a whole file (missing, unreadable, locked); one line for the CLI."""
 

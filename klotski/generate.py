@@ -204,7 +204,7 @@ class Job:
             err = model_error(failed)
             self.failed += self.emit(error_record(err, fmt=c.output_format), err, err.row)
             return 1
-        for s in samples:  # each sample is a sequence the engine ran, for the replay
+        for s in [*samples, *(seq.scorers or ())]:  # each a sequence the engine ran, for the replay
             self.prompt_lens.append(len(s.prompt_ids))
             self.gen_lens.append(len(s.out))
         self.ok += self.emit(result_record(samples, fmt="klotski" if self.parquet else c.output_format, model=c.model,

@@ -13,8 +13,8 @@ from klotski.runtime.overhead import LAUNCHES
 from klotski.runtime.profile_ops import EngineOps
 from placement.placement import Placement
 from planner.costmodel import LINKS, CostModel
-from planner.precision import (Precision, Weighed, choose, default_options, link_bytes_per_step, quality_row,
-                               to_dict)
+from planner.precision import (Precision, QualityBound, Weighed, choose, default_options, link_bytes_per_step,
+                               quality_row, to_dict)
 from planner.profile import Profile, builtin_profiles, load_profile, measure
 from planner.shapes import KNOWN_MODELS, as_shape
 from planner.solve import BATCH_SIZES, Budgets, Infeasible, Plan, solve
@@ -30,6 +30,19 @@ def model_shape(model: str):
     from klotski.io import registry
     from klotski.models.spec import ModelSpec
     return as_shape(ModelSpec.from_dir(registry.resolve(model)))
+
+
+def _gguf_checkpoint(model: str):
+    """`--model` opened as a checkpoint when it is a GGUF file or a folder holding one (the
+    header holds every shape and type; no weight is read), else None."""
+    if model.lower() in KNOWN_MODELS:
+        return None
+    from klotski.io import gguf, registry
+    path = registry.resolve(model)
+    if not gguf.is_gguf(path):
+        return None
+    from klotski.io.checkpoint import Checkpoint
+    return Checkpoint.open(str(path), direct_io=False)
 
 
 def compute_device(name: str) -> str:
@@ -112,16 +125,29 @@ def plan_from_flags(model: str, hardware: str, config, *, device_memory, host_me
     """(shape, profile, Plan) of `--model` on `--hardware` for a typical prompt and answer
     length, without weights: what `klotski plan` and `klotski simulate` show. Every precision
     the model can take is planned (the Plan's `precision`), `--quantize` picks one."""
-    shape = model_shape(model)
-    profile = profile_for(hardware, shape, device=config.device, link_gbps=config.emulate_link_gbps,
-                          pipeline_cost=pipeline_cost)
-    options = precision_options(shape)
-    if config.quantize != "auto" and not any(o.quantize == config.quantize for o in options):
-        from klotski.errors import ConfigError
-        raise ConfigError(f"--quantize {config.quantize}: {model}'s experts ship packed already "
-                          f"({shape.expert_format}); run without --quantize")
-    return shape, profile, weigh_plans(shape, profile, config, options, device_memory=device_memory,
-                                       host_memory=host_memory, prompt_len=prompt_len, gen_len=gen_len)
+    ckpt = _gguf_checkpoint(model)
+    try:
+        if ckpt is None:
+            shape, sizes_of = model_shape(model), None
+        else:  # a GGUF file: planned with its groups' bytes as stored, as `generate` plans it
+            from klotski.util.dtypes import torch_dtypes
+            dtype = ckpt.spec.dtype if config.dtype == "auto" else torch_dtypes()[config.dtype]
+            shape = _compute_shape(ckpt, dtype)
+            sizes_of = lambda cfg: ckpt.group_bytes(dtype, spec_for(cfg))  # noqa: E731
+        profile = profile_for(hardware, shape, device=config.device, link_gbps=config.emulate_link_gbps,
+                              pipeline_cost=pipeline_cost)
+        options = precision_options(shape, ckpt, ckpt.spec.dtype if ckpt else None)
+        if config.quantize != "auto" and not any(o.quantize == config.quantize for o in options):
+            from klotski.errors import ConfigError
+            packed = "GGUF blocks" if ckpt is not None else shape.expert_format
+            raise ConfigError(f"--quantize {config.quantize}: {model}'s experts ship packed already "
+                              f"({packed}); run without --quantize")
+        return shape, profile, weigh_plans(shape, profile, config, options, sizes_of=sizes_of,
+                                           device_memory=device_memory, host_memory=host_memory,
+                                           prompt_len=prompt_len, gen_len=gen_len)
+    finally:
+        if ckpt is not None:
+            ckpt.close()
 
 
 # ---- precision: the planner weighs it (planner/precision.py) ---------------------------------
@@ -146,8 +172,11 @@ def precision_options(shape, ckpt=None, dtype=None) -> list[Precision]:
     if hook is not None:
         return list(hook(dtype))
     options = default_options(shape)
-    if getattr(ckpt, "is_gguf", False):
-        return [dataclasses.replace(options[0], name="GGUF as stored")]
+    if getattr(ckpt, "is_gguf", False):  # labelled, and measured, by its experts' block type
+        from klotski.io.gguf import expert_types
+        types = expert_types(ckpt.store)
+        return [dataclasses.replace(options[0], name=f"GGUF {'+'.join(types) or 'as stored'}",
+                                    quality=types[0] if len(types) == 1 else "")]
     return options[:1] if shape.expert_format == "mxfp4" else options
 
 
@@ -168,7 +197,10 @@ def weigh_plans(shape, profile, config, options, *, sizes_of=None, **plan_kw) ->
         except BudgetRefused as e:
             w.refusal, w.error = str(e), e
         weighed.append(w)
-    chosen, why = choose(weighed, config.quantize)
+    chosen, why = choose(weighed, config.quantize, QualityBound(config.quality_max_gap, config.quality_min_agreement))
+    if chosen.plan is None and "quality bound" in why:
+        raise UserError(f"{chosen.refusal}; {why.split('; ', 1)[1]}: raise the budget or loosen "
+                        "--max-logprob-gap / --min-agreement")
     if chosen.plan is None:
         raise chosen.error
     return dataclasses.replace(chosen.plan, precision=to_dict(weighed, chosen, why, table))

@@ -6,9 +6,13 @@ auto`'s choice among them.
 `auto` takes the fastest option that predicts at least AUTO_SPEEDUP x the exact one's tokens/s
 (the checkpoint's own precision); below that, fewer bits are not worth their quality cost and
 the exact plan stays. When the exact plan does not fit the budgets at all, the fastest option
-that does is taken. Quality costs are measured, not predicted: a committed table
-(klotski/builtin/data/precision_quality.json, benchmarks/precision_quality.py) handed in by
-the caller, as the planner reads no engine files.
+that does is taken. A quality bound (`QualityBound`: a largest log-prob gap, a smallest greedy
+agreement) further limits auto to the options whose measured cost keeps within it; an option
+never measured cannot show it does, so a bound rules it out. The checkpoint's own precision is
+what the user chose and is never ruled out. Quality costs are measured, not predicted: a
+committed table (klotski/builtin/data/precision_quality.json, benchmarks/precision_quality.py,
+measured on one model, which every label names) handed in by the caller, as the planner reads
+no engine files.
 
 The hook for checkpoints with their own quant types: an option carries its exact bytes per
 group (`sizes`, a costmodel.GroupBytes as the checkpoint stores them) and the quality-table
@@ -31,7 +35,30 @@ class Precision:
     quant_bits: int | None = None  # HQQ bits: packed sizes follow from the shape
     sizes: object = None        # GroupBytes as stored (a checkpoint's own types), or None: from the shape
     exact: bool = False         # the checkpoint's own precision: what the others are weighed against
-    quality: str = ""           # its row in the quality table ("" : the reference itself)
+    quality: str = ""           # its row in the quality table ("": none; shown "not measured")
+
+
+@dataclass(frozen=True)
+class QualityBound:
+    """The quality cost `--quantize auto` may take, as measured (None: no bound on that measure)."""
+    max_logprob_gap: float | None = None   # nats/token, reference minus option
+    min_agreement: float | None = None     # greedy (argmax) agreement with the reference, 0..1
+
+    def __bool__(self) -> bool:
+        return self.max_logprob_gap is not None or self.min_agreement is not None
+
+    def missed_by(self, quality: dict) -> str:
+        """Why a measured quality misses the bound, in words ("" when it keeps within it)."""
+        if not self:
+            return ""
+        if "agreement" not in quality:
+            return "its quality is not measured"
+        misses = []
+        if self.max_logprob_gap is not None and quality["logprob_gap"] > self.max_logprob_gap:
+            misses.append(f"log-prob gap {quality['logprob_gap']:.3f} > {self.max_logprob_gap:g} nats/token")
+        if self.min_agreement is not None and quality["agreement"] < self.min_agreement:
+            misses.append(f"greedy agreement {quality['agreement']:.1%} < {self.min_agreement:.1%}")
+        return ", ".join(misses)
 
 
 @dataclass
@@ -52,7 +79,7 @@ class Weighed:
 def default_options(shape) -> list[Precision]:
     """The checkpoint's own precision (its dtype, or MXFP4 experts as shipped) and HQQ 4-bit."""
     own = "mxfp4 experts" if shape.expert_format == "mxfp4" else shape.dtype
-    return [Precision(own, exact=True), Precision("hqq4", quantize="hqq4", quant_bits=4, quality="hqq4")]
+    return [Precision(own, exact=True, quality=own), Precision("hqq4", quantize="hqq4", quant_bits=4, quality="hqq4")]
 
 
 def link_bytes_per_step(plan, cost) -> float:
@@ -72,8 +99,9 @@ def link_bytes_per_step(plan, cost) -> float:
     return total
 
 
-def choose(weighed: list[Weighed], mode: str) -> tuple[Weighed, str]:
-    """(the option the run takes, why, in words). `mode` is --quantize: none, hqq4 or auto."""
+def choose(weighed: list[Weighed], mode: str, bound: QualityBound = QualityBound()) -> tuple[Weighed, str]:
+    """(the option the run takes, why, in words). `mode` is --quantize: none, hqq4 or auto;
+    under auto only options whose measured quality keeps within `bound` are taken."""
     exact = next(w for w in weighed if w.option.exact)
     if mode != "auto":
         picked = exact if mode == "none" else next(w for w in weighed if w.option.quantize == mode)
@@ -81,36 +109,47 @@ def choose(weighed: list[Weighed], mode: str) -> tuple[Weighed, str]:
             if mode == "none" else f"--quantize {mode} (set by hand)"
         return picked, why
     fits = [w for w in weighed if w.plan is not None]
+    missed = {id(w): w.option.name + ": " + bound.missed_by(w.quality) for w in fits
+              if not w.option.exact and bound.missed_by(w.quality)}
+    ruled_out = f"; ruled out by the quality bound: {'; '.join(missed.values())}" if missed else ""
+    fits = [w for w in fits if id(w) not in missed]
     if not fits:
-        return exact, "no precision fits the budgets"
+        return exact, "no precision fits the budgets" + ruled_out
     fastest = max(fits, key=lambda w: w.tokens_per_s)
     if exact.plan is None:
         return fastest, (f"--quantize auto: {exact.option.name} does not fit ({exact.refusal}); "
-                         f"{fastest.option.name} is the fastest option that does")
+                         f"{fastest.option.name} is the fastest option that does{_cost(fastest)}{ruled_out}")
     best = max((w for w in fits if not w.option.exact), key=lambda w: w.tokens_per_s, default=None)
     if best is None:
-        return exact, f"--quantize auto: {exact.option.name} is the only option"
+        return exact, (f"--quantize auto: {exact.option.name} kept" + (ruled_out or " (the only option)"))
     ratio = best.tokens_per_s / exact.tokens_per_s if exact.tokens_per_s else float("inf")
     if ratio >= AUTO_SPEEDUP:
         return best, (f"--quantize auto: {best.option.name} predicts {best.tokens_per_s:.3g} tokens/s, "
-                      f"{ratio:.2f}x {exact.option.name}'s {exact.tokens_per_s:.3g} (>= {AUTO_SPEEDUP}x)")
+                      f"{ratio:.2f}x {exact.option.name}'s {exact.tokens_per_s:.3g} (>= {AUTO_SPEEDUP}x)"
+                      f"{_cost(best)}{ruled_out}")
     return exact, (f"--quantize auto: {exact.option.name} kept; the fastest other option, {best.option.name}, "
-                   f"predicts {best.tokens_per_s:.3g} tokens/s, {ratio:.2f}x (< {AUTO_SPEEDUP}x)")
+                   f"predicts {best.tokens_per_s:.3g} tokens/s, {ratio:.2f}x (< {AUTO_SPEEDUP}x){ruled_out}")
+
+
+def _cost(w: Weighed) -> str:
+    """The quality a taken option costs, and where that was measured."""
+    return f"; quality cost {_quality_text(w.quality)}"
 
 
 def quality_row(table: dict | None, option: Precision) -> dict:
-    """The option's measured quality (agreement, logprob_gap) from the table, {} where unmeasured."""
-    if option.exact and not option.quality:
-        return {"reference": True}
-    return dict(((table or {}).get("options") or {}).get(option.quality) or {})
+    """The option's measured quality from the table (agreement, logprob_gap, and `measured_on`:
+    the model and reference it was measured with), {} where it was not measured."""
+    row = ((table or {}).get("options") or {}).get(option.quality)
+    if not row:
+        return {}
+    return {**row, "measured_on": f"{table['model']} vs {table['reference']}"}
 
 
 def _quality_text(q: dict) -> str:
-    if q.get("reference"):
-        return "reference"
     if "agreement" not in q:
         return "not measured"
-    return f"{q['agreement']:.1%} greedy agreement, {q['logprob_gap']:.3f} nats/token"
+    return (f"{q['agreement']:.1%} greedy agreement, {q['logprob_gap']:.3f} nats/token "
+            f"(measured on {q['measured_on'].split(' vs ')[0]})")
 
 
 def placement_text(plan) -> str:

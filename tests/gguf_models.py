@@ -177,19 +177,51 @@ def decoded(data: np.ndarray, raw_type) -> np.ndarray:
 
 
 def write_reference(hf: dict, path: Path, out: Path) -> Path:
-    """A Mixtral (or gpt-oss) safetensors checkpoint of `hf`'s weights, config and tokenizer from the GGUF
-    file (transformers' own GGUF readers), for transformers to run as the reference."""
+    """A Mixtral (or gpt-oss) safetensors checkpoint of `hf`'s weights, for transformers to run as
+    the reference. Its config and tokenizer are built here from what the writer put in the file
+    (`reference_config`, the built-in tokenizer the file's vocabulary came from), never through
+    Klotski's GGUF reader: a field that reader gets wrong makes the two runs differ."""
     import torch
     from safetensors.torch import save_file
-    from klotski.io import gguf as kg
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+    from klotski.builtin import tokenizer as builtin_tok
     out.mkdir()
     save_file({n: torch.from_numpy(np.ascontiguousarray(t)) for n, t in hf.items()}, str(out / "model.safetensors"))
-    cfg = kg.read_config(path)
-    cfg.pop("gguf_experts", None)  # Klotski's own mark; transformers runs the unquantized layout
-    cfg["dtype"] = "float32"
-    (out / "config.json").write_text(json.dumps(cfg))
-    kg.load_tokenizer(path, cfg["model_type"]).save_pretrained(out)
+    reference_config(path).save_pretrained(out)
+    # the vocabulary and merges `add_tokenizer` wrote; the file sets no tokenizer.ggml.add_bos_token,
+    # so, as llama.cpp reads a gpt2 tokenizer, no <s> is added: the built-in's post-processor goes
+    spec = json.loads(builtin_tok.tokenizer_json(GPT_OSS["vocab"] if path.name.startswith("gpt-oss")
+                                                 else MIXTRAL["vocab"]))
+    spec["post_processor"] = None
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)), bos_token="<s>", eos_token="</s>",
+                            pad_token="<pad>", clean_up_tokenization_spaces=False).save_pretrained(out)
     return out
+
+
+def reference_config(path: Path):
+    """transformers' config for the file `write` (Mixtral, a `llama` file) or `write_gpt_oss`
+    made, from the values those writers put in it; what a GGUF file does not carry keeps the
+    config class's defaults (the family's published conventions: gpt-oss's alternating sliding
+    layers, its yarn betas, its SwiGLU clamp)."""
+    from transformers import GptOssConfig, MixtralConfig
+    ids = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)  # <pad>, <s>, </s>: SPECIAL_TOKENS' order
+    if path.name.startswith("gpt-oss"):
+        s = GPT_OSS
+        return GptOssConfig(
+            num_hidden_layers=s["layers"], num_local_experts=s["experts"], num_experts_per_tok=s["top_k"],
+            vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["inter"], head_dim=s["head_dim"],
+            num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"], sliding_window=s["window"],
+            max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False, dtype="float32",
+            rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0,
+                             "truncate": False}, **ids)
+    s = MIXTRAL
+    return MixtralConfig(
+        num_hidden_layers=s["layers"], num_local_experts=s["experts"], num_experts_per_tok=s["top_k"],
+        vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["moe_inter"], head_dim=s["head_dim"],
+        num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"], max_position_embeddings=256,
+        rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False, dtype="float32", **ids)
 
 
 GPT_OSS = dict(hidden=128, heads=4, kv_heads=2, head_dim=32, layers=2, experts=4, top_k=2, inter=128, vocab=384,

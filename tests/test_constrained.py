@@ -288,6 +288,90 @@ def test_masks_follow_their_sequences_when_rows_move(checkpoints):
     logits = torch.zeros(3, spec.vocab_size)
     constrain.mask([words, _Row(None), digits], logits)  # rows moved; a newcomer in the middle
     allowed = [{tokenizer.decode([t]) for t in torch.isfinite(row).nonzero()[:, 0].tolist()} for row in logits]
-    assert allowed[0] == {"y", "n"} or allowed[0] <= {"y", "n", "yes", "no"}
+    # exactly the tokens that begin "yes" or "no" (not a subset: a row with every token masked
+    # would pass that); llguidance also lets a token end the answer, so each must be a prefix
+    texts = {tokenizer.decode([t]) for t in range(spec.vocab_size)}
+    assert allowed[0] == {x for x in texts if x and ("yes".startswith(x) or "no".startswith(x))}, allowed[0]
     assert allowed[1] == {tokenizer.decode([t]) for t in range(spec.vocab_size)}  # untouched
     assert allowed[2] and all(text.isdigit() for text in allowed[2])
+
+
+# keys deliberately not in alphabetical order: the answer must keep the schema's order
+ORDERED = {"type": "object", "properties": {"zeta": {"enum": ["cat", "dog"]}, "alpha": {"type": "boolean"},
+                                            "middle": {"type": "integer", "minimum": 0, "maximum": 9}},
+           "required": ["zeta", "alpha", "middle"], "additionalProperties": False}
+
+
+def test_answer_keys_come_in_the_schemas_order(checkpoints, tmp_path):
+    """OpenAI's structured outputs write keys in the schema's order (a schema written
+    reasoning-first makes the model reason before it answers): so does every answer here,
+    read off the answer's text, in each field shape that carries a schema."""
+    shapes = [{"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": ORDERED,
+                                                                          "strict": True}}},
+              {"structured_outputs": {"json": ORDERED}}, {"guided_json": json.dumps(ORDERED)}]
+    lines = [{"id": f"{k}-{i}", "prompt": p, "max_tokens": 64, **shape}
+             for i, p in enumerate(PROMPTS) for k, shape in enumerate(shapes)]
+    requests, errors = read_jobs(write_jobs(tmp_path / "j.jsonl", lines))
+    assert errors == []
+    engine, seqs, errors = open_engine(RunConfig(model=str(checkpoints["gqa"]), batch_size=3, num_batches=2),
+                                       requests)
+    try:
+        done = {s.request.id: s for s in engine.run(seqs)}
+    finally:
+        engine.close()
+    assert len(done) == len(lines)
+    for rid, s in done.items():
+        assert s.text.startswith('{"zeta": "'), (rid, s.text)
+        assert s.finish_reason == "stop", (rid, s.text)  # three short fields: every answer completes
+        keys = json.loads(s.text, object_pairs_hook=lambda pairs: [k for k, _ in pairs])
+        assert keys == ["zeta", "alpha", "middle"], (rid, s.text)
+
+
+def _strict(schema):
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema,
+                                                                      "strict": True}}}
+
+
+NESTED = {"type": "object", "additionalProperties": False, "required": ["who"],
+          "properties": {"who": {"type": "object", "properties": {"name": {"type": "string"}}}}}
+STRICT_REFUSALS = [
+    ({**ORDERED, "required": ["zeta", "alpha"]},
+     'response_format.json_schema.schema: with "strict": true every property must be listed in "required" '
+     '(missing "middle")'),
+    ({k: v for k, v in ORDERED.items() if k != "additionalProperties"},
+     'response_format.json_schema.schema: with "strict": true every object needs "additionalProperties": false'),
+    (NESTED, 'response_format.json_schema.schema.properties.who: with "strict": true every object needs '
+             '"additionalProperties": false'),
+    ({"type": "object", "additionalProperties": False, "required": ["x"], "properties": {"x": {"$ref": "#/$defs/p"}},
+      "$defs": {"p": {"type": "object", "additionalProperties": False, "properties": {"q": {"type": "integer"}}}}},
+     'response_format.json_schema.schema.$defs.p: with "strict": true every property must be listed'),
+    ({"anyOf": [ORDERED, {"type": "string"}]}, 'with "strict": true the root schema must be {"type": "object"'),
+    ({"type": "string"}, 'with "strict": true the root schema must be {"type": "object"'),
+]
+
+
+@pytest.mark.parametrize("schema, expected", STRICT_REFUSALS, ids=[str(i) for i in range(len(STRICT_REFUSALS))])
+def test_strict_schema_outside_openais_rules_is_refused_naming_the_rule(tmp_path, schema, expected):
+    """With "strict": true, a schema OpenAI's strict mode would refuse is that line's error
+    record, one line naming the rule and where; without strict, the same schema is accepted
+    and constrains the answer (best effort, as OpenAI's non-strict json_schema)."""
+    loose = {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}
+    requests, errors = read_jobs(write_jobs(tmp_path / "j.jsonl", [{"id": "a", "prompt": "x", **_strict(schema)},
+                                                                   {"id": "b", "prompt": "y", **loose}]))
+    assert [r.id for r in requests] == ["b"] and requests[0].constraint[1] == "json"
+    assert len(errors) == 1 and errors[0].message.startswith("response_format.json_schema.schema")
+    assert expected in errors[0].message and "\n" not in errors[0].message
+
+
+def test_strict_schema_within_the_rules_is_accepted_and_strict_must_be_a_bool(tmp_path):
+    good = {"type": "object", "additionalProperties": False, "required": ["who", "tags"],
+            "properties": {"who": {"anyOf": [{"type": "null"}, {**NESTED["properties"]["who"], "required": ["name"],
+                                                                 "additionalProperties": False}]},
+                           "tags": {"type": "array", "items": {"type": "string"}}}}
+    bad_flag = {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": good,
+                                                                          "strict": "yes"}}}
+    requests, errors = read_jobs(write_jobs(tmp_path / "j.jsonl", [{"id": "a", "prompt": "x", **_strict(good)},
+                                                                   {"id": "b", "prompt": "x", **bad_flag}]))
+    assert [r.id for r in requests] == ["a"]
+    assert json.loads(requests[0].constraint[2]) == good and list(json.loads(requests[0].constraint[2])) == list(good)
+    assert [e.message for e in errors] == ['response_format.json_schema.strict must be true or false, got "yes"']

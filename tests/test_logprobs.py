@@ -67,6 +67,64 @@ def test_logprobs_are_transformers_log_softmax_and_its_top_tokens(checkpoints, r
         assert set(s.pieces) >= {t for t, _, alts in s.logprobs for t in (t, *(a for a, _ in alts))}
 
 
+SAMPLED = [dict(temperature=0.7, top_p=0.9), dict(temperature=1.6, top_p=1.0), dict(temperature=1.3, top_p=0.5)]
+
+
+def _reference_masks(tok, model, constraint, out):
+    """An llguidance matcher of its own fed the answer token by token: the allowed set at
+    each position (None: the line is not constrained), computed without the engine's code."""
+    import llguidance
+    import llguidance.hf
+    import numpy as np
+    if constraint is None:
+        return [None] * len(out)
+    lltok = llguidance.hf.from_tokenizer(tok, n_vocab=model.config.vocab_size,
+                                         eos_token=model.generation_config.eos_token_id)
+    kind, text = constraint
+    matcher = llguidance.LLMatcher(lltok, llguidance.grammar_from(kind, text))
+    masks = []
+    for token in out:
+        bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
+        masks.append(torch.from_numpy(np.unpackbits(bits, bitorder="little")[:model.config.vocab_size].astype(bool)))
+        assert matcher.consume_token(token)
+    return masks
+
+
+@pytest.mark.parametrize("sampling", SAMPLED, ids=[f"t{c['temperature']}-p{c['top_p']}" for c in SAMPLED])
+def test_sampled_logprobs_are_the_models_distribution_renormalised_under_the_mask(checkpoints, sampling):
+    """The contract (jobs/README.md): a token's logprob is the fp32 log-softmax of the model's
+    logits, after a grammar mask (renormalised over the tokens it allows), before temperature and
+    top_p, whatever the sampling. The reference is transformers' forward over prompt + answer
+    with a grammar mask from llguidance's own matcher: a logprob taken after temperature, or not
+    renormalised under the mask, fails here (a greedy run cannot tell them apart: its pick is
+    the top token either way, and temperature 1 leaves the distribution as it is)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    regex = ("regex", r"[a-z]+( [a-z]+){2,5}")
+    reqs = [Request(id=f"r{i}", line=i + 1, prompt=p, messages=None, max_new_tokens=8, logprobs=TOP, seed=5,
+                    constraint=("guided_regex", *regex) if i % 2 else None) for i, p in enumerate(PROMPTS)]
+    done = _run(checkpoints["gqa"], reqs, batch_size=3, **sampling)
+    model = AutoModelForCausalLM.from_pretrained(checkpoints["gqa"], dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(checkpoints["gqa"])
+    not_top = 0
+    for s in done:
+        assert len(s.logprobs) == len(s.out) > 0 and s.error is None
+        ids = tok(s.request.prompt)["input_ids"]
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids + s.out])).logits[0, len(ids) - 1:len(ids) - 1 + len(s.out)]
+        masks = _reference_masks(tok, model, regex if s.request.constraint else None, s.out)
+        for j, ((token, lp, alts), allowed) in enumerate(zip(s.logprobs, masks)):
+            row = logits[j].float() if allowed is None else logits[j].float().masked_fill(~allowed, float("-inf"))
+            ref = torch.log_softmax(row, dim=-1)
+            assert token == s.out[j] and lp == pytest.approx(ref[token].item(), abs=1e-4), (s.request.id, j)
+            values, top = ref.topk(TOP)
+            keep = [k for k, v in enumerate(values.tolist()) if v > float("-inf")]
+            assert [a for a, _ in alts] == [top[k].item() for k in keep]
+            assert [v for _, v in alts] == pytest.approx([values[k].item() for k in keep], abs=1e-4)
+            not_top += token != top[0].item()
+    assert not_top >= 3  # sampling really picked tokens other than the top one
+    assert sum(s.request.constraint is not None for s in done) >= 2
+
+
 def test_only_the_rows_that_ask_get_logprobs_and_a_run_without_does_no_work(checkpoints, monkeypatch):
     reqs = [Request(id=f"r{i}", line=i + 1, prompt=p, messages=None, max_new_tokens=6,
                     logprobs=(2 if i % 2 else None)) for i, p in enumerate(PROMPTS)]

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from klotski.cli import main as cli
-from planner.precision import AUTO_SPEEDUP, Precision, Weighed, choose
+from planner.precision import AUTO_SPEEDUP, Precision, QualityBound, Weighed, choose
 
 
 def _plan_json(capsys, *args) -> dict:
@@ -58,8 +58,10 @@ def test_quality_costs_come_from_the_committed_table(capsys):
     for four in ("hqq4", "Q4_0"):  # 4 bits cost more than 8
         assert rows[four]["logprob_gap"] > rows["Q8_0"]["logprob_gap"] and rows[four]["agreement"] < rows["Q8_0"]["agreement"]
     p = _plan_json(capsys, "--model", "mixtral-8x7b", "--hardware", "h800-pcie5")
-    assert _by_name(p)["hqq4"]["quality"] == {k: table["options"]["hqq4"][k] for k in table["options"]["hqq4"]}
-    assert _by_name(p)["bfloat16"]["quality"] == {"reference": True}
+    where = {"measured_on": "smollm2-moe vs float32 (the checkpoint as stored)"}
+    assert _by_name(p)["hqq4"]["quality"] == {**table["options"]["hqq4"], **where}
+    # the checkpoint's own precision is labelled by its measured quality too, not "reference"
+    assert _by_name(p)["bfloat16"]["quality"] == {**table["options"]["bfloat16"], **where}
 
 
 class _Plan:
@@ -112,3 +114,65 @@ def test_generate_under_auto_runs_the_precision_it_took_and_says_why(checkpoints
     engine.close()
     same, _ = engine_tokens(model, quantize=p["quantize"], **budget)
     assert auto == same
+
+
+# ---- issue 47: quality weighed (a bound for auto), GGUF files planned ------------------------
+GAP4, AGREE4 = 0.30483, 0.7207  # hqq4's row of the committed table
+
+
+@pytest.mark.parametrize("bound, chosen", [
+    ([], "hqq4"),                                  # no bound: today's choice stands
+    (["--max-logprob-gap", "0.5"], "hqq4"),        # 4-bit's measured gap is within it
+    (["--max-logprob-gap", "0.1"], "bfloat16"),    # ...and not within this one
+    (["--min-agreement", "0.7"], "hqq4"),
+    (["--min-agreement", "0.9"], "bfloat16"),
+])
+def test_auto_honours_a_quality_bound_and_says_what_it_costs(capsys, bound, chosen):
+    args = ["--model", "mixtral-8x22b", "--hardware", "rtx3090-pcie4", "--host-memory", "256GiB", "--quantize", "auto"]
+    p = _plan_json(capsys, *args, *bound)
+    assert p["chosen"] == chosen, p["why"]
+    if chosen == "hqq4":  # the plan's line: the speed gain, the quality cost, where it was measured
+        assert "x bfloat16's" in p["why"] and f"quality cost 72.1% greedy agreement, {GAP4:.3f} nats/token " \
+            "(measured on smollm2-moe)" in p["why"], p["why"]
+    else:
+        assert "ruled out by the quality bound: hqq4: " in p["why"], p["why"]
+
+
+def test_a_bound_rules_out_an_unmeasured_option_and_a_refusal_names_it():
+    exact, four = _weighed(10.0, 50.0)
+    assert choose([exact, four], "auto", QualityBound(max_logprob_gap=1.0))[0] is exact  # no quality row
+    four.quality = {"agreement": AGREE4, "logprob_gap": GAP4, "measured_on": "m vs r"}
+    assert choose([exact, four], "auto", QualityBound(max_logprob_gap=1.0))[0] is four
+    exact, four = _weighed(None, 50.0)
+    four.quality = {"agreement": AGREE4, "logprob_gap": GAP4, "measured_on": "m vs r"}
+    picked, why = choose([exact, four], "auto", QualityBound(min_agreement=0.8))
+    assert picked is exact and picked.plan is None and "greedy agreement 72.1% < 80.0%" in why
+
+
+def test_plan_and_simulate_take_a_gguf_file_or_its_folder(tmp_path, capsys, monkeypatch):
+    """As `generate` does: the shapes and block types come from the header, no weight is read;
+    the file's precision is labelled by its experts' type and that type's measured quality."""
+    pytest.importorskip("gguf")
+    import gguf_models as gm
+    from klotski import planning
+    from klotski.io import gguf as kg
+    (tmp_path / "q8").mkdir()
+    (tmp_path / "q4k").mkdir()
+    q8 = gm.write(tmp_path / "q8" / "model.gguf", "Q8_0", gm.QWEN3)
+    q4k = gm.write(tmp_path / "q4k" / "model.gguf", "Q4_K", gm.QWEN3)
+
+    def no_weights(*a, **k):
+        raise AssertionError("a weight was read")
+    monkeypatch.setattr(kg.GgufStore, "read", no_weights)
+    monkeypatch.setattr(kg.GgufStore, "read_raw", no_weights)
+    hw = ["--hardware", "rtx3090-pcie4"]
+    for model in (q8, q8.parent):
+        p = _plan_json(capsys, "--model", str(model), *hw, "--quantize", "auto")
+        table = planning.quality_table()
+        assert [o["name"] for o in p["options"]] == ["GGUF Q8_0"] and p["chosen"] == "GGUF Q8_0"
+        assert p["options"][0]["quality"]["logprob_gap"] == table["options"]["Q8_0"]["logprob_gap"]
+    assert cli.main(["plan", "--model", str(q4k), *hw]) == 0
+    text = capsys.readouterr().out
+    assert "* GGUF Q4_K" in text and "not measured" in text and "schedule klotski: batch size" in text
+    assert cli.main(["simulate", "--model", str(q4k.parent), *hw]) == 0
+    assert "klotski " in capsys.readouterr().out

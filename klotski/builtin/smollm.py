@@ -58,7 +58,8 @@ def _give_gguf_a_version() -> None:
     """transformers finds gguf's version through importlib.metadata.packages_distributions(),
     which on Python 3.10 reads only top_level.txt (gguf's wheels have none), then falls back
     to the module's __version__ (gguf defines none) and fails to parse 'N/A'. Give it one."""
-    import gguf
+    from klotski.errors import require
+    gguf = require("gguf", extra="smollm", needed_by="building the built-in smollm2-moe")
     if not hasattr(gguf, "__version__"):
         from importlib.metadata import version
         gguf.__version__ = version("gguf")

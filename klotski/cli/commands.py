@@ -28,6 +28,7 @@ def serve(a) -> int:
 def _config(a) -> RunConfig:
     return RunConfig(model=a.model, batch_size=a.batch_size, num_batches=a.num_batches, schedule=a.schedule,
                      quantize=a.quantize, emulate_link_gbps=a.emulate_link_gbps, max_new_tokens=a.gen_len,
+                     quality_max_gap=a.quality_max_gap, quality_min_agreement=a.quality_min_agreement,
                      host_attention=a.host_attention, host_experts=a.host_experts,
                      prefill_chunk=a.prefill_chunk, device=a.device)
 

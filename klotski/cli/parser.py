@@ -58,6 +58,7 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                         "dequantized on the device before use; the copy is made once in --offload-dir. "
                         "auto: the planner weighs each precision and takes 4-bit only where it predicts "
                         ">= 1.3x the exact plan's tokens/s (none, the default: exact)")
+    _add_quality_bound_flags(p)
     p.add_argument("--quantize-optimize", action="store_true",
                    help="run HQQ's half-quadratic optimisation (~4%% less error, ~40x slower to quantize)")
     p.add_argument("--emulate-link", type=float, metavar="GBPS", dest="emulate_link_gbps",
@@ -92,12 +93,22 @@ def _add_plan_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", default="none", choices=("none", "hqq4", "auto"),
                    help="the precision to plan (every option is weighed and printed; auto takes 4-bit where it "
                         "predicts >= 1.3x the exact plan's tokens/s)")
+    _add_quality_bound_flags(p)
     p.add_argument("--emulate-link", type=float, metavar="GBPS", dest="emulate_link_gbps")
     p.add_argument("--host-attention", default="off", choices=HOST_COMPUTE,
                    help="let the plan compute attention beside a host KV cache (auto: where it is faster)")
     p.add_argument("--host-experts", default="off", choices=HOST_COMPUTE,
                    help="let the plan compute off-device experts where they live (auto: where it is faster)")
     _add_profile_device_flag(p)
+
+
+def _add_quality_bound_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-logprob-gap", type=float, metavar="NATS", dest="quality_max_gap",
+                   help="--quantize auto takes only a precision whose measured mean log-prob gap (nats/token, "
+                        "klotski plan shows it and the model it was measured on) is at most NATS")
+    p.add_argument("--min-agreement", type=float, metavar="SHARE", dest="quality_min_agreement",
+                   help="--quantize auto takes only a precision whose measured greedy agreement with the "
+                        "exact model is at least SHARE (e.g. 0.95)")
 
 
 def _add_profile_device_flag(p: argparse.ArgumentParser) -> None:
@@ -255,6 +266,7 @@ def config_from_args(a: argparse.Namespace) -> RunConfig:
         device_memory=a.device_memory,
         host_memory=a.host_memory, offload_dir=a.offload_dir, device=a.device, dtype=a.dtype,
         schedule=a.schedule, batching=a.batching, prefetch=a.prefetch, attention=a.attention, quantize=a.quantize, quantize_optimize=a.quantize_optimize,
+        quality_max_gap=a.quality_max_gap, quality_min_agreement=a.quality_min_agreement,
         emulate_link_gbps=a.emulate_link_gbps,
         host_attention=getattr(a, "host_attention", RunConfig.host_attention),
         host_experts=getattr(a, "host_experts", RunConfig.host_experts),

@@ -22,7 +22,7 @@ import math
 import os
 from pathlib import Path
 
-from klotski.errors import UserError
+from klotski.errors import UserError, require
 from klotski.io.requests import OPTIONS
 from klotski.io.requests import ROW_KEY as ROW  # a row's columns travel under it (the line checks ignore it)
 
@@ -42,7 +42,7 @@ def open_rows(path):
     path = Path(path)
     if not path.exists():
         raise UserError(f"job file {path} does not exist")
-    import datasets
+    datasets = require("datasets", extra="datasets", needed_by=f"reading the dataset file {path}")
     datasets.disable_progress_bars()
     try:
         if path.is_dir():

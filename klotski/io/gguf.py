@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from klotski.compress import ggml
+from klotski.errors import require
 from placement.store import CheckpointError, TensorEntry, TensorStore
 
 # GGUF architecture -> the model_type transformers and the families use
@@ -54,7 +55,7 @@ def files(path: Path) -> list[Path]:
 
 
 def _reader(file: Path):
-    from gguf import GGUFReader
+    GGUFReader = require("gguf", extra="gguf", needed_by=f"reading the GGUF file {file}").GGUFReader
     try:
         return GGUFReader(file)
     except Exception as e:  # the reader raises ValueError, struct errors, numpy errors on a bad header
@@ -90,8 +91,9 @@ def read_config(first: Path) -> dict:
             raise CheckpointError(f"{first}: a dense llama GGUF (no {arch}.expert_count); Klotski runs MoE models")
         from transformers import CONFIG_MAPPING
         keep = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                "rms_norm_eps", "rope_theta", "max_position_embeddings", "vocab_size", "tie_word_embeddings",
-                "bos_token_id", "eos_token_id", "head_dim")
+                "rms_norm_eps", "rope_theta", "rope_parameters", "max_position_embeddings", "vocab_size",
+                "tie_word_embeddings", "bos_token_id", "eos_token_id", "head_dim")  # (rope_parameters: the
+        # file's rope.freq_base in transformers 5; without it Mixtral's default 1e6 stood in silently)
         base = {k: cfg[k] for k in keep if cfg.get(k) is not None}
         base.update(num_local_experts=int(meta["expert_count"]), num_experts_per_tok=int(meta["expert_used_count"]))
         if moe:
@@ -138,7 +140,7 @@ def _gpt_oss_config(reader, meta: dict) -> dict:
 def _give_gguf_a_version() -> None:
     """transformers parses gguf's version from its metadata, which some gguf wheels lack (see
     klotski/builtin/smollm.py): give the module one."""
-    import gguf
+    gguf = require("gguf", extra="gguf", needed_by="reading a GGUF file")
     if not hasattr(gguf, "__version__"):
         from importlib.metadata import version
         gguf.__version__ = version("gguf")
@@ -300,6 +302,16 @@ _GPT_OSS = {"post_attention_norm.weight": "post_attention_layernorm.weight", "at
 
 
 _MIXTRAL = {"gate": "w1", "up": "w3", "down": "w2"}
+
+
+def expert_types(store: "GgufStore") -> list[str]:
+    """The block types of the experts' weights (`*_exps`, biases aside), most bytes first:
+    what a GGUF file's precision is named and measured by (its attention is a small share)."""
+    counts: dict[str, int] = {}
+    for entry in store.entries.values():
+        if "_exps" in entry.gguf_name and not entry.gguf_name.endswith(".bias"):
+            counts[entry.qtype] = counts.get(entry.qtype, 0) + entry.raw_span()[1]
+    return sorted(counts, key=lambda t: -counts[t])
 
 
 def hf_names(name: str, shape: tuple, qtype: str, model_type: str = "qwen3_moe"):

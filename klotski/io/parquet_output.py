@@ -31,7 +31,7 @@ try:
 except ImportError:
     fcntl = None
 
-from klotski.errors import JobFileError
+from klotski.errors import JobFileError, require
 from klotski.io.idset import IdSet
 from klotski.util.writes import fsync_dir
 
@@ -51,7 +51,7 @@ class ParquetOutput:
     keeps_input = True
 
     def __init__(self, path, *, resume: bool = True, rows_per_part: int | None = None, flush_s: float | None = None):
-        import pyarrow  # noqa: F401  (fails here, in one line, rather than at the first flush)
+        _need_pyarrow(path)  # fails here, in one line, rather than at the first flush
         self.path = Path(path)
         self.parts = self.path.with_name(self.path.name + ".parts")
         self.rows_per_part = rows_per_part or ROWS_PER_PART
@@ -146,6 +146,7 @@ class ParquetOutput:
     def finished(path) -> IdSet:
         """The ids an existing output finished, read without locking or changing anything (what
         the job reader skips, known before the run plans)."""
+        _need_pyarrow(path)
         try:
             return _scan(Path(path), Path(path).with_name(Path(path).name + ".parts"), repair=False)[0]
         except JobFileError:
@@ -222,7 +223,7 @@ def _row(record: dict) -> dict:
     row = {"id": record["id"], "completion": record.get("completion"), "finish_reason": record.get("finish_reason"),
            "prompt_tokens": record.get("prompt_tokens"), "completion_tokens": record.get("completion_tokens"),
            "error": err["message"] if err else None}
-    for key in ("token_ids", "logprobs", "choices"):  # (a line of n samples: `choices`, its completion null)
+    for key in ("token_ids", "logprobs", "choices", "choice_logprobs"):  # (a line of n samples: `choices`, its completion null)
         if key in record:
             row[key] = record[key]
     for key, value in (record.get("input") or {}).items():
@@ -266,3 +267,7 @@ def _write_atomically(path: Path, tables, schema, metadata=None) -> None:
         Path(tmp).unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def _need_pyarrow(path) -> None:
+    require("pyarrow", extra="datasets", needed_by=f"writing the Parquet output {path}")

@@ -53,7 +53,10 @@ def result_record(seq, *, fmt: str, model: str, include_token_ids: bool = False)
     req, first = samples[0].request, samples[0]
     asked = getattr(req, "logprobs", None) is not None
     if record_form(fmt, req.openai) == "klotski":
-        return _klotski_record(samples, include_token_ids, asked)
+        record = _klotski_record(samples, include_token_ids, asked)
+        if (options := option_logprobs(first)) is not None:
+            record["choice_logprobs"] = options
+        return record
     endpoint = req.openai or (CHAT_URL if req.messages is not None else COMPLETIONS_URL)
     completion = sum(len(s.out) for s in samples)
     usage = {"prompt_tokens": len(first.prompt_ids), "completion_tokens": completion,
@@ -69,8 +72,22 @@ def result_record(seq, *, fmt: str, model: str, include_token_ids: bool = False)
                              "logprobs": _completion_logprobs(s) if asked else None}
                             for i, s in enumerate(samples)]}
     body.update(created=int(time.time()), model=model, usage=usage)
+    if (options := option_logprobs(first)) is not None:  # klotski's extension field (jobs/README.md)
+        body["choice_logprobs"] = options
     return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": req.id,
             "response": {"status_code": 200, "request_id": uuid.uuid4().hex, "body": body}, "error": None}
+
+
+def option_logprobs(s) -> list[dict] | None:
+    """A label's confidence: [{"choice", "logprob"}] over its line's choice options, in their
+    order, from the line's scoring rows (klotski/runtime/sequences.py, `_scorers`); None where
+    the line asked none. Each is the sum of the option's token log-probabilities (EOS's too
+    where the grammar could go on) under the grammar's mask; None for an option the grammar
+    would not take as the tokenizer splits it, or that did not fit the context."""
+    if not getattr(s, "scorers", None):
+        return None
+    return [{"choice": r.option, "logprob": sum(lp for _, lp, _ in r.logprobs)
+             if r.error is None and r.finish_reason == "stop" else None} for r in s.scorers]
 
 
 def _klotski_record(samples: list, include_token_ids: bool, asked: bool) -> dict:

@@ -18,7 +18,7 @@ the answer to a JSON schema, regex, choice or grammar (`_constraint`).
 
 Which id a line is answered under, and reading the file, are klotski/io/jobs.py's.
 
-This module only uses the standard library.
+This module only uses the standard library (and klotski/io/strict_schema.py for strict mode's rules).
 """
 
 from __future__ import annotations
@@ -27,12 +27,14 @@ import json
 import math
 from dataclasses import dataclass, field
 
+from klotski.io.strict_schema import strict_refusal
+
 ROLES = ("system", "user", "assistant")
 COMPLETIONS_URL = "/v1/completions"
 CHAT_URL = "/v1/chat/completions"
 MAX_TOKENS_KEYS = ("max_new_tokens", "max_tokens", "max_completion_tokens")  # one limit, three names
 OPTIONS = (*MAX_TOKENS_KEYS, "temperature", "top_p", "stop", "seed", "n", "logprobs",
-           "top_logprobs")  # what a line may set beside its prompt
+           "top_logprobs", "choice_logprobs")  # what a line may set beside its prompt
 MAX_N = 128  # samples per line (OpenAI's limit)
 MAX_TOP_LOGPROBS, MAX_COMPLETION_LOGPROBS = 20, 5  # OpenAI's limits: chat's top_logprobs, completions' logprobs
 # Request fields of the OpenAI and vLLM APIs that change the answer and that klotski does not
@@ -73,6 +75,7 @@ class Request:
     logprobs: int | None = None  # None: no log-probabilities; k: each token's, with its k most likely alternatives
     openai: str | None = None  # the endpoint ("/v1/chat/completions", ...) of an OpenAI Batch line
     constraint: tuple[str, str, str] | None = None  # (field, kind, text): the answer's grammar (`_constraint`)
+    choice_logprobs: bool = False  # each option of its choice constraint scored (`_choice_logprobs`)
     row: dict | None = field(default=None, compare=False, hash=False, repr=False)  # a dataset row's columns
 
     def chat_messages(self) -> list[dict[str, str]]:
@@ -181,7 +184,8 @@ def line_fields(obj: dict) -> dict:
         stop=_stop(src.get("stop"), prefix),
         seed=_seed(src.get("seed"), prefix),
         n=_n(src.get("n"), prefix),
-        constraint=_constraint(src, prefix),
+        constraint=(constraint := _constraint(src, prefix)),
+        choice_logprobs=_choice_logprobs(src.get("choice_logprobs"), constraint, prefix),
         logprobs=_logprobs(src, prefix, None if not is_openai(obj) else "completions" if has_prompt else "chat"),
     )
 
@@ -354,7 +358,14 @@ def _response_format(value, name: str) -> tuple[str, str, str] | None:
         if not isinstance(spec, dict) or spec.get("schema") is None:
             raise InvalidLine(f'{name}.json_schema must be an object with a "schema", like '
                               f'{{"name": "answer", "schema": {{"type": "object"}}}}, got {_show(spec)}')
-        return _grammar_of("json", spec["schema"], f"{name}.json_schema.schema")
+        strict = spec.get("strict")
+        if strict not in (None, True, False):
+            raise InvalidLine(f"{name}.json_schema.strict must be true or false, got {_show(strict)}")
+        found = _grammar_of("json", spec["schema"], f"{name}.json_schema.schema")
+        refusal = strict and strict_refusal(json.loads(found[2]), found[0])
+        if refusal:  # OpenAI refuses such a schema in strict mode: so do we, naming the rule
+            raise InvalidLine(refusal)
+        return found
     raise InvalidLine(f'{name} must be {{"type": "text"}}, {{"type": "json_object"}} or '
                       f'{{"type": "json_schema", "json_schema": {{"schema": ...}}}}, got {_show(value)}')
 
@@ -375,6 +386,19 @@ def _structured_outputs(value, name: str) -> tuple[str, str, str] | None:
     return found[0]
 
 
+def _choice_logprobs(value, constraint, prefix: str) -> bool:
+    """`choice_logprobs: true` asks for every option's log-probability (a label's confidence);
+    it means something only beside a choice constraint."""
+    if value is None or value is False:
+        return False
+    if value is not True:
+        raise InvalidLine(f"{prefix}choice_logprobs must be true or false, got {_show(value)}")
+    if constraint is None or constraint[1] != "choice":
+        raise InvalidLine(f"{prefix}choice_logprobs scores the options of a choice: give it with "
+                          f'{prefix}structured_outputs {{"choice": [...]}} or {prefix}guided_choice')
+    return True
+
+
 def _grammar_of(kind: str, value, name: str) -> tuple[str, str, str]:
     """(name, kind, text) with the shape of `value` checked; whether llguidance accepts the
     schema, regex or grammar is checked when it is compiled for the tokenizer."""
@@ -392,7 +416,9 @@ def _grammar_of(kind: str, value, name: str) -> tuple[str, str, str]:
                                   f"got {_show(value)}") from None
         if not isinstance(value, (dict, bool)):
             raise InvalidLine(f"{name} must be a JSON schema (an object), got {_show(value)}")
-        return (name, kind, json.dumps(value, sort_keys=True))
+        # the schema's own key order: the answer's keys come in it (a schema written reasoning-first
+        # asks the model to reason before it answers), as in OpenAI's structured outputs
+        return (name, kind, json.dumps(value))
     if not isinstance(value, str) or not value:
         what = "regular expression" if kind == "regex" else "grammar (Lark or GBNF)"
         raise InvalidLine(f"{name} must be a non-empty string holding a {what}, got {_show(value)}")

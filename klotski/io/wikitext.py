@@ -13,7 +13,8 @@ def export_wikitext(path: str, count: int, seed: int, *, words: int = 64) -> int
         from datasets import load_dataset
         rows = load_dataset("Salesforce/wikitext", "wikitext-103-raw-v1", split="test")["text"]
     except ImportError:
-        raise UserError("`klotski jobs wikitext` needs the datasets package: pip install datasets") from None
+        raise UserError("`klotski jobs wikitext` needs the datasets package, which is not installed: "
+                        "pip install 'klotski[datasets]'") from None
     except Exception as e:
         raise UserError(f"cannot load wikitext-103 from the Hugging Face hub ({type(e).__name__}); "
                         "check the network, or use the bundled jobs/wikitext.jsonl") from None

@@ -35,6 +35,12 @@ class Sequence:
     sample: int = 0  # which of its line's n samples this is
     samples: list | None = None  # all n samples of its line (itself included), when n > 1
     grammar: constrain.Grammar | None = None  # the answer's constraint (klotski/runtime/constrain.py)
+    # A label's confidence (`choice_logprobs`): one scoring row per option of the line's choice,
+    # whose tokens are `forced` (the option as the tokenizer splits it, then EOS where the
+    # grammar could go on) rather than picked; `scorers` lists them on every row of the line.
+    forced: list[int] | None = None
+    option: str | None = None
+    scorers: list | None = None
 
     @property
     def done(self) -> bool:
@@ -78,7 +84,28 @@ def prepare(requests, tokenizer, spec, config):
             for s in samples:
                 s.samples = samples
         seqs.extend(samples)
+        if req.choice_logprobs:
+            seqs.extend(_scorers(req, ids, ctx, config, tokenizer, spec, samples))
     return seqs, errors
+
+
+def _scorers(req, ids, ctx, config, tokenizer, spec, samples) -> list[Sequence]:
+    """The scoring rows of a line asking for its choice's log-probabilities: each option's
+    tokens forced through the same grammar, their log-probabilities recorded (under the mask,
+    before temperature: the logprob contract), EOS's too where another option could go on."""
+    import json
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else spec.eos_token_ids[0]
+    rows = []
+    for option in json.loads(req.constraint[2]):
+        s = _sequence(req, ids, ctx, config, -1)
+        s.forced = list(tokenizer(option, add_special_tokens=False)["input_ids"]) + [eos]
+        s.option, s.generator, s.top_logprobs, s.samples = option, None, 0, samples
+        s.max_new_tokens = min(len(s.forced), ctx - len(ids))
+        s.grammar = constrain.compile_grammar(req.constraint, tokenizer, spec)
+        rows.append(s)
+    for s in [*samples, *rows]:
+        s.scorers = rows
+    return rows
 
 
 def tokenize(tokenizer, req) -> list[int]:
@@ -105,9 +132,8 @@ def _sequence(req, ids, ctx, config, sample: int = 0) -> Sequence:
 def gather(s: Sequence) -> list[Sequence] | None:
     """The samples of `s`'s line once all are done (in sample order; [s] for a line of one),
     else None: a line is answered in one record, whole or not at all."""
-    if s.samples is None:
-        return [s]
-    return s.samples if all(x.done for x in s.samples) else None
+    answers = [s] if s.samples is None else s.samples
+    return answers if all(x.done for x in [*answers, *(s.scorers or ())]) else None
 
 
 def pick(batch: list[Sequence], logits: torch.Tensor) -> list[int]:
@@ -115,6 +141,7 @@ def pick(batch: list[Sequence], logits: torch.Tensor) -> list[int]:
     greedy = logits.argmax(dim=-1).tolist()
     tokens = [g if s.done or s.generator is None else _sample(lg, s.temperature, s.top_p, s.generator)
               for s, g, lg in zip(batch, greedy, logits)]
+    tokens = [s.forced[len(s.out)] if s.forced is not None and not s.done else t for s, t in zip(batch, tokens)]
     logprobs.record(batch, logits, tokens)  # the rows whose line asked, from these logits
     return tokens
 
@@ -124,7 +151,8 @@ def append(s: Sequence, token: int, tokenizer, eos: set[int]) -> None:
     complete, its limit)."""
     if token in eos:
         s.finish_reason = "stop"
-        del s.logprobs[len(s.out):]  # the EOS token is not part of the answer, nor its logprob
+        if s.forced is None:  # (a scoring row keeps it: the option's end is part of its probability)
+            del s.logprobs[len(s.out):]  # the EOS token is not part of the answer, nor its logprob
     else:
         s.out.append(token)
         if s.stop:

@@ -24,7 +24,7 @@ def serve(config, *, host: str, port: int, api_key: str | None, data_dir: str, m
 
         from klotski.serve.app import make_app
     except ImportError as e:
-        raise UserError(f"klotski serve needs FastAPI and uvicorn ({e.name} is missing): "
+        raise UserError(f"klotski serve needs FastAPI, uvicorn, python-multipart and openai ({e.name} is missing): "
                         "pip install 'klotski[serve]'") from None
     store = Store(Path(data_dir))
     engine = None

@@ -1,0 +1,122 @@
+"""A label's confidence (issue 47): a line with a choice constraint and `"choice_logprobs": true`
+gets every option's log-probability (the sum over its tokens under the grammar's mask, EOS's
+too where another option could go on), in the klotski, OpenAI Batch and Parquet records; on
+the trained model in the box the numbers are transformers' own sums within 1e-4 in fp32."""
+import json
+
+import llguidance
+import llguidance.hf
+import numpy as np
+import pytest
+import torch
+
+from klotski.assemble import open_engine
+from klotski.cli import main as cli
+from klotski.config import RunConfig
+from klotski.io.jobs import read_jobs
+from klotski.io.records import option_logprobs
+
+LABELS = ["positive", "negative", "very negative", "neutral"]  # one label of several tokens, one a prefix's kin
+
+
+def _write(path, lines):
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return path
+
+
+def _masked_logprob(matcher, logits: torch.Tensor, token: int) -> float:
+    """log p(token) renormalised over the tokens llguidance's own matcher allows here."""
+    bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
+    allowed = torch.from_numpy(np.unpackbits(bits, bitorder="little")[:logits.shape[-1]].astype(bool))
+    return torch.log_softmax(logits.float().masked_fill(~allowed, float("-inf")), dim=-1)[token].item()
+
+
+def transformers_option_logprobs(model, tok, prompt_ids: list[int], choices: list[str]) -> list[float]:
+    """The reference: for each option as the tokenizer splits it, transformers' forward over
+    prompt + option (+ EOS where the grammar could still go on), each token's log-probability
+    under an independent llguidance matcher's mask, summed."""
+    eos = model.generation_config.eos_token_id
+    lltok = llguidance.hf.from_tokenizer(tok, n_vocab=model.config.vocab_size, eos_token=eos)
+    out = []
+    for option in choices:
+        matcher = llguidance.LLMatcher(lltok, llguidance.grammar_from("choice", choices))
+        ids = tok(option, add_special_tokens=False)["input_ids"]
+        path = list(ids)
+        for t in ids:
+            assert matcher.consume_token(t)
+        if not matcher.is_stopped():
+            path.append(tok.eos_token_id)
+        matcher = llguidance.LLMatcher(lltok, llguidance.grammar_from("choice", choices))
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt_ids + path])).logits[0, len(prompt_ids) - 1:]
+        total = 0.0
+        for j, t in enumerate(path):
+            total += _masked_logprob(matcher, logits[j], t)
+            matcher.consume_token(t)
+        out.append(total)
+    return out
+
+
+def test_trained_model_label_logprobs_are_transformers_sums(tmp_path):
+    """smollm2-moe in fp32: every option's log-probability equals transformers' sum within 1e-4,
+    the label the model answers is the most likely option, and a clear review is sure of it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from klotski.io import registry
+    reviews = ["What a wonderful, joyful book. I recommend it to everyone!",
+               "Terrible. Boring plot and awful acting; I walked out.",
+               "It arrived on Tuesday in a brown box."]
+    lines = [{"id": f"r{i}", "messages": [{"role": "user", "content": "Classify the sentiment of this review as "
+                                           f"positive, negative, very negative or neutral.\n\n{r}"}],
+              "structured_outputs": {"choice": LABELS}, "choice_logprobs": True, "max_tokens": 6}
+             for i, r in enumerate(reviews)]
+    requests, errors = read_jobs(_write(tmp_path / "j.jsonl", lines))
+    assert errors == []
+    model_dir = registry.resolve("smollm2-moe")
+    engine, seqs, errors = open_engine(RunConfig(model=str(model_dir), dtype="float32", progress=False,
+                                                 batch_size=4, num_batches=2), requests)
+    try:
+        done = {s.request.id: s for s in engine.run(seqs) if s.forced is None}
+    finally:
+        engine.close()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    assert any(len(tok(label, add_special_tokens=False)["input_ids"]) > 1 for label in LABELS)
+    for i in range(len(reviews)):
+        s = done[f"r{i}"]
+        ours = option_logprobs(s)
+        assert [o["choice"] for o in ours] == LABELS
+        theirs = transformers_option_logprobs(model, tok, s.prompt_ids, LABELS)
+        assert [o["logprob"] for o in ours] == pytest.approx(theirs, abs=1e-4), (ours, theirs)
+        best = max(ours, key=lambda o: o["logprob"])
+        assert s.text == best["choice"]  # greedy picks the most likely label here
+    assert max(o["logprob"] for o in option_logprobs(done["r0"])) > np.log(0.5)
+
+
+def test_every_output_shape_carries_the_options(checkpoints, tmp_path):
+    """klotski's record, an OpenAI Batch line's body (the extension field) and a Parquet column;
+    a line of n samples has them once; a choice_logprobs without a choice is that line's error."""
+    lines = [{"id": "plain", "prompt": "The river", "guided_choice": LABELS, "choice_logprobs": True},
+             {"id": "many", "prompt": "Paris is", "structured_outputs": {"choice": LABELS}, "choice_logprobs": True,
+              "n": 3, "temperature": 1.0},
+             {"custom_id": "oai", "body": {"prompt": "A quantum", "guided_choice": LABELS, "choice_logprobs": True}},
+             {"id": "free", "prompt": "maybe", "max_tokens": 3},
+             {"id": "bad", "prompt": "no", "guided_regex": "[a-z]+", "choice_logprobs": True}]
+    jobs = _write(tmp_path / "j.jsonl", lines)
+    model = ["--model", str(checkpoints["gqa"]), "--no-progress", "--batch-size", "4"]
+    assert cli.main(["generate", str(jobs), "-o", str(tmp_path / "o.jsonl"), *model]) == 1  # one line error
+    records = {r.get("custom_id") or r["id"]: r for r in map(json.loads, (tmp_path / "o.jsonl").read_text().splitlines())}
+    for rid, where in (("plain", records["plain"]), ("many", records["many"]),
+                       ("oai", records["oai"]["response"]["body"])):
+        options = where["choice_logprobs"]
+        assert [o["choice"] for o in options] == LABELS, rid
+        assert all(o["logprob"] is None or o["logprob"] <= 0 for o in options)
+        assert sum(np.exp(o["logprob"]) for o in options if o["logprob"] is not None) <= 1 + 1e-6
+    assert len(records["many"]["choices"]) == 3 and "choice_logprobs" not in records["free"]
+    assert "choice_logprobs scores the options of a choice" in records["bad"]["error"]["message"]
+    assert cli.main(["generate", str(jobs), "-o", str(tmp_path / "o.parquet"), *model]) == 1
+    import pyarrow.parquet as pq
+    rows = {r["id"]: r for r in pq.read_table(tmp_path / "o.parquet").to_pylist()}
+    assert [o["choice"] for o in rows["plain"]["choice_logprobs"]] == LABELS
+    assert [o["logprob"] for o in rows["plain"]["choice_logprobs"]] == \
+        pytest.approx([o["logprob"] for o in records["plain"]["choice_logprobs"]], abs=1e-5)
+    assert rows["free"]["choice_logprobs"] is None
