@@ -152,15 +152,18 @@ def launch(a, system, tag, budget, cmd, out, report) -> tuple[dict, dict | None]
     return row, r
 
 
-def klotski_once(a, schedule: str, tag: str, budget: int) -> dict:
+def klotski_once(a, schedule: str, tag: str, budget: int, extra=(), launcher=None) -> dict:
+    """One `klotski generate` run; `extra` flags are appended, `launcher` replaces
+    `python -m klotski.cli` (gpu_realdims.py: the allocator capped first)."""
     base = a.work_dir / "runs" / f"{schedule}-{tag}"
     out, report, trace = (base.with_suffix(s) for s in (".out.jsonl", ".report.json", ".trace.json"))
     trace.unlink(missing_ok=True)
     row, r = launch(a, schedule, tag, budget, [
-        sys.executable, "-m", "klotski.cli", "generate", a.jobs, "--model", a.model, "-o", out, "--report", report,
+        *(launcher or [sys.executable, "-m", "klotski.cli"]), "generate", a.jobs, "--model", a.model, "-o", out,
+        "--report", report,
         "--trace", trace, "--device", a.device, "--dtype", a.dtype, "--max-new-tokens", a.max_new_tokens,
         "--schedule", schedule, "--no-progress", "--no-resume", "--include-token-ids",
-        "--device-memory", f"{budget // 1024}KiB"], out, report)
+        "--device-memory", f"{budget // 1024}KiB", *map(str, extra)], out, report)
     if r is None:
         return row
     io, mem, plan = r.get("io", {}), r.get("memory", {}), r.get("plan", {})
@@ -194,7 +197,7 @@ def accelerate_run(a, tag: str, batch_size: int, budget: int) -> dict:
         spec = base.with_suffix(".spec.json")
         spec.write_text(json.dumps({"model": str(a.model), "jobs": str(a.jobs), "out": str(out), "report": str(report),
                                     "batch_size": batch_size, "max_new": a.max_new_tokens, "budget": budget,
-                                    "dtype": a.dtype}))
+                                    "dtype": a.dtype, "allocator_cap": getattr(a, "allocator_cap", None)}))
         cmd = [sys.executable, __file__, "--accelerate-child", spec]
     else:  # the CPU baseline: the device budget is the weights kept as CPU tensors, the rest read from disk
         cmd = accelerate_cmd(model=a.model, jobs=a.jobs, out=out, report=report, batch_size=batch_size,
@@ -216,6 +219,9 @@ def accelerate_child(spec_path: Path) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     s = json.loads(spec_path.read_text())
+    if s.get("allocator_cap"):  # the same allocator cap as Klotski's process (gpu_realdims.py)
+        torch.cuda.set_per_process_memory_fraction(
+            min(1.0, s["allocator_cap"] / torch.cuda.get_device_properties(0).total_memory))
     tok = AutoTokenizer.from_pretrained(s["model"], padding_side="left")
     tok.pad_token = tok.pad_token or tok.eos_token
     t0 = time.perf_counter()
