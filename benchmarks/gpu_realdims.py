@@ -21,10 +21,10 @@ pick instead, within one GPU call (about 5 minutes on an H100/H200).
 * Prompts: labelling-like, --prompt-tokens (500) tokens each (an instruction and numbered
   passages from jobs/wikitext.jsonl, cut to the length by the model's tokenizer), 32 new tokens.
 * Rows, each system in its own process, in this order until --deadline (rows not started by
-  then are listed as not run): Mixtral dims: klotski (the planner's bs and n, or forced by
-  --batch-size/--num-batches), klotski with --host-attention on --host-experts on, simple and
-  accelerate at klotski's batch size (one batch of prompts); Qwen3 dims: klotski (host compute
-  auto), simple; then multibatch at klotski's bs and n, klotski at the native link, kernels per
+  then are listed as not run; --row-timeout caps each): Mixtral dims: klotski (the planner's bs
+  and n, or forced by --batch-size/--num-batches), simple and accelerate at klotski's batch size
+  (one batch of prompts); Qwen3 dims: klotski (host compute auto), simple; Mixtral dims: klotski
+  with --host-attention on --host-experts on; then multibatch at klotski's bs and n, klotski at the native link, kernels per
   layer (klotski's bs and n, op_count.layer_ops on the device), Mixtral-8x22B klotski and simple.
 * Per row: prefill and decode tok/s; the share of decode time the link is busy (decode
   host->device bytes / link rate / decode time; the rate is the emulated one, or the measured
@@ -57,8 +57,9 @@ from bench_runner import machine_info  # noqa: E402
 CARD = "rtx3090-pcie4"
 MOEGEN_CARD = "a5000-pcie4-512g"
 ACCELERATE_WEIGHT_SHARE = 0.8  # of the budget, as accelerate's max_memory (weights only)
-MANDATORY = ("mixtral-8x7b:klotski", "mixtral-8x7b:klotski-host", "mixtral-8x7b:simple", "mixtral-8x7b:accelerate",
-             "qwen3-30b-a3b:klotski", "qwen3-30b-a3b:simple")
+# host compute at bs x n prompts of 500 tokens is the row most likely to run long: last of the mandatory
+MANDATORY = ("mixtral-8x7b:klotski", "mixtral-8x7b:simple", "mixtral-8x7b:accelerate", "qwen3-30b-a3b:klotski",
+             "qwen3-30b-a3b:simple", "mixtral-8x7b:klotski-host")
 AS_TIME_ALLOWS = ("mixtral-8x7b:multibatch", "mixtral-8x7b:klotski-native", "mixtral-8x7b:kernels",
                   "qwen3-30b-a3b:kernels", "mixtral-8x22b:klotski", "mixtral-8x22b:simple")
 ROWS = MANDATORY + AS_TIME_ALLOWS
@@ -80,18 +81,14 @@ def parse_args(argv=None):
     ap.add_argument("--routing", default="skewed", choices=("skewed", "uniform"))
     ap.add_argument("--rows", help=f"comma list of rows to run, in this order (default all): {','.join(ROWS)}")
     ap.add_argument("--deadline", type=float, default=270.0, help="seconds after which no row starts (default 270)")
+    ap.add_argument("--row-timeout", type=float, default=150.0,
+                    help="seconds one row may run (default 150), and never past the deadline + 30 s")
     ap.add_argument("--allocator-slack", type=float, default=0.0,
                     help="CUDA allocator cap = budget x (1 + this) (default 0: the budget itself)")
     ap.add_argument("--model-dir", type=Path, help="where the models are built (default /dev/shm when it has room)")
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/klotski-gpu-realdims"))
     ap.add_argument("--out", type=Path, help="results JSON (default benchmarks/results/gpu-realdims-DEVICE.json)")
-    ap.add_argument("--capped", type=int, metavar="BYTES", help=argparse.SUPPRESS)  # internal: klotski.cli under a cap
-    ap.add_argument("--kernels-child", type=Path, help=argparse.SUPPRESS)  # internal: op_count.layer_ops
-    a, rest = ap.parse_known_args(argv)
-    if a.capped is None and a.kernels_child is None and rest:
-        ap.error(f"unrecognized arguments: {' '.join(rest)}")
-    a.rest = rest
-    return a
+    return ap.parse_args(argv)
 
 
 def capped_cli(cap: int, args: list[str]) -> int:
@@ -192,6 +189,9 @@ class Shape:
         self.model = realdims.build(self.dir, self.name, self.a.layers, device=self.a.device, shrink=self.a.shrink,
                                     routing=self.a.routing)
         self.build_s = round(time.perf_counter() - t0, 2)
+        if self.a.device == "cuda":  # the rows' processes get the memory the build drew on
+            import torch
+            torch.cuda.empty_cache()
         self.jobs = labelling_jobs(self.model, self.a.prompts, self.a.prompt_tokens, self.a.max_new_tokens,
                                    self.work / "jobs.jsonl")
         print(f"{self.name}: {self.a.layers} layers, {self.bytes / 2**30:.2f} GiB at {self.model} (ready in "
@@ -375,11 +375,12 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--capped"]:  # internal: `--capped BYTES ARGS...` is klotski ARGS under the cap
+        return capped_cli(int(argv[1]), argv[2:])
+    if argv[:1] == ["--kernels-child"]:  # internal: `--kernels-child SPEC`
+        return kernels_child(Path(argv[1]))
     a = parse_args(argv)
-    if a.capped is not None:
-        return capped_cli(a.capped, a.rest)
-    if a.kernels_child:
-        return kernels_child(a.kernels_child)
     import torch
     if a.device == "auto":
         a.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -407,7 +408,7 @@ def main(argv=None) -> int:
         if time.perf_counter() - t0 > a.deadline:
             not_run.append(key)
             continue
-        row = run_row(a, shapes, key, max(10.0, hard_end - time.perf_counter()))
+        row = run_row(a, shapes, key, max(10.0, min(a.row_timeout, hard_end - time.perf_counter())))
         a.results.append(row)
         print(f"{key}: " + (f"{row.get('tok_s')} tok/s, bs {row.get('bs')} x n {row.get('n')}" if row.get("ok")
                             else f"failed: {row.get('error')}") + f" ({time.perf_counter() - t0:.0f} s)", flush=True)
@@ -421,7 +422,7 @@ def main(argv=None) -> int:
     result = {"command": shlex.join([sys.executable, *sys.argv]), "device": a.device, "gpu": pinned.get("gpu"),
               "torch": pinned.get("torch"), "machine": machine_info(), "pinned_copy": pinned,
               "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()
-                           if k not in ("results", "rest", "capped", "kernels_child")},
+                           if k != "results"},
               "card": CARD, "shapes": {n: {"bytes": s.bytes, "budget": s.budget, "allocator_cap": s.cap,
                                            "dir": str(s.dir), "build_s": s.build_s, "bs": s.bs, "n": s.n}
                                        for n, s in shapes.items()},

@@ -17,7 +17,7 @@ from klotski.bench import driver as bench
 from klotski.builtin import realdims
 
 ROOT = Path(__file__).resolve().parents[1]
-ROWS = ("mixtral-8x7b:klotski", "mixtral-8x7b:klotski-host", "mixtral-8x7b:simple", "mixtral-8x7b:accelerate")
+ROWS = ("mixtral-8x7b:klotski", "mixtral-8x7b:simple", "mixtral-8x7b:accelerate", "mixtral-8x7b:klotski-host")
 CARD_BYTES = 22.56 * 2**30  # planner/profiles/rtx3090-pcie4.json: 24 GiB x 0.94
 # Mixtral-8x7B at full width (its hub config.json), parameters: one layer, and the ends
 FULL_LAYER = 4096 * (2 * 4096 + 2 * 1024) + 8 * (3 * 4096 * 14336) + 8 * 4096 + 2 * 4096
@@ -68,7 +68,7 @@ def test_every_row_runs_and_reports_the_figures(run):
         assert x["decode_bubble"] is not None and x["predicted_tok_s"] > 0, key
         assert 0 < x["allocator_peak"] <= x["budget"], key
         ex = x["extrapolated"]
-        assert ex["full_layers"] == 32 and ex["tok_s_full"] == pytest.approx(x["tok_s"] * 2 / 32, rel=1e-3)
+        assert ex["full_layers"] == 32 and ex["tok_s_full"] == pytest.approx(x["tok_s"] * 2 / 32, abs=1e-3)
         assert (ex["paper_table3_tok_s"], ex["moegen_decode_tok_s"]) == (22.414, 469)
     host = rows["mixtral-8x7b:klotski-host"]
     assert host["host_compute"] == {"attention": "on", "experts": "on"} and host["host_s_per_layer_step"] > 0
