@@ -143,6 +143,8 @@ def launch(a, system, tag, budget, cmd, out, report) -> tuple[dict, dict | None]
     log = a.work_dir / "logs" / f"{system}-{tag}.log"
     rc, wall, last = sh(cmd, log, a.timeout)
     r = json.loads(report.read_text()) if report.exists() else None
+    if r is not None and "error" in r:  # the engine's report of a run that stopped
+        rc, last, r = rc or 1, r["error"], None
     row = {"system": system, "run": tag, "ok": r is not None, "error": last if rc != 0 else None, "returncode": rc,
            "budget_bytes": budget, "budget_raised": budget != a.budget, "wall_s": wall, "log": str(log), "output": str(out)}
     if r:

@@ -226,7 +226,17 @@ def klotski_row(a, shape: Shape, tag: str, timeout: float) -> dict:
         extra += ["--batch-size", shape.bs, "--num-batches", 1]
         jobs = first_lines(shape.jobs, shape.bs, shape.work / f"jobs-{shape.bs}.jsonl")
     launcher = [sys.executable, __file__, "--capped", shape.cap] if shape.cap else None
+    t0 = time.perf_counter()
     row = gpu.klotski_once(_ns(a, shape, jobs, timeout), schedule, tag, shape.budget, extra, launcher)
+    if not row["ok"] and "ran out" in str(row["error"]):
+        # Found by this benchmark on CPU: with the labelling prompts' shared instruction, continuous
+        # batching and the shared-prefix cache together overran a budget the planner accepted
+        # (docs/benchmarks.md, issue 46). The row says so and is measured again without the prefix cache.
+        first = row["error"]
+        left = timeout - (time.perf_counter() - t0)
+        row = gpu.klotski_once(_ns(a, shape, jobs, max(10.0, left)), schedule, tag, shape.budget,
+                               [*extra, "--no-prefix-cache"], launcher)
+        row["first_try"] = {"error": first, "then": "rerun with --no-prefix-cache"}
     report = shape.work / "runs" / f"{schedule}-{tag}.report.json"
     r = json.loads(report.read_text()) if row["ok"] else {}
     return {**row, **figures(a, shape, r, native=tag == "klotski-native")}
@@ -356,6 +366,8 @@ def table(rows: list[dict]) -> str:
             "full-depth tok/s (dec)", "paper T3 / MoE-Gen dec")
     out = []
     for r in rows:
+        if r.get("first_try"):
+            r = {**r, "row": r["row"] + " (*)"}
         if not r.get("ok"):
             out.append((r["row"], "FAILED: " + str(r.get("error"))[:150], *[""] * (len(head) - 2)))
             continue
@@ -415,6 +427,9 @@ def main(argv=None) -> int:
     by_key = {r["row"]: r for r in a.results}
     goals = targets(by_key)
     print(table(a.results))
+    for r in a.results:
+        if r.get("first_try"):
+            print(f"(*) {r['row']}: first try failed ({r['first_try']['error'][:200]}); {r['first_try']['then']}")
     for g in goals:
         print(f"target {g['target']}: {g['value']} -> " + {True: "met", False: "NOT met", None: "not measured"}[g["met"]])
     if not_run:
