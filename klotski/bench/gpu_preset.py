@@ -17,6 +17,7 @@ def add_flags(p) -> None:
     p.add_argument("--num-batches", type=int, metavar="N", help="gpu: force Klotski's n (default: the planner's)")
     p.add_argument("--rows", help="gpu: the rows to run, e.g. mixtral-8x7b:klotski,mixtral-8x7b:simple (default all)")
     p.add_argument("--deadline", type=float, metavar="S", help="gpu: no row starts after S seconds (default 270)")
+    p.add_argument("--row-timeout", type=float, metavar="S", help="gpu: seconds one row may run (default 150)")
     p.add_argument("--model-dir", metavar="DIR", help="gpu: where the models are built (default /dev/shm when it has room)")
 
 
@@ -32,7 +33,7 @@ def run(a) -> int:
     for flag, value in (("--prompts", a.prompts), ("--max-new-tokens", a.max_new_tokens),
                         ("--prompt-tokens", a.prompt_tokens), ("--num-batches", a.num_batches),
                         ("--link-gbps", a.emulate_link), ("--layers", a.layers), ("--rows", a.rows),
-                        ("--deadline", a.deadline), ("--model-dir", a.model_dir), ("--out", a.out),
+                        ("--deadline", a.deadline), ("--row-timeout", a.row_timeout), ("--model-dir", a.model_dir), ("--out", a.out),
                         ("--work-dir", a.work_dir)):
         if value is not None:
             cmd += [flag, str(value)]
