@@ -45,8 +45,8 @@ def model(tmp_path_factory):
 
 
 def sanitized(model, mode: str) -> tuple[int, str]:
-    here = Path(__file__).parent
-    script = SCRIPT.format(paths=[str(here), str(here.parents[1])], model=str(model))
+    here = Path(__file__).parent  # the child imports test_gpu from here, conftest from tests/, klotski from the root
+    script = SCRIPT.format(paths=[str(here), str(here.parent), str(here.parent.parent)], model=str(model))
     env = {**os.environ, "TORCH_CUDA_SANITIZER": "1"}
     out = subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, env=env,
                          timeout=600, cwd=here)
