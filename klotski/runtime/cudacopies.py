@@ -7,7 +7,9 @@ at the link's own speed) in the two runs that need them to:
   `Ticket.done()` and `Ticket.wait()` see the link's bandwidth, as on CPU. No device or bus
   setting is touched. What differs from a slow physical link: the compute thread blocks in
   `wait` until the booked time instead of queueing its next kernels behind a stream wait, so
-  each such wait costs the GPU one kernel launch (microseconds) after the data "arrives".
+  each such wait costs the GPU one kernel launch (microseconds) after the data "arrives". The
+  booking starts when the copy is issued: a copy that first waits on the device for compute
+  (a KV store) is booked from its issue, and arrives at the later of the booking and its event.
 * The CUDA sanitizer (`TORCH_CUDA_SANITIZER=1`) records the tensors a kernel reads and writes
   through a dispatch mode of the thread it was enabled on; a copy issued by a channel's worker
   thread is invisible to it, so a copy-versus-compute race could not be found. While the
