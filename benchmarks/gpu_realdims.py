@@ -253,7 +253,7 @@ def accelerate_row(a, shape: Shape, timeout: float) -> dict:
         gen, ok = r["generated_tokens"], r["requests"]["ok"]
         row.update(prefill_tok_s=gpu.per_s(ok * a.prompt_tokens, r["prefill_s"]),
                    decode_tok_s=gpu.per_s(gen - ok, r["decode_s"]), bs=shape.bs, n=1,
-                   allocator_peak=r.get("peak_device_bytes"), budget=shape.budget)
+                   allocator_peak=row.get("peak_device_bytes"), budget=shape.budget)  # CPU: weights kept resident
     return row
 
 
