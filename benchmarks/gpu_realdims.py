@@ -263,7 +263,7 @@ def kernels_row(a, shape: Shape, timeout: float) -> dict:
                                 "budget": shape.budget, "cap": shape.cap, "link_gbps": a.link_gbps,
                                 "report": str(report)}))
     row, r = gpu.launch(_ns(a, shape, shape.jobs, timeout), "kernels", "kernels", shape.budget,
-                        [sys.executable, __file__, "--kernels-child", spec], spec, report)
+                        [sys.executable, __file__, "--kernels-child", spec], shape.work / "runs" / "kernels.out", report)
     return {**row, "kernels_per_layer": r and r["kernels_per_layer"], "bs": shape.bs, "n": shape.n}
 
 
@@ -313,6 +313,8 @@ def run_row(a, shapes: dict, key: str, timeout: float) -> dict:
     name, tag = key.split(":")
     shape = shapes.setdefault(name, Shape(a, name))
     shape.ready()
+    if tag != "klotski" and not shape.bs and a.batch_size and a.num_batches:  # forced: klotski's too
+        shape.bs, shape.n = a.batch_size, a.num_batches
     if tag != "klotski" and not shape.bs:  # the others run at klotski's choices: take them first
         first = run_row(a, shapes, f"{name}:klotski", timeout)
         a.results.append(first)
