@@ -147,7 +147,7 @@ def launch(a, system, tag, budget, cmd, out, report) -> tuple[dict, dict | None]
         rc, last, r = rc or 1, r["error"], None
     row = {"system": system, "run": tag, "ok": r is not None, "error": last if rc != 0 else None, "returncode": rc,
            "budget_bytes": budget, "budget_raised": budget != a.budget, "wall_s": wall, "log": str(log), "output": str(out)}
-    if r:
+    if r and "requests" in r:  # a generation's report (gpu_realdims' kernels probe writes another)
         gen, ok = r["tokens"]["generated"] if "tokens" in r else r["generated_tokens"], r["requests"]["ok"]
         row.update(tok_s=r["tokens_per_s"], decode_tok_s=per_s(gen - ok, r["decode_s"]), prefill_s=r["prefill_s"],
                    decode_s=r["decode_s"], generated_tokens=gen, requests=r["requests"])

@@ -424,7 +424,9 @@ def main(argv=None) -> int:
             continue
         row = run_row(a, shapes, key, max(10.0, min(a.row_timeout, hard_end - time.perf_counter())))
         a.results.append(row)
-        print(f"{key}: " + (f"{row.get('tok_s')} tok/s, bs {row.get('bs')} x n {row.get('n')}" if row.get("ok")
+        done = (f"{row.get('kernels_per_layer')} kernels per layer" if key.endswith(":kernels")
+                else f"{row.get('tok_s')} tok/s") + f", bs {row.get('bs')} x n {row.get('n')}"
+        print(f"{key}: " + (done if row.get("ok")
                             else f"failed: {row.get('error')}") + f" ({time.perf_counter() - t0:.0f} s)", flush=True)
     by_key = {r["row"]: r for r in a.results}
     goals = targets(by_key)
