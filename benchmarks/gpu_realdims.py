@@ -26,7 +26,8 @@ pick instead, within one GPU call (about 5 minutes on an H100/H200).
   (one batch of prompts); Qwen3 dims: klotski (host compute auto), simple; Mixtral dims: klotski
   with --host-attention on --host-experts on; then multibatch at klotski's bs and n, klotski at the native link, kernels per
   layer (klotski's bs and n, op_count.layer_ops on the device), Mixtral-8x22B klotski and simple.
-* Per row: prefill and decode tok/s; the share of decode time the link is busy (decode
+* Per row: prefill tok/s (prompt tokens of prefill-only steps / their seconds) and decode tok/s
+  (generated tokens after each prompt's first / decode seconds); the share of decode time the link is busy (decode
   host->device bytes / link rate / decode time; the rate is the emulated one, or the measured
   pinned copy at the native link); decode bubble; host compute seconds per layer-step beside
   link seconds per layer-step; kernels per layer; allocator peak against the budget; the
@@ -272,7 +273,9 @@ def figures(a, shape: Shape, r: dict, native: bool) -> dict:
     if not r:
         return {}
     io, mem, plan, host = r.get("io", {}), r.get("memory", {}), r.get("plan", {}), r.get("host_compute") or {}
-    gen, ok, prompt = r["tokens"]["generated"], r["requests"]["ok"], r["tokens"]["prompt"]
+    gen, ok = r["tokens"]["generated"], r["requests"]["ok"]
+    # prompt tokens computed by prefill-only steps: continuous batching prefills newcomers inside decode steps
+    prompt = r["tokens"]["prompt"] - (r.get("batching") or {}).get("prompt_tokens_in_decode_steps", 0)
     rate = (a.pinned_gbps if native else a.link_gbps) or None
     h2d_decode = io.get("decode_bytes", {}).get("host_to_device", 0)
     h2d_all = io.get("bytes", {}).get("host_to_device", 0)
