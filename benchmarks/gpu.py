@@ -143,24 +143,29 @@ def launch(a, system, tag, budget, cmd, out, report) -> tuple[dict, dict | None]
     log = a.work_dir / "logs" / f"{system}-{tag}.log"
     rc, wall, last = sh(cmd, log, a.timeout)
     r = json.loads(report.read_text()) if report.exists() else None
+    if r is not None and "error" in r:  # the engine's report of a run that stopped
+        rc, last, r = rc or 1, r["error"], None
     row = {"system": system, "run": tag, "ok": r is not None, "error": last if rc != 0 else None, "returncode": rc,
            "budget_bytes": budget, "budget_raised": budget != a.budget, "wall_s": wall, "log": str(log), "output": str(out)}
-    if r:
+    if r and "requests" in r:  # a generation's report (gpu_realdims' kernels probe writes another)
         gen, ok = r["tokens"]["generated"] if "tokens" in r else r["generated_tokens"], r["requests"]["ok"]
         row.update(tok_s=r["tokens_per_s"], decode_tok_s=per_s(gen - ok, r["decode_s"]), prefill_s=r["prefill_s"],
                    decode_s=r["decode_s"], generated_tokens=gen, requests=r["requests"])
     return row, r
 
 
-def klotski_once(a, schedule: str, tag: str, budget: int) -> dict:
+def klotski_once(a, schedule: str, tag: str, budget: int, extra=(), launcher=None) -> dict:
+    """One `klotski generate` run; `extra` flags are appended, `launcher` replaces
+    `python -m klotski.cli` (gpu_realdims.py: the allocator capped first)."""
     base = a.work_dir / "runs" / f"{schedule}-{tag}"
     out, report, trace = (base.with_suffix(s) for s in (".out.jsonl", ".report.json", ".trace.json"))
     trace.unlink(missing_ok=True)
     row, r = launch(a, schedule, tag, budget, [
-        sys.executable, "-m", "klotski.cli", "generate", a.jobs, "--model", a.model, "-o", out, "--report", report,
+        *(launcher or [sys.executable, "-m", "klotski.cli"]), "generate", a.jobs, "--model", a.model, "-o", out,
+        "--report", report,
         "--trace", trace, "--device", a.device, "--dtype", a.dtype, "--max-new-tokens", a.max_new_tokens,
         "--schedule", schedule, "--no-progress", "--no-resume", "--include-token-ids",
-        "--device-memory", f"{budget // 1024}KiB"], out, report)
+        "--device-memory", f"{budget // 1024}KiB", *map(str, extra)], out, report)
     if r is None:
         return row
     io, mem, plan = r.get("io", {}), r.get("memory", {}), r.get("plan", {})
@@ -194,7 +199,7 @@ def accelerate_run(a, tag: str, batch_size: int, budget: int) -> dict:
         spec = base.with_suffix(".spec.json")
         spec.write_text(json.dumps({"model": str(a.model), "jobs": str(a.jobs), "out": str(out), "report": str(report),
                                     "batch_size": batch_size, "max_new": a.max_new_tokens, "budget": budget,
-                                    "dtype": a.dtype}))
+                                    "dtype": a.dtype, "allocator_cap": getattr(a, "allocator_cap", None)}))
         cmd = [sys.executable, __file__, "--accelerate-child", spec]
     else:  # the CPU baseline: the device budget is the weights kept as CPU tensors, the rest read from disk
         cmd = accelerate_cmd(model=a.model, jobs=a.jobs, out=out, report=report, batch_size=batch_size,
@@ -216,6 +221,9 @@ def accelerate_child(spec_path: Path) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     s = json.loads(spec_path.read_text())
+    if s.get("allocator_cap"):  # the same allocator cap as Klotski's process (gpu_realdims.py)
+        torch.cuda.set_per_process_memory_fraction(
+            min(1.0, s["allocator_cap"] / torch.cuda.get_device_properties(0).total_memory))
     tok = AutoTokenizer.from_pretrained(s["model"], padding_side="left")
     tok.pad_token = tok.pad_token or tok.eos_token
     t0 = time.perf_counter()

@@ -18,6 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from klotski.bench import gpu_preset
 from klotski.util import cachedir
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout (benchmarks/ beside klotski/)
@@ -46,7 +47,8 @@ PRESET_DEFAULTS = {"tiny": FITS_IN_RAM, "small": FITS_IN_RAM, "medium": FITS_IN_
                               single_batch_prompts=8, accelerate_batch=64, dtype="bfloat16", memory_limit="auto",
                               cold_cache=True, systems=",".join(SYSTEMS), threads=1),
                    "disk": dict(reps=1, emulate_link=0.0, ns="", direct_io=True, dtype="float32", memory_limit="auto",
-                                cold_cache=True, systems="accelerate,klotski")}
+                                cold_cache=True, systems="accelerate,klotski"),
+                   "gpu": {}}  # benchmarks/gpu_realdims.py sets its own (klotski/bench/gpu_preset.py)
 RUNTIME_ALLOWANCE = 2 << 30  # interpreter, torch, transformers, activations: outside both tier budgets
 
 LLAMA_CPP_NOTE = (
@@ -80,7 +82,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "sized to this machine (free disk, RAM, cores, disk and CPU speed; printed before "
                         "anything is built): a model at least twice the memory limit and at most half the "
                         "free disk, budgets the planner accepts, Klotski against accelerate at the same "
-                        "batch size, decode steps only")
+                        "batch size, decode steps only. gpu: real layer dimensions (Mixtral-8x7B, Qwen3-30B-A3B), "
+                        "a 24 GiB-equivalent budget, the link held to --emulate-link (25), every system in its own "
+                        "process; CUDA when present, else CPU at widths / 16 (benchmarks/gpu_realdims.py)")
     p.add_argument("--disk-shape", choices=("xl", "large", "medium"),
                    help="disk: the layer shape (default: the largest that fits the disk, RAM and --disk-minutes)")
     p.add_argument("--disk-layers", type=int, metavar="L",
@@ -109,10 +113,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int,
                    help="torch threads of every process (default 1: on a shared 2-core box, all-core "
                         "OpenMP stalls whenever a neighbour runs; disk: the cores the load average leaves idle)")
-    p.add_argument("--batch-size", default="4", metavar="B|auto",
+    p.add_argument("--batch-size", metavar="B|auto",
                    help="Klotski's batch size; the planner chooses n for it (auto: the planner chooses both). "
                         "Default 4, as in the paper's ablation: with few prompts the planner's own bs would "
-                        "leave a single batch, and n would mean nothing")
+                        "leave a single batch, and n would mean nothing (gpu: the planner's)")
     p.add_argument("--systems", help=f"subset of {','.join(SYSTEMS)} (default: all; disk: accelerate,klotski)")
     p.add_argument("--ns", help="n sweep (batches per group); empty to skip (default 1,2,4; xl: empty)")
     p.add_argument("--sweep-schedules", default="klotski,multibatch", help="schedules swept over n")
@@ -136,7 +140,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="JSON", help="results (default: benchmarks/results/bench-PRESET.json)")
     p.add_argument("--img-dir", default=str(ROOT / "docs" / "img"), help="where the PNG plots go")
     p.add_argument("--work-dir", help="keep per-run outputs, reports, logs and traces here (default: temporary)")
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+    gpu_preset.add_flags(p)
+    p.add_argument("--device", choices=("cpu", "cuda"),
                    help="cpu (default): the ladder above, the link emulated; cuda: the GPU benchmark "
                         "(benchmarks/gpu.py: klotski, multibatch, simple and accelerate at a quarter of the model, "
                         "the link against the measured pinned-copy bandwidth)")
@@ -253,7 +258,7 @@ def disk_settings(a) -> dict:
     if why:
         raise common.DiskRegimeRefused(f"the disk regime needs {why}")
     machine, probes = common.probe_machine(cache, reclaimable=old)
-    bs = 4 if a.batch_size == "auto" else int(a.batch_size)
+    bs = 4 if a.batch_size in (None, "auto") else int(a.batch_size)
     sizing = common.size_disk_run(machine, shape=a.disk_shape, layers=a.disk_layers, bs=bs,
                                   minutes=a.disk_minutes, threads=a.threads, compute=_engine_compute)
     mib = lambda x: f"{x >> 20}MiB"  # the sizing rounds budgets up to whole MiB
@@ -321,7 +326,7 @@ def settings_from_args(a) -> dict:
         raise ValueError("--ns, --prompts, --reps, --max-new-tokens and --threads must be at least 1")
     preset = a.preset if not a.model else "custom"
     device, host = default_budgets(a.preset, a.dtype if not a.model else None)
-    batch_size = None if a.batch_size == "auto" else int(a.batch_size)
+    batch_size = None if a.batch_size == "auto" else int(a.batch_size or 4)
     if batch_size is not None and batch_size < 1:
         raise ValueError("--batch-size must be at least 1 or auto")
     return {
@@ -374,6 +379,8 @@ def _display_path(p: Path) -> str:
 
 def main(a) -> int:
     bench_dir = ROOT / "benchmarks"
+    if a.preset == "gpu":
+        return gpu_preset.run(a)
     if a.device == "cuda" and (bench_dir / "gpu.py").exists():
         return gpu_bench(a)
     if not (bench_dir / "bench_driver.py").exists():

@@ -38,14 +38,14 @@ def build_model(root: Path, experts: int = 32, top_k: int = 8, layers: int = 3) 
 
 
 def layer_ops(model_dir, n: int, bs: int, active: int | None = None, schedule: str = "klotski",
-              kernels: bool = True, **config) -> float:
+              kernels: bool = True, dtype: str = "float32", **config) -> float:
     """Median ops per decode layer step (layers after the first, so embedding is not counted),
     for a group of n batches of bs rows; `active` forces A (ForcedRouting)."""
     from klotski.assemble import open_engine
     from klotski.config import RunConfig
     from klotski.io.requests import Request
 
-    cfg = RunConfig(model=str(model_dir), progress=False, dtype="float32", batch_size=bs, num_batches=n,
+    cfg = RunConfig(model=str(model_dir), progress=False, dtype=dtype, batch_size=bs, num_batches=n,
                     batching="static", schedule=schedule, **config)
     reqs = [Request(id=f"r{i}", line=i + 1, prompt=f"item {i} of the list", messages=None, max_new_tokens=3)
             for i in range(n * bs)]

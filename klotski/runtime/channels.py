@@ -22,11 +22,13 @@ CUDA differ, and both follow one discipline for every buffer a transfer touches:
     nothing it waits for is pending: there is no link to overlap, only the same cores.
   * CUDA: the worker issues non-blocking copies from pinned memory on the channel's own
     `torch.cuda.Stream` and records an event, so copies overlap kernels as in the paper's
-    four streams; their timings come from CUDA events (trace.py).
+    four streams; their timings come from CUDA events (trace.py). While the CUDA sanitizer
+    runs they are issued on the calling thread instead, where it can see them (cudacopies).
 
 `link_gbps` (from `--emulate-link`) makes every host->device transfer take bytes /
 bandwidth on ONE link shared by all channels (as streams share a PCIe link), so a CPU run
-reproduces a PCIe card's compute/transfer ratio (on CUDA the real link is used). PCIe is
+reproduces a PCIe card's compute/transfer ratio; on CUDA the copy runs at the real link's speed
+and its ticket is held until the emulated link would have delivered it (cudacopies.hold). PCIe is
 full duplex: device->host transfers (KV stores, the activations host compute takes down)
 occupy a second link of the same rate, so host compute is never charged nothing for them. The `disk`
 channel reads files into host memory: it is a worker thread on both paths.
@@ -38,6 +40,8 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
+
+from klotski.runtime import cudacopies
 
 HOST_TO_DEVICE = "host_to_device"  # the links --emulate-link throttles, one per direction
 DEVICE_TO_HOST = "device_to_host"
@@ -112,6 +116,7 @@ class Channel:
         # thread lost its core mid-step (the demo at 900 MiB: 27.2 tok/s threaded, 32.5 inline,
         # decode 15.2 -> 11.2 s, medians of 3 alternating). Disk reads stay on their thread.
         self.inline = device.type == "cpu" and name != "disk" and link is None and down is None
+        self.on_caller = self.cuda and cudacopies.sanitizer_on()
         self._queued: Future | None = None  # the last work handed to the worker thread
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         # On CPU a copy on a worker would start its own OpenMP team as wide as the machine,
@@ -161,6 +166,7 @@ class Channel:
         def work():
             for t in after:
                 t.future.result()  # its event is recorded once its work has been issued
+            start = time.perf_counter()
             with torch.cuda.stream(self.stream):
                 for e in waits:
                     self.stream.wait_event(e)
@@ -169,8 +175,11 @@ class Channel:
                 with self.trace.gpu_span(self.name, name, nbytes, link):
                     result = fn()
                 event.record(self.stream)
+            cudacopies.hold(self.links.get(link), nbytes, start)  # --emulate-link: arrival at the link's rate
             return result
 
+        if self.on_caller:  # the CUDA sanitizer sees the copies only on its own thread
+            return Ticket(cudacopies.run_here(work), event)
         return Ticket(self._pool.submit(work), event)
 
     def to_device(self, t: torch.Tensor, owned: bool = False) -> torch.Tensor:

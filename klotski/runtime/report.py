@@ -35,6 +35,7 @@ def build_report(engine, setup, *, ok: int, failed: int, skipped: int, wall_s: f
         "predicted_tokens_per_s": round(plan.predicted_tokens_per_s, 3) if plan else None,
         "prefill_s": round(s.prefill_s, 4),
         "decode_s": round(s.decode_s, 4),
+        "decode_steps": s.decode_steps,
         "tokens": {"prompt": s.prompt_tokens, "generated": s.generated_tokens},
         "plan": {"batch_size": setup.batch_size, "num_batches": setup.num_batches,
                  "prefill_chunk": setup.prefill_chunk, "prefill_passes": s.prefill_passes,
@@ -46,7 +47,7 @@ def build_report(engine, setup, *, ok: int, failed: int, skipped: int, wall_s: f
         "memory": {"peak_device_bytes": engine.memory.peak, "budget_device_bytes": engine.memory.budget,
                    "peak_host_bytes": engine.host_memory.peak, "budget_host_bytes": engine.host_memory.budget,
                    **_allocator(engine)},
-        "io": {"bytes": dict(engine.trace.bytes),
+        "io": {"bytes": dict(engine.trace.bytes), "decode_bytes": dict(engine.trace.decode_bytes),
                "busy_s": {k: round(v, 4) for k, v in engine.trace.busy.items()},
                "experts_loaded": engine.pipeline.experts_loaded,
                # of those, moved in runs of one layer's experts per submission, landing stacked

@@ -40,6 +40,7 @@ class Trace:
         self.phase = "prefill"             # the engine says which phase its steps are in
         self.decode_busy = defaultdict(float)  # lane -> seconds, decode steps only
         self.bytes = defaultdict(int)      # link -> bytes
+        self.decode_bytes = defaultdict(int)  # link -> bytes, transfers issued during decode steps
         self._lock = threading.Lock()
         self._gpu: list = []               # (lane, name, start event, end event, bytes) not yet resolved
         if cuda:
@@ -55,7 +56,7 @@ class Trace:
             if self.phase == "decode":
                 self.decode_busy[lane] += end - start
             if link:
-                self.bytes[link] += nbytes
+                self._count(link, nbytes)
             if self.keep_events:
                 self.events.append(Event(lane, name, start - self.t0, end - self.t0, nbytes))
 
@@ -86,7 +87,12 @@ class Trace:
             with self._lock:
                 self._gpu.append((lane, name, start, end, nbytes))
                 if link:
-                    self.bytes[link] += nbytes
+                    self._count(link, nbytes)
+
+    def _count(self, link: str, nbytes: int) -> None:
+        self.bytes[link] += nbytes
+        if self.phase == "decode":
+            self.decode_bytes[link] += nbytes
 
     def waited(self, name: str, start: float, end: float) -> None:
         """The scheduling thread blocked on a transfer: the bubble on CPU. On CUDA the bubble

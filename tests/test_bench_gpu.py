@@ -1,0 +1,96 @@
+"""`klotski bench --preset gpu` on the CPU (issue 46): the real-dimension benchmark's command at
+widths / 16, two layers, a few short prompts: every Mixtral row runs in its own process and
+reports the issue's figures; the budget is the 24 GiB card's, scaled to the layers built,
+recomputed here from the built checkpoint's own tensor sizes; a row not started by the
+deadline is listed as not run."""
+import argparse
+import json
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from klotski.bench import driver as bench
+from klotski.builtin import realdims
+
+ROOT = Path(__file__).resolve().parents[1]
+ROWS = ("mixtral-8x7b:klotski", "mixtral-8x7b:simple", "mixtral-8x7b:accelerate", "mixtral-8x7b:klotski-host")
+CARD_BYTES = 22.56 * 2**30  # planner/profiles/rtx3090-pcie4.json: 24 GiB x 0.94
+# Mixtral-8x7B at full width (its hub config.json), parameters: one layer, and the ends
+FULL_LAYER = 4096 * (2 * 4096 + 2 * 1024) + 8 * (3 * 4096 * 14336) + 8 * 4096 + 2 * 4096
+FULL_ENDS = 2 * 32000 * 4096 + 4096
+
+
+def _args(*argv):
+    parser = argparse.ArgumentParser(prog="klotski")
+    bench.add_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["bench", *argv])
+
+
+def _tensor_bytes(path: Path) -> dict[str, int]:
+    with open(path, "rb") as f:
+        header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+    return {k: v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """The command, timed, after this machine's one-time profile of the shape (the planner's
+    measurement, cached per machine, shape and link: ~35 s here on its own) is in the cache."""
+    root = tmp_path_factory.mktemp("gpubench")
+    model = realdims.build(root / "models" / "mixtral-8x7b-2l-s16-skewed", "mixtral-8x7b", 2, shrink=16)
+    subprocess.run([sys.executable, "-m", "klotski.cli", "profile", "--model", str(model), "--device", "cpu",
+                    "--emulate-link", "25"], check=True, capture_output=True, cwd=ROOT, timeout=600)
+    t0 = time.perf_counter()
+    rc = bench.main(_args("--preset", "gpu", "--device", "cpu", "--rows", ",".join(ROWS), "--layers", "2",
+                          "--prompts", "4", "--prompt-tokens", "40", "--max-new-tokens", "3",
+                          "--model-dir", str(root / "models"), "--work-dir", str(root / "work"),
+                          "--out", str(root / "out.json")))
+    return {"rc": rc, "s": time.perf_counter() - t0, "results": json.loads((root / "out.json").read_text()),
+            "root": root}
+
+
+def test_every_row_runs_and_reports_the_figures(run):
+    r = run["results"]
+    rows = {x["row"]: x for x in r["rows"]}
+    assert run["rc"] == 0, [(k, x.get("error")) for k, x in rows.items()]
+    assert list(rows) == list(ROWS) and r["not_run"] == []
+    k = rows["mixtral-8x7b:klotski"]
+    assert k["bs"] >= 1 and k["n"] >= 1
+    for key in ("mixtral-8x7b:klotski", "mixtral-8x7b:klotski-host"):
+        x = rows[key]
+        assert x["prefill_tok_s"] > 0 and x["decode_tok_s"] > 0 and x["tok_s"] > 0, key
+        assert x["link_gbps"] == 25.0 and 0 <= x["link_busy_decode"] <= 1, key
+        assert x["decode_h2d_bytes"] > 0, key  # experts streamed while decoding
+        assert x["decode_bubble"] is not None and x["predicted_tok_s"] > 0, key
+        assert 0 < x["allocator_peak"] <= x["budget"], key
+        ex = x["extrapolated"]
+        assert ex["full_layers"] == 32 and ex["tok_s_full"] == pytest.approx(x["tok_s"] * 2 / 32, abs=1e-3)
+        assert (ex["paper_table3_tok_s"], ex["moegen_decode_tok_s"]) == (22.414, 469)
+    host = rows["mixtral-8x7b:klotski-host"]
+    assert host["host_compute"] == {"attention": "on", "experts": "on"} and host["host_s_per_layer_step"] > 0
+    assert (rows["mixtral-8x7b:simple"]["bs"], rows["mixtral-8x7b:simple"]["n"]) == (k["bs"], 1)
+    assert rows["mixtral-8x7b:accelerate"]["batch_size"] == k["bs"] and rows["mixtral-8x7b:accelerate"]["tok_s"] > 0
+    # the command's own time, its profile cached (printed with -s; docs/benchmarks.md records it)
+    print(f"bench --preset gpu on CPU, {len(ROWS)} rows: {run['s']:.1f} s")
+
+
+def test_the_budget_is_the_cards_scaled_to_the_layers_built(run):
+    shape = run["results"]["shapes"]["mixtral-8x7b"]
+    sizes = _tensor_bytes(Path(shape["dir"]) / "model.safetensors")
+    layer = sum(v for k, v in sizes.items() if k.startswith("model.layers.0."))
+    ends = sum(v for k, v in sizes.items() if not k.startswith("model.layers."))
+    share = (CARD_BYTES - 2 * FULL_ENDS) / (32 * 2 * FULL_LAYER)  # bfloat16: 2 bytes a parameter
+    assert shape["budget"] == pytest.approx(ends + share * 2 * layer, rel=1e-4)
+    assert 0.2 < share < 0.3  # a 24 GiB card holds about a quarter of Mixtral-8x7B's layers
+
+
+def test_rows_not_started_by_the_deadline_are_listed(tmp_path):
+    rc = bench.main(_args("--preset", "gpu", "--device", "cpu", "--rows", "mixtral-8x7b:klotski,qwen3-30b-a3b:simple",
+                          "--deadline", "0", "--model-dir", str(tmp_path / "m"), "--work-dir", str(tmp_path / "w"),
+                          "--out", str(tmp_path / "out.json")))
+    r = json.loads((tmp_path / "out.json").read_text())
+    assert rc == 0 and r["rows"] == [] and r["not_run"] == ["mixtral-8x7b:klotski", "qwen3-30b-a3b:simple"]

@@ -1,0 +1,60 @@
+"""The two ways CUDA channels issue copies differently (klotski/runtime/cudacopies.py), checked
+where they can be without a GPU: an emulated link holds a copy until its booking ends, bookings
+queue on one link, work run on the caller keeps its exception for `result`, and the sanitizer
+query answers from torch's own sanitizer object. The CUDA side is tests/gpu/test_gpu_sanitizer.py."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from klotski.runtime import cudacopies
+from klotski.runtime.channels import EmulatedLink, make_channels
+from klotski.runtime.trace import Trace
+
+
+def test_hold_waits_for_the_links_booking_and_bookings_queue():
+    link = EmulatedLink(1.0)  # 1 GB/s: 20 MB is 20 ms
+    t0 = time.perf_counter()
+    first = cudacopies.hold(link, 20_000_000, t0)
+    second = cudacopies.hold(link, 20_000_000, t0)  # issued at the same moment: behind the first
+    elapsed = time.perf_counter() - t0
+    assert first == pytest.approx(t0 + 0.020) and second == pytest.approx(t0 + 0.040)
+    assert elapsed >= 0.040
+
+
+def test_hold_without_a_link_holds_nothing():
+    t0 = time.perf_counter()
+    assert cudacopies.hold(None, 10 ** 12, t0) is None
+    assert time.perf_counter() - t0 < 0.05
+
+
+def test_run_here_keeps_the_result_or_the_exception():
+    assert cudacopies.run_here(lambda: 7).result() == 7
+
+    def boom():
+        raise ValueError("copy failed")
+    done = cudacopies.run_here(boom)
+    assert done.done()
+    with pytest.raises(ValueError, match="copy failed"):
+        done.result()
+
+
+def test_sanitizer_query_follows_torchs_sanitizer(monkeypatch):
+    from torch.cuda import _sanitizer
+    monkeypatch.setattr(_sanitizer.cuda_sanitizer, "enabled", False)
+    assert not cudacopies.sanitizer_on()
+    monkeypatch.setattr(_sanitizer.cuda_sanitizer, "enabled", True)
+    assert cudacopies.sanitizer_on()
+
+
+def test_cpu_channels_never_take_the_sanitizer_path(monkeypatch):
+    from torch.cuda import _sanitizer
+    monkeypatch.setattr(_sanitizer.cuda_sanitizer, "enabled", True)
+    channels = make_channels(torch.device("cpu"), Trace(False), None)
+    try:
+        assert not any(c.on_caller for c in channels.values())
+    finally:
+        for c in channels.values():
+            c.close()
