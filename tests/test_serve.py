@@ -46,13 +46,13 @@ def _free_port() -> int:
 class Server:
     """`python -m klotski.cli serve` on a free port, its log in a file."""
 
-    def __init__(self, model, data: Path, *extra):
+    def __init__(self, model, data: Path, *extra, preexec_fn=None):
         self.port, self.data = _free_port(), data
         self.log = data.with_name(data.name + f"-{self.port}.log")
         cmd = [sys.executable, "-m", "klotski.cli", "serve", "--model", str(model), "--port", str(self.port),
                "--data-dir", str(data), "--device", "cpu", "--max-new-tokens", str(MAX), *extra]
         with open(self.log, "w") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=preexec_fn)
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.time() + 180
         while True:
@@ -87,7 +87,7 @@ def _write(path: Path, lines) -> Path:
     return path
 
 
-def _wait(client, batch_id, until=("completed", "failed", "cancelled"), timeout=240):
+def _wait(client, batch_id, until=("completed", "failed", "cancelled", "expired"), timeout=240):
     deadline = time.time() + timeout
     while True:
         batch = client.batches.retrieve(batch_id)

@@ -32,12 +32,11 @@ from pathlib import Path
 from klotski.errors import RunStopped, UserError
 from klotski.generate import Job
 from klotski.runtime.stats import Stats
-from klotski.serve.store import Store
+from klotski.serve.store import RETRY_S, Store
 from klotski.serve.worker import GATHER_S, Feed, Halt, config_for_batch, log, now
 from klotski.util.writes import WriteFailed, reason, writing
 
 PROGRESS_EVERY_S = 1.0  # request_counts are saved at most this often while a batch runs
-RETRY_S = 1.0  # while the data dir refuses writes, it is tried again this often
 
 
 def validate(store: Store, batch_id: str, names: tuple[str, ...]) -> None:
@@ -50,8 +49,8 @@ def validate(store: Store, batch_id: str, names: tuple[str, ...]) -> None:
         bad, rejected, total = _copy_input(store, batch, names)
     except OSError as e:
         store.fault(e, f"batch {batch_id}'s input copy")
-        _fail(store, batch_id, "storage_error", f"the server could not store this batch's input ({reason(e)} on "
-                                                 "its disk); create the batch again later", only_if=("validating",))
+        _fail(store, batch_id, "storage_error", f"the server could not store this batch's input: {reason(e)}; "
+                                                 "create the batch again later", only_if=("validating",))
         return
     counts = {"total": total, "completed": 0, "failed": len(rejected)}
     if bad or not total:
@@ -243,8 +242,7 @@ def finalize(store: Store, batch_id: str) -> None:
             (errors if rec.get("error") else ok).append(raw if raw.endswith(b"\n") else raw + b"\n")
     if status in ("failed", "expired"):  # OpenAI's expired batch: each request not run is an error
         code = "batch_expired" if status == "expired" else "batch_failed"
-        why = ("the batch expired before this request ran" if status == "expired" else
-               "the batch failed before this request ran: " + batch["errors"]["data"][0]["message"])
+        why = f"the batch {status} before this request ran" + ("" if status == "expired" else " (see its errors)")
         for raw in _lines(d / "jobs.jsonl"):
             cid = json.loads(raw)["custom_id"] if raw.strip() else None
             if cid is not None and cid not in answered:
@@ -355,8 +353,7 @@ class Worker(threading.Thread):
         """The batch's run stopped midway: it fails, with what it finished (see finalize)."""
         if isinstance(e, WriteFailed) and e.error is not None:
             self.store.fault(e.error, f"batch {bid}'s results")
-            code, message = "storage_error", (f"the server could not store this batch's results ({reason(e.error)} "
-                                              "on its disk)")
+            code, message = "storage_error", f"the server could not store this batch's results: {reason(e.error)}"
         else:
             cause = e.__context__ if isinstance(e.__context__, Exception) else e
             code, message = "server_error", (f"the server failed while running this batch ({type(cause).__name__}: "

@@ -82,7 +82,7 @@ async def upload(request: Request, s: Served = Depends(served)):
 
 def _storage(s: Served, e: OSError, what: str) -> Problem:
     s.store.fault(e, what)
-    return Problem(507, f"the server could not store {what}: {reason(e)} on its disk; retry later", "storage_error")
+    return Problem(507, f"the server could not store {what}: {reason(e)}; retry later", "storage_error")
 
 
 def file_or_404(s: Served, file_id: str) -> dict:

@@ -44,6 +44,7 @@ FILE_ID = re.compile(r"file-[0-9a-f]{24}")
 BATCH_ID = re.compile(r"batch_[0-9a-f]{24}")
 # a batch whose server stopped midway resumes in these states on the next start
 UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")
+RETRY_S = 1.0  # while the data dir refuses writes, they are tried again this often
 
 
 def new_id(prefix: str) -> str:
@@ -85,6 +86,7 @@ class Store:
         self.faults = faults or Faults(None)
         self.trouble: str | None = None  # why the data dir is not taking writes, until it does again
         self.unsaved: set[str] = set()   # batches whose latest state is not on disk yet
+        self.retry_at = 0.0              # (time.monotonic) a refused write is not tried again before this
         try:
             for d in (self.files_dir, self.batches_dir, self.root / "tmp", self.crashes_dir):
                 d.mkdir(parents=True, exist_ok=True)
@@ -177,8 +179,7 @@ class Store:
                 self.batches[bid] = batch
         except OSError as e:
             self.fault(e, "a batch")
-            raise StoreFailed(f"the server could not store the batch: {reason(e)} on its disk; "
-                              "retry later", e) from None
+            raise StoreFailed(f"the server could not store the batch: {reason(e)}; retry later", e) from None
         return batch
 
     def update(self, batch_id: str, only_if: tuple = (), **fields) -> dict | None:
@@ -211,12 +212,14 @@ class Store:
         """A write under the data dir failed: the server is degraded until `recover` succeeds."""
         first = self.trouble is None
         self.trouble = f"the data dir {self.root} cannot be written ({what}: {reason(e)})"
+        self.retry_at = time.monotonic() + RETRY_S
         if first:
             log(f"{self.trouble}; finished work is kept and the server carries on when space returns")
 
     def recover(self) -> bool:
-        """Retry what the disk refused (batch states), then a probe write; True once both take."""
-        if not self._save_unsaved():
+        """Retry what the disk refused (batch states), then a probe write; True once both take
+        (False without trying within RETRY_S of the last refusal)."""
+        if time.monotonic() < self.retry_at or not self._save_unsaved():
             return False
         probe = self.root / "tmp" / "probe"
         try:
