@@ -107,7 +107,7 @@ def test_disk_full_during_validation_fails_the_batch_in_words(faulty, tmp_path):
         faulty.control.unlink()
     assert done.status == "failed" and done.failed_at
     assert done.errors.data[0].code == "storage_error"
-    assert "could not store this batch's input (no space left" in done.errors.data[0].message
+    assert "could not store this batch's input: no space left" in done.errors.data[0].message
     _until(lambda: _raw(faulty.url + "/health")[1]["status"] == "ok", faulty)
     assert _wait(client, _batch(client, tmp_path / "again.jsonl", 2).id).status == "completed"
 
