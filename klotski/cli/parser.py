@@ -137,7 +137,10 @@ def _add_serve_parser(sub) -> None:
     s = sub.add_parser("serve", help="serve the OpenAI Batch API (and chat/completions) over HTTP, durably",
                        description="Serve /v1/files, /v1/batches, /v1/chat/completions, /v1/completions and "
                                    "/v1/models on one engine. Accepted batches survive a crash or a restart: "
-                                   "start the server again on the same --data-dir and they resume.")
+                                   "start the server again on the same --data-dir and they resume. A full disk "
+                                   "fails the batch it hits with the answers made delivered; /health says "
+                                   f"'degraded' until space returns. The key: --api-key, --api-key-file or "
+                                   f"${API_KEY_ENV}.")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine)")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", metavar="KEY",

@@ -253,8 +253,11 @@ def finalize(store: Store, batch_id: str) -> None:
         fid = "file-" + hashlib.sha256(f"{batch_id}/{kind}".encode()).hexdigest()[:24]
         if lines and store.get_file(fid) is None:
             tmp = store.tmp_path()
-            _write_lines(store, tmp, lines)
-            store.add_file(tmp, f"{batch_id}_{kind}.jsonl", "batch_output", file_id=fid)
+            try:
+                _write_lines(store, tmp, lines)
+                store.add_file(tmp, f"{batch_id}_{kind}.jsonl", "batch_output", file_id=fid)
+            finally:
+                tmp.unlink(missing_ok=True)  # (a file refused midway gives its room back)
         ids[kind] = fid if lines else None
     counts = {"total": batch["request_counts"]["total"], "completed": len(ok), "failed": len(errors)}
     stamp = {"cancelled": "cancelled_at", "failed": "failed_at", "expired": "expired_at"}.get(status, "completed_at")
