@@ -297,7 +297,7 @@ class Worker(threading.Thread):
                     self.step()
                 except Halt:
                     raise
-                except Exception as e:  # our bug: one line (the traceback in the data dir), and on
+                except Exception as e:  # our bug: one line (the traceback in the data dir); the worker goes on
                     log(f"internal error in the worker ({type(e).__name__}: {e}); {self.store.save_crash(e)}")
                     self.inbox.wait(1.0)
         except Halt:
@@ -354,11 +354,12 @@ class Worker(threading.Thread):
 
     def run_failed(self, bid: str, e: Exception) -> None:
         """The batch's run stopped midway: it fails, with what it finished (see finalize)."""
-        if isinstance(e, WriteFailed) and e.error is not None:
-            self.store.fault(e.error, f"batch {bid}'s results")
-            code, message = "storage_error", f"the server could not store this batch's results: {reason(e.error)}"
+        cause = e.error if isinstance(e, WriteFailed) and e.error is not None else \
+            e.__context__ if isinstance(e.__context__, Exception) else e
+        if isinstance(cause, OSError):  # the output, its sidecar or a report: the disk refused a write
+            self.store.fault(cause, f"batch {bid}'s results")
+            code, message = "storage_error", f"the server could not store this batch's results: {reason(cause)}"
         else:
-            cause = e.__context__ if isinstance(e.__context__, Exception) else e
             code, message = "server_error", (f"the server failed while running this batch ({type(cause).__name__}: "
                                              f"{cause}; its operator finds the details in {self.store.crashes_dir})")
         message += ("; the answers it made are in the output file, the requests it did not run in the error file "
