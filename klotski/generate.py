@@ -188,11 +188,16 @@ class Job:
         self.failed += sum(self.emit(error_record(err, fmt=self.config.output_format), err, err.row)
                            for err in window.errors)
         bar.update(window.skipped + len(window.errors) + dropped)
-        for seq in self.engine.run(seqs) if seqs else ():
-            bar.update(self.emit_sequence(seq))
-            gen_s = self.engine.stats.prefill_s + self.engine.stats.decode_s
-            if gen_s > 0:
-                bar.set_postfix_str(f"{self.engine.stats.generated_tokens / gen_s:.1f} tok/s")
+        results = self.engine.run(seqs) if seqs else iter(())
+        try:
+            for seq in results:
+                bar.update(self.emit_sequence(seq))
+                gen_s = self.engine.stats.prefill_s + self.engine.stats.decode_s
+                if gen_s > 0:
+                    bar.set_postfix_str(f"{self.engine.stats.generated_tokens / gen_s:.1f} tok/s")
+        finally:  # a run cut short (a failed write) gives its KV caches back now, not whenever it is
+            if hasattr(results, "close"):  # collected: `klotski serve` runs its next batch on the same engine
+                results.close()
         if self.tracker and window.mark:
             self.tracker.window_done(window.mark)
 
