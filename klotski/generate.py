@@ -68,6 +68,8 @@ class Job:
     """One run in this process; `run` is its steps in the order the module's docstring gives,
     each leaving on the job what the next one needs."""
 
+    crash_dir: Path | None = None  # where a crash's traceback goes (None: the system's temp directory)
+
     def __init__(self, config: RunConfig, jobs: Path, out_path: Path, t_start: float):
         self.config, self.jobs, self.out_path, self.t_start = config, jobs, out_path, t_start
         self.engine = self.tracker = None
@@ -155,7 +157,7 @@ class Job:
             raise RunStopped(f"the run stopped: {e}; {len(self.writer)} records are in {out}; "
                              "rerun the same command to resume") from None
         except Exception as e:  # the run stopped: say so in one line; what is written stays
-            raise RunStopped(_stopped(e, out, len(self.writer))) from None
+            raise RunStopped(_stopped(e, out, len(self.writer), self.crash_dir)) from None
         finally:
             stream.close()
             if self.engine:
@@ -186,11 +188,16 @@ class Job:
         self.failed += sum(self.emit(error_record(err, fmt=self.config.output_format), err, err.row)
                            for err in window.errors)
         bar.update(window.skipped + len(window.errors) + dropped)
-        for seq in self.engine.run(seqs) if seqs else ():
-            bar.update(self.emit_sequence(seq))
-            gen_s = self.engine.stats.prefill_s + self.engine.stats.decode_s
-            if gen_s > 0:
-                bar.set_postfix_str(f"{self.engine.stats.generated_tokens / gen_s:.1f} tok/s")
+        results = self.engine.run(seqs) if seqs else iter(())
+        try:
+            for seq in results:
+                bar.update(self.emit_sequence(seq))
+                gen_s = self.engine.stats.prefill_s + self.engine.stats.decode_s
+                if gen_s > 0:
+                    bar.set_postfix_str(f"{self.engine.stats.generated_tokens / gen_s:.1f} tok/s")
+        finally:  # a run cut short (a failed write) gives its KV caches back now, not whenever it is
+            if hasattr(results, "close"):  # collected: `klotski serve` runs its next batch on the same engine
+                results.close()
         if self.tracker and window.mark:
             self.tracker.window_done(window.mark)
 
@@ -250,14 +257,15 @@ class Job:
                 save_report(c.report, report)
 
 
-def _stopped(e: Exception, out_path: Path, written: int) -> str:
+def _stopped(e: Exception, out_path: Path, written: int, crash_dir: Path | None = None) -> str:
     """One line for a run that stopped midway; the traceback goes to a file it names."""
     from placement.tiers import OverBudget
     keep = f"{written} records are in {out_path}; rerun the same command to resume"
     if isinstance(e, OverBudget):
         return f"the run stopped: {e}; {keep}"
     try:
-        with tempfile.NamedTemporaryFile("w", prefix="klotski-crash-", suffix=".txt", delete=False) as f:
+        with tempfile.NamedTemporaryFile("w", prefix="klotski-crash-", suffix=".txt", delete=False,
+                                         dir=crash_dir) as f:
             traceback.print_exception(e, file=f)
         details = f"details in {f.name}"
     except OSError as why:  # the temp directory may be on the disk that is full

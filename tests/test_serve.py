@@ -46,13 +46,14 @@ def _free_port() -> int:
 class Server:
     """`python -m klotski.cli serve` on a free port, its log in a file."""
 
-    def __init__(self, model, data: Path, *extra):
+    def __init__(self, model, data: Path, *extra, preexec_fn=None, env=None):
         self.port, self.data = _free_port(), data
         self.log = data.with_name(data.name + f"-{self.port}.log")
         cmd = [sys.executable, "-m", "klotski.cli", "serve", "--model", str(model), "--port", str(self.port),
                "--data-dir", str(data), "--device", "cpu", "--max-new-tokens", str(MAX), *extra]
         with open(self.log, "w") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=preexec_fn,
+                                         env={**os.environ, **(env or {})})
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.time() + 180
         while True:
@@ -87,7 +88,7 @@ def _write(path: Path, lines) -> Path:
     return path
 
 
-def _wait(client, batch_id, until=("completed", "failed", "cancelled"), timeout=240):
+def _wait(client, batch_id, until=("completed", "failed", "cancelled", "expired"), timeout=240):
     deadline = time.time() + timeout
     while True:
         batch = client.batches.retrieve(batch_id)
@@ -218,6 +219,14 @@ def test_every_mistake_is_one_clear_error_and_the_server_lives(server, model, tm
     with pytest.raises(openai.APIStatusError, match="over this server's limit") as e:
         client.files.create(file=big.open("rb"), purpose="batch")
     assert e.value.status_code == 413
+    # form fields count towards the limit: a tiny file beside a 200 KB field is refused too
+    form = (b"--b\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\n" + b"x" * 200_000 +
+            b"\r\n--b\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.jsonl\"\r\n\r\n{}\n\r\n--b--\r\n")
+    request = urllib.request.Request(server.url + "/v1/files", data=form, headers={
+        "Authorization": f"Bearer {KEY}", "Content-Type": "multipart/form-data; boundary=b"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(request, timeout=10)
+    assert e.value.code == 413 and "--max-upload-size" in json.loads(e.value.read())["error"]["message"]
     status, body = _raw(server.url + "/v1/batches", data=b"{not json", key=KEY)
     assert status == 400 and "not valid JSON" in body["error"]["message"]
     with pytest.raises(openai.NotFoundError, match="not served here"):

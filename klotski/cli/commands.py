@@ -19,10 +19,13 @@ def generate(a) -> int:
 
 
 def serve(a) -> int:
-    from klotski.cli.parser import config_from_args
+    from klotski.cli.parser import api_key, config_from_args
+    from klotski.serve.server import ServeOptions
     from klotski.serve.server import serve as run
-    return run(config_from_args(a), host=a.host, port=a.port, api_key=a.api_key, data_dir=a.data_dir,
-               max_upload=a.max_upload_size)
+    return run(config_from_args(a), ServeOptions(
+        host=a.host, port=a.port, api_key=api_key(a), data_dir=a.data_dir, max_upload=a.max_upload_size,
+        max_body=a.max_body_size, served_names=tuple(a.served_model_name or ()),
+        batch_window_s=a.test_batch_window, fault_file=a.fault_file))
 
 
 def _config(a) -> RunConfig:

@@ -3,8 +3,11 @@ the one place flags become a RunConfig."""
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 
 from klotski.config import BATCHINGS, DTYPES, HOST_COMPUTE, OUTPUT_FORMATS, PREFETCH, SCHEDULES, RunConfig, parse_size
+from klotski.errors import ConfigError
 from planner.shapes import FAMILY_FIELDS
 
 
@@ -125,18 +128,50 @@ def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
                                                          "it and the request id, so results do not depend on batching")
 
 
+API_KEY_ENV = "KLOTSKI_API_KEY"
+
+
+def api_key(a) -> str | None:
+    """`klotski serve`'s key: --api-key, else --api-key-file's first line, else $KLOTSKI_API_KEY."""
+    if a.api_key:
+        return a.api_key
+    if a.api_key_file:
+        try:
+            key = Path(a.api_key_file).read_text(encoding="utf-8").splitlines()[:1]
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"--api-key-file {a.api_key_file}: cannot read it ({e}); give a readable file "
+                              "whose first line is the key") from None
+        if not key or not key[0].strip():
+            raise ConfigError(f"--api-key-file {a.api_key_file}: its first line is empty; put the key there")
+        return key[0].strip()
+    return os.environ.get(API_KEY_ENV) or None
+
+
 def _add_serve_parser(sub) -> None:
     s = sub.add_parser("serve", help="serve the OpenAI Batch API (and chat/completions) over HTTP, durably",
                        description="Serve /v1/files, /v1/batches, /v1/chat/completions, /v1/completions and "
                                    "/v1/models on one engine. Accepted batches survive a crash or a restart: "
-                                   "start the server again on the same --data-dir and they resume.")
+                                   "start the server again on the same --data-dir and they resume. A full disk "
+                                   "fails the batch it hits with the answers made delivered; /health says "
+                                   f"'degraded' until space returns. The key: --api-key, --api-key-file or "
+                                   f"${API_KEY_ENV}.")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine)")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on every route but /health")
+    s.add_argument("--api-key", metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every route but /health (visible to ps: prefer "
+                        f"the {API_KEY_ENV} environment variable or --api-key-file)")
+    s.add_argument("--api-key-file", metavar="PATH", help="read the API key from this file (its first line)")
+    s.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                   help="the name(s) clients give as 'model' (default: the --model value); answers carry the first")
     s.add_argument("--data-dir", default="klotski-serve", metavar="DIR",
                    help="where files and batches are kept (default: ./klotski-serve)")
     s.add_argument("--max-upload-size", type=_size, default=parse_size("200MB"), metavar="SIZE",
-                   help="largest file /v1/files accepts (default: 200MB)")
+                   help="largest file /v1/files accepts, its form included (default: 200MB)")
+    s.add_argument("--max-body-size", type=_size, default=parse_size("16MB"), metavar="SIZE",
+                   help="largest body of any other request (default: 16MB)")
+    # for tests: a batch's window in seconds (OpenAI's is 24h), and the store's write-fault seam
+    s.add_argument("--test-batch-window", type=int, default=24 * 3600, help=argparse.SUPPRESS)
+    s.add_argument("--fault-file", help=argparse.SUPPRESS)
     _add_sampling_flags(s)
     _add_model_flags(s)
     s.add_argument("--window", type=int, default=RunConfig.window, metavar="LINES",

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from klotski.io.strict_schema import strict_refusal
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant")  # developer: OpenAI's newer name for system, read as it
 COMPLETIONS_URL = "/v1/completions"
 CHAT_URL = "/v1/chat/completions"
 MAX_TOKENS_KEYS = ("max_new_tokens", "max_tokens", "max_completion_tokens")  # one limit, three names
@@ -229,10 +229,24 @@ def _messages(value, prefix: str) -> tuple[tuple[str, str], ...]:
         if role not in ROLES:
             raise InvalidLine(f"{name}[{i}].role must be one of "
                               f"{', '.join(repr(r) for r in ROLES)}, got {_show(role)}")
-        if not isinstance(content, str):
-            raise InvalidLine(f"{name}[{i}].content must be a string, got {_show(content)}")
-        pairs.append((role, content))
+        pairs.append(("system" if role == "developer" else role, _content(content, f"{name}[{i}].content")))
     return tuple(pairs)
+
+
+def _content(content, name: str) -> str:
+    """A message's text: a string, or OpenAI's list of text parts (joined by newlines, as vLLM does)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list) or not content:
+        raise InvalidLine(f'{name} must be a string or a list of parts like [{{"type": "text", "text": "Hi"}}], '
+                          f"got {_show(content)}")
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise InvalidLine(f'{name}[{j}] must be a text part like {{"type": "text", "text": "Hi"}} (klotski '
+                              f"reads text only), got {_show(part)}")
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 def _max_new_tokens(src: dict, prefix: str) -> int | None:

@@ -1,8 +1,10 @@
-"""A batch's life: validating -> in_progress -> finalizing -> completed (or failed; cancelling
--> cancelled), each step saved before the next begins, so a restart picks it up where it was.
+"""A batch's life: validating -> in_progress -> finalizing -> completed (or failed; expired;
+cancelling -> cancelled), each step saved before the next begins, so a restart picks it up
+where it was.
 
-* validating: the input file is read once. A line that is not JSON fails the batch, as
-  OpenAI's validation does (`errors.data` names each such line). A JSON line that is a bad
+* validating: the input file is read once. A line that is not JSON, or a custom_id given
+  twice, fails the batch, as OpenAI's validation does (`errors.data` names each such line). A
+  JSON line that is a bad
   request for this server (another url than the batch's endpoint, a `body.model` other than
   the served model, no `custom_id`) gets an error record in OpenAI's shape and a blank line
   in its place in `jobs.jsonl`, the file the run reads (blank lines keep the line numbers).
@@ -12,6 +14,11 @@
 * finalizing: `run.jsonl` splits into the output file (answers) and the error file (error
   records, the rejected lines' first); their ids are derived from the batch's, so finalizing
   again after a crash writes the same files.
+* A run that stops midway (a write the disk refuses, a failure of the engine) and a window
+  that ends (`expires_at`) finalize too, as failed or expired: the answers made in the output
+  file, every request not run in the error file (batch_failed, batch_expired), counts that
+  add up to the total. A disk that refuses the output files leaves the batch finalizing until
+  it takes them (the worker retries; the server says it is degraded meanwhile).
 """
 from __future__ import annotations
 
@@ -24,64 +31,93 @@ from pathlib import Path
 
 from klotski.errors import RunStopped, UserError
 from klotski.generate import Job
-from klotski.serve.store import Store
+from klotski.runtime.stats import Stats
+from klotski.serve.store import RETRY_S, Store
 from klotski.serve.worker import GATHER_S, Feed, Halt, config_for_batch, log, now
+from klotski.util.writes import WriteFailed, reason, writing
 
 PROGRESS_EVERY_S = 1.0  # request_counts are saved at most this often while a batch runs
 
 
-def validate(store: Store, batch_id: str, model: str) -> None:
-    """validating -> in_progress (or failed), writing jobs.jsonl and rejected.jsonl first."""
+def validate(store: Store, batch_id: str, names: tuple[str, ...]) -> None:
+    """validating -> in_progress (or failed), writing jobs.jsonl and rejected.jsonl first. A
+    write the disk refuses fails the batch with a message saying so (its save is retried)."""
     batch = store.batches[batch_id]
     if batch["status"] != "validating":
         return
-    d, endpoint = store.batch_dir(batch_id), batch["endpoint"]
-    bad, rejected, total = [], [], 0
-    with open(store.content_path(batch["input_file_id"]), "rb") as f, open(d / "jobs.jsonl.tmp", "wb") as jobs:
-        for line, raw in enumerate(f, start=1):
-            if not raw.strip():
-                jobs.write(b"\n")
-                continue
-            total += 1
-            try:
-                obj = json.loads(raw.decode("utf-8"))
-                if not isinstance(obj, dict):
-                    raise ValueError("the line is not a JSON object")
-            except (UnicodeDecodeError, ValueError) as e:
-                if len(bad) < 100:  # the first hundred tell the user what to fix
-                    bad.append({"code": "invalid_json_line", "line": line, "param": None,
-                                "message": f"line {line} is not a JSON object ({e}); each line must be one "
-                                           'request like {"custom_id": "r1", "method": "POST", "url": '
-                                           f'"{endpoint}", "body": {{...}}}}'})
-                jobs.write(b"\n")
-                continue
-            why = _refused(obj, endpoint, model)
-            if why:
-                code, message = why
-                cid = obj.get("custom_id")
-                rejected.append({"id": "batch_req_" + os.urandom(16).hex(), "custom_id": cid if isinstance(
-                    cid, str) else None, "response": None, "error": {"code": code, "message": f"line {line}: {message}"}})
-                jobs.write(b"\n")
-            else:
-                jobs.write(raw if raw.endswith(b"\n") else raw + b"\n")
-        jobs.flush()
-        os.fsync(jobs.fileno())
-    os.replace(d / "jobs.jsonl.tmp", d / "jobs.jsonl")
+    try:
+        bad, rejected, total = _copy_input(store, batch, names)
+    except OSError as e:
+        store.fault(e, f"batch {batch_id}'s input copy")
+        _fail(store, batch_id, "storage_error", f"the server could not store this batch's input: {reason(e)}; "
+                                                 "create the batch again later", only_if=("validating",))
+        return
     counts = {"total": total, "completed": 0, "failed": len(rejected)}
     if bad or not total:
-        data = bad or [{"code": "empty_file", "line": None, "param": None,
+        data = bad[:100] or [{"code": "empty_file", "line": None, "param": None,
                         "message": "the input file has no requests; give one JSON request per line"}]
         store.update(batch_id, only_if=("validating",), status="failed", failed_at=now(),
                      errors={"object": "list", "data": data}, request_counts=counts)
         log(f"{batch_id}: failed validation: {data[0]['message']}")
         return
-    _write_lines(d / "rejected.jsonl", rejected)
     # (a batch cancelled meanwhile stays cancelling: the worker finishes it)
     store.update(batch_id, only_if=("validating",), status="in_progress", in_progress_at=now(), request_counts=counts)
     log(f"{batch_id}: {total} requests accepted ({len(rejected)} refused)")
 
 
-def _refused(obj: dict, endpoint: str, model: str) -> tuple[str, str] | None:
+def _copy_input(store: Store, batch: dict, names: tuple[str, ...]) -> tuple[list, list, int]:
+    """Read the input once: jobs.jsonl (what the run reads) and rejected.jsonl written; the
+    lines that fail the batch (not JSON, a custom_id given twice), the rejected records and
+    the number of requests returned."""
+    d = store.batch_dir(batch["id"])
+    bad, rejected, total, seen = [], [], 0, {}
+    with open(store.content_path(batch["input_file_id"]), "rb") as f, open(d / "jobs.jsonl.tmp", "wb") as jobs:
+        for line, raw in enumerate(f, start=1):
+            runs = _screen(raw, line, batch, names, seen, bad, rejected)
+            total += bool(raw.strip())
+            # a line that does not run is a blank line in the run's copy: line numbers stay right
+            data = raw if runs and raw.endswith(b"\n") else raw + b"\n" if runs else b"\n"
+            store.faults.check(jobs.name, len(data))
+            jobs.write(data)
+        jobs.flush()
+        os.fsync(jobs.fileno())
+    os.replace(d / "jobs.jsonl.tmp", d / "jobs.jsonl")
+    _write_lines(store, d / "rejected.jsonl", [json.dumps(r, ensure_ascii=False).encode() + b"\n" for r in rejected])
+    return bad, rejected, total
+
+
+def _screen(raw: bytes, line: int, batch: dict, names: tuple[str, ...], seen: dict, bad: list, rejected: list) -> bool:
+    """Whether input line `line` runs; if not, why is added to `bad` (the batch fails) or
+    `rejected` (an error record); `seen` maps each custom_id to its line."""
+    if not raw.strip():
+        return False
+    endpoint = batch["endpoint"]
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+        if not isinstance(obj, dict):
+            raise ValueError("the line is not a JSON object")
+    except (UnicodeDecodeError, ValueError) as e:
+        bad.append({"code": "invalid_json_line", "line": line, "param": None, "message": (
+            f"line {line} is not a JSON object ({e}); each line must be one request like "
+            f'{{"custom_id": "r1", "method": "POST", "url": "{endpoint}", "body": {{...}}}}')})
+        return False
+    cid = obj.get("custom_id")
+    if isinstance(cid, str) and cid:
+        if cid in seen:  # as OpenAI: the file is refused, an answer must say which request it answers
+            bad.append({"code": "duplicate_custom_id", "line": line, "param": "custom_id", "message": (
+                f"line {line}: custom_id {json.dumps(cid)} is also line {seen[cid]}'s; give every request "
+                "its own custom_id")})
+            return False
+        seen[cid] = line
+    why = _refused(obj, endpoint, names)
+    if why:
+        code, message = why
+        rejected.append({"id": _request_id(batch["id"], f"line{line}"), "custom_id": cid if isinstance(cid, str)
+                         else None, "response": None, "error": {"code": code, "message": f"line {line}: {message}"}})
+    return why is None
+
+
+def _refused(obj: dict, endpoint: str, names: tuple[str, ...]) -> tuple[str, str] | None:
     """(code, message) for a JSON line this server will not run; None if generate's own checks decide."""
     cid = obj.get("custom_id")
     if not isinstance(cid, str) or not cid:
@@ -89,29 +125,64 @@ def _refused(obj: dict, endpoint: str, model: str) -> tuple[str, str] | None:
     if obj.get("url") != endpoint:
         return "invalid_url", f"url is {json.dumps(obj.get('url'))} but this batch's endpoint is {endpoint}"
     body = obj.get("body")
-    if isinstance(body, dict) and body.get("model") not in (None, model):
-        return "model_not_found", f"body.model is {json.dumps(body.get('model'))}; this server serves {model}"
+    if isinstance(body, dict) and body.get("model") not in (None, *names):
+        return "model_not_found", (f"body.model is {json.dumps(body.get('model'))}; this server serves "
+                                   f"{' or '.join(map(repr, names))}")
     return None
 
 
-def _write_lines(path: Path, records) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
-        f.flush()
-        os.fsync(f.fileno())
+def _request_id(batch_id: str, key: str) -> str:
+    """A record's id that finalizing again (after a crash) makes the same."""
+    return "batch_req_" + hashlib.sha256(f"{batch_id}/{key}".encode()).hexdigest()[:32]
+
+
+def _write_lines(store: Store, path: Path, lines: list[bytes]) -> None:
+    """`lines` as the file `path`, fsynced; OSError (through the fault seam too) if the disk refuses."""
+    try:
+        with open(path, "wb") as f:
+            for raw in lines:
+                store.faults.check(path, len(raw))
+                f.write(raw)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError:
+        path.unlink(missing_ok=True)
+        raise
+
+
+def _fail(store: Store, batch_id: str, code: str, message: str, only_if: tuple = ()) -> None:
+    """The batch fails with one `errors.data` entry (a batch in its run is finalized: see finalize)."""
+    store.update(batch_id, only_if=only_if, status="failed", failed_at=now(), errors={"object": "list", "data": [
+        {"code": code, "line": None, "param": None, "message": message}]})
+    log(f"{batch_id}: failed: {message}")
 
 
 class BatchJob(Job):
     """A generate Job on the server's engine and checkpoint, counting its records into the
-    batch's request_counts as they are written."""
+    batch's request_counts as they are written. Its report counts this batch alone (the
+    engine's statistics start afresh with it) and is kept when the batch is cancelled or
+    expires too; a report the disk refuses costs the batch nothing."""
 
     def __init__(self, worker: "Worker", batch: dict):
         d = worker.store.batch_dir(batch["id"])
-        super().__init__(config_for_batch(worker.config, str(d / "report.json")), d / "jobs.jsonl",
+        super().__init__(config_for_batch(worker.config, str(d / "report.json"), worker.names[0]), d / "jobs.jsonl",
                          d / "run.jsonl", time.perf_counter())
         self.worker, self.batch_id = worker, batch["id"]
+        self.crash_dir = worker.store.crashes_dir
         self.counts = dict(batch["request_counts"])
         self.saved_at = time.monotonic()
+
+    def run(self) -> int:
+        engine = self.worker.feed.engine
+        engine.stats = Stats()  # (read by reports alone)
+        for counts in (engine.trace.busy, engine.trace.decode_busy, engine.trace.bytes):
+            counts.clear()
+        try:
+            return super().run()
+        except Halt:
+            if not self.worker.feed.stopping and getattr(self, "setup", None) is not None:
+                self.save(self.report())  # cancelled or expired: what ran is reported
+            raise
 
     def open_checkpoint(self):
         return self.worker.feed.ckpt  # the checkpoint the server's engine holds
@@ -131,6 +202,8 @@ class BatchJob(Job):
         pass  # the server's engine outlives its batches
 
     def emit(self, record, error=None, row=None) -> bool:
+        with writing(self.out_path, "the batch's results", then=None):  # the seam tests fill the disk with
+            self.worker.store.faults.check(self.out_path, len(json.dumps(record)))
         wrote = super().emit(record, error, row)
         if wrote:
             self.counts["failed" if record.get("error") else "completed"] += 1
@@ -141,52 +214,77 @@ class BatchJob(Job):
                 log(f"{self.batch_id}: {c['completed'] + c['failed']}/{c['total']} done ({c['failed']} failed)")
         return wrote
 
+    def save(self, report: dict) -> None:
+        try:
+            super().save(report)
+        except WriteFailed as e:
+            log(f"{self.batch_id}: no report: {e}")
+
 
 def finalize(store: Store, batch_id: str) -> None:
-    """Split run.jsonl into the output and error files; the batch is completed, or cancelled
-    if a cancel came first."""
+    """Split run.jsonl into the output and error files and end the batch: cancelled if a cancel
+    came first, failed if its run failed (`errors` set), expired if its window passed, else
+    completed. A failed or expired batch's error file also holds each request it did not run.
+    OSError if the disk refuses: the batch stays finalizing and this runs again."""
     store.update(batch_id, only_if=("in_progress",), status="finalizing", finalizing_at=now())
     batch = store.batches[batch_id]
-    status = "cancelled" if batch["status"] == "cancelling" else "completed"
+    status = ("cancelled" if batch["status"] == "cancelling" else "failed" if batch.get("errors")
+              else "expired" if batch.get("expired_at") else "completed")
     d = store.batch_dir(batch_id)
-    ok, errors = [], []
+    ok, errors, answered = [], [], set()
     for name in ("rejected.jsonl", "run.jsonl"):
-        try:
-            with open(d / name, "rb") as f:
-                for raw in f:
-                    try:
-                        rec = json.loads(raw)
-                    except ValueError:
-                        continue  # a line a crash cut short: its request was not answered
-                    (errors if rec.get("error") else ok).append(raw if raw.endswith(b"\n") else raw + b"\n")
-        except FileNotFoundError:
-            pass
+        for raw in _lines(d / name):
+            try:
+                rec = json.loads(raw)
+            except ValueError:
+                continue  # a line a crash cut short: its request was not answered
+            answered.add(rec.get("custom_id"))
+            (errors if rec.get("error") else ok).append(raw if raw.endswith(b"\n") else raw + b"\n")
+    if status in ("failed", "expired"):  # OpenAI's expired batch: each request not run is an error
+        code = "batch_expired" if status == "expired" else "batch_failed"
+        why = f"the batch {status} before this request ran" + ("" if status == "expired" else " (see its errors)")
+        for raw in _lines(d / "jobs.jsonl"):
+            cid = json.loads(raw)["custom_id"] if raw.strip() else None
+            if cid is not None and cid not in answered:
+                errors.append(json.dumps({"id": _request_id(batch_id, cid), "custom_id": cid, "response": None,
+                                          "error": {"code": code, "message": why}}).encode() + b"\n")
     ids = {}
     for kind, lines in (("output", ok), ("error", errors)):
-        if lines:
-            fid = "file-" + hashlib.sha256(f"{batch_id}/{kind}".encode()).hexdigest()[:24]
+        fid = "file-" + hashlib.sha256(f"{batch_id}/{kind}".encode()).hexdigest()[:24]
+        if lines and store.get_file(fid) is None:
             tmp = store.tmp_path()
-            with open(tmp, "wb") as f:
-                f.writelines(lines)
-                f.flush()
-                os.fsync(f.fileno())
-            store.add_file(tmp, f"{batch_id}_{kind}.jsonl", "batch_output", file_id=fid)
-            ids[kind] = fid
+            try:
+                _write_lines(store, tmp, lines)
+                store.add_file(tmp, f"{batch_id}_{kind}.jsonl", "batch_output", file_id=fid)
+            finally:
+                tmp.unlink(missing_ok=True)  # (a file refused midway gives its room back)
+        ids[kind] = fid if lines else None
     counts = {"total": batch["request_counts"]["total"], "completed": len(ok), "failed": len(errors)}
-    stamp = "cancelled_at" if status == "cancelled" else "completed_at"
-    store.update(batch_id, status=status, output_file_id=ids.get("output"), error_file_id=ids.get("error"),
-                 request_counts=counts, **{stamp: now()})
+    stamp = {"cancelled": "cancelled_at", "failed": "failed_at", "expired": "expired_at"}.get(status, "completed_at")
+    store.update(batch_id, status=status, output_file_id=ids["output"], error_file_id=ids["error"],
+                 request_counts=counts, **{stamp: batch.get(stamp) or now()})
     log(f"{batch_id}: {status}: {len(ok)} answered, {len(errors)} errors")
 
 
-class Worker(threading.Thread):
-    """Runs accepted batches one after another, and online requests whenever they wait."""
+def _lines(path: Path):
+    try:
+        with open(path, "rb") as f:
+            yield from f
+    except FileNotFoundError:
+        return
 
-    def __init__(self, store: Store, config, engine, setup, inbox):
+
+class Worker(threading.Thread):
+    """Runs accepted batches one after another, and online requests whenever they wait. Nothing
+    stops it but `stop`: a batch whose run fails ends failed with what it finished; an
+    unexpected failure is logged (its traceback under DIR/crashes/) and the loop goes on; while
+    the data dir refuses writes it runs online requests only, and takes batches again once
+    `Store.recover` succeeds."""
+
+    def __init__(self, store: Store, config, engine, setup, inbox, names: tuple[str, ...]):
         super().__init__(name="klotski-serve-worker", daemon=True)
-        self.store, self.config, self.setup, self.inbox = store, config, setup, inbox
+        self.store, self.config, self.setup, self.inbox, self.names = store, config, setup, inbox, names
         self.feed = Feed(engine, inbox)
-        self.model = config.model
 
     def stop(self) -> None:
         self.feed.stopping = True
@@ -195,48 +293,77 @@ class Worker(threading.Thread):
     def run(self) -> None:
         try:
             while not self.feed.stopping:
-                if self.inbox.waiting:
-                    time.sleep(GATHER_S)  # those arriving together start together
-                    for _ in self.feed.run([]):
-                        pass
-                    continue
-                batch = next((b for b in self.store.unfinished() if b["status"] != "validating"), None)
-                if batch is None:
-                    self.inbox.wait(0.5)
-                    continue
                 try:
-                    self.run_batch(batch)
+                    self.step()
                 except Halt:
                     raise
-                except Exception as e:  # our bug, or the data dir's disk: this batch fails, the server goes on
-                    log(f"{batch['id']}: failed: {type(e).__name__}: {e}")
-                    try:
-                        self.store.update(batch["id"], status="failed", failed_at=now(), errors={
-                            "object": "list", "data": [{"code": "internal_error", "line": None, "param": None,
-                                                        "message": f"{type(e).__name__}: {e}"}]})
-                    except OSError:
-                        self.stop()  # the data dir cannot be written: nothing more can be kept
+                except Exception as e:  # our bug: one line (the traceback in the data dir); the worker goes on
+                    log(f"internal error in the worker ({type(e).__name__}: {e}); {self.store.save_crash(e)}")
+                    self.inbox.wait(1.0)
         except Halt:
             pass
         finally:
-            self.inbox.fail_all("the server is stopping")
+            self.inbox.close("the server is stopping")
+
+    def step(self) -> None:
+        if self.inbox.waiting:
+            time.sleep(GATHER_S)  # those arriving together start together
+            for _ in self.feed.run([]):
+                pass
+            return
+        if self.store.trouble is not None and not self.store.recover():
+            self.inbox.wait(RETRY_S)  # the disk is still full: online requests only
+            return
+        self.expire()
+        batch = next((b for b in self.store.unfinished() if b["status"] != "validating"), None)
+        if batch is None:
+            self.inbox.wait(0.5)
+            return
+        self.run_batch(batch)
+
+    def expire(self) -> None:
+        """A batch past its window (`expires_at`) ends expired, with what it finished."""
+        for b in self.store.unfinished():
+            if b["status"] in ("validating", "in_progress") and b.get("expires_at") and now() >= b["expires_at"] \
+                    and not b.get("expired_at"):
+                self.store.update(b["id"], expired_at=now())
+                log(f"{b['id']}: expired (its window ended)")
 
     def run_batch(self, batch: dict) -> None:
         bid = batch["id"]
-        if batch["status"] == "in_progress":
-            self.feed.cancelled = lambda: self.store.batches[bid]["status"] == "cancelling"
+        if batch["status"] == "in_progress" and not batch.get("expired_at"):
+            ends = batch.get("expires_at") or float("inf")
+            self.feed.cancelled = lambda: self.store.batches[bid]["status"] == "cancelling" or now() >= ends
             log(f"{bid}: running")
             try:
                 BatchJob(self, batch).run()
             except Halt:
                 if self.feed.stopping:
                     raise
+                if now() >= ends and self.store.batches[bid]["status"] == "in_progress":
+                    self.store.update(bid, expired_at=now())
+                    log(f"{bid}: expired (its window ended)")
             except (UserError, RunStopped) as e:
-                self.store.update(bid, status="failed", failed_at=now(), errors={"object": "list", "data": [
-                    {"code": "run_stopped", "line": None, "param": None, "message": str(e)}]})
-                log(f"{bid}: failed: {e}")
-                return
+                self.run_failed(bid, e)
             finally:
                 self.feed.cancelled = lambda: False
-        finalize(self.store, bid)
+        try:
+            finalize(self.store, bid)
+        except OSError as e:  # the batch stays finalizing, to finish once the disk takes writes
+            self.store.fault(e, f"batch {bid}'s output")
 
+    def run_failed(self, bid: str, e: Exception) -> None:
+        """The batch's run stopped midway: it fails, with what it finished (see finalize)."""
+        cause = e.error if isinstance(e, WriteFailed) and e.error is not None else \
+            e.__context__ if isinstance(e.__context__, Exception) else e
+        if isinstance(cause, OSError):  # the output, its sidecar or a report: the disk refused a write
+            self.store.fault(cause, f"batch {bid}'s results")
+            code, message = "storage_error", f"the server could not store this batch's results: {reason(cause)}"
+        else:
+            code, message = "server_error", (f"the server failed while running this batch ({type(cause).__name__}: "
+                                             f"{cause}; its operator finds the details in {self.store.crashes_dir})")
+        message += ("; the answers it made are in the output file, the requests it did not run in the error file "
+                    "(code batch_failed): submit those again")
+        self.store.update(bid, only_if=("in_progress", "cancelling"), errors={"object": "list", "data": [
+            {"code": code, "line": None, "param": None, "message": message}]})
+        log(f"{bid}: failed: {message}")

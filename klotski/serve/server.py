@@ -1,10 +1,15 @@
-"""`klotski serve`: the data dir locked, the engine built once, the worker started, then
-uvicorn until SIGTERM or Ctrl-C; then the worker stops at its next step and every batch it
-had not finished stays on disk, to resume on the next start."""
+"""`klotski serve`: the port taken and the data dir locked first (a taken port is one line
+before anything is built), the engine built once, the worker started, then uvicorn until
+SIGTERM or Ctrl-C. On SIGTERM uvicorn stops taking connections and lets the requests in
+flight finish (up to GRACE_S); then the worker stops at its next step, any online request
+still waiting is answered 503, and every batch it had not finished stays on disk, to resume
+on the next start."""
 from __future__ import annotations
 
 import copy
-import threading
+import ipaddress
+import socket
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -12,54 +17,105 @@ from klotski.assemble import build_engine, setup_run
 from klotski.errors import UserError
 from klotski.io.checkpoint import Checkpoint
 from klotski.serve.batches import Worker
+from klotski.serve.faults import Faults
 from klotski.serve.store import Store
 from klotski.serve.worker import Inbox, log
 
 PLAN_PROMPT_TOKENS = 256  # the prompt length the one engine is planned for; longer ones prefill in chunks
+GRACE_S = 5  # on SIGTERM, how long requests in flight may take to finish
 
 
-def serve(config, *, host: str, port: int, api_key: str | None, data_dir: str, max_upload: int) -> int:
+@dataclass(frozen=True)
+class ServeOptions:
+    """The HTTP server's own settings (the run's are the RunConfig; the key is kept out of it,
+    since a RunConfig is echoed in every report)."""
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    data_dir: str = "klotski-serve"
+    max_upload: int = 200_000_000
+    max_body: int = 16_000_000
+    served_names: tuple[str, ...] = ()   # what clients call the model; none: its --model value
+    batch_window_s: int = 24 * 3600      # a batch's completion window (OpenAI's 24h; shorter only in tests)
+    fault_file: str | None = None        # the test seam in the store's writes (klotski/serve/faults.py)
+
+
+def serve(config, options: ServeOptions) -> int:
     try:
         import uvicorn
 
         from klotski.serve.app import make_app
+        from klotski.serve.deps import Served
+        from klotski.serve.routes import start_validation
     except ImportError as e:
         raise UserError(f"klotski serve needs FastAPI, uvicorn, python-multipart and openai ({e.name} is missing): "
                         "pip install 'klotski[serve]'") from None
-    store = Store(Path(data_dir))
-    engine = None
+    o = options
+    listener = _listen(o.host, o.port)
+    store = engine = None
     try:
+        store = Store(Path(o.data_dir), Faults(o.fault_file))
+        if o.api_key is None and not _loopback(o.host):
+            log(f"warning: serving on {o.host} without an API key: anyone who reaches the port can use it; "
+                "set KLOTSKI_API_KEY or --api-key-file")
         ckpt = Checkpoint.open(config.model, direct_io=config.direct_io)
         setup = setup_run(config, ckpt, _planned(ckpt, config)).for_later_prompts()
         engine = build_engine(config, ckpt, setup)
+        names = o.served_names or (config.model,)
         inbox = Inbox()
-        worker = Worker(store, config, engine, setup, inbox)
-        app = make_app(store, model=config.model, config=config, tokenizer=copy.deepcopy(ckpt.tokenizer),
-                       spec=ckpt.spec, inbox=inbox, stats=worker.feed.online_stats, api_key=api_key,
-                       max_upload=max_upload)
+        worker = Worker(store, config, engine, setup, inbox, names)
+        state = Served(store=store, names=names, config=config, tokenizer=copy.deepcopy(ckpt.tokenizer),
+                       spec=ckpt.spec, inbox=inbox, stats=worker.feed.online_stats, worker=worker,
+                       api_key=o.api_key, max_upload=o.max_upload, max_body=o.max_body,
+                       batch_window_s=o.batch_window_s)
+        app = make_app(state)
         for batch in store.unfinished():  # accepted before a stop: validate and resume them
             if batch["status"] == "validating":
-                threading.Thread(target=app.state.validate, args=(batch["id"],), daemon=True).start()
+                start_validation(state, batch["id"])
         resumed = [b["id"] for b in store.unfinished()]
         worker.start()
-        log(f"serving {config.model} on http://{host}:{port} (data in {store.root}"
+        log(f"serving {config.model} as {', '.join(names)} on http://{o.host}:{o.port} (data in {store.root}"
             + (f"; resuming {len(resumed)} batches" if resumed else "") + ")")
-        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                               timeout_graceful_shutdown=5))
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=GRACE_S))
         try:
-            server.run()  # (uvicorn raises SIGTERM again once it has shut down: the finally below still runs)
+            server.run(sockets=[listener])  # (uvicorn raises SIGTERM again once shut down: the finally still runs)
         finally:
             log("stopping: unfinished batches resume on the next start")
             worker.stop()  # at its next step: the engine is closed only once nothing runs on it
             worker.join()
-        if not server.started:
-            raise UserError(f"cannot listen on {host}:{port} (in use, or not an address of this machine); "
-                            "choose another --port or --host")
         return 0
     finally:
+        listener.close()
         if engine is not None:
             engine.close()
-        store.close()
+        if store is not None:
+            store.close()
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The listening socket, taken before anything is built: a taken port is one line at once."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, address = infos[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise UserError(f"--host {host}: not an address to listen on ({e.strerror or e}); "
+                        "use 127.0.0.1, 0.0.0.0 or an address of this machine") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise UserError(f"cannot listen on {host}:{port} ({e.strerror}: in use, or not an address of this "
+                        "machine); choose another --port or --host") from None
+    return sock
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def _planned(ckpt, config) -> list:

@@ -40,11 +40,16 @@ class Inbox:
         self.cond = threading.Condition()
         self.waiting: deque = deque()
         self.replies: dict[int, concurrent.futures.Future] = {}  # id(seq) -> future, until answered
+        self.closed: str | None = None  # why no engine will take requests any more
 
     def put(self, seqs: list) -> concurrent.futures.Future:
-        """One request's sequences (its n samples); the future gets them all, once all are done."""
+        """One request's sequences (its n samples); the future gets them all, once all are done
+        (or, once the inbox is closed, an error at once: nothing would ever answer it)."""
         future = concurrent.futures.Future()
         with self.cond:
+            if self.closed is not None:
+                future.set_exception(RuntimeError(self.closed))
+                return future
             for seq in seqs:
                 self.replies[id(seq)] = future
                 self.waiting.append(seq)
@@ -71,8 +76,10 @@ class Inbox:
         if future is not None and not future.done():
             future.set_exception(RuntimeError(why))
 
-    def fail_all(self, message: str) -> None:
+    def close(self, message: str) -> None:
+        """No more requests are taken: those waiting and any put later fail with `message`."""
         with self.cond:
+            self.closed = message
             waiting, self.waiting = list(self.waiting), deque()
         for s in waiting:
             self.fail(id(s), message)
@@ -203,14 +210,19 @@ class Feed:
             e.trace.resolve(everything=True)
 
 
-def config_for_batch(config, report: str):
-    """The generate run of one batch: OpenAI records, resumable, its report beside its output."""
-    return dataclasses.replace(config, output_format="openai", resume=True, progress=False, report=report,
-                               trace=None, ray=None)
+def config_for_batch(config, report: str, model: str):
+    """The generate run of one batch: OpenAI records naming the model as it is served
+    (`model`), resumable, its report beside its output (the engine is the server's: the
+    checkpoint is not opened again from this config)."""
+    return dataclasses.replace(config, model=model, output_format="openai", resume=True, progress=False,
+                               report=report, trace=None, ray=None)
 
 
 def log(message: str) -> None:
-    print(f"klotski serve: {message}", file=sys.stderr, flush=True)
+    try:
+        print(f"klotski serve: {message}", file=sys.stderr, flush=True)
+    except OSError:  # a log on the disk that is full: the server carries on without it
+        pass
 
 
 def now() -> int:

@@ -25,7 +25,11 @@ _REASONS = {
 
 
 class WriteFailed(RunStopped):
-    """A write failed midway; the message says where and how to carry on."""
+    """A write failed midway; the message says where and how to carry on, `error` what failed."""
+
+    def __init__(self, message: str, error: OSError | None = None):
+        super().__init__(message)
+        self.error = error
 
 
 def reason(e: OSError) -> str:
@@ -70,7 +74,7 @@ def writing(path, what: str, *, need: int | None = None, then: str = RERUN):
     try:
         yield
     except OSError as e:
-        raise WriteFailed(describe(e, path, what, need=need, then=then)) from None
+        raise WriteFailed(describe(e, path, what, need=need, then=then), e) from None
 
 
 def require_space(directory, need: int, what: str, fix: str) -> None:
