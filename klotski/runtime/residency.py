@@ -50,12 +50,13 @@ class Residency:
                     return
                 self.wants.popleft()
                 continue
-            run = []
+            run, seen = [], set()
             for k, c, n in islice(self.wants, MAX_RUN):
                 if (k[:2] != key[:2] or c != channel or n != self.claims.get(k, 0) or self.cache.present(k)
-                        or k in run):
+                        or k in seen):
                     break
                 run.append(k)
+                seen.add(k)
             started = self.cache.start_many(run, self.ch[channel])
             if not started:
                 return
