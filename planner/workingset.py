@@ -22,8 +22,7 @@ from dataclasses import dataclass
 DISK_WINDOW_LAYERS = 2          # layers staged in host memory ahead of the disk-resident ones
 KV_BUFFERS = 3                  # host-KV batches on the device at once: storing, computing, loading
 ATTENTION_SCORE_CHUNK = 1 << 24  # attention scores alive at once (queries are chunked past it)
-PREFILL_EXPERT_CHUNK = 4096     # tokens per one-expert call (host compute; bounds the FFN intermediate)
-WAVE_ROWS = 1024                # (token, slot) pairs per grouped expert call (bounds a wave's temporaries)
+PREFILL_EXPERT_CHUNK = 4096     # tokens per expert call (bounds the FFN intermediate)
 PREFILL_SHARE = 0.25            # a prefill chunk's activations may take this much of the device
 
 
@@ -95,12 +94,9 @@ def activation_bytes(shape, itemsize: int, step: Step, host_attention: bool = Fa
                     + min(s.num_heads * new * keys, ATTENTION_SCORE_CHUNK) * (3 * 4 + itemsize))
         return out
     attention = max(one_batch(*b) for b in t.batches())
-    # an expert wave takes up to WAVE_ROWS of the group's (token, slot) pairs at a time: their
-    # gathered inputs, the FFN intermediates, outputs and weighted outputs (fp32 at most)
-    rows = min(t.tokens * s.top_k, WAVE_ROWS)
     moe = (t.tokens * (2 * s.num_experts * 4 + s.top_k * 12)
            + 3 * t.tokens * s.hidden_size * itemsize
-           + rows * (s.hidden_size * itemsize + 3 * s.intermediate_size * itemsize + 2 * s.hidden_size * 4)
+           + 3 * min(t.tokens, PREFILL_EXPERT_CHUNK) * s.intermediate_size * itemsize
            + t.tokens * s.top_k * s.hidden_size * 4)
     shared = max(s.shared_intermediate_size, s.dense_intermediate_size)  # or a dense layer's MLP
     if shared:

@@ -16,7 +16,7 @@ import torch
 
 from klotski.models import layers as L
 from klotski.models.grouped import Groups
-from planner.workingset import PREFILL_EXPERT_CHUNK, WAVE_ROWS
+from planner.workingset import PREFILL_EXPERT_CHUNK
 
 
 @dataclass
@@ -88,7 +88,9 @@ class LayerExperts:
     def run_wave(self, ffn, w: dict, experts, upload) -> None:
         """`ffn` (the family's grouped expert FFN) over the tokens of `experts`, whose weights are
         the rows of `w`'s stacked tensors in that order (-1, or an expert no token chose, is an
-        empty group), in one call per WAVE_ROWS pairs; outputs into their slots.
+        empty group); outputs into their slots. One call takes at most as many pairs as the
+        group has tokens (and PREFILL_EXPERT_CHUNK): no more than one expert's call could hold,
+        so the activation reserve (planner.workingset) bounds a wave as it bounded an expert.
         `upload` moves a small host tensor to the device (the row index, the group offsets)."""
         ids = np.asarray(experts, dtype=np.int64)
         counts = np.where(ids >= 0, self._counts[ids], 0)
@@ -105,13 +107,18 @@ class LayerExperts:
             rows = upload(torch.from_numpy(rows))
             order, tokens, weights = (t.index_select(0, rows) for t in (self._order, self._tokens, self._weights))
         ends, flat = np.cumsum(counts), self.slots.view(-1, self.slots.shape[-1])
-        for start in range(0, total, WAVE_ROWS):  # bounds the gathered rows and FFN intermediates
-            stop = min(start + WAVE_ROWS, total)
-            part = (np.clip(ends, start, stop) - np.clip(ends - counts, start, stop)).tolist()
+        step = min(len(self.routed.x), PREFILL_EXPERT_CHUNK)
+        for start in range(0, total, step):  # bounds the gathered rows and FFN intermediates
+            stop = min(start + step, total)
+            part = np.clip(ends, start, stop) - np.clip(ends - counts, start, stop)
+            # the call's rows span a run of groups: only their weights (views) and offsets go in
+            lo, hi = int(np.argmax(ends > start)), int(np.searchsorted(ends, stop, side="left")) + 1
+            part = part[lo:hi]
             offsets = upload(torch.from_numpy(np.cumsum(part, dtype=np.int64).astype(np.int32)))
             whole = start == 0 and stop == total
             x = self.routed.x.index_select(0, tokens if whole else tokens[start:stop])
-            y = ffn(x, w, Groups(part, offsets))
+            ws = w if lo == 0 and hi == len(counts) else {n: t[lo:hi] for n, t in w.items()}
+            y = ffn(x, ws, Groups(part.tolist(), offsets))
             rows = slice(start, stop)
             flat.index_copy_(0, order if whole else order[rows], y * (weights if whole else weights[rows])[:, None])
 

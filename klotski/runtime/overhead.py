@@ -130,8 +130,9 @@ def _measure(device: str, steps: int, rounds: int, open_engine, link_gbps: float
     from klotski.prefetch.predictors import CorrelationPredictor
     from placement.placement import Placement
 
+    # threads as they are: the measure's engines must not change them (the profile's cache key has them)
     cfg = RunConfig(model="tiny-mixtral", batch_size=2, num_batches=3, progress=False, dtype="float32",
-                    device=device, batching="static", emulate_link_gbps=link_gbps)
+                    device=device, batching="static", emulate_link_gbps=link_gbps, threads=torch.get_num_threads())
     request = [Request(id="x", line=1, prompt="x", messages=None, max_new_tokens=1)]
     spec = ModelSpec.from_dir(ensure_builtin(cfg.model))
     keys = spec.group_keys()  # bs, n and placement given: nothing is planned (no profile asked for)

@@ -423,6 +423,11 @@ class Pipeline:
         self.res.make_room(nbytes, what)
 
     @property
+    def layer(self) -> int:
+        """The layer the step is in."""
+        return self.res.layer
+
+    @property
     def experts_loaded(self) -> int:
         """Expert transfers started so far."""
         return self.res.experts_loaded

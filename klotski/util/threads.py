@@ -75,15 +75,12 @@ class ThreadGovernor:
     """Keeps torch's CPU thread count at `compute_threads()`, looking again every CHECK_EVERY_S
     (a run's step calls `check`); `fixed` keeps it where the user put it. `history` lists
     (seconds into the run, threads) at each change, for the report."""
-    _live, _before = 0, 1  # governors open now, and the thread count before the first of them
 
     def __init__(self, fixed: int | None = None, clock=time.monotonic):
         import torch
         self.torch, self.clock, self.fixed = torch, clock, fixed
         self.start = self.last = clock()
-        if not ThreadGovernor._live:  # engines may be open together: the first one's count is restored
-            ThreadGovernor._before = torch.get_num_threads()
-        ThreadGovernor._live += 1
+        self.before = torch.get_num_threads()
         if fixed:
             torch.set_num_threads(fixed)
         self.history = [(0.0, torch.get_num_threads())]
@@ -93,11 +90,10 @@ class ThreadGovernor:
             self.fixed = fixed or torch.get_num_threads()
 
     def restore(self) -> None:
-        """The engine closes: once no other governor is open, torch gets back the thread count it
-        had before the first of them."""
-        ThreadGovernor._live -= 1
-        if not ThreadGovernor._live:
-            self.torch.set_num_threads(ThreadGovernor._before)
+        """The engine closes: torch gets back the thread count it had before this run, unless
+        something else has set one since."""
+        if self.torch.get_num_threads() == self.history[-1][1]:
+            self.torch.set_num_threads(self.before)
 
     def check(self) -> None:
         now = self.clock()
