@@ -132,3 +132,40 @@ def test_a_decode_layer_step_issues_no_host_sync_but_the_routing_read(tmp_path):
             torch.cuda.synchronize = sync
             engine.close()
         assert not seen, (kind, dict(seen))
+
+
+def test_small_uploads_reuse_ring_bytes_only_once_the_device_has_read_them():
+    """The pinned ring of a step's small uploads (CUDA-only in use; its bookkeeping checked here
+    with a plain buffer, a meta device and events that say when they are waited for)."""
+    from klotski.runtime.channels import SmallUploads
+
+    class Event:
+        made = []
+
+        def __init__(self):
+            self.done, self.waited = False, False
+            Event.made.append(self)
+
+        def record(self):
+            pass
+
+        def query(self):
+            return self.done
+
+        def synchronize(self):
+            self.waited = self.done = True
+
+    ring = torch.zeros(4096, dtype=torch.uint8)
+    up = SmallUploads(torch.device("meta"), buffer=ring, event=Event)
+    seen = []
+    for i in range(6):  # 6 uploads of 1 KiB into a 4 KiB ring: the fifth comes round to the first's bytes
+        t = torch.full((256,), i, dtype=torch.int32)
+        out = up(t)
+        assert out.device.type == "meta" and out.shape == t.shape
+        seen.append(ring.view(torch.int32)[:256].clone())
+    assert [e.waited for e in Event.made] == [True, True, False, False, False, False]
+    assert torch.equal(seen[4], torch.full((256,), 4, dtype=torch.int32))  # staged where the first was
+    Event.made[2].done = True  # read already: freed without a wait
+    up(torch.zeros(256, dtype=torch.int32))
+    assert not Event.made[2].waited and up(torch.ones(3)).device.type == "meta"
+    assert up(torch.ones(3, device="meta")).device.type == "meta"  # already there: no copy

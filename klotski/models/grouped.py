@@ -27,9 +27,11 @@ class Groups:
     offsets: torch.Tensor
 
     def row_group(self) -> torch.Tensor:
-        """Each row's group [rows] on the offsets' device (to gather per-group biases)."""
-        groups = torch.repeat_interleave(torch.arange(len(self.counts)), torch.tensor(self.counts, dtype=torch.long))
-        return groups.to(self.offsets.device, non_blocking=True)
+        """Each row's group [rows] (to gather per-group biases), made on the offsets' device from
+        them: no upload, and the row count given, so no sync."""
+        sizes = torch.diff(self.offsets, prepend=self.offsets.new_zeros(1))
+        return torch.repeat_interleave(torch.arange(len(self.counts), device=self.offsets.device), sizes,
+                                       output_size=sum(self.counts))
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torch.Tensor:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -211,9 +212,55 @@ def make_channels(device: torch.device, trace, link_gbps: float | None) -> dict[
     return {n: Channel(n, device, trace, *((None, None) if n == "disk" else (up, down))) for n in names}
 
 
-def pin(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host copies feeding a CUDA device are pinned, so copies can run asynchronously."""
-    return t.pin_memory() if device.type == "cuda" else t
+class SmallUploads:
+    """A step's small host tensors (ids, masks, RoPE tables, a wave's rows and offsets) on their
+    way to a CUDA device, through one persistent page-locked ring: each is copied into the next
+    free bytes of the ring and sent up non-blocking, an event marking when the device has read
+    them; bytes are reused only once their event has completed (waited for only if the ring
+    came round that fast). No `pin_memory()` per tensor. A tensor larger than the ring, or a
+    CPU device, takes the plain path."""
+
+    ALIGN = 256
+
+    def __init__(self, device: torch.device, nbytes: int = 1 << 20, *, buffer=None, event=None):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.ring = buffer if buffer is not None else (
+            torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) if self.cuda else None)
+        self.event = event or (lambda: torch.cuda.Event())
+        self.head = 0
+        self.busy: deque = deque()  # (start, end, event) of bytes the device may still be reading
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        if t.device.type == self.device.type:
+            return t
+        nbytes = t.numel() * t.element_size()
+        if self.ring is None or nbytes > len(self.ring) // 2:
+            return t.to(self.device)  # no ring here (CPU, or too large): a plain copy
+        start = self._take(nbytes)
+        staged = self.ring[start:start + nbytes].view(t.dtype).view(t.shape)
+        staged.copy_(t)
+        out = staged.to(self.device, non_blocking=True)
+        done = self.event()
+        done.record()
+        self.busy.append((start, start + nbytes, done))
+        return out
+
+    def _take(self, nbytes: int) -> int:
+        """The start of `nbytes` free bytes of the ring, waiting for the oldest reads if needed."""
+        while self.busy and self.busy[0][2].query():  # read already: free, no wait
+            self.busy.popleft()
+        start = -(-self.head // self.ALIGN) * self.ALIGN
+        if start + nbytes > len(self.ring):
+            start = 0
+        while self.busy and self._overlaps(start, start + nbytes):
+            self.busy.popleft()[2].synchronize()
+        self.head = start + nbytes
+        return start
+
+    def _overlaps(self, start: int, end: int) -> bool:
+        first = self.busy[0]
+        return first[0] < end and start < first[1]
 
 
 def pinned_staging(nbytes: int, device: torch.device) -> torch.Tensor:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from klotski.models import layers as L
-from klotski.runtime.channels import pin
+from klotski.runtime.channels import SmallUploads
 from klotski.runtime.experts import LayerExperts, first_broken, ids_on_host, real_tokens, route_group
 from klotski.runtime.hostcompute import HostCompute
 from klotski.runtime.hostwork import HostWork
@@ -68,6 +68,8 @@ class Pipeline:
         self.M = spec.family  # the model's layer functions
         self.trace, self.predictor, self.memory, self.device = trace, predictor, memory, device
         self.res = Residency(cache, channels, memory, trace)
+        # a step's small host tensors (ids, masks, RoPE tables, a wave's rows) go up through one pinned ring
+        self._upload = SmallUploads(device)
         self.host_work = HostWork(self.host, channels, trace, self.res.wait)
         self.schedule = config.schedule
         self.whole_layer = self.schedule in ("simple", "multibatch")
@@ -413,11 +415,6 @@ class Pipeline:
         return first + now + later
 
     # ---- residency -----------------------------------------------------------------------
-    def _upload(self, t: torch.Tensor) -> torch.Tensor:
-        """A small host tensor of this step (ids, mask, RoPE tables) on the device, through
-        pinned memory so the copy never blocks the host."""
-        return pin(t, self.device).to(self.device, non_blocking=True) if t.device.type != self.device.type else t
-
     def make_room(self, nbytes: int, what) -> None:
         """Evict transient groups until `nbytes` fit (Residency.make_room)."""
         self.res.make_room(nbytes, what)
