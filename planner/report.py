@@ -198,6 +198,9 @@ def make_plan(cost, shape, budgets, pred, bs, n, layout, ios, binding, schedule,
     # ops the pipeline launches around the timed ones in a decode layer (the profile's counts)
     launches = cost.launches(batch_layers=n, expert_calls=per_layer["expected_distinct_experts"])
     per_layer["launches"] = {"decode": launches, "ms": launches * cost.profile.launch_s * 1e3}
+    # the routing ids' one copy to the host per MoE layer (runtime/experts.ids_on_host): the only
+    # host sync a decode layer step makes (tests/test_expert_waves.py counts them)
+    per_layer["host_syncs"] = {"decode": 1 if E else 0}
     if schedule in ("klotski", "hot-prefetch"):
         lhs, rhs, _ = ineq_terms(cost, io, dec, marg, hot, schedule, host=host)
         per_layer["inequalities_ms"] = [{"name": nm, "lhs": l * 1e3, "rhs": r * 1e3}
@@ -253,6 +256,8 @@ def format_plan(plan: Plan) -> str:
     if pl.get("launches", {}).get("decode"):
         lines.append(f"  ops the pipeline launches around the timed ones, per decode layer: {pl['launches']['decode']:.0f} "
                      f"(at least {pl['launches']['ms']:.3f} ms of host time at the measured cost per launch)")
+    if "host_syncs" in pl:
+        lines.append(f"  host syncs per decode layer: {pl['host_syncs']['decode']} (the routing ids' copy to the host; one more with --prefetch next-gate)")
     for q in pl.get("inequalities_ms", []):
         mark = "ok " if q["lhs"] >= q["rhs"] * (1 - 1e-9) else "NO "
         lines.append(f"  {mark}{q['name']:<62} {q['lhs']:9.2f} vs {q['rhs']:9.2f}")

@@ -93,8 +93,15 @@ def test_a_decode_layer_step_issues_no_host_sync_but_the_routing_read(tmp_path):
     from klotski.io.requests import Request
     from placement.placement import Placement
 
+    from klotski.planning import make_plan
+    from planner.profile import load_profile
+    from planner.shapes import as_shape
+
     model = build_model(tmp_path / "m", experts=16, top_k=4, layers=3)
-    keys = Checkpoint.open(str(model)).spec.group_keys()
+    spec = Checkpoint.open(str(model)).spec
+    keys = spec.group_keys()
+    plan = make_plan(as_shape(spec), load_profile("rtx3090-pcie4"), device_memory=1 << 30, host_memory=1 << 32,
+                     prompt_len=8, gen_len=4, config=RunConfig(model=str(model), batch_size=4, num_batches=2))
     device_side = ("/runtime/pipeline.py", "/runtime/residency.py", "/runtime/experts.py", "/runtime/kvcache.py",
                    "/runtime/channels.py", "/placement/cache.py", "/klotski/models/")
     names = ["cpu", "item", "tolist", "numpy", "pin_memory", "__bool__", "__int__", "__float__", "__index__"]
@@ -104,19 +111,22 @@ def test_a_decode_layer_step_issues_no_host_sync_but_the_routing_read(tmp_path):
         reqs = [Request(id=f"r{i}", line=i + 1, prompt=f"item {i} of the list", messages=None, max_new_tokens=4)
                 for i in range(8)]
         engine, seqs, _ = open_engine(cfg, reqs, placement=Placement.by_kind(keys, expert=kind))
-        seen, on = collections.Counter(), [False]
+        seen, on, reads, layers = collections.Counter(), [False], [0], [0]
         original = {n: getattr(torch.Tensor, n) for n in names}
 
         def counting(name):
             def call(self, *args, **kwargs):
                 if on[0]:
                     frame = traceback.extract_stack(limit=2)[0]
-                    if any(part in frame.filename for part in device_side) and frame.name != "ids_on_host":
+                    if frame.name == "ids_on_host":  # the sanctioned read, and the count of its host copy
+                        reads[0] += name == "cpu"
+                    elif any(part in frame.filename for part in device_side):
                         seen[f"{name} at {frame.filename.rsplit('/', 1)[-1]}:{frame.lineno} ({frame.name})"] += 1
                 return original[name](self, *args, **kwargs)
             return call
 
         def on_layer(layer, hs):  # from the end of a decode step's layer to the end of the next
+            layers[0] += on[0]
             on[0] = hs[0].shape[1] == 1 and layer + 1 < engine.spec.num_layers
 
         engine.pipeline.on_layer = on_layer
@@ -132,6 +142,8 @@ def test_a_decode_layer_step_issues_no_host_sync_but_the_routing_read(tmp_path):
             torch.cuda.synchronize = sync
             engine.close()
         assert not seen, (kind, dict(seen))
+        # the plan's prediction (klotski plan prints it) against the count
+        assert reads[0] == layers[0] * plan.per_layer["host_syncs"]["decode"] and layers[0] > 0
 
 
 def test_small_uploads_reuse_ring_bytes_only_once_the_device_has_read_them():
