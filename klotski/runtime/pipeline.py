@@ -8,10 +8,12 @@ A step takes every batch of the group through the model layer by layer. Per laye
      meanwhile `weights` prefetches this layer's gate and K hot experts;
   2. the gate, once over every batch's tokens; every selected expert that is neither on the
      device nor on its way is queued on `experts` at once;
-  3. experts over the tokens of *all* batches, each expert once (experts.py: its host work
-     never grows with batches × experts): hot ones first, then the rest in the order their
-     transfers finish, each released the moment it is done; `weights` starts on the next
-     layer's attention as soon as there is room.
+  3. experts over the tokens of *all* batches in waves (experts.py: a handful of kernels a
+     wave, whatever the number of batches or experts): the layer's resident experts in one
+     grouped call over their stack, then every transferred expert that has landed, waiting
+     only when none has; each wave's experts released the moment it is done; `weights`
+     starts on the next layer's attention as soon as there is room (residency.py keeps the
+     wanted transfers and evicts).
 
 Host compute (klotski/runtime/hostcompute.py decides, per layer and step; hostwork.py runs it):
 a batch whose KV cache is on the host may attend there (q down, the output up; no KV load),
