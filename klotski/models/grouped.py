@@ -4,10 +4,10 @@ of kernels whatever the number of experts (a fine-grained model routes a step to
 one call per expert cost ~8 kernels and a Python round each.
 
 `torch._grouped_mm` computes it where the device and dtype have it (on a CPU in fp32 and
-bf16, bit for bit the per-expert products; on CUDA bf16 on Hopper and later); elsewhere, and
-at torch versions without it, the fallback is one product per non-empty group (the per-expert
-math, exact, and the host counts say where each group's rows are). The choice is probed once
-per device and dtype: a call that raises marks that pair as unsupported."""
+bf16, bit for bit the per-expert products; on CUDA 16-bit on Hopper and later); elsewhere, at
+torch versions without it, and for fp32 on a GPU, the fallback is one product per non-empty
+group (the per-expert math, exact, and the host counts say where each group's rows are). The
+choice is probed once per device and dtype: a call that raises marks that pair as unsupported."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -48,7 +48,9 @@ def _grouped(x, w_kn, groups: Groups, per_group) -> torch.Tensor:
     """The grouped kernel where it runs; else `per_group` (the per-expert op itself, so the
     fallback is the per-expert path bit for bit) over each non-empty group."""
     key = (x.device.type, x.dtype)
-    if _SUPPORTED.get(key, hasattr(torch, "_grouped_mm")):
+    # fp32 on a GPU stays on the per-expert ops: a grouped kernel there may take TF32 or another
+    # summation order, and fp32 is where output must be transformers' token for token
+    if _SUPPORTED.get(key, hasattr(torch, "_grouped_mm") and not (x.is_cuda and x.dtype == torch.float32)):
         try:
             out = torch._grouped_mm(x, w_kn, offs=groups.offsets)
             _SUPPORTED[key] = True
