@@ -21,9 +21,10 @@ def host_placement(checkpoints):
 
 def test_padded_prefill_index_goes_up_through_the_pinned_upload(checkpoints, monkeypatch):
     """The real-token index of a padded prefill is built on the host and sent by the
-    pipeline's upload (pinned, non-blocking), not copied pageable and blocking."""
+    pipeline's upload (the pinned ring, non-blocking), not copied pageable and blocking."""
+    from klotski.runtime.channels import SmallUploads
     made, uploaded = [], []
-    real_tokens, upload = P.real_tokens, P.Pipeline._upload
+    real_tokens, upload = P.real_tokens, SmallUploads.__call__
 
     def made_here(valid):
         keep = real_tokens(valid)
@@ -37,7 +38,7 @@ def test_padded_prefill_index_goes_up_through_the_pinned_upload(checkpoints, mon
         return upload(self, t)
 
     monkeypatch.setattr(P, "real_tokens", made_here)
-    monkeypatch.setattr(P.Pipeline, "_upload", recording)
+    monkeypatch.setattr(SmallUploads, "__call__", recording)
     out, _ = engine_tokens(checkpoints["gqa"], batch_size=6, num_batches=1, max_new_tokens=2)
     assert made and all(any(k is u for u in uploaded) for k in made)
 

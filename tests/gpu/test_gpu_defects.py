@@ -19,9 +19,10 @@ def model(tmp_path_factory):
 
 
 def test_padded_prefill_index_upload_does_not_synchronise(model, monkeypatch):
-    """The real-token index of a padded prefill goes up pinned and non-blocking: under
-    `set_sync_debug_mode("error")` a blocking pageable copy would raise."""
-    upload, seen = P.Pipeline._upload, []
+    """The real-token index of a padded prefill goes up pinned (the ring) and non-blocking:
+    under `set_sync_debug_mode("error")` a blocking pageable copy would raise."""
+    from klotski.runtime.channels import SmallUploads
+    upload, seen = SmallUploads.__call__, []
 
     def strict(self, t):
         torch.cuda.set_sync_debug_mode("error")
@@ -32,7 +33,7 @@ def test_padded_prefill_index_upload_does_not_synchronise(model, monkeypatch):
         seen.append(t.shape)
         return out
 
-    monkeypatch.setattr(P.Pipeline, "_upload", strict)
+    monkeypatch.setattr(SmallUploads, "__call__", strict)
     out, _ = engine_tokens(model, batch_size=6, num_batches=1, max_new_tokens=3, device="cuda")
     assert out == reference_tokens(model, max_new_tokens=3) and seen
 
