@@ -38,7 +38,7 @@ except ImportError:  # not on Windows: the lock is a safety net, not a requireme
 from klotski.errors import UserError
 from klotski.serve.faults import Faults
 from klotski.serve.worker import log
-from klotski.util.writes import fsync_dir, reason
+from klotski.util.writes import fsync_dir, reason, replace_atomically
 
 FILE_ID = re.compile(r"file-[0-9a-f]{24}")
 BATCH_ID = re.compile(r"batch_[0-9a-f]{24}")
@@ -60,19 +60,11 @@ class StoreFailed(Exception):
 
 
 def write_json(path: Path, obj: dict, faults: Faults) -> None:
-    """`obj` as `path`, durably and atomically (fsync, rename, fsync of the directory)."""
-    tmp = path.with_name(path.name + ".tmp")
+    """`obj` as `path`, durably and atomically (util.writes: fsync, rename; then the directory),
+    the fault seam consulted first as for a temporary file beside it."""
     data = json.dumps(obj).encode()
-    try:
-        faults.check(tmp, len(data))
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)
-        raise
+    faults.check(path.with_name(path.name + ".tmp"), len(data))
+    replace_atomically(path, data)
     fsync_dir(str(path.parent))
 
 
