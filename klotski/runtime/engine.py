@@ -204,6 +204,8 @@ class Engine:
             if s is not None and not finite and not s.done:
                 S.fail(s, _non_finite(layer, self.spec.num_layers))
                 finished.append(s)
+                if s.listener is not None:
+                    s.listener(s)
         live = [s for s in rows if s is not None]
         # a constrained row's forbidden tokens go to -inf first (no op at all when none is)
         picked = iter(S.pick(live, constrain.mask(live, logits[[i for i, s in enumerate(rows) if s is not None]])))
@@ -214,6 +216,8 @@ class Engine:
                 S.append(s, t, self.tokenizer, self.eos)
                 if s.done:
                     finished.append(s)
+                if s.listener is not None:
+                    s.listener(s)
         constrain.start(live)  # the next masks, computed while the next step's forward runs
         return tokens, finished
 

@@ -41,6 +41,12 @@ class Sequence:
     forced: list[int] | None = None
     option: str | None = None
     scorers: list | None = None
+    # Its source's ears (klotski/runtime/scheduler.py): `listener(seq)` is called on the engine's
+    # thread after every step that added to `out` or ended it (a stream sends what is new);
+    # `leaving` is set from any thread when nobody wants it any more (a client hung up): the
+    # scheduler ends it at its next step (finish_reason "abort") and its row frees.
+    listener: object = None
+    leaving: bool = False
 
     @property
     def done(self) -> bool:
@@ -179,6 +185,12 @@ def _name_tokens(s: Sequence, tokenizer) -> None:
     """The text and bytes of the tokens its logprobs name (its output has them), once done."""
     if s.top_logprobs is not None:
         s.pieces = logprobs.pieces(tokenizer, [t for tok, _, alts in s.logprobs for t in (tok, *(a for a, _ in alts))])
+
+
+def abandon(s: Sequence) -> None:
+    """End a sequence its source left (`leaving`): what it made so far stays in `out`."""
+    s.finish_reason = "abort"
+    s.text = s.text or ""
 
 
 def fail(s: Sequence, message: str) -> None:
