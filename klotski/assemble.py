@@ -46,6 +46,9 @@ class RunSetup:
     cost: object | None = None  # the run's CostModel, for the engine's own choices (host compute: auto)
     host_modes: tuple = ("off", "off")  # host attention, host experts as run (planning.host_modes)
     quantize: str = "none"      # the precision run: --quantize, or what `auto` took (plan.precision says why)
+    # KV slots every continuous-batching row gets at least: `klotski serve` plans for requests
+    # not yet known, so a request within what it planned never waits for longer rows
+    row_slots: int = 0
 
     def for_later_prompts(self) -> RunSetup:
         """Planned from the first prompts (a window, a shard, a batch): a longer prompt later is

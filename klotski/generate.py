@@ -30,8 +30,7 @@ from klotski.io.checkpoint import Checkpoint
 from klotski.io.dataset_files import is_dataset
 from klotski.io.output import OutputWriter, read_output
 from klotski.io.parquet_output import ParquetOutput, is_parquet
-from klotski.io.records import error_record, result_record
-from klotski.io.requests import model_error
+from klotski.io.records import error_record
 from klotski.planning import replayed_plan
 from klotski.runtime import sequences as S
 from klotski.runtime.report import build_report, replayed, save_report, summary
@@ -69,6 +68,7 @@ class Job:
     each leaving on the job what the next one needs."""
 
     crash_dir: Path | None = None  # where a crash's traceback goes (None: the system's temp directory)
+    check = None  # called before every engine step; what it raises stops the run (klotski serve: a cancel)
 
     def __init__(self, config: RunConfig, jobs: Path, out_path: Path, t_start: float):
         self.config, self.jobs, self.out_path, self.t_start = config, jobs, out_path, t_start
@@ -188,7 +188,7 @@ class Job:
         self.failed += sum(self.emit(error_record(err, fmt=self.config.output_format), err, err.row)
                            for err in window.errors)
         bar.update(window.skipped + len(window.errors) + dropped)
-        results = self.engine.run(seqs) if seqs else iter(())
+        results = self.engine.run(seqs, check=self.check) if seqs else iter(())
         try:
             for seq in results:
                 bar.update(self.emit_sequence(seq))
@@ -204,18 +204,18 @@ class Job:
     def emit_sequence(self, seq) -> int:
         """Write the record of `seq`'s line once all its samples are done: 1 line answered, else 0."""
         c = self.config
-        samples = S.gather(seq)
-        if samples is None:
+        done = S.line_record(seq, fmt="klotski" if self.parquet else c.output_format, model=c.model,
+                             include_token_ids=c.include_token_ids)
+        if done is None:
             return 0  # its line's other samples are still running: the line is written whole or not at all
-        if failed := next((s for s in samples if s.error), None):
-            err = model_error(failed)
+        record, err = done
+        if err is not None:
             self.failed += self.emit(error_record(err, fmt=c.output_format), err, err.row)
             return 1
-        for s in [*samples, *(seq.scorers or ())]:  # each a sequence the engine ran, for the replay
+        for s in [*S.gather(seq), *(seq.scorers or ())]:  # each a sequence the engine ran, for the replay
             self.prompt_lens.append(len(s.prompt_ids))
             self.gen_lens.append(len(s.out))
-        self.ok += self.emit(result_record(samples, fmt="klotski" if self.parquet else c.output_format, model=c.model,
-                                           include_token_ids=c.include_token_ids), row=seq.request.row)
+        self.ok += self.emit(record, row=seq.request.row)
         return 1
 
     def emit(self, record, error=None, row=None) -> bool:

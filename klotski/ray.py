@@ -85,9 +85,8 @@ class Worker:
     def serve(self, shard: list) -> dict:
         """Records for every request of `shard` (results and error records), with counts."""
         from klotski.errors import USER_ERRORS
-        from klotski.io.records import error_record, result_record
-        from klotski.io.requests import model_error
-        from klotski.runtime.sequences import gather, prepare
+        from klotski.io.records import error_record
+        from klotski.runtime.sequences import line_record, prepare
         c = self.config
         seqs, errors = prepare(shard, self.ckpt.tokenizer, self.ckpt.spec, c)
         records = [error_record(e, fmt=c.output_format) for e in errors]
@@ -99,14 +98,9 @@ class Worker:
                 return {"user_error": str(e)}
         before = self._done()
         for seq in self.engine.run(seqs) if seqs else ():
-            samples = gather(seq)  # a line of n samples is one record, once all are done
-            if samples is None:
-                continue
-            if failed := next((s for s in samples if s.error), None):
-                records.append(error_record(model_error(failed), fmt=c.output_format))
-            else:
-                records.append(result_record(samples, fmt=c.output_format, model=c.model,
-                                             include_token_ids=c.include_token_ids))
+            done = line_record(seq, fmt=c.output_format, model=c.model, include_token_ids=c.include_token_ids)
+            if done is not None:  # a line of n samples is one record, once all are done
+                records.append(done[0])
         after = self._done()
         return {"records": records, "busy_s": time.perf_counter() - t0, "generated": after[0] - before[0],
                 "gen_s": after[1] - before[1], "plan": _plan_summary(self.engine)}

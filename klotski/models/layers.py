@@ -96,12 +96,17 @@ def attend_shared(q, keys, values, mask, prefix_keys, prefix_values) -> torch.Te
     broadcast over the rows' queries: every query sees all of it) followed by each row's own
     keys/values [B, kvh, S, D] under `mask`. The softmax runs over the two parts' scores side
     by side, i.e. over the concatenation, so the probabilities are those of one attention
-    over prefix + own keys; the two weighted sums are added."""
+    over prefix + own keys; the two weighted sums are added. A `mask` wider than the rows'
+    own keys covers the prefix's columns first: rows that do not start from the prefix (an
+    online request beside a batch's lines) have them masked, as if it were not there."""
     B, heads, T, D = q.shape
     kv_heads, P = keys.shape[1], prefix_keys.shape[1]
     rep = heads // kv_heads
     grouped = q.reshape(B, kv_heads, rep * T, D)
     shared = torch.matmul(grouped, prefix_keys.transpose(1, 2)).view(B, heads, T, P) * D ** -0.5
+    if mask.shape[-1] > keys.shape[2]:
+        shared = shared.masked_fill(~mask[..., :P], torch.finfo(shared.dtype).min)
+        mask = mask[..., P:]
     own = torch.matmul(grouped, keys.transpose(2, 3)).view(B, heads, T, -1) * D ** -0.5
     own = own.masked_fill(~mask, torch.finfo(own.dtype).min)
     probs = torch.softmax(torch.cat([shared, own], dim=-1), dim=-1, dtype=torch.float32).to(q.dtype)

@@ -31,7 +31,6 @@ is the static schedule's, token for token (tests/test_batching.py).
 """
 from __future__ import annotations
 
-from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -97,56 +96,133 @@ class _Newcomers:
 
 
 class ContinuousRun:
-    """Runs one window of sequences; `run()` yields each as soon as it finishes."""
+    """The engine's continuous run: rows of n decode batches that sequences from the waiting
+    queue (runtime/scheduler.py) flow through. `step()` is one engine step (admit, execute,
+    update) and returns the sequences it finished, whatever their source; the run lives as
+    long as rows are live or sequences wait, and `close()` gives its caches back."""
 
-    def __init__(self, engine, seqs: list[S.Sequence]):
-        self.e, self.spec = engine, engine.spec
+    def __init__(self, engine, waiting, floor: int = 0):
+        self.e, self.spec, self.waiting = engine, engine.spec, waiting
+        self.floor = floor  # KV slots every row gets at least (klotski serve: what the plan allows)
         self.space = engine.kv_space()  # caches on the run's KV tier, each charged to its budget
-        self.queue = deque(sorted(seqs, key=lambda s: (-s.max_new_tokens, -len(s.prompt_ids))))
-        # room for the window's longest request, as static batching gives its batch (a cache
-        # holds a line's own tokens: a shared prefix's are the engine's, once)
-        own = engine.own_len
-        self.capacity = max(own(s) + s.max_new_tokens for s in seqs)
-        self.longest_prompt = max(own(s) for s in seqs)  # a host newcomer cache's slots
-        self.chunk = engine.prefill_chunk or self.longest_prompt
+        self.decode: list[_Decode] = []
+        self.newcomers: list[_Newcomers] = []  # oldest first
+        self.spare: list[BatchKV] = []  # host newcomer caches done with, for the next newcomers
+        self.capacity = self.longest_prompt = 0
+        self.online = 0  # online sequences this run took in (for OnlineStats)
+        self._ran_online = False
+        self.ran = False  # whether the last step computed anything
+
+    @staticmethod
+    def order(s: S.Sequence):
+        """Batch lines wait longest `max_new_tokens` first, then longest prompt."""
+        return -s.max_new_tokens, -len(s.prompt_ids)
+
+    def _size(self) -> None:
+        """Rows with room for the longest request waiting (what static batching gives its batch;
+        a cache holds a line's own tokens: a shared prefix's are the engine's, once), and at
+        least `floor` slots; what follows from that: the chunk and the step limits."""
+        waiting, own, e = self.waiting.everything(), self.e.own_len, self.e
+        self.capacity = max([self.floor] + [own(s) + s.max_new_tokens for s in waiting])
+        self.longest_prompt = max([1] + [own(s) for s in waiting])  # a host newcomer cache's slots
+        self.chunk = e.prefill_chunk or self.longest_prompt
         # every step's attention beside the host cache: the plan reserved no keys or scores
-        self.host_attention = self.space.on_host and engine.pipeline.always_host_attention()
+        self.host_attention = self.space.on_host and e.pipeline.always_host_attention()
         # every row also attends over the shared prefix: its keys count in the context
-        args = (self.spec, engine.dtype.itemsize, engine.batch_size, engine.num_batches, self.chunk,
-                self.capacity + engine.shared, self.host_attention)
+        args = (self.spec, e.dtype.itemsize, e.batch_size, e.num_batches, self.chunk,
+                self.capacity + e.shared, self.host_attention)
         self.step_limit = continuous_step_limit(*args)
         self.widest = newcomer_chunks(*args)  # a newcomer batch's chunk, as the planner replays it
         # a newcomer's cache beyond the planned ones is taken only if a step can still run
         # beside it: its activations at their limit and the largest group it fetches
-        self.headroom = self.step_limit + engine.cache.largest_use
-        self.decode: list[_Decode] = []
-        self.newcomers: list[_Newcomers] = []  # oldest first
-        self.spare: list[BatchKV] = []  # host newcomer caches done with, for the next newcomers
+        self.headroom = self.step_limit + e.cache.largest_use
 
-    def run(self):
-        bs, n = self.e.batch_size, self.e.num_batches
-        first = [self.queue.popleft() for _ in range(min(len(self.queue), n * bs))]
-        try:
-            self.decode = self._fill(first)
-            while True:
-                self._admit()
-                self._consolidate()
-                work = [(d, *self._input(d)) for d in self.decode if d.live()]
-                work += self._newcomer_inputs(sum(inp.ids.shape[0] for _, inp, _ in work))
-                if not work and self.queue:  # every row idle and no newcomer fits beside the caches: start afresh
-                    for kv in [d.kv for d in self.decode] + self.spare:
-                        self._drop(kv)
-                    self.spare = []
-                    self.decode = self._fill([self.queue.popleft() for _ in range(min(len(self.queue), n * bs))])
-                    continue
-                if not work:
-                    break
-                yield from self._step(work)
-                self._adopt_ready()
-        finally:
-            for kv in [d.kv for d in self.decode] + [nc.kv for nc in self.newcomers] + self.spare:
-                kv.release()  # before close gives their accounts back
-            self.space.close()
+    def live(self) -> bool:
+        """Rows or newcomers still computing."""
+        return bool(self.newcomers) or any(d.live() for d in self.decode)
+
+    def fits(self, s: S.Sequence) -> bool:
+        """Whether `s` fits the rows as they are sized (else it waits for them to drain)."""
+        return self.e.own_len(s) + s.max_new_tokens <= self.capacity
+
+    def step(self) -> list:
+        """One step: what arrived joins the queue, leavers go, waiting prompts are admitted,
+        the rows compute and sample. The sequences it finished ([] when nothing ran: the run
+        is idle)."""
+        for s in self.waiting.collect(self.order):
+            self.e.join_prefix(s)
+            if s.priority == 0:
+                self.online += 1
+                self.waiting.stats.joined += self.live()
+            self.longest_prompt = max(self.longest_prompt, self.e.own_len(s))
+        finished = self._leave()
+        while True:
+            self._admit()
+            self._consolidate()
+            work = [(d, *self._input(d)) for d in self.decode if d.live()]
+            work += self._newcomer_inputs(sum(inp.ids.shape[0] for _, inp, _ in work))
+            if work or not len(self.waiting):
+                break
+            # every row idle and no newcomer fits beside the caches (or the next request needs
+            # longer rows): start afresh, sized for what waits
+            for kv in [d.kv for d in self.decode] + self.spare:
+                self._drop(kv)
+            self.spare = []
+            self._size()
+            self.decode = self._fill(self.waiting.pop(self.e.batch_size * self.e.num_batches))
+        self.ran = bool(work)
+        if not work:
+            return finished
+        finished += self._step(work)
+        self._adopt_ready()
+        return finished
+
+    def close(self, why: str | None = None) -> list:
+        """Give every cache back; the sequences still in it (`why`: they fail with that)."""
+        held = [s for d in self.decode for s in d.rows if s is not None and not s.done]
+        held += [s for nc in self.newcomers for s in nc.seqs if not s.done]
+        for kv in [d.kv for d in self.decode] + [nc.kv for nc in self.newcomers] + self.spare:
+            kv.release()  # before close gives their accounts back
+        self.space.close()
+        self.decode, self.newcomers, self.spare = [], [], []
+        if why is not None:
+            for s in held:
+                S.fail(s, why)
+                S.notify(s)
+        return held
+
+    def holding(self) -> list:
+        """The sequences in its rows, its newcomer batches and the queue."""
+        return [*(s for d in self.decode for s in d.rows if s is not None),
+                *(s for nc in self.newcomers for s in nc.seqs), *self.waiting.everything()]
+
+    def reprefix(self, prefix) -> None:
+        """The engine holds another shared prefix (or none): no live row reads the old one."""
+        for kv in [d.kv for d in self.decode] + [nc.kv for nc in self.newcomers] + self.spare:
+            kv.shared = prefix
+
+    def _leave(self) -> list:
+        """Sequences whose source left end now: waiting ones leave the queue, running ones
+        free their rows (a batch still in its first prefill lets them go once it samples)."""
+        gone = self.waiting.leaving()
+        for d in self.decode:
+            if d.prompt:
+                continue
+            for i, s in enumerate(d.rows):
+                if s is not None and s.leaving and not s.done:
+                    gone.append(s)
+                    d.rows[i] = None
+            self._close_ranks(d)
+        for nc in list(self.newcomers):
+            for j, t in [r for r in nc.ready if nc.seqs[r[0]].leaving]:
+                gone.append(nc.seqs[j])
+                nc.ready.remove((j, t))
+            if not nc.left and not nc.ready:  # every prompt of it left: its cache goes
+                self.newcomers.remove(nc)
+                self._retire(nc.kv)
+        for s in gone:
+            S.abandon(s)
+        return gone
 
     def _drop(self, kv: BatchKV) -> None:
         """Give a cache back: its tensors first, then its account."""
@@ -161,7 +237,8 @@ class ContinuousRun:
     # ---- the first fill: prefilled in place, as static batching does ----------------------
     def _first_fill(self, batch) -> _Decode:
         kv, _ = self.space.allocate(len(batch), self.capacity)
-        whole = prefill_input(batch, max(map(self.e.own_len, batch)), self.e._pad_id(), self.e.shared)
+        kv.mark_prefix(batch)
+        whole = prefill_input(batch, max(map(self.e.own_len, batch)), self.e._pad_id())
         self.e.stats.record_prompts(batch)
         return _Decode(kv, list(batch), [0] * len(batch), whole.positions[:, -1] + 1,
                        torch.full((len(batch),), -1), chunks(whole, self.chunk))
@@ -187,6 +264,14 @@ class ContinuousRun:
                             slots=e.batch_size * e.num_batches,
                             prompt_tokens=sum(int(inp.valid.sum()) for _, inp, prefill in work if prefill)
                             ) if decoding else None
+        online = sum(s is not None and s.priority == 0 for w, _, _ in work
+                     for s in (w.rows if isinstance(w, _Decode) else w.seqs))
+        if online:
+            stats = self.waiting.stats
+            stats.runs += not self._ran_online
+            self._ran_online = True
+            stats.steps += 1
+            stats.most_in_one_step = max(stats.most_in_one_step, online)
         outs = e.step([w.kv for w, _, _ in work], [inp for _, inp, _ in work], prompt=len(decoding) < len(work),
                       decode=decode)
         for (w, _, prefill), out in zip(work, outs):
@@ -327,7 +412,7 @@ class ContinuousRun:
     def _consolidate(self) -> None:
         """The sparsest batch's live rows move into other batches' free rows, so it stops
         computing rows nobody uses."""
-        if self.queue or self.newcomers:
+        if len(self.waiting) or self.newcomers:
             return
         live = [d for d in self.decode if d.live() and not d.prompt]
         if len(live) < 2:
@@ -348,7 +433,9 @@ class ContinuousRun:
         is prefilled: a newcomer batch of at most bs prompts, no more than n such batches
         prefilling and 2n in all, each no bigger than the step limit and the KV budget allow."""
         n = self.e.num_batches
-        if not self.queue or sum(bool(nc.left) for nc in self.newcomers) >= n or any(d.prompt for d in self.decode):
+        queue = self.waiting.lane()  # online requests first, whatever their length
+        if not self.decode or not queue or sum(bool(nc.left) for nc in self.newcomers) >= n or \
+                any(d.prompt for d in self.decode):
             return
         # Up to n batches prefilling and n more prefilled, waiting for rows: prefill is what
         # a job's short requests wait on, and a step's prompt tokens share its weights.
@@ -356,11 +443,13 @@ class ContinuousRun:
             return
         # A batch pads to its longest prompt: of the next few bs waiting, the longest go
         # together (the order by max_new_tokens holds at that grain)
-        head = sorted((self.queue.popleft() for _ in range(min(len(self.queue), LOOKAHEAD * self.e.batch_size))),
+        head = sorted((queue.popleft() for _ in range(min(len(queue), LOOKAHEAD * self.e.batch_size))),
                       key=lambda s: -len(s.prompt_ids))
-        self.queue.extendleft(reversed(head))
-        for take in range(min(len(self.queue), self.e.batch_size), 0, -1):
-            longest = max(self.e.own_len(self.queue[j]) for j in range(take))
+        queue.extendleft(reversed(head))
+        # a request longer than the rows waits, and nothing passes it, until they drain
+        fitting = next((j for j, s in enumerate(head) if not self.fits(s)), len(head))
+        for take in range(min(fitting, self.e.batch_size), 0, -1):
+            longest = max(self.e.own_len(queue[j]) for j in range(take))
             # one token a row beside everyone else's at their least, decode rows at their most
             # (ready newcomers join them while this batch prefills): then every step has room
             others = [(len(nc.seqs), 1, nc.done) for nc in self.newcomers if nc.left]
@@ -374,9 +463,10 @@ class ContinuousRun:
                 break
         else:
             return  # nothing fits this step: the prompts wait for room
-        seqs = [self.queue.popleft() for _ in range(take)]
+        seqs = [queue.popleft() for _ in range(take)]
         self.e.stats.record_prompts(seqs)
-        whole = prefill_input(seqs, longest, self.e._pad_id(), self.e.shared)
+        kv.mark_prefix(seqs)
+        whole = prefill_input(seqs, longest, self.e._pad_id())
         self.newcomers.append(_Newcomers(seqs, kv, whole, torch.full((take,), -1)))
 
     def _newcomer_inputs(self, decode_rows: int) -> list:
@@ -391,15 +481,16 @@ class ContinuousRun:
         return [(nc, nc.take(w), True) for nc, w in zip(prefilling, widths) if w]
 
 
-def prefill_input(batch: list[S.Sequence], length: int, pad: int, skip: int = 0) -> StepInput:
-    """Left-pad prompts, less their first `skip` tokens (a shared prefix's), to `length`;
-    positions count real tokens only (cumsum(mask) - 1), after the skipped ones."""
+def prefill_input(batch: list[S.Sequence], length: int, pad: int) -> StepInput:
+    """Left-pad prompts, less the tokens a shared prefix holds for each (`Sequence.shared`), to
+    `length`; positions count real tokens only (cumsum(mask) - 1), after the prefix's."""
     ids = torch.full((len(batch), length), pad, dtype=torch.long)
     valid = torch.zeros((len(batch), length), dtype=torch.bool)
     for i, s in enumerate(batch):
-        own = s.prompt_ids[skip:]
+        own = s.prompt_ids[s.shared:]
         ids[i, length - len(own):] = torch.tensor(own)
         valid[i, length - len(own):] = True
+    skip = torch.tensor([s.shared for s in batch], dtype=torch.long)[:, None]
     positions = (valid.long().cumsum(-1) - 1).clamp(min=0) + skip
     return StepInput(ids, valid, positions)
 

@@ -23,6 +23,7 @@ from klotski.runtime.batching import ContinuousRun, chunks, prefill_input
 from klotski.runtime.kvcache import BatchKV
 from klotski.runtime.pipeline import StepInput
 from klotski.runtime.prefix import SharedPrefix, common_prefix, refusal
+from klotski.runtime.scheduler import BATCH, Waiting
 from klotski.runtime.stats import DecodeRows, Stats
 from placement import pinned
 from placement.cache import DISK_TO_HOST
@@ -41,6 +42,9 @@ class Engine:
         self.eos = ckpt.eos_ids()
         self.stats = Stats()
         self.prefix: SharedPrefix | None = None  # the prompt prefix the window's lines share (runtime/prefix.py)
+        self.waiting = Waiting()  # the one queue every source feeds (runtime/scheduler.py)
+        self.continuous: ContinuousRun | None = None  # the rows running, while any are live or wait
+        self._in_group = 0  # sequences finished since the predictor's last group ended
         self.prefix_off = refusal(ckpt.spec, config)
 
     # the pieces a caller (report, tests) looks at
@@ -63,43 +67,104 @@ class Engine:
         batches = [order[i:i + bs] for i in range(0, len(order), bs)]
         return [batches[i:i + n] for i in range(0, len(batches), n)]
 
-    def run(self, seqs: list[S.Sequence]):
-        """Generate for every sequence; yield each one as soon as it finishes."""
+    def run(self, seqs: list[S.Sequence], check=None):
+        """Generate for `seqs` (a window, a shard, a batch's lines); yield each as soon as it
+        finishes. They wait in the engine's one queue (runtime/scheduler.py) beside whatever
+        other sources put there (online requests), which run in the same steps and go to their
+        listeners; with `seqs` empty, run until nothing waits or runs. `check()` is called
+        before every step: what it raises ends this call, and this call's sequences not yet
+        finished are withdrawn (those running leave at the next step), others carry on at the
+        next call."""
+        if self.config.batching != "continuous":
+            yield from self._run_static(seqs)
+            return
         self._share_prefix(seqs)
-        if self.config.batching == "continuous" and seqs:
-            # a "group" for the predictor is a group's worth of finished sequences (n x bs)
-            finished = 0
-            for seq in ContinuousRun(self, seqs).run():
-                yield seq
-                finished += 1
-                if finished % (self.batch_size * self.num_batches) == 0:
-                    self.end_group()
-            if finished % (self.batch_size * self.num_batches):
-                self.end_group()
-        else:
-            for group in self.groups(seqs):
-                yield from self._run_group(group)
-                self.end_group()
+        mine = {id(s) for s in seqs}
+        for s in seqs:
+            s.priority = BATCH
+        self.waiting.collect(ContinuousRun.order)
+        self.waiting.batch = type(self.waiting.batch)(sorted([*self.waiting.batch, *seqs], key=ContinuousRun.order))
+        if self.continuous is None:
+            self.continuous = ContinuousRun(self, self.waiting, floor=self.setup.row_slots)
+        run, left = self.continuous, len(seqs)
+        try:
+            while left or (not seqs and (self.waiting.pending() or run.live())):
+                if check is not None:
+                    check()
+                finished = run.step()
+                if not run.ran and not finished:
+                    if run.live() or left:  # (never: a row or newcomer that nothing will compute)
+                        raise RuntimeError("the continuous run holds sequences it cannot compute")
+                    break
+                for s in finished:
+                    self._count_group()
+                    if id(s) in mine:
+                        left -= 1
+                        yield s
+        except BaseException as e:
+            self.waiting.withdraw(seqs)
+            for s in seqs:
+                s.leaving = True
+            if not isinstance(e, (KeyboardInterrupt, GeneratorExit)):  # a failure: nothing in the run can go on
+                self._close_run(f"the engine run stopped ({type(e).__name__})")
+            raise
+        finally:
+            if self.continuous is not None and not self.continuous.live() and not self.waiting.pending():
+                self._close_run()
+
+    def _close_run(self, why: str | None = None) -> None:
+        run, self.continuous = self.continuous, None
+        if run is not None:
+            run.close(why)
+        if self._in_group:
+            self.end_group()
+        self.trace.resolve(everything=True)
+
+    def _count_group(self) -> None:
+        """A "group" for the predictor is a group's worth of finished sequences (n x bs)."""
+        self._in_group += 1
+        if self._in_group == self.batch_size * self.num_batches:
+            self.end_group()
+
+    def _run_static(self, seqs):
+        """Static groups (--batching static, for ablation): whatever waits joins at the start."""
+        others = self.waiting.take_all()
+        for s in others:
+            self.join_prefix(s)
+        mine = {id(s) for s in seqs}
+        self._share_prefix(seqs)
+        for group in self.groups(others + list(seqs)):
+            for s in self._run_group(group):
+                if id(s) in mine:
+                    yield s
+            self.end_group()
         self.trace.resolve(everything=True)
 
     def end_group(self) -> None:
+        self._in_group = 0
         self.predictor.end_group()
         self.predictor.persist()  # what this group taught the predictor survives a crash
 
     # ---- a prompt prefix the window's lines share -----------------------------------------
     @property
     def shared(self) -> int:
-        """Prompt tokens every line of this window starts from instead of prefilling."""
+        """Prompt tokens the held prefix covers (rows that start from it do not prefill them)."""
         return self.prefix.length if self.prefix else 0
 
     def own_len(self, s: S.Sequence) -> int:
-        """Prompt tokens a line prefills itself: those after the shared prefix."""
-        return len(s.prompt_ids) - self.shared
+        """Prompt tokens a line prefills itself: those after the shared prefix it starts from."""
+        return len(s.prompt_ids) - s.shared
 
     def _share_prefix(self, seqs) -> None:
         """Keep the prefix held if every line starts with it, else prefill the window's own
-        (if its lines share one): once, in a one-row cache of its own."""
+        (if its lines share one): once, in a one-row cache of its own. While sequences of an
+        earlier call still use the held prefix it stays, and lines start from it only where
+        they share it."""
         if self.prefix_off or not seqs:
+            return
+        if self.prefix and not self.prefix.serves(seqs) and self._prefix_in_use():
+            for s in seqs:
+                self.join_prefix(s)
             return
         if not (self.prefix and self.prefix.serves(seqs)):
             self.drop_prefix()
@@ -120,13 +185,30 @@ class Engine:
                 space.close()
                 raise
             self.prefix = SharedPrefix(ids, kv, space)
+            if self.continuous is not None:  # the run's caches (their live rows do not read it) point at it
+                self.continuous.reprefix(self.prefix)
             self.stats.prefix_prefills += 1
             self.stats.prefix_tokens_saved -= len(ids)
+        for s in seqs:
+            s.shared = self.prefix.length
         self.stats.prefix_tokens = self.prefix.length
         self.stats.prefix_lines += len(seqs)
         self.stats.prefix_tokens_saved += self.prefix.length * len(seqs)
 
+    def join_prefix(self, s: S.Sequence) -> None:
+        """A sequence that joins the running rows starts from the held prefix if it shares it."""
+        s.shared = self.prefix.length if self.prefix and self.prefix.serves([s]) else 0
+        if s.shared:
+            self.stats.prefix_lines += 1
+            self.stats.prefix_tokens_saved += s.shared
+
+    def _prefix_in_use(self) -> bool:
+        run = self.continuous
+        return run is not None and any(s.shared for s in run.holding())
+
     def drop_prefix(self) -> None:
+        if self.continuous is not None:
+            self.continuous.reprefix(None)
         if self.prefix is not None:
             self.prefix.release()
             self.prefix = None
@@ -136,6 +218,8 @@ class Engine:
         space, kvs = self.kv_space(), []
         try:
             kvs = [space.allocate(len(b), p + max(s.max_new_tokens for s in b))[0] for b, p in zip(group, prompt_len)]
+            for kv, b in zip(kvs, group):
+                kv.mark_prefix(b)
             yield from self._steps(group, kvs, prompt_len)
         finally:
             for kv in kvs:  # the tensors go before their accounts do
@@ -166,7 +250,7 @@ class Engine:
         for its own longest request)."""
         pad = self._pad_id()
         chunk = self.prefill_chunk or max(prompt_len)
-        whole = {k: prefill_input(b, p, pad, self.shared) for k, (b, p) in enumerate(zip(group, prompt_len))}
+        whole = {k: prefill_input(b, p, pad) for k, (b, p) in enumerate(zip(group, prompt_len))}
         prompts = {k: chunks(inp, chunk) for k, inp in whole.items()}
         next_pos = {k: inp.positions[:, -1] + 1 for k, inp in whole.items()}
         inputs = {k: parts.pop(0) for k, parts in prompts.items()}
@@ -204,8 +288,7 @@ class Engine:
             if s is not None and not finite and not s.done:
                 S.fail(s, _non_finite(layer, self.spec.num_layers))
                 finished.append(s)
-                if s.listener is not None:
-                    s.listener(s)
+                S.notify(s)
         live = [s for s in rows if s is not None]
         # a constrained row's forbidden tokens go to -inf first (no op at all when none is)
         picked = iter(S.pick(live, constrain.mask(live, logits[[i for i, s in enumerate(rows) if s is not None]])))
@@ -216,8 +299,7 @@ class Engine:
                 S.append(s, t, self.tokenizer, self.eos)
                 if s.done:
                     finished.append(s)
-                if s.listener is not None:
-                    s.listener(s)
+                S.notify(s)
         constrain.start(live)  # the next masks, computed while the next step's forward runs
         return tokens, finished
 
@@ -226,6 +308,7 @@ class Engine:
         return pad if pad is not None else next(iter(self.eos), 0)
 
     def close(self) -> None:
+        self._close_run("the engine closed")
         self.drop_prefix()
         for channel in self.channels.values():
             channel.close()

@@ -128,9 +128,11 @@ class BatchKV:
         self._columns = {}  # device -> this step's columns there
         self.stored: dict = {}
         self.staging: Staging | None = None  # loads gather through this (default: the CUDA device's ring)
-        # a prompt prefix every row starts from (runtime/prefix.py): not in this cache's slots,
-        # attended before them; positions here count after it
+        # a prompt prefix the rows start from (runtime/prefix.py): not in this cache's slots,
+        # attended before them; positions here count after it. Rows whose sequence does not
+        # start from it (an online request beside a batch's lines) are marked in `no_prefix`
         self.shared = None
+        self.no_prefix = torch.zeros(batch, dtype=torch.bool)
 
     @staticmethod
     def nbytes_for(num_layers: int, batch: int, kv_heads: int, head_dim: int, capacity: int,
@@ -282,6 +284,16 @@ class BatchKV:
                 a[dst, row] = b[frm, src_row]
         self.valid[row] = False
         self.valid[row, dst] = src.valid[src_row, frm]
+        self.no_prefix[row] = src.no_prefix[src_row]
+
+    def mark_prefix(self, seqs) -> None:
+        """Which rows start from the shared prefix: those whose sequence it holds tokens for."""
+        self.no_prefix[:len(seqs)] = torch.tensor([s.shared == 0 for s in seqs])
+
+    def prefix_mask(self) -> torch.Tensor | None:
+        """[rows] True where the computed rows read the shared prefix, or None if all do."""
+        skip = self.no_prefix[:self.rows]
+        return None if self.shared is None or not bool(skip.any()) else ~skip
 
     def scrub(self, row: int) -> None:
         """Zero row `row`'s slots in every layer: its sequence went non-finite, and a later

@@ -110,6 +110,10 @@ class Pipeline:
                 columns = kv.step_columns()  # masks are built on the host, moved once
                 if columns is not None:  # attend over the kept slots only
                     masks = {w: m.index_select(-1, columns) for w, m in masks.items()}
+                reads = kv.prefix_mask()
+                if reads is not None:  # rows that do not start from the shared prefix: its columns masked
+                    head = reads.view(-1, 1, 1, 1).expand(-1, 1, inp.ids.shape[1], kv.shared.length)
+                    masks = {w: torch.cat([head, m], dim=-1) for w, m in masks.items()}
             hs.append(h)
             keep = real_tokens(inp.valid)
             keeps.append(None if keep is None else self._upload(keep))

@@ -47,6 +47,8 @@ class Sequence:
     # scheduler ends it at its next step (finish_reason "abort") and its row frees.
     listener: object = None
     leaving: bool = False
+    priority: int = 1  # its source's place in the waiting queue (runtime/scheduler.py: ONLINE first)
+    shared: int = 0  # prompt tokens the engine's shared prefix holds for it (runtime/prefix.py): not in its row
 
     @property
     def done(self) -> bool:
@@ -142,6 +144,21 @@ def gather(s: Sequence) -> list[Sequence] | None:
     return answers if all(x.done for x in [*answers, *(s.scorers or ())]) else None
 
 
+def line_record(s: Sequence, *, fmt: str, model: str, include_token_ids: bool = False):
+    """The one record of `s`'s line once all its samples are done, else None: (record, None),
+    or (error record, its LineError) if a sample failed. Every writer (a job's output, a Ray
+    worker's shard, klotski serve) gathers a line's samples through this."""
+    from klotski.io.records import error_record, result_record
+    from klotski.io.requests import model_error
+    samples = gather(s)
+    if samples is None:
+        return None
+    if failed := next((x for x in samples if x.error), None):
+        err = model_error(failed)
+        return error_record(err, fmt=fmt), err
+    return result_record(samples, fmt=fmt, model=model, include_token_ids=include_token_ids), None
+
+
 def pick(batch: list[Sequence], logits: torch.Tensor) -> list[int]:
     """Next token of every sequence of a batch: greedy, or sampled with its own generator."""
     greedy = logits.argmax(dim=-1).tolist()
@@ -190,7 +207,13 @@ def _name_tokens(s: Sequence, tokenizer) -> None:
 def abandon(s: Sequence) -> None:
     """End a sequence its source left (`leaving`): what it made so far stays in `out`."""
     s.finish_reason = "abort"
-    s.text = s.text or ""
+    notify(s)
+
+
+def notify(s: Sequence) -> None:
+    """Tell its source what is new (a token, its end), if it listens."""
+    if s.listener is not None:
+        s.listener(s)
 
 
 def fail(s: Sequence, message: str) -> None:

@@ -33,7 +33,7 @@ from klotski.errors import RunStopped, UserError
 from klotski.generate import Job
 from klotski.runtime.stats import Stats
 from klotski.serve.store import RETRY_S, Store
-from klotski.serve.worker import GATHER_S, Feed, Halt, config_for_batch, log, now
+from klotski.serve.worker import GATHER_S, Halt, config_for_batch, log, now
 from klotski.util.writes import WriteFailed, reason, writing
 
 PROGRESS_EVERY_S = 1.0  # request_counts are saved at most this often while a batch runs
@@ -168,24 +168,25 @@ class BatchJob(Job):
         super().__init__(config_for_batch(worker.config, str(d / "report.json"), worker.names[0]), d / "jobs.jsonl",
                          d / "run.jsonl", time.perf_counter())
         self.worker, self.batch_id = worker, batch["id"]
+        self.check = worker.check_batch  # before every step: a cancel, an expiry or a stop ends its part
         self.crash_dir = worker.store.crashes_dir
         self.counts = dict(batch["request_counts"])
         self.saved_at = time.monotonic()
 
     def run(self) -> int:
-        engine = self.worker.feed.engine
+        engine = self.worker.engine
         engine.stats = Stats()  # (read by reports alone)
         for counts in (engine.trace.busy, engine.trace.decode_busy, engine.trace.bytes):
             counts.clear()
         try:
             return super().run()
         except Halt:
-            if not self.worker.feed.stopping and getattr(self, "setup", None) is not None:
+            if not self.worker.stopping and getattr(self, "setup", None) is not None:
                 self.save(self.report())  # cancelled or expired: what ran is reported
             raise
 
     def open_checkpoint(self):
-        return self.worker.feed.ckpt  # the checkpoint the server's engine holds
+        return self.worker.engine.ckpt  # the checkpoint the server's engine holds
 
     def read_resume_state(self) -> None:
         super().read_resume_state()
@@ -196,7 +197,7 @@ class BatchJob(Job):
         self.setup = self.worker.setup  # planned once, when the server started
 
     def make_engine(self):
-        return self.worker.feed
+        return self.worker.engine
 
     def close_engine(self) -> None:
         pass  # the server's engine outlives its batches
@@ -284,15 +285,17 @@ class Worker(threading.Thread):
     def __init__(self, store: Store, config, engine, setup, inbox, names: tuple[str, ...]):
         super().__init__(name="klotski-serve-worker", daemon=True)
         self.store, self.config, self.setup, self.inbox, self.names = store, config, setup, inbox, names
-        self.feed = Feed(engine, inbox)
+        self.engine = engine
+        self.stopping = False
+        self.cancelled = lambda: False  # set per batch by run_batch
 
     def stop(self) -> None:
-        self.feed.stopping = True
+        self.stopping = True
         self.inbox.notify()
 
     def run(self) -> None:
         try:
-            while not self.feed.stopping:
+            while not self.stopping:
                 try:
                     self.step()
                 except Halt:
@@ -306,9 +309,10 @@ class Worker(threading.Thread):
             self.inbox.close("the server is stopping")
 
     def step(self) -> None:
-        if self.inbox.waiting:
-            time.sleep(GATHER_S)  # those arriving together start together
-            for _ in self.feed.run([]):
+        if self.engine.waiting.pending() or self.engine.continuous is not None:
+            if self.engine.continuous is None:
+                time.sleep(GATHER_S)  # those arriving together start together
+            for _ in self.engine.run([], check=self.check):
                 pass
             return
         if self.store.trouble is not None and not self.store.recover():
@@ -320,6 +324,17 @@ class Worker(threading.Thread):
             self.inbox.wait(0.5)
             return
         self.run_batch(batch)
+
+    def check(self) -> None:
+        """Before every engine step: the server stopping ends the run (Halt)."""
+        if self.stopping:
+            raise Halt()
+
+    def check_batch(self) -> None:
+        """Before every step of a batch's run: stopping, cancelled or expired ends its part."""
+        self.check()
+        if self.cancelled():
+            raise Halt()
 
     def expire(self) -> None:
         """A batch past its window (`expires_at`) ends expired, with what it finished."""
@@ -333,12 +348,12 @@ class Worker(threading.Thread):
         bid = batch["id"]
         if batch["status"] == "in_progress" and not batch.get("expired_at"):
             ends = batch.get("expires_at") or float("inf")
-            self.feed.cancelled = lambda: self.store.batches[bid]["status"] == "cancelling" or now() >= ends
+            self.cancelled = lambda: self.store.batches[bid]["status"] == "cancelling" or now() >= ends
             log(f"{bid}: running")
             try:
                 BatchJob(self, batch).run()
             except Halt:
-                if self.feed.stopping:
+                if self.stopping:
                     raise
                 if now() >= ends and self.store.batches[bid]["status"] == "in_progress":
                     self.store.update(bid, expired_at=now())
@@ -346,7 +361,7 @@ class Worker(threading.Thread):
             except (UserError, RunStopped) as e:
                 self.run_failed(bid, e)
             finally:
-                self.feed.cancelled = lambda: False
+                self.cancelled = lambda: False
         try:
             finalize(self.store, bid)
         except OSError as e:  # the batch stays finalizing, to finish once the disk takes writes

@@ -7,6 +7,7 @@ on the next start."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import ipaddress
 import socket
 from dataclasses import dataclass
@@ -59,13 +60,16 @@ def serve(config, options: ServeOptions) -> int:
             log(f"warning: serving on {o.host} without an API key: anyone who reaches the port can use it; "
                 "set KLOTSKI_API_KEY or --api-key-file")
         ckpt = Checkpoint.open(config.model, direct_io=config.direct_io)
-        setup = setup_run(config, ckpt, _planned(ckpt, config)).for_later_prompts()
+        planned = _planned(ckpt, config)
+        # every row gets the slots planned for, so a request within them joins whatever runs
+        setup = dataclasses.replace(setup_run(config, ckpt, planned).for_later_prompts(),
+                                    row_slots=len(planned[0].prompt_ids) + planned[0].max_new_tokens)
         engine = build_engine(config, ckpt, setup)
         names = o.served_names or (config.model,)
-        inbox = Inbox()
+        inbox = Inbox(engine.waiting)
         worker = Worker(store, config, engine, setup, inbox, names)
         state = Served(store=store, names=names, config=config, tokenizer=copy.deepcopy(ckpt.tokenizer),
-                       spec=ckpt.spec, inbox=inbox, stats=worker.feed.online_stats, worker=worker,
+                       spec=ckpt.spec, inbox=inbox, stats=engine.waiting.stats, worker=worker,
                        api_key=o.api_key, max_upload=o.max_upload, max_body=o.max_body,
                        batch_window_s=o.batch_window_s)
         app = make_app(state)

@@ -2,17 +2,17 @@
 
 One engine is built at start and serves everything. Accepted batches run one after another,
 each as a `klotski generate` job (klotski/generate.py's Job: windows, OpenAI output records,
-resume, the run report) whose engine is `Feed`, a thin front of the real one. Online requests
-(/v1/chat/completions, /v1/completions) wait in `Inbox`; every step of a continuous run
-(`ServeRun`, klotski/runtime/batching.py's ContinuousRun) first takes those that fit its KV
-capacity into the front of its queue, so they join the running group — a batch's window or
-other online requests — and are admitted ahead of waiting batch lines. With nothing running,
-the requests that arrive within `GATHER_S` start a run together.
+resume, the run report) on that engine. Online requests (/v1/chat/completions,
+/v1/completions) are put by `Inbox` into the engine's one waiting queue
+(klotski/runtime/scheduler.py) at online priority: every step of the engine's continuous run
+takes them in ahead of a batch's waiting lines, so they join the running rows; each answer
+goes back through its sequences' listener. With nothing running, the worker thread runs the
+engine for them alone (requests arriving within `GATHER_S` start together).
 
 Stopping (SIGTERM) ends the run at its next step: the output keeps what finished, and the
-batch stays in_progress on disk, to resume on the next start. Cancelling ends the run at its
-next step too (what finished is kept, as OpenAI's cancel does), unless online requests ride
-on it: then the batch's waiting lines are dropped and its rows in flight finish with them.
+batch stays in_progress on disk, to resume on the next start. Cancelling ends the batch's part
+at its next step (what finished is kept, as OpenAI's cancel does): its waiting lines leave the
+queue and its rows in flight free; online requests running beside it carry on.
 """
 from __future__ import annotations
 
@@ -21,10 +21,9 @@ import dataclasses
 import sys
 import threading
 import time
-from collections import deque
 
 from klotski.runtime import sequences as S
-from klotski.runtime.batching import ContinuousRun
+from klotski.runtime.scheduler import ONLINE
 
 GATHER_S = 0.02  # requests arriving this close together start one run (the rest join it step by step)
 
@@ -34,180 +33,72 @@ class Halt(KeyboardInterrupt):
 
 
 class Inbox:
-    """Online sequences waiting for the engine, each with the future its HTTP request awaits."""
+    """Online requests, put into the engine's waiting queue, each with the future its HTTP
+    request awaits (answered from the engine's thread once all its samples are done)."""
 
-    def __init__(self):
-        self.cond = threading.Condition()
-        self.waiting: deque = deque()
+    def __init__(self, waiting):
+        self.waiting = waiting  # the engine's (runtime/scheduler.Waiting)
+        self.lock = threading.Lock()
         self.replies: dict[int, concurrent.futures.Future] = {}  # id(seq) -> future, until answered
         self.closed: str | None = None  # why no engine will take requests any more
 
+    stats = property(lambda self: self.waiting.stats)
+
     def put(self, seqs: list) -> concurrent.futures.Future:
         """One request's sequences (its n samples); the future gets them all, once all are done
-        (or, once the inbox is closed, an error at once: nothing would ever answer it)."""
+        (or, once the inbox is closed, an error at once: nothing would ever answer it).
+        scheduler.QueueFull if the queue holds its limit."""
         future = concurrent.futures.Future()
-        with self.cond:
+        with self.lock:
             if self.closed is not None:
                 future.set_exception(RuntimeError(self.closed))
                 return future
             for seq in seqs:
                 self.replies[id(seq)] = future
-                self.waiting.append(seq)
-            self.cond.notify_all()
+                seq.listener = _chain(seq.listener, self._answer)
+        try:
+            self.waiting.put(seqs, ONLINE)
+        except BaseException:
+            with self.lock:
+                for seq in seqs:
+                    self.replies.pop(id(seq), None)
+            raise
         return future
 
-    def take(self, fits=lambda s: True) -> list:
-        with self.cond:
-            took = [s for s in self.waiting if fits(s)]
-            for s in took:
-                self.waiting.remove(s)
-            return took
-
-    def is_online(self, seq) -> bool:
-        return id(seq) in self.replies
-
-    def answer(self, seq) -> None:
-        future = self.replies.pop(id(seq), None)
+    def _answer(self, seq) -> None:
+        if not seq.done:
+            return
+        with self.lock:
+            future = self.replies.pop(id(seq), None)
         if future is not None and not future.done() and (samples := S.gather(seq)) is not None:
             future.set_result(samples)  # (once its request's other samples are done too)
 
-    def fail(self, seq_id: int, why: str) -> None:
-        future = self.replies.pop(seq_id, None)
-        if future is not None and not future.done():
-            future.set_exception(RuntimeError(why))
-
     def close(self, message: str) -> None:
-        """No more requests are taken: those waiting and any put later fail with `message`."""
-        with self.cond:
+        """No more requests are taken: those waiting or running and any put later fail with `message`."""
+        with self.lock:
             self.closed = message
-            waiting, self.waiting = list(self.waiting), deque()
-        for s in waiting:
-            self.fail(id(s), message)
+            futures, self.replies = list(self.replies.values()), {}
+        for future in futures:
+            if not future.done():
+                future.set_exception(RuntimeError(message))
 
     def wait(self, timeout: float) -> None:
-        with self.cond:
-            if not self.waiting:
-                self.cond.wait(timeout)
+        """Until a request arrives (or `notify`), at most `timeout` seconds."""
+        self.waiting.arrived.wait(timeout)
 
     def notify(self) -> None:
-        with self.cond:
-            self.cond.notify_all()
+        self.waiting.arrived.set()
 
 
-@dataclasses.dataclass
-class OnlineStats:
-    """What the online requests shared (GET /health): engine runs and steps that ran them, the
-    most one step computed, and those that joined a run already going (a batch's or others')."""
-    requests: int = 0
-    joined: int = 0
-    runs: int = 0
-    steps: int = 0
-    most_in_one_step: int = 0
+def _chain(first, then):
+    """A listener that calls `first` (a stream's, if any) and then `then`."""
+    if first is None:
+        return then
 
-
-class ServeRun(ContinuousRun):
-    """A continuous run that takes online requests in at every step (see the module doc)."""
-
-    def __init__(self, engine, seqs, feed):
-        super().__init__(engine, seqs)
-        self.feed = feed
-        self.online = {id(s) for s in seqs if feed.inbox.is_online(s)}
-        self.front = set(self.online)  # online requests not yet admitted: they go first, whatever their length
-        self._online_first()
-
-    def _online_first(self) -> None:
-        """Reorder the queue: waiting online requests, then the batch's lines in their order."""
-        front = [s for s in self.queue if id(s) in self.front]
-        if front:
-            self.queue = deque(front + [s for s in self.queue if id(s) not in self.front])
-
-    def _admit(self) -> None:
-        if self.feed.stopping:
-            raise Halt()
-        if self.feed.cancelled():
-            if not any(sid in self.feed.inbox.replies for sid in self.online):
-                raise Halt()  # nothing online rides on this run: the batch's rows in flight go too
-            self.queue = deque(s for s in self.queue if id(s) in self.online)  # its waiting lines go
-        # an online request that fits this run's KV rows joins it, ahead of the batch's lines
-        joined = self.feed.inbox.take(lambda s: len(s.prompt_ids) + s.max_new_tokens <= self.capacity)
-        self.feed.online_stats.requests += len(joined)
-        self.feed.online_stats.joined += len(joined)
-        for s in joined:
-            self.online.add(id(s))
-            self.front.add(id(s))
-            self.queue.appendleft(s)
-            self.longest_prompt = max(self.longest_prompt, len(s.prompt_ids))
-        if not self.front:
-            return super()._admit()
-        # ContinuousRun admits the longest of the next few prompts first: shown only the
-        # online ones, it admits those (the scan runs only while one waits)
-        rest = deque(s for s in self.queue if id(s) not in self.front)
-        self.queue = deque(s for s in self.queue if id(s) in self.front)
-        try:
-            super()._admit()
-        finally:
-            self.front = {id(s) for s in self.queue}
-            self.queue.extend(rest)
-
-    def _step(self, work):
-        rows = [s for w, _, _ in work for s in getattr(w, "rows", getattr(w, "seqs", ()))
-                if s is not None and id(s) in self.online and not s.done]
-        if rows:
-            stats = self.feed.online_stats
-            stats.steps += 1
-            stats.most_in_one_step = max(stats.most_in_one_step, len(rows))
-        yield from super()._step(work)
-
-
-class Feed:
-    """The engine as a generate Job sees it: `run(seqs)` also runs the waiting online requests
-    and answers them; everything else is the real engine's."""
-
-    def __init__(self, engine, inbox: Inbox):
-        self.engine, self.inbox = engine, inbox
-        self.stopping = False
-        self.cancelled = lambda: False  # set per batch by the worker
-        self.online_stats = OnlineStats()
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
-
-    def run(self, seqs):
-        e = self.engine
-        if self.stopping or (seqs and self.cancelled()):
-            raise Halt()
-        mine = self.inbox.take()  # a run that starts now is sized for everyone in it
-        seqs = mine + list(seqs)
-        if not seqs:
-            return
-        self.online_stats.requests += len(mine)
-        self.online_stats.runs += 1
-        group, finished = e.batch_size * e.num_batches, 0
-        run = None
-        if e.config.batching == "continuous":
-            # requests join this run whatever their prompt starts with: no window-wide shared
-            # prefix (klotski/runtime/prefix.py) is held under them
-            if getattr(e, "prefix", None) is not None:
-                e.drop_prefix()
-            run = ServeRun(e, seqs, self)
-        try:
-            for seq in run.run() if run else e.run(seqs):
-                if self.inbox.is_online(seq):
-                    self.inbox.answer(seq)
-                else:
-                    yield seq
-                finished += 1
-                if run and finished % group == 0:
-                    e.end_group()
-        except BaseException:  # (a stop, a cancel, the engine's failure): its online requests cannot finish in it
-            why = "the server is stopping" if self.stopping else "the engine run stopped"
-            for sid in run.online if run else [id(s) for s in mine]:
-                self.inbox.fail(sid, why)
-            raise
-        if run:
-            if finished % group:
-                e.end_group()
-            e.trace.resolve(everything=True)
+    def both(seq):
+        first(seq)
+        then(seq)
+    return both
 
 
 def config_for_batch(config, report: str, model: str):
