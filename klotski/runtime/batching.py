@@ -1,8 +1,6 @@
-"""Continuous batching: a window's sequences flow through the rows of n decode batches.
-
-Static batching keeps a batch's rows until its longest sequence ends, so with mixed
-`max_new_tokens` or early EOS most rows compute for nothing. Here a row whose sequence has
-finished takes the next waiting prompt:
+"""Continuous batching: waiting sequences (runtime/scheduler.py) flow through the rows of n
+decode batches. Static batching keeps a batch's rows until its longest sequence ends; here a
+row whose sequence has finished takes the next waiting prompt:
 
 - The waiting prompts are taken longest-decode first (`max_new_tokens`, then prompt length),
   so the long ones start early and the short ones fill the gaps behind them; a newcomer

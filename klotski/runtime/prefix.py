@@ -99,7 +99,7 @@ def report(engine) -> dict:
     s = engine.stats
     per_token = s.prefill_s / s.prefill_tokens if s.prefill_tokens else None
     return {"enabled": engine.config.prefix_cache,
-            "status": engine.prefix_off or ("shared" if s.prefix_prefills else "on: no window's lines shared "
+            "status": engine.prefix_off or ("shared" if s.prefix_lines else "on: no window's lines shared "
                                             f"a prefix of {MIN_TOKENS} tokens or more"),
             "prefix_tokens": s.prefix_tokens, "prefix_prefills": s.prefix_prefills, "lines": s.prefix_lines,
             "prefill_tokens_saved": s.prefix_tokens_saved,
