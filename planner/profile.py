@@ -201,6 +201,8 @@ def measure(shape, *, ops, batch_sizes=(1, 4, 16, 64), context_lengths=(128, 512
             return Profile.from_json(path.read_text())
         except (ValueError, TypeError):
             pass  # a damaged cache file is re-measured
+    if cache and not refresh and key in _BUSY and (busy is None or busy() is not None):
+        return _BUSY[key]  # measured busy earlier in this process, and still busy: this run's speed
     started = time.perf_counter()
     if announce:  # a new machine or new layer shapes: the user waits, so say for what
         announce(f"measuring this machine's speed at this model's layer shapes on {device} (once; cached"
@@ -216,9 +218,15 @@ def measure(shape, *, ops, batch_sizes=(1, 4, 16, 64), context_lengths=(128, 512
         if announce:
             announce(f"the machine was busy while measuring ({max(before, after):g} other runnable threads): "
                      "this speed is used for this run only and measured again next time")
+        _BUSY[key] = prof
     elif cache:
         _save(path, prof.to_json())
     return prof
+
+
+# Profiles measured while the machine was busy, kept for the rest of this process only (a
+# server or a job that plans again reuses them rather than measuring again mid-run).
+_BUSY: dict[str, Profile] = {}
 
 
 def _save(path: Path, text: str) -> None:

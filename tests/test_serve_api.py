@@ -234,3 +234,23 @@ def test_health_answers_quickly_while_the_server_is_busy(api, tmp_path):
     assert busy["file"].bytes > 190_000_000 and busy["chat"].choices[0].message.content is not None
     assert len(times) >= 20, f"the upload ended after {len(times)} probes: too few to measure"
     assert statistics.quantiles(times, n=20)[-1] < 0.1, sorted(times)[-5:]
+
+
+def test_a_batch_keeps_its_shared_prefix_while_online_requests_join(api, tmp_path):
+    """The scheduler issue: the server no longer drops a batch's shared prefix so that online
+    requests can join; they sit beside its rows, the prefix masked for them."""
+    client = api.client()
+    instruction = ("You are a careful labeller. Read the item below and answer with one word: positive, negative "
+                   "or neutral. Think about the tone of the whole item before you answer.")
+    lines = [_line(f"p{i}", model=ALIAS, max_tokens=6, messages=[{"role": "system", "content": instruction},
+                                                               {"role": "user", "content": f"item number {i}"}])
+             for i in range(24)]
+    f = client.files.create(file=_write(tmp_path / "prefix.jsonl", lines).open("rb"), purpose="batch")
+    b = client.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
+    _wait(client, b.id, until=("in_progress", "completed"))
+    alone = client.chat.completions.create(model=ALIAS, messages=_chat("the sea"), max_tokens=3)
+    assert alone.choices[0].message.content is not None
+    done = _wait(client, b.id)
+    assert done.status == "completed" and done.request_counts.completed == 24
+    prefix = json.loads((api.data / "batches" / b.id / "report.json").read_text())["prefix_cache"]
+    assert prefix["status"] == "shared" and prefix["lines"] == 24 and prefix["prefix_tokens"] >= 16

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from klotski.errors import UserError
 from klotski.runtime.prefix import report as prefix_report
-from klotski.util.writes import replace_atomically
+from klotski.util.writes import WriteFailed, replace_atomically
 
 REPLAY_SAMPLE = 65536  # answers the replay prices at most (it walks every batch and slot)
 
@@ -104,6 +104,8 @@ def replayed(prompt_lens, gen_lens, replan) -> dict:
     try:
         plan = replan(prompt_lens, gen_lens)
     except (UserError, ValueError):  # the plan's budgets were refused for these lengths: no replay, not no report
+        return none
+    except WriteFailed:  # a profile to measure and the disk refused its probe: a figure missing, not the run
         return none
     if not plan or not plan.predicted_tokens_per_s:
         return none
