@@ -187,8 +187,8 @@ def measure(shape, *, ops, batch_sizes=(1, 4, 16, 64), context_lengths=(128, 512
     that channel in the engine. `announce(text)`, if given, is told when a measurement starts
     and how long it took (nothing when the cache answers). `busy()`, if given, says whether
     other processes are taking the cores (their runnable threads, or None): a profile measured
-    while they were, before and after, is used for this run and not cached (measured again next
-    time), since it is that moment's speed, not the machine's.
+    while they were, before and after, is that moment's speed, not the machine's: it is kept
+    apart (`KEY.busy`), used while the machine is still busy and measured again once it is not.
     """
     shape = as_shape(shape)
     grid = {"bs": list(batch_sizes), "ctx": list(context_lengths), "tokens": list(token_counts),
@@ -201,8 +201,13 @@ def measure(shape, *, ops, batch_sizes=(1, 4, 16, 64), context_lengths=(128, 512
             return Profile.from_json(path.read_text())
         except (ValueError, TypeError):
             pass  # a damaged cache file is re-measured
-    if cache and not refresh and key in _BUSY and (busy is None or busy() is not None):
-        return _BUSY[key]  # measured busy earlier in this process, and still busy: this run's speed
+    # measured while busy earlier: used while the machine is still busy, measured again once it is not
+    stale = path.with_suffix(".busy")
+    if cache and not refresh and stale.exists() and (busy is None or busy() is not None):
+        try:
+            return Profile.from_json(stale.read_text())
+        except (ValueError, TypeError):
+            pass
     started = time.perf_counter()
     if announce:  # a new machine or new layer shapes: the user waits, so say for what
         announce(f"measuring this machine's speed at this model's layer shapes on {device} (once; cached"
@@ -217,16 +222,13 @@ def measure(shape, *, ops, batch_sizes=(1, 4, 16, 64), context_lengths=(128, 512
         prof.machine["busy_runnable_threads"] = max(before, after)
         if announce:
             announce(f"the machine was busy while measuring ({max(before, after):g} other runnable threads): "
-                     "this speed is used for this run only and measured again next time")
-        _BUSY[key] = prof
+                     "this speed is used while the machine stays busy and measured again once it is quiet")
+        if cache:
+            _save(stale, prof.to_json())
     elif cache:
         _save(path, prof.to_json())
+        stale.unlink(missing_ok=True)
     return prof
-
-
-# Profiles measured while the machine was busy, kept for the rest of this process only (a
-# server or a job that plans again reuses them rather than measuring again mid-run).
-_BUSY: dict[str, Profile] = {}
 
 
 def _save(path: Path, text: str) -> None:

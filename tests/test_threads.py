@@ -68,5 +68,8 @@ def test_a_profile_measured_while_busy_is_not_cached(tmp_path):
     grid = dict(batch_sizes=(1,), context_lengths=(8,), token_counts=(1,), reps=1, io_bytes=1 << 16)
     busy = measure(shape, ops=EngineOps(), cache_dir=tmp_path, busy=lambda: 3.0, **grid)
     assert busy.machine["busy_runnable_threads"] == 3.0 and not list(tmp_path.glob("*.json"))
+    said = []  # still busy: the busy profile is used again, nothing measured
+    again = measure(shape, ops=EngineOps(), cache_dir=tmp_path, busy=lambda: 2.0, announce=said.append, **grid)
+    assert not said and again.machine["busy_runnable_threads"] == 3.0
     measure(shape, ops=EngineOps(), cache_dir=tmp_path, busy=lambda: None, **grid)
     assert len(list(tmp_path.glob("*.json"))) == 1
