@@ -32,20 +32,23 @@ class Served:
     batch_window_s: int
     started: int = field(default_factory=lambda: int(time.time()))
     tok_lock: threading.Lock = field(default_factory=threading.Lock)  # the HTTP threads' one tokenizer
+    detokenizer: object = None   # a tokenizer of the event loop's own: streams decode their tokens with it
 
 
-def error(status: int, message: str, code: str | None = None, param: str | None = None) -> JSONResponse:
-    kind = "server_error" if status >= 500 else "invalid_request_error"  # (OpenAI's, a 401 too)
+def error(status: int, message: str, code: str | None = None, param: str | None = None,
+          headers: dict | None = None) -> JSONResponse:
+    kind = "server_error" if status >= 500 else "invalid_request_error"  # (OpenAI's, a 401 and a 429 too)
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
-                        status_code=status)
+                        status_code=status, headers=headers)
 
 
 class Problem(Exception):
     """An error reply raised from inside a route."""
 
-    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None,
+                 headers: dict | None = None):
         super().__init__(message)
-        self.reply = error(status, message, code, param)
+        self.reply = error(status, message, code, param, headers)
 
 
 def served(request: Request) -> Served:

@@ -19,7 +19,7 @@ from klotski.io.checkpoint import Checkpoint
 from klotski.serve.batches import Worker
 from klotski.serve.faults import Faults
 from klotski.serve.store import Store
-from klotski.serve.worker import Inbox, log
+from klotski.serve.worker import MAX_WAITING, Inbox, log
 
 PLAN_PROMPT_TOKENS = 256  # the prompt length the one engine is planned for; longer ones prefill in chunks
 GRACE_S = 5  # on SIGTERM, how long requests in flight may take to finish
@@ -38,6 +38,7 @@ class ServeOptions:
     served_names: tuple[str, ...] = ()   # what clients call the model; none: its --model value
     batch_window_s: int = 24 * 3600      # a batch's completion window (OpenAI's 24h; shorter only in tests)
     fault_file: str | None = None        # the test seam in the store's writes (klotski/serve/faults.py)
+    max_waiting: int = MAX_WAITING       # online requests waiting for the engine; past it a 429
 
 
 def serve(config, options: ServeOptions) -> int:
@@ -62,10 +63,10 @@ def serve(config, options: ServeOptions) -> int:
         setup = setup_run(config, ckpt, _planned(ckpt, config)).for_later_prompts()
         engine = build_engine(config, ckpt, setup)
         names = o.served_names or (config.model,)
-        inbox = Inbox()
+        inbox = Inbox(o.max_waiting)
         worker = Worker(store, config, engine, setup, inbox, names)
         state = Served(store=store, names=names, config=config, tokenizer=copy.deepcopy(ckpt.tokenizer),
-                       spec=ckpt.spec, inbox=inbox, stats=worker.feed.online_stats, worker=worker,
+                       detokenizer=copy.deepcopy(ckpt.tokenizer), spec=ckpt.spec, inbox=inbox, stats=worker.feed.online_stats, worker=worker,
                        api_key=o.api_key, max_upload=o.max_upload, max_body=o.max_body,
                        batch_window_s=o.batch_window_s)
         app = make_app(state)

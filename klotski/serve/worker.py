@@ -27,41 +27,67 @@ from klotski.runtime import sequences as S
 from klotski.runtime.batching import ContinuousRun
 
 GATHER_S = 0.02  # requests arriving this close together start one run (the rest join it step by step)
+MAX_WAITING = 1024  # requests the inbox holds (--max-waiting): past it a request is refused (429)
 
 
 class Halt(KeyboardInterrupt):
     """The server is stopping: the generate Job treats it as Ctrl-C (what is written stays)."""
 
 
-class Inbox:
-    """Online sequences waiting for the engine, each with the future its HTTP request awaits."""
+class Full(Exception):
+    """The inbox holds as many requests as it may (--max-waiting): this one is refused."""
 
-    def __init__(self):
+
+class Inbox:
+    """Online sequences waiting for the engine, each with the future its HTTP request awaits;
+    at most `max_waiting` requests wait (a request's sequences count once)."""
+
+    def __init__(self, max_waiting: int = MAX_WAITING):
         self.cond = threading.Condition()
         self.waiting: deque = deque()
         self.replies: dict[int, concurrent.futures.Future] = {}  # id(seq) -> future, until answered
         self.closed: str | None = None  # why no engine will take requests any more
+        self.max_waiting = max_waiting
+        self.left = 0  # sequences ended because their client left (a disconnect), on the engine's thread
 
     def put(self, seqs: list) -> concurrent.futures.Future:
         """One request's sequences (its n samples); the future gets them all, once all are done
-        (or, once the inbox is closed, an error at once: nothing would ever answer it)."""
+        (or, once the inbox is closed, an error at once: nothing would ever answer it). Raises
+        Full where `max_waiting` requests wait already."""
         future = concurrent.futures.Future()
         with self.cond:
             if self.closed is not None:
                 future.set_exception(RuntimeError(self.closed))
                 return future
+            if self.requests_waiting() >= self.max_waiting:
+                raise Full(f"{self.max_waiting} requests wait already")
             for seq in seqs:
                 self.replies[id(seq)] = future
                 self.waiting.append(seq)
             self.cond.notify_all()
         return future
 
+    def requests_waiting(self) -> int:
+        return len({id(self.replies.get(id(s))) for s in self.waiting})
+
     def take(self, fits=lambda s: True) -> list:
+        """The waiting sequences that `fits` takes; those whose client left end here (abort)."""
         with self.cond:
-            took = [s for s in self.waiting if fits(s)]
-            for s in took:
+            gone = [s for s in self.waiting if s.leaving]
+            took = [s for s in self.waiting if not s.leaving and fits(s)]
+            for s in took + gone:
                 self.waiting.remove(s)
-            return took
+        for s in gone:
+            leave(s)
+            self.left += 1
+            self.answer(s)
+        return took
+
+    def counts(self) -> dict:
+        """Online requests waiting for the engine, and sequences in it (taken, not yet done)."""
+        with self.cond:
+            return {"waiting": self.requests_waiting(), "in_engine": len(self.replies) - len(self.waiting),
+                    "left": self.left}
 
     def is_online(self, seq) -> bool:
         return id(seq) in self.replies
@@ -150,6 +176,7 @@ class ServeRun(ContinuousRun):
             self.queue.extend(rest)
 
     def _step(self, work):
+        yield from self._leave()
         rows = [s for w, _, _ in work for s in getattr(w, "rows", getattr(w, "seqs", ()))
                 if s is not None and id(s) in self.online and not s.done]
         if rows:
@@ -157,6 +184,28 @@ class ServeRun(ContinuousRun):
             stats.steps += 1
             stats.most_in_one_step = max(stats.most_in_one_step, len(rows))
         yield from super()._step(work)
+
+    # ---- those whose client left end at this step: the engine side of `Sequence.leaving`,
+    # ---- kept here, apart, until the one scheduler (issue 48 part 1) takes it over
+    def _leave(self) -> list:
+        held = [s for d in self.decode for s in d.rows if s is not None]
+        held += [s for nc in self.newcomers for s in nc.seqs] + list(self.queue)
+        gone = [s for s in held if s.leaving and not s.done]
+        for s in gone:
+            leave(s)
+            self.feed.inbox.left += 1
+        if gone:  # a decode row that ended frees after this step's sampling skips it
+            self.queue = deque(s for s in self.queue if not s.done)
+            for nc in self.newcomers:
+                nc.ready = [(j, t) for j, t in nc.ready if not nc.seqs[j].done]
+        return gone
+
+
+def leave(seq) -> None:
+    """End a sequence whose client left, and tell its listener."""
+    S.abandon(seq)
+    if seq.listener is not None:
+        seq.listener(seq)
 
 
 class Feed:
