@@ -66,7 +66,7 @@ async def online(request: Request, s: Served, url: str):
     future = _put(s, seqs)
     if future.done() and future.exception() is not None:  # (the inbox is closed: nothing would answer)
         raise _unavailable(future.exception())
-    asyncio.wrap_future(future).add_done_callback(heard.put_nowait)
+    asyncio.wrap_future(future).add_done_callback(heard.put_nowait)  # after the samples' last news
     chunks = Chunks(seqs, s.detokenizer, url, s.names[0], usage=usage)
     return StreamingResponse(_events(seqs, chunks, heard), media_type="text/event-stream")
 
@@ -174,6 +174,9 @@ async def _events(seqs: list, chunks: Chunks, heard: asyncio.Queue):
                         yield error_event(f"the request could not be run: {news_item.exception()}; retry",
                                           "unavailable", 503)
                         return
+                    # (every sample's last news came before it; should one not have, its end is read now)
+                    news.extend((i, len(s.out), s.finish_reason, s.text, s.error) for i, s in enumerate(seqs)
+                                if i in going)
                     continue
                 sample, made, finish, text, error = news_item
                 if sample not in going:
