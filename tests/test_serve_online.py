@@ -129,3 +129,29 @@ def test_a_full_inbox_answers_429_with_retry_after(server, model):
     waiting.close()
     _until(lambda: _online(server)["in_engine"] == 0 and _online(server)["waiting"] == 0, "rows still held")
     assert client.chat.completions.create(model=model, messages=_chat("x"), max_tokens=2).choices[0].message
+
+
+def test_the_inbox_bounds_requests_and_lets_leavers_go():
+    """Without a server: `--max-waiting` counts requests (a request's n samples once); a
+    request whose client left leaves the inbox at the engine's next look, answered as ended."""
+    from klotski.runtime.sequences import Sequence
+    from klotski.serve.worker import Full, Inbox
+
+    def request(n):
+        seqs = [Sequence(None, [1, 2], 4, 0.0, 1.0, (), None, sample=i) for i in range(n)]
+        for s in seqs:
+            s.samples = seqs
+        return seqs
+    inbox = Inbox(max_waiting=2)
+    first, second = inbox.put(request(3)), inbox.put(request(1))
+    with pytest.raises(Full):
+        inbox.put(request(1))
+    assert inbox.counts() == {"waiting": 2, "in_engine": 0, "left": 0}
+    gone = inbox.waiting[0].samples
+    for s in gone:
+        s.leaving = True
+    took = inbox.take()
+    assert len(took) == 1 and not second.done() and first.done()
+    assert [s.finish_reason for s in first.result()] == ["abort"] * 3
+    assert inbox.counts() == {"waiting": 0, "in_engine": 1, "left": 3}
+    inbox.put(request(2))  # room again
