@@ -11,7 +11,7 @@ import time
 import openai
 import pytest
 
-from test_serve import CHAT, KEY, Server, _chat, _raw
+from test_serve import KEY, Server, _chat, _raw
 
 LONG = 900  # tokens a long request asks for: far more steps than the tests wait
 

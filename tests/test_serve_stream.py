@@ -144,7 +144,7 @@ def test_chat_chunks_have_openais_shape_and_join_to_the_answer(tok):
         assert all(c["finish_reason"] is None for c in mine[:-1])
         assert "".join(c["delta"].get("content", "") for c in mine) == answer["message"]["content"]
         joined = [e for c in mine if c["logprobs"] for e in c["logprobs"]["content"]]
-        assert joined == answer["logprobs"]["content"] and len(joined) == len(whole["choices"][i]["logprobs"]["content"])
+        assert joined == answer["logprobs"]["content"] and joined
         assert len([c for c in mine if c["logprobs"]]) > 3  # per chunk, not all at once
 
 

@@ -66,7 +66,8 @@ def serve(config, options: ServeOptions) -> int:
         inbox = Inbox(o.max_waiting)
         worker = Worker(store, config, engine, setup, inbox, names)
         state = Served(store=store, names=names, config=config, tokenizer=copy.deepcopy(ckpt.tokenizer),
-                       detokenizer=copy.deepcopy(ckpt.tokenizer), spec=ckpt.spec, inbox=inbox, stats=worker.feed.online_stats, worker=worker,
+                       detokenizer=copy.deepcopy(ckpt.tokenizer), spec=ckpt.spec, inbox=inbox,
+                       stats=worker.feed.online_stats, worker=worker,
                        api_key=o.api_key, max_upload=o.max_upload, max_body=o.max_body,
                        batch_window_s=o.batch_window_s)
         app = make_app(state)
