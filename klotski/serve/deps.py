@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 from fastapi import Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
 from klotski.serve.store import Store
@@ -68,9 +69,13 @@ def authorized(request: Request) -> None:
         raise Problem(401, "incorrect API key", "invalid_api_key")
 
 
+LOOP_JSON = 64 * 1024  # a body larger than this is parsed in the thread pool, not on the event loop
+
+
 async def json_body(request: Request) -> dict:
+    raw = await request.body()
     try:
-        body = json.loads(await request.body())
+        body = json.loads(raw) if len(raw) <= LOOP_JSON else await run_in_threadpool(json.loads, raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise Problem(400, f"the request body is not valid JSON ({e})", "invalid_json") from None
     if not isinstance(body, dict):

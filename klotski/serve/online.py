@@ -66,7 +66,7 @@ async def online(request: Request, s: Served, url: str):
     future = _put(s, seqs)
     if future.done() and future.exception() is not None:  # (the inbox is closed: nothing would answer)
         raise _unavailable(future.exception())
-    asyncio.wrap_future(future).add_done_callback(heard.put_nowait)  # after the samples' last news
+    asyncio.wrap_future(future).add_done_callback(_answered_to(heard))
     chunks = Chunks(seqs, s.detokenizer, url, s.names[0], usage=usage)
     return StreamingResponse(_events(seqs, chunks, heard), media_type="text/event-stream")
 
@@ -144,6 +144,16 @@ def _answer(s: Served, url: str, samples: list) -> dict:
     answer = result_record(samples, fmt="openai", model=s.names[0])["response"]["body"]
     (ChatCompletion if url == CHAT_URL else Completion).model_validate(answer)
     return answer
+
+
+def _answered_to(heard: asyncio.Queue):
+    """The inbox's answer, handed to the stream after its samples' last news (its failure marked
+    read: a stream that has ended no longer reads it)."""
+    def answered(future: asyncio.Future) -> None:
+        if not future.cancelled():
+            future.exception()
+        heard.put_nowait(future)
+    return answered
 
 
 def _listener(loop, heard: asyncio.Queue, sample: int):
