@@ -25,7 +25,7 @@ def serve(a) -> int:
     return run(config_from_args(a), ServeOptions(
         host=a.host, port=a.port, api_key=api_key(a), data_dir=a.data_dir, max_upload=a.max_upload_size,
         max_body=a.max_body_size, served_names=tuple(a.served_model_name or ()),
-        batch_window_s=a.test_batch_window, fault_file=a.fault_file))
+        batch_window_s=a.test_batch_window, fault_file=a.fault_file, max_waiting=a.max_waiting))
 
 
 def _config(a) -> RunConfig:

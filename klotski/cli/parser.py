@@ -18,6 +18,16 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not 1 or more")
+    return value
+
+
 def _num_batches(text: str):
     if text == "auto":
         return None
@@ -169,6 +179,9 @@ def _add_serve_parser(sub) -> None:
                    help="largest file /v1/files accepts, its form included (default: 200MB)")
     s.add_argument("--max-body-size", type=_size, default=parse_size("16MB"), metavar="SIZE",
                    help="largest body of any other request (default: 16MB)")
+    s.add_argument("--max-waiting", type=_positive, default=1024, metavar="REQUESTS",
+                   help="online requests that may wait for the engine; past them a request gets 429 with "
+                        "Retry-After (default: 1024)")
     # for tests: a batch's window in seconds (OpenAI's is 24h), and the store's write-fault seam
     s.add_argument("--test-batch-window", type=int, default=24 * 3600, help=argparse.SUPPRESS)
     s.add_argument("--fault-file", help=argparse.SUPPRESS)

@@ -113,31 +113,47 @@ def _klotski_record(samples: list, include_token_ids: bool, asked: bool) -> dict
 
 
 def _text(s, token: int) -> str:
-    return s.pieces[token][0] if s.pieces and token in s.pieces else str(token)
+    return token_text(s.pieces, token)
 
 
-def _bytes(s, token: int) -> list[int]:
-    return s.pieces[token][1] if s.pieces and token in s.pieces else list(_text(s, token).encode("utf-8"))
+def token_text(pieces: dict | None, token: int) -> str:
+    """A token's text as logprobs show it, from its (text, bytes) in `pieces` (its id where unknown)."""
+    return pieces[token][0] if pieces and token in pieces else str(token)
+
+
+def token_bytes(pieces: dict | None, token: int) -> list[int]:
+    return pieces[token][1] if pieces and token in pieces else list(token_text(pieces, token).encode("utf-8"))
 
 
 def _chat_logprobs(s) -> dict:
-    """OpenAI chat's ``choices[i].logprobs``: each token with its bytes and alternatives."""
-    return {"content": [{"token": _text(s, t), "logprob": lp, "bytes": _bytes(s, t),
-                         "top_logprobs": [{"token": _text(s, a), "logprob": alp, "bytes": _bytes(s, a)}
-                                          for a, alp in alts]}
-                        for t, lp, alts in s.logprobs], "refusal": None}
+    return chat_logprobs(s.logprobs, s.pieces)
 
 
 def _completion_logprobs(s) -> dict:
-    """OpenAI completions' ``choices[i].logprobs``: parallel lists, alternatives as {text: logprob}
-    and each token's character offset in the answer."""
-    tokens = [_text(s, t) for t, _, _ in s.logprobs]
-    offsets, at = [], 0
+    return completion_logprobs(s.logprobs, s.pieces)
+
+
+def chat_logprobs(entries: list, pieces: dict | None) -> dict:
+    """OpenAI chat's ``choices[i].logprobs`` of `entries` ((token, logprob, alternatives) of a
+    sequence's `logprobs`: all of them, or a streamed chunk's): each token with its bytes and
+    alternatives."""
+    return {"content": [{"token": token_text(pieces, t), "logprob": lp, "bytes": token_bytes(pieces, t),
+                         "top_logprobs": [{"token": token_text(pieces, a), "logprob": alp,
+                                           "bytes": token_bytes(pieces, a)} for a, alp in alts]}
+                        for t, lp, alts in entries], "refusal": None}
+
+
+def completion_logprobs(entries: list, pieces: dict | None, offset: int = 0) -> dict:
+    """OpenAI completions' ``choices[i].logprobs`` of `entries`: parallel lists, alternatives as
+    {text: logprob} and each token's character offset in the answer (`offset`: where the
+    first of them starts, for a streamed chunk after others)."""
+    tokens = [token_text(pieces, t) for t, _, _ in entries]
+    offsets, at = [], offset
     for text in tokens:
         offsets.append(at)
         at += len(text)
-    return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in s.logprobs],
-            "top_logprobs": [{_text(s, a): alp for a, alp in alts} for _, _, alts in s.logprobs],
+    return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
+            "top_logprobs": [{token_text(pieces, a): alp for a, alp in alts} for _, _, alts in entries],
             "text_offset": offsets}
 
 

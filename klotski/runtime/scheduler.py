@@ -55,13 +55,28 @@ class Waiting:
         """Queue `seqs` (one request's samples); QueueFull past the limit."""
         with self._lock:
             if priority == ONLINE:
-                if self.limit is not None and len(self._inbound) + len(self.online) + len(seqs) > self.limit:
-                    raise QueueFull(f"{self.limit} requests are already waiting")
+                if self.limit is not None and self._requests(self._inbound) + self._requests(self.online) >= self.limit:
+                    raise QueueFull(f"{self.limit} requests wait already")
                 self.stats.requests += 1
             for s in seqs:
                 s.priority = priority
             self._inbound.extend(seqs)
         self.arrived.set()
+
+    @staticmethod
+    def _requests(seqs) -> int:
+        """Online requests among `seqs`: a request's n samples (and scoring rows) count once."""
+        return sum(s.priority == ONLINE and s.sample == 0 for s in seqs)
+
+    def online_waiting(self) -> int:
+        """Online requests waiting (a snapshot; any thread)."""
+        with self._lock:
+            return self._requests(self._inbound) + self._requests(list(self.online))
+
+    def online_sequences(self) -> int:
+        """Online sequences waiting (a snapshot; any thread)."""
+        with self._lock:
+            return sum(s.priority == ONLINE for s in self._inbound) + len(self.online)
 
     def pending(self) -> bool:
         """Anything waiting, collected or not."""

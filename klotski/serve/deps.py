@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 from fastapi import Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
 from klotski.serve.store import Store
@@ -32,20 +33,23 @@ class Served:
     batch_window_s: int
     started: int = field(default_factory=lambda: int(time.time()))
     tok_lock: threading.Lock = field(default_factory=threading.Lock)  # the HTTP threads' one tokenizer
+    detokenizer: object = None   # a tokenizer of the event loop's own: streams decode their tokens with it
 
 
-def error(status: int, message: str, code: str | None = None, param: str | None = None) -> JSONResponse:
-    kind = "server_error" if status >= 500 else "invalid_request_error"  # (OpenAI's, a 401 too)
+def error(status: int, message: str, code: str | None = None, param: str | None = None,
+          headers: dict | None = None) -> JSONResponse:
+    kind = "server_error" if status >= 500 else "invalid_request_error"  # (OpenAI's, a 401 and a 429 too)
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
-                        status_code=status)
+                        status_code=status, headers=headers)
 
 
 class Problem(Exception):
     """An error reply raised from inside a route."""
 
-    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None,
+                 headers: dict | None = None):
         super().__init__(message)
-        self.reply = error(status, message, code, param)
+        self.reply = error(status, message, code, param, headers)
 
 
 def served(request: Request) -> Served:
@@ -65,9 +69,13 @@ def authorized(request: Request) -> None:
         raise Problem(401, "incorrect API key", "invalid_api_key")
 
 
+LOOP_JSON = 64 * 1024  # a body larger than this is parsed in the thread pool, not on the event loop
+
+
 async def json_body(request: Request) -> dict:
+    raw = await request.body()
     try:
-        body = json.loads(await request.body())
+        body = json.loads(raw) if len(raw) <= LOOP_JSON else await run_in_threadpool(json.loads, raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise Problem(400, f"the request body is not valid JSON ({e})", "invalid_json") from None
     if not isinstance(body, dict):

@@ -1,13 +1,22 @@
 """The online endpoints, /v1/chat/completions and /v1/completions: a request is checked by the
-job line's own rules (klotski/io/requests.py), tokenized (and its grammar compiled) in the
-thread pool, then waits in the worker's inbox for the engine (klotski/serve/worker.py). A
-server that cannot run it (stopping, its engine's thread gone) answers 503 at once; the
-answer is checked against the `openai` package's ChatCompletion or Completion before it
-leaves."""
+job line's own rules (klotski/io/requests.py) and tokenized (its grammar compiled) in the
+thread pool, then waits in the worker's inbox for the engine (klotski/serve/worker.py).
+
+* Answered whole, or streamed (`stream: true`) token by token as server-sent events in
+  OpenAI's chunk shape (klotski/serve/stream.py): each sample's `listener` is called on the
+  engine's thread after every step that added to it, and hands what it made to the event loop.
+* A client that leaves (a stream closed, or a connection dropped while its answer is made:
+  polled every POLL_S) sets `leaving` on its sequences: the engine ends them at its next
+  step and their rows free, or they leave the inbox if not yet taken.
+* A full inbox (--max-waiting) is a 429 with Retry-After; a server that cannot run the
+  request (stopping, its engine's thread gone) a 503 at once.
+* Nothing heavier than a dict is built on the event loop: checking the line, tokenizing,
+  compiling grammars, building the answer and checking it against the `openai` package's
+  ChatCompletion or Completion run in the thread pool.
+"""
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import uuid
 
@@ -22,9 +31,13 @@ from klotski.io.records import result_record
 from klotski.io.requests import CHAT_URL, COMPLETIONS_URL, LineError
 from klotski.runtime.sequences import prepare
 from klotski.serve.deps import Problem, Served, authorized, json_body, served
+from klotski.serve.stream import DONE, Chunks, error_event, event
+from klotski.serve.worker import Full
 
 router = APIRouter(dependencies=[Depends(authorized)])
 FIELD = re.compile(r"body\.([A-Za-z_][\w.\[\]]*) ")  # the field a request's error message starts with
+POLL_S = 0.25  # how often a request waiting for its whole answer checks that its client is still there
+RETRY_AFTER_S = 1  # what a 429 asks a client to wait
 
 
 @router.post("/v1/chat/completions")
@@ -42,31 +55,160 @@ async def online(request: Request, s: Served, url: str):
     if body.get("model") not in (None, *s.names):
         raise Problem(404, f"model {body.get('model')!r} is not served here; this server serves "
                            f"{' or '.join(map(repr, s.names))}", "model_not_found", "model")
-    stream = body.get("stream") is True
+    stream, usage = streaming(body)
+    seqs = await run_in_threadpool(_prepare, s, url, body, stream)
+    if not stream:
+        samples = await _answered(request, seqs, _put(s, seqs))
+        return await run_in_threadpool(_answer, s, url, samples)
+    loop, heard = asyncio.get_running_loop(), asyncio.Queue()
+    for seq in seqs:
+        seq.listener = _listener(loop, heard, seq.sample)
+    future = _put(s, seqs)
+    if future.done() and future.exception() is not None:  # (the inbox is closed: nothing would answer)
+        raise _unavailable(future.exception())
+    asyncio.wrap_future(future).add_done_callback(_answered_to(heard))
+    chunks = Chunks(seqs, s.detokenizer, url, s.names[0], usage=usage)
+    return StreamingResponse(_events(seqs, chunks, heard), media_type="text/event-stream")
+
+
+def streaming(body: dict) -> tuple[bool, bool]:
+    """(stream, include_usage) of a request, refused with a 400 where they are not OpenAI's."""
+    stream, options = body.get("stream"), body.get("stream_options")
+    if stream not in (None, True, False):
+        raise Problem(400, f"stream must be true or false, got {stream!r}", "invalid_request", "stream")
+    if options is None:
+        return stream is True, False
+    if stream is not True:
+        raise Problem(400, "stream_options is only allowed when stream is true", "invalid_request", "stream_options")
+    if not isinstance(options, dict) or set(options) - {"include_usage"} or \
+            options.get("include_usage", False) not in (True, False):
+        raise Problem(400, f"stream_options must be {{\"include_usage\": true or false}}, got {options!r}",
+                      "invalid_request", "stream_options")
+    return True, options.get("include_usage", False)
+
+
+def _prepare(s: Served, url: str, body: dict, stream: bool) -> list:
+    """The request's sequences, checked and tokenized as a job line is (in the thread pool)."""
     line = {"custom_id": f"online-{uuid.uuid4().hex}", "method": "POST", "url": url,
             "body": {k: v for k, v in body.items() if k not in ("stream", "stream_options")}}
     item = next(iter(claim_items([(1, 0, 0, line, None)])))
     if isinstance(item, LineError):
         raise _refused(item.message, item.code)
-    seqs, errors = await run_in_threadpool(_prepare, s, item)
+    if stream and item.choice_logprobs:
+        raise Problem(400, "choice_logprobs is not available when streaming; send stream: false",
+                      "invalid_request", "choice_logprobs")
+    with s.tok_lock:  # (the engine's reader has a tokenizer of its own)
+        seqs, errors = prepare([item], s.tokenizer, s.spec, s.config)
     if errors:
         raise _refused(errors[0].message, errors[0].code)
+    return seqs
+
+
+def _put(s: Served, seqs: list):
     try:
-        samples = await asyncio.wrap_future(s.inbox.put(seqs))
+        return s.inbox.put(seqs)
+    except Full as e:
+        raise Problem(429, f"the server is busy ({e}); retry after {RETRY_AFTER_S} s", "too_many_requests",
+                      headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+
+
+def _unavailable(e: BaseException) -> Problem:
+    return Problem(503, f"the request could not be run: {e}; retry", "unavailable")
+
+
+async def _answered(request: Request, seqs: list, future) -> list:
+    """The finished samples, once the engine made them; a client that leaves meanwhile sets
+    its sequences `leaving` (nobody reads the reply)."""
+    waiting = asyncio.wrap_future(future)
+    try:
+        while True:
+            done, _ = await asyncio.wait({waiting}, timeout=POLL_S)
+            if done:
+                break
+            if await request.is_disconnected():
+                _leave(seqs)
+                raise Problem(400, "the client disconnected before its answer was made", "client_disconnected")
+    except asyncio.CancelledError:
+        _leave(seqs)
+        raise
+    try:
+        return waiting.result()
     except RuntimeError as e:
-        raise Problem(503, f"the request could not be run: {e}; retry", "unavailable") from None
+        raise _unavailable(e) from None
+
+
+def _answer(s: Served, url: str, samples: list) -> dict:
+    """The whole answer, checked against the `openai` package's type (in the thread pool)."""
     if failed := next((x for x in samples if x.error), None):
         raise Problem(500, f"the model could not answer: {failed.error}", "model_error")
     answer = result_record(samples, fmt="openai", model=s.names[0])["response"]["body"]
     (ChatCompletion if url == CHAT_URL else Completion).model_validate(answer)
-    if not stream:
-        return answer
-    return StreamingResponse(sse(answer, url), media_type="text/event-stream")
+    return answer
 
 
-def _prepare(s: Served, item):
-    with s.tok_lock:  # (the engine's reader has a tokenizer of its own)
-        return prepare([item], s.tokenizer, s.spec, s.config)
+def _answered_to(heard: asyncio.Queue):
+    """The inbox's answer, handed to the stream after its samples' last news (its failure marked
+    read: a stream that has ended no longer reads it)."""
+    def answered(future: asyncio.Future) -> None:
+        if not future.cancelled():
+            future.exception()
+        heard.put_nowait(future)
+    return answered
+
+
+def _listener(loop, heard: asyncio.Queue, sample: int):
+    """What the engine's thread calls after each step that added to a sample: its state then
+    (what it made, and once done its finish reason, text and error), handed to the event loop."""
+    def listener(seq) -> None:
+        try:
+            loop.call_soon_threadsafe(heard.put_nowait, (sample, len(seq.out), seq.finish_reason, seq.text, seq.error))
+        except RuntimeError:  # the event loop has closed (the server stops): nobody is listening
+            pass
+    return listener
+
+
+async def _events(seqs: list, chunks: Chunks, heard: asyncio.Queue):
+    """The stream: each sample's chunks as its tokens come, then usage, then [DONE]. Closed or
+    cancelled before the end (the client left), its sequences are set `leaving`."""
+    try:
+        for chunk in chunks.opening():
+            yield event(chunk)
+        going = set(range(len(seqs)))
+        while going:
+            news = [await heard.get()]
+            while not heard.empty():  # what came meanwhile goes out together
+                news.append(heard.get_nowait())
+            for news_item in news:
+                if isinstance(news_item, asyncio.Future):  # the inbox's answer: all done, or failed
+                    if news_item.exception() is not None:
+                        yield error_event(f"the request could not be run: {news_item.exception()}; retry",
+                                          "unavailable", 503)
+                        return
+                    # (every sample's last news came before it; should one not have, its end is read now)
+                    news.extend((i, len(s.out), s.finish_reason, s.text, s.error) for i, s in enumerate(seqs)
+                                if i in going)
+                    continue
+                sample, made, finish, text, error = news_item
+                if sample not in going:
+                    continue
+                if finish == "error":
+                    yield error_event(f"the model could not answer: {error}", "model_error")
+                    return
+                for chunk in chunks.progress(sample, made, finish, text):
+                    yield event(chunk)
+                if finish is not None:
+                    going.discard(sample)
+        for chunk in chunks.closing():
+            yield event(chunk)
+        yield DONE
+    finally:
+        _leave(seqs)
+
+
+def _leave(seqs: list) -> None:
+    for seq in seqs:
+        if not seq.done:
+            seq.leaving = True
 
 
 def _refused(message: str, code: str) -> Problem:
@@ -74,23 +216,3 @@ def _refused(message: str, code: str) -> Problem:
     field = FIELD.match(message)
     message = message.removeprefix("body.").replace("the line", "the request")
     return Problem(400, message, code, field.group(1) if field else None)
-
-
-def sse(answer: dict, url: str):
-    """The answer as server-sent events: each choice's whole text in one chunk (it is
-    generated before the reply starts), its finish reason in the next, then [DONE]."""
-    base = {"id": answer["id"], "created": answer["created"], "model": answer["model"]}
-    for choice in answer["choices"]:
-        i = choice["index"]
-        if url == CHAT_URL:
-            kind = "chat.completion.chunk"
-            first = {"index": i, "delta": {"role": "assistant", "content": choice["message"]["content"]},
-                     "finish_reason": None}
-            last = {"index": i, "delta": {}, "finish_reason": choice["finish_reason"]}
-        else:
-            kind = "text_completion"
-            first = {"index": i, "text": choice["text"], "finish_reason": None}
-            last = {"index": i, "text": "", "finish_reason": choice["finish_reason"]}
-        for part in (first, last):
-            yield f"data: {json.dumps({**base, 'object': kind, 'choices': [part]})}\n\n"
-    yield "data: [DONE]\n\n"

@@ -32,7 +32,7 @@ async def health(s: Served = Depends(served)):
     problems = [p for p in (s.store.trouble, None if s.worker.is_alive() else
                             f"the engine's worker has stopped ({s.inbox.closed or 'unexpectedly'})") if p]
     body = {"status": "degraded" if problems else "ok", "model": s.names[0], "problems": problems,
-            "online": vars(s.stats)}
+            "online": {**vars(s.stats), **s.inbox.counts()}}
     return JSONResponse(body, status_code=200 if s.worker.is_alive() else 503)
 
 

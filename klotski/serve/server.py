@@ -20,7 +20,7 @@ from klotski.io.checkpoint import Checkpoint
 from klotski.serve.batches import Worker
 from klotski.serve.faults import Faults
 from klotski.serve.store import Store
-from klotski.serve.worker import Inbox, log
+from klotski.serve.worker import MAX_WAITING, Inbox, log
 
 PLAN_PROMPT_TOKENS = 256  # the prompt length the one engine is planned for; longer ones prefill in chunks
 GRACE_S = 5  # on SIGTERM, how long requests in flight may take to finish
@@ -39,6 +39,7 @@ class ServeOptions:
     served_names: tuple[str, ...] = ()   # what clients call the model; none: its --model value
     batch_window_s: int = 24 * 3600      # a batch's completion window (OpenAI's 24h; shorter only in tests)
     fault_file: str | None = None        # the test seam in the store's writes (klotski/serve/faults.py)
+    max_waiting: int = MAX_WAITING       # online requests waiting for the engine; past it a 429
 
 
 def serve(config, options: ServeOptions) -> int:
@@ -66,10 +67,11 @@ def serve(config, options: ServeOptions) -> int:
                                     row_slots=len(planned[0].prompt_ids) + planned[0].max_new_tokens)
         engine = build_engine(config, ckpt, setup)
         names = o.served_names or (config.model,)
-        inbox = Inbox(engine.waiting)
+        inbox = Inbox(engine.waiting, o.max_waiting)
         worker = Worker(store, config, engine, setup, inbox, names)
         state = Served(store=store, names=names, config=config, tokenizer=copy.deepcopy(ckpt.tokenizer),
-                       spec=ckpt.spec, inbox=inbox, stats=engine.waiting.stats, worker=worker,
+                       detokenizer=copy.deepcopy(ckpt.tokenizer), spec=ckpt.spec, inbox=inbox,
+                       stats=engine.waiting.stats, worker=worker,
                        api_key=o.api_key, max_upload=o.max_upload, max_body=o.max_body,
                        batch_window_s=o.batch_window_s)
         app = make_app(state)

@@ -23,9 +23,10 @@ import threading
 import time
 
 from klotski.runtime import sequences as S
-from klotski.runtime.scheduler import ONLINE
+from klotski.runtime.scheduler import ONLINE, QueueFull as Full  # noqa: F401 (online.py's 429)
 
 GATHER_S = 0.02  # requests arriving this close together start one run (the rest join it step by step)
+MAX_WAITING = 1024  # online requests the queue holds (--max-waiting): past it a request is refused (429)
 
 
 class Halt(KeyboardInterrupt):
@@ -36,11 +37,13 @@ class Inbox:
     """Online requests, put into the engine's waiting queue, each with the future its HTTP
     request awaits (answered from the engine's thread once all its samples are done)."""
 
-    def __init__(self, waiting):
+    def __init__(self, waiting, max_waiting: int = MAX_WAITING):
         self.waiting = waiting  # the engine's (runtime/scheduler.Waiting)
+        waiting.limit = max_waiting  # (a request's n samples count once)
         self.lock = threading.Lock()
         self.replies: dict[int, concurrent.futures.Future] = {}  # id(seq) -> future, until answered
         self.closed: str | None = None  # why no engine will take requests any more
+        self.left = 0  # online sequences ended because their client left
 
     stats = property(lambda self: self.waiting.stats)
 
@@ -70,8 +73,17 @@ class Inbox:
             return
         with self.lock:
             future = self.replies.pop(id(seq), None)
+            self.left += seq.finish_reason == "abort"
         if future is not None and not future.done() and (samples := S.gather(seq)) is not None:
             future.set_result(samples)  # (once its request's other samples are done too)
+
+    def counts(self) -> dict:
+        """For /health: online requests waiting, online sequences admitted and not done, and
+        those ended because their client left."""
+        waiting = self.waiting.online_waiting()
+        with self.lock:
+            return {"waiting": waiting, "in_engine": len(self.replies) - self.waiting.online_sequences(),
+                    "left": self.left}
 
     def close(self, message: str) -> None:
         """No more requests are taken: those waiting or running and any put later fail with `message`."""

@@ -1,0 +1,162 @@
+"""`klotski serve`'s online endpoints (issue 48 parts 2 and 3), on a real uvicorn server driven
+by the official `openai` client: streamed answers arrive token by token, usage last, and join
+to the answer not streamed; a stop string split across tokens never reaches the client; a
+client that leaves (streaming or not) frees its row at once; a full inbox is a 429 with
+Retry-After."""
+import json
+import socket
+import threading
+import time
+
+import openai
+import pytest
+
+from test_serve import KEY, Server, _chat, _raw
+
+LONG = 900  # tokens a long request asks for: far more steps than the tests wait
+
+
+@pytest.fixture(scope="module")
+def model(checkpoints):
+    return str(checkpoints["gqa"])
+
+
+@pytest.fixture(scope="module")
+def server(model, tmp_path_factory):
+    s = Server(model, tmp_path_factory.mktemp("online") / "data", "--api-key", KEY, "--max-waiting", "1")
+    yield s
+    assert s.stop() in (0, 143), s.log.read_text()
+
+
+def _online(server) -> dict:
+    return _raw(server.url + "/health")[1]["online"]
+
+
+def _until(check, what: str, timeout: float = 60):
+    deadline = time.time() + timeout
+    while not check():
+        assert time.time() < deadline, what
+        time.sleep(0.05)
+
+
+def test_the_openai_client_streams_token_by_token_with_usage_last(server, model):
+    client = server.client()
+    ask = dict(model=model, messages=_chat("rivers"), max_tokens=12, n=2, temperature=0, logprobs=True,
+               top_logprobs=2)
+    whole = client.chat.completions.create(**ask)
+    chunks = list(client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    assert all(c.usage is None for c in chunks[:-1]) and len({c.id for c in chunks}) == 1
+    for choice in whole.choices:
+        mine = [c.choices[0] for c in chunks[:-1] if c.choices[0].index == choice.index]
+        assert mine[0].delta.role == "assistant" and mine[-1].finish_reason == choice.finish_reason
+        assert "".join(c.delta.content or "" for c in mine) == choice.message.content
+        assert sum(bool(c.delta.content) for c in mine) > 3  # token by token
+        assert [e for c in mine if c.logprobs for e in c.logprobs.content] == choice.logprobs.content
+    text = client.completions.create(model=model, prompt="Paris is", max_tokens=8)
+    streamed = list(client.completions.create(model=model, prompt="Paris is", max_tokens=8, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == text.choices[0].text
+    assert streamed[-1].choices[0].finish_reason == text.choices[0].finish_reason
+
+
+def test_a_stop_string_split_across_tokens_never_reaches_the_client(server, model):
+    client = server.client()
+    free = client.chat.completions.create(model=model, messages=_chat("music"), max_tokens=16,
+                                          logprobs=True).choices[0]
+    tokens = [e.token for e in free.logprobs.content]
+    # a stop string that begins inside one token and ends inside a later one
+    start = sum(map(len, tokens[:4]))
+    stop = free.message.content[start - 1:start + len(tokens[4]) + 1]
+    assert len(stop) >= 3 and stop.strip(), (tokens, stop)
+    expected = free.message.content[:free.message.content.index(stop)]
+    stream = client.chat.completions.create(model=model, messages=_chat("music"), max_tokens=16, stop=[stop],
+                                            stream=True)
+    chunks = [c.choices[0] for c in stream]
+    assert "".join(c.delta.content or "" for c in chunks) == expected
+    assert chunks[-1].finish_reason == "stop"
+
+
+def test_stream_options_without_stream_is_refused(server, model):
+    with pytest.raises(openai.BadRequestError, match="stream_options is only allowed when stream is true") as e:
+        server.client().chat.completions.create(model=model, messages=_chat("x"), max_tokens=2,
+                                                stream_options={"include_usage": True})
+    assert e.value.body["param"] == "stream_options"
+
+
+def test_a_streaming_client_that_leaves_frees_its_row(server, model):
+    client = server.client()
+    before = _online(server)
+    stream = client.chat.completions.create(model=model, messages=_chat("the sea"), max_tokens=LONG, stream=True)
+    got = [next(stream) for _ in range(3)]
+    assert got[0].choices[0].delta.role == "assistant"
+    stream.close()
+    _until(lambda: _online(server)["left"] == before["left"] + 1, "the request did not end when its client left")
+    _until(lambda: _online(server)["in_engine"] == 0, "its row is still held")
+    after = _online(server)
+    assert after["steps"] - before["steps"] < LONG // 4  # it stopped, long before its max_tokens
+    # a short request after it is answered, not queued behind it
+    assert client.chat.completions.create(model=model, messages=_chat("x"), max_tokens=2).choices[0].message
+
+
+def test_a_client_that_hangs_up_before_its_answer_frees_its_row(server, model):
+    before = _online(server)
+    body = json.dumps({"model": model, "messages": _chat("bread"), "max_tokens": LONG}).encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                     f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        _until(lambda: _online(server)["in_engine"] == 1, "the request did not start")
+    _until(lambda: _online(server)["left"] == before["left"] + 1, "the request did not end when its client left")
+    _until(lambda: _online(server)["in_engine"] == 0, "its row is still held")
+    assert _online(server)["steps"] - before["steps"] < LONG // 4
+
+
+def test_a_full_inbox_answers_429_with_retry_after(server, model):
+    client = server.client()
+    running = client.chat.completions.create(model=model, messages=_chat("cats"), max_tokens=LONG // 2, stream=True)
+    next(running)
+    _until(lambda: _online(server)["in_engine"] == 1, "the first request did not start")
+    # longer than the running group's rows: it waits in the inbox for that run to end
+    waiting = client.chat.completions.create(model=model, messages=_chat("dogs"), max_tokens=LONG, stream=True)
+    answered = threading.Thread(target=lambda: next(waiting))
+    answered.start()
+    _until(lambda: _online(server)["waiting"] == 1, "the second request is not waiting")
+    with pytest.raises(openai.RateLimitError, match="busy") as e:
+        client.chat.completions.create(model=model, messages=_chat("x"), max_tokens=2)
+    assert e.value.status_code == 429 and int(e.value.response.headers["retry-after"]) >= 1
+    assert e.value.body["code"] == "too_many_requests"
+    running.close()
+    answered.join(60)
+    waiting.close()
+    _until(lambda: _online(server)["in_engine"] == 0 and _online(server)["waiting"] == 0, "rows still held")
+    assert client.chat.completions.create(model=model, messages=_chat("x"), max_tokens=2).choices[0].message
+
+
+def test_the_inbox_bounds_requests_and_lets_leavers_go():
+    """Without a server: `--max-waiting` counts requests (a request's n samples once); a
+    request whose client left leaves the engine's queue at its next step, answered as ended."""
+    from klotski.runtime import sequences as S
+    from klotski.runtime.scheduler import Waiting
+    from klotski.runtime.sequences import Sequence
+    from klotski.serve.worker import Full, Inbox
+
+    def request(n):
+        seqs = [Sequence(None, [1, 2], 4, 0.0, 1.0, (), None, sample=i) for i in range(n)]
+        for s in seqs:
+            s.samples = seqs
+        return seqs
+    waiting = Waiting()
+    inbox = Inbox(waiting, max_waiting=2)
+    gone = request(3)
+    first, second = inbox.put(gone), inbox.put(request(1))
+    with pytest.raises(Full):
+        inbox.put(request(1))
+    assert inbox.counts() == {"waiting": 2, "in_engine": 0, "left": 0}
+    for s in gone:
+        s.leaving = True
+    waiting.collect(lambda s: 0)  # what the engine's next step does (ContinuousRun.step, _leave)
+    for s in waiting.leaving():
+        S.abandon(s)
+    assert not second.done() and first.done()
+    assert [s.finish_reason for s in first.result()] == ["abort"] * 3
+    assert inbox.counts() == {"waiting": 1, "in_engine": 0, "left": 3}
+    inbox.put(request(2))  # room again
