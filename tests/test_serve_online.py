@@ -137,7 +137,8 @@ def test_the_inbox_bounds_requests_and_lets_leavers_go():
     from klotski.runtime import sequences as S
     from klotski.runtime.scheduler import Waiting
     from klotski.runtime.sequences import Sequence
-    from klotski.serve.worker import Full, Inbox
+    from klotski.runtime.scheduler import QueueFull as Full
+    from klotski.serve.worker import Inbox
 
     def request(n):
         seqs = [Sequence(None, [1, 2], 4, 0.0, 1.0, (), None, sample=i) for i in range(n)]

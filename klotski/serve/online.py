@@ -32,7 +32,7 @@ from klotski.io.requests import CHAT_URL, COMPLETIONS_URL, LineError
 from klotski.runtime.sequences import prepare
 from klotski.serve.deps import Problem, Served, authorized, json_body, served
 from klotski.serve.stream import DONE, Chunks, error_event, event
-from klotski.serve.worker import Full
+from klotski.runtime.scheduler import QueueFull
 
 router = APIRouter(dependencies=[Depends(authorized)])
 FIELD = re.compile(r"body\.([A-Za-z_][\w.\[\]]*) ")  # the field a request's error message starts with
@@ -107,7 +107,7 @@ def _prepare(s: Served, url: str, body: dict, stream: bool) -> list:
 def _put(s: Served, seqs: list):
     try:
         return s.inbox.put(seqs)
-    except Full as e:
+    except QueueFull as e:
         raise Problem(429, f"the server is busy ({e}); retry after {RETRY_AFTER_S} s", "too_many_requests",
                       headers={"Retry-After": str(RETRY_AFTER_S)}) from None
 

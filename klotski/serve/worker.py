@@ -23,7 +23,7 @@ import threading
 import time
 
 from klotski.runtime import sequences as S
-from klotski.runtime.scheduler import ONLINE, QueueFull as Full  # noqa: F401 (online.py's 429)
+from klotski.runtime.scheduler import ONLINE
 
 GATHER_S = 0.02  # requests arriving this close together start one run (the rest join it step by step)
 MAX_WAITING = 1024  # online requests the queue holds (--max-waiting): past it a request is refused (429)
