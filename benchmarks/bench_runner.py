@@ -180,7 +180,7 @@ def probe_main(out: str, argv: list[str]) -> int:
     acc = {"bytes": 0, "s": 0.0, "calls": 0}
     settle = lambda: None
     if argv[:2] == ["-m", "klotski.cli"]:
-        from klotski.runtime.engine import Engine
+        from klotski.schedule.engine import Engine
         count_reads(Engine, "step", acc, counts=lambda kw: kw.get("decode") is not None)
         sys.argv = ["klotski", *argv[2:]]
         target = lambda: runpy.run_module("klotski.cli", run_name="__main__", alter_sys=True)

@@ -15,7 +15,7 @@ pick instead, within one GPU call (about 5 minutes on an H100/H200).
   accelerate's process too; accelerate's own max_memory, which counts weights only, is 80% of
   it so its activations fit beside them).
 * Link: --link-gbps (25, PCIe 4) held by Klotski's --emulate-link, which on CUDA holds each
-  copy's completion to the emulated link's schedule (klotski/runtime/cudacopies.py); no device
+  copy's completion to the emulated link's schedule (klotski/execute/cudacopies.py); no device
   or bus setting is changed. One row runs at the native link. accelerate cannot be throttled
   without patching it: it always runs at the native link (an advantage to it).
 * Prompts: labelling-like, --prompt-tokens (500) tokens each (an instruction and numbered

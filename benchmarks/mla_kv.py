@@ -27,7 +27,7 @@ def full_kv_bytes_per_token(shape, dtype_bytes: int) -> int:
 def measured(tmp: Path) -> dict:
     from conftest import engine_tokens
 
-    from klotski.runtime import kvcache
+    from klotski.execute import kvcache
     from klotski.builtin.families import build_family
     path = build_family(tmp / "v2", "deepseek_v2", hidden_size=128, num_attention_heads=8, kv_lora_rank=64,
                         qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)

@@ -12,7 +12,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
 from conftest import requests  # noqa: E402
-from klotski.runtime import pipeline as P  # noqa: E402
+from klotski.execute import pipeline as P  # noqa: E402
 from klotski.assemble import open_engine  # noqa: E402
 from klotski.config import RunConfig  # noqa: E402
 

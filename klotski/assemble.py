@@ -17,14 +17,14 @@ from dataclasses import dataclass
 import torch
 
 from klotski import planning
-from klotski.runtime.channels import make_channels
+from klotski.execute.channels import make_channels
 from klotski.io.checkpoint import Checkpoint
-from klotski.runtime.engine import Engine
-from klotski.runtime.hostcompute import HostCompute
-from klotski.runtime.pipeline import Pipeline
+from klotski.schedule.engine import Engine
+from klotski.execute.hostcompute import HostCompute
+from klotski.execute.pipeline import Pipeline
 from klotski.prefetch.predictors import FrequencyPredictor, NextGatePredictor
-from klotski.runtime.sequences import prepare
-from klotski.runtime.trace import Trace
+from klotski.schedule.sequences import prepare
+from klotski.execute.trace import Trace
 from klotski.util.threads import ThreadGovernor
 from placement.cache import WeightCache
 from placement.pinned import PinnedBlocks
@@ -59,9 +59,9 @@ class RunSetup:
 
 
 def pipeline_cost(device: str, emulated_link: bool = False, announce=None) -> dict:
-    """The pipeline's own cost per call on `device` (klotski/runtime/overhead.py), for measured profiles:
+    """The pipeline's own cost per call on `device` (klotski/schedule/overhead.py), for measured profiles:
     with an emulated link the CPU channels copy on their threads, without one inline."""
-    from klotski.runtime.overhead import pipeline_overhead
+    from klotski.schedule.overhead import pipeline_overhead
     return pipeline_overhead(device, open_engine, emulated_link=emulated_link, announce=announce)
 
 

@@ -66,7 +66,7 @@ class RunConfig:
     quality_max_gap: float | None = None        # largest mean log-prob gap, nats/token
     quality_min_agreement: float | None = None  # smallest greedy agreement with the reference, 0..1
     emulate_link_gbps: float | None = None
-    # Attention where a host KV cache lives / cold experts where they live (klotski/runtime/hostcompute.py):
+    # Attention where a host KV cache lives / cold experts where they live (klotski/execute/hostcompute.py):
     # auto = the cost model decides per layer and step from the run's profile; off by default, as
     # on a CPU-only machine the host is the device and auto would turn every emulated-link run
     # into host compute.
@@ -74,7 +74,7 @@ class RunConfig:
     host_experts: str = "off"
     direct_io: bool = True
     threads: int | None = None        # CPU compute threads; None = the cores free now, looked at again as it runs
-    prefix_cache: bool = True         # a prompt prefix a window's lines share is prefilled once (runtime/prefix.py)
+    prefix_cache: bool = True         # a prompt prefix a window's lines share is prefilled once (schedule/prefix.py)
     resume: bool = True
     include_token_ids: bool = False
     output_format: str = "auto"       # auto: each output line in its input line's form

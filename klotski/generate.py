@@ -5,7 +5,7 @@ loaded), the output's finished ids read (hashed), the job file's first window re
 tokenized, the run planned from that window's prompts — a budget that cannot work is refused
 here, before any weight is read or the output file is created — and only then the tiers are
 filled and generation starts. The job file streams: windows of `--window` lines are read,
-validated and tokenized one after another (klotski/runtime/windows.py), each batched longest
+validated and tokenized one after another (klotski/schedule/windows.py), each batched longest
 prompt first (the engine's groups), so memory holds one window whatever the file's length and
 the first record comes after the first window, not the whole file.
 Output is written the moment each sequence finishes (flushed and fsynced by the writer), so
@@ -32,9 +32,9 @@ from klotski.io.output import OutputWriter, read_output
 from klotski.io.parquet_output import ParquetOutput, is_parquet
 from klotski.io.records import error_record
 from klotski.planning import replayed_plan
-from klotski.runtime import sequences as S
-from klotski.runtime.report import build_report, replayed, save_report, summary
-from klotski.runtime.windows import Background, LineCount, drain, job_windows, read_ahead
+from klotski.schedule import sequences as S
+from klotski.schedule.report import build_report, replayed, save_report, summary
+from klotski.schedule.windows import Background, LineCount, drain, job_windows, read_ahead
 from klotski.util.writes import replace_atomically, writing
 
 

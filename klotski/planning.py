@@ -9,8 +9,8 @@ from pathlib import Path
 
 from klotski.compress.hqq import spec_for
 from klotski.errors import UserError
-from klotski.runtime.overhead import LAUNCHES
-from klotski.runtime.profile_ops import EngineOps
+from klotski.schedule.overhead import LAUNCHES
+from klotski.execute.profile_ops import EngineOps
 from placement.placement import Placement
 from planner.costmodel import LINKS, CostModel
 from planner.precision import (Precision, QualityBound, Weighed, choose, default_options, link_bytes_per_step,
@@ -66,7 +66,7 @@ def measure_here(shape, *, device: str = "auto", link_gbps: float | None = None,
     with writing(cachedir.profiles(), "the disk-speed probe of the hardware profile"):
         profile = measure(shape, ops=EngineOps(), device=compute_device(device), link_gbps=link_gbps,
                           refresh=refresh, cache_dir=cachedir.profiles(), announce=_say, busy=machine_busy)
-        if pipeline_cost:  # what the pipeline adds around the ops (klotski/runtime/overhead.py, via assemble)
+        if pipeline_cost:  # what the pipeline adds around the ops (klotski/schedule/overhead.py, via assemble)
             found = pipeline_cost(compute_device(device), emulated_link=bool(link_gbps), announce=_say)
             profile.overhead_s.update({k: v for k, v in found.items() if not k.startswith(LAUNCHES)})
             profile.launches = {k[len(LAUNCHES):]: v for k, v in found.items() if k.startswith(LAUNCHES)}

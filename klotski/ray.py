@@ -29,7 +29,7 @@ from pathlib import Path
 
 from klotski.config import RunConfig
 from klotski.errors import RunStopped, UserError
-from klotski.runtime.report import closing_lines, requests_line, save_report
+from klotski.schedule.report import closing_lines, requests_line, save_report
 
 INSTALL = "pip install 'klotski[ray]'"
 IN_FLIGHT = 2        # shards queued per actor: the next is there the moment one finishes
@@ -86,7 +86,7 @@ class Worker:
         """Records for every request of `shard` (results and error records), with counts."""
         from klotski.errors import USER_ERRORS
         from klotski.io.records import error_record
-        from klotski.runtime.sequences import line_record, prepare
+        from klotski.schedule.sequences import line_record, prepare
         c = self.config
         seqs, errors = prepare(shard, self.ckpt.tokenizer, self.ckpt.spec, c)
         records = [error_record(e, fmt=c.output_format) for e in errors]
@@ -411,7 +411,7 @@ class Generator:
 
     def __call__(self, batch: dict) -> dict:
         from klotski.io.requests import InvalidLine, Request, line_fields
-        from klotski.runtime.sequences import prepare
+        from klotski.schedule.sequences import prepare
         columns = {k: _py(v) for k, v in batch.items()}
         rows = len(next(iter(columns.values()), []))
         out = {k: [None] * rows for k in self.OUTPUTS}

@@ -208,7 +208,7 @@ class CostModel:
         residency cache, submitting and awaiting transfers), per batch-layer, expert call,
         transfer, step, batch-layer whose KV cache comes from the host and token-layer beyond
         one a row (`tokens`: a prefill's), as a measured profile records it (`overhead_s`;
-        klotski/runtime/overhead.py), each term at least its counted launches times the
+        klotski/schedule/overhead.py), each term at least its counted launches times the
         device's per-launch cost. Noise on a big model, most of a step on a tiny one; 0 where
         the profile has none."""
         o, n, launch = self.profile.overhead_s, self.profile.launches, self.profile.launch_s

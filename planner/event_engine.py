@@ -14,7 +14,7 @@ from collections import deque
 
 from planner.workingset import DISK_WINDOW_LAYERS
 
-# Same lanes, in the same order, as the engine's traces (klotski/runtime/trace.py), so that real and
+# Same lanes, in the same order, as the engine's traces (klotski/execute/trace.py), so that real and
 # simulated runs open side by side; "wait" holds the compute lane's bubbles.
 # "host" (the host CPU's work, its "bytes" seconds) comes last: the engine's traces may not
 # have it.

@@ -62,7 +62,7 @@ def live_rows(gen_lens: Sequence[int], slots: int) -> Counter:
 
 def continuous_steps(prompt_lens: Sequence[int], gen_lens: Sequence[int], bs: int, n: int,
                      widest: Callable[[tuple, int, list], int], lookahead: int = 4) -> tuple[list[int], Counter, float]:
-    """Continuous batching replayed step by step with its prefills, as klotski/runtime/batching.py
+    """Continuous batching replayed step by step with its prefills, as klotski/schedule/batching.py
     runs a window: the first n·bs requests (longest answers first) prefill together in place
     (their prompts returned, priced as a static prefill); after that a step decodes the live
     rows and carries up to n newcomer batches (≤ bs prompts each, the longest of the next

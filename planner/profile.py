@@ -86,7 +86,7 @@ class Profile:
     host_mem_bw: float = 0.0          # effective host-memory bytes/s read by host compute
     # The host's cost of one op launched on the device (CUDA: launch plus a small kernel's
     # latency; CPU: per-op dispatch), and the ops the engine's pipeline issues around the
-    # timed ops, per term of `overhead_s` (counted by the engine: klotski/runtime/overhead.py).
+    # timed ops, per term of `overhead_s` (counted by the engine: klotski/schedule/overhead.py).
     # The cost model never prices a term below its launches: a GPU waits on them.
     launch_s: float = 0.0
     launches: dict[str, float] = field(default_factory=dict)
@@ -400,7 +400,7 @@ def _copy_bandwidth(nbytes, src, dst, reps, sync) -> float:
 
 def _clone_bandwidth(nbytes: int, total: int = 256 << 20, count: int = 40) -> float:
     """Bytes/s of a CPU "transfer" as the engine makes it without an emulated link
-    (klotski/runtime/channels.py: `Channel.inline`): a clone of a group of `nbytes` into
+    (klotski/execute/channels.py: `Channel.inline`): a clone of a group of `nbytes` into
     memory the allocator reuses, on the calling thread with torch's own threads, from sources
     cycled through `total` bytes (cold), the median of `count`. (With an emulated link the
     link's rate replaces this.) Timed on a one-thread worker, as the engine once copied, it

@@ -198,7 +198,7 @@ def make_plan(cost, shape, budgets, pred, bs, n, layout, ios, binding, schedule,
     # ops the pipeline launches around the timed ones in a decode layer (the profile's counts)
     launches = cost.launches(batch_layers=n, expert_calls=per_layer["expected_distinct_experts"])
     per_layer["launches"] = {"decode": launches, "ms": launches * cost.profile.launch_s * 1e3}
-    # the routing ids' one copy to the host per MoE layer (runtime/experts.ids_on_host): the only
+    # the routing ids' one copy to the host per MoE layer (execute/experts.ids_on_host): the only
     # host sync a decode layer step makes (tests/test_expert_waves.py counts them)
     per_layer["host_syncs"] = {"decode": 1 if E else 0}
     if schedule in ("klotski", "hot-prefetch"):

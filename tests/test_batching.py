@@ -1,4 +1,4 @@
-"""Continuous batching (klotski/runtime/batching.py): rows change hands, tokens do not change.
+"""Continuous batching (klotski/schedule/batching.py): rows change hands, tokens do not change.
 
 A job whose max_new_tokens are heavy-tailed, more prompts than rows: every sequence's greedy
 tokens equal transformers' (which generates each prompt to the longest limit; a shorter
@@ -12,7 +12,7 @@ from klotski.assemble import open_engine
 from klotski.io.checkpoint import Checkpoint
 from klotski.config import RunConfig
 from klotski.io.requests import Request
-from klotski.runtime.kvcache import BatchKV
+from klotski.execute.kvcache import BatchKV
 from placement.placement import Placement
 from placement.store import TensorStore
 

@@ -104,7 +104,7 @@ def test_a_run_that_stops_midway_says_so_in_one_line_and_resumes(checkpoints, tm
     """An exhausted budget (a planning or accounting bug, never a user's) or any other failure
     mid-run: one line naming the records kept, exit 3, and the rerun completes the rest."""
     from klotski.cli import main as cli
-    from klotski.runtime.pipeline import Pipeline
+    from klotski.execute.pipeline import Pipeline
     from placement.tiers import OverBudget
     jobs = tmp_path / "jobs.jsonl"
     jobs.write_text("".join(json.dumps({"id": f"q{i}", "prompt": p}) + "\n" for i, p in enumerate(PROMPTS)))

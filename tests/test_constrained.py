@@ -19,7 +19,7 @@ from klotski.assemble import open_engine
 from klotski.config import RunConfig
 from klotski.io.jobs import read_jobs
 from klotski.io.records import is_error, record_key
-from klotski.runtime import constrain
+from klotski.schedule import constrain
 from klotski.util.opcount import OpCounter
 
 CHOICES = ["positive", "negative", "neutral", "not sure at all"]

@@ -8,8 +8,8 @@ import pytest
 
 from conftest import PROMPTS, engine_tokens, reference_tokens
 from klotski.bench.op_count import build_model
-from klotski.runtime import pipeline as P
-from klotski.runtime.trace import Trace
+from klotski.execute import pipeline as P
+from klotski.execute.trace import Trace
 from placement.placement import Placement
 
 
@@ -22,7 +22,7 @@ def host_placement(checkpoints):
 def test_padded_prefill_index_goes_up_through_the_pinned_upload(checkpoints, monkeypatch):
     """The real-token index of a padded prefill is built on the host and sent by the
     pipeline's upload (the pinned ring, non-blocking), not copied pageable and blocking."""
-    from klotski.runtime.channels import SmallUploads
+    from klotski.execute.channels import SmallUploads
     made, uploaded = [], []
     real_tokens, upload = P.real_tokens, SmallUploads.__call__
 
@@ -47,7 +47,7 @@ def test_host_results_travel_apart_from_kv_loads_and_outside_compute_spans(check
     """Host compute's outputs come up on the `activations` channel (behind KV loads they would
     queue for nothing), and, where the device is not the host (CUDA), no compute span is open
     while the host computes: that time is bubble."""
-    from klotski.runtime.channels import Channel
+    from klotski.execute.channels import Channel
     lanes, open_spans, overlaps = [], [0], []
     submit = Channel.submit
 

@@ -1,4 +1,4 @@
-"""The two ways CUDA channels issue copies differently (klotski/runtime/cudacopies.py), checked
+"""The two ways CUDA channels issue copies differently (klotski/execute/cudacopies.py), checked
 where they can be without a GPU: an emulated link holds a copy until its booking ends, bookings
 queue on one link, work run on the caller keeps its exception for `result`, and the sanitizer
 query answers from torch's own sanitizer object. The CUDA side is tests/gpu/test_gpu_sanitizer.py."""
@@ -9,9 +9,9 @@ import time
 import pytest
 import torch
 
-from klotski.runtime import cudacopies
-from klotski.runtime.channels import EmulatedLink, make_channels
-from klotski.runtime.trace import Trace
+from klotski.execute import cudacopies
+from klotski.execute.channels import EmulatedLink, make_channels
+from klotski.execute.trace import Trace
 
 
 def test_hold_waits_for_the_links_booking_and_bookings_queue():

@@ -64,7 +64,7 @@ def test_latent_kv_cache_holds_576_of_v2_lite_shape_and_is_exact_on_the_host(v2_
     values; moved to the host and back every step, tokens are unchanged."""
     path, ref = v2_lora
     seen = []
-    from klotski.runtime import kvcache
+    from klotski.execute import kvcache
     original = kvcache.BatchKV.__init__
 
     def spy(self, *a, **kw):

@@ -5,7 +5,7 @@ import torch
 from conftest import PROMPTS, VARIANTS, engine_tokens, reference_tokens
 from klotski.config import RunConfig
 from klotski.assemble import open_engine
-from klotski.runtime.batching import prefill_input
+from klotski.schedule.batching import prefill_input
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -32,7 +32,7 @@ def test_hidden_states_match_per_layer(checkpoints, variant):
                                   __import__("conftest").requests(PROMPTS[:3]))
     ours = {}
     engine.pipeline.on_layer = lambda layer, hs: ours.__setitem__(layer, hs[0].clone())
-    from klotski.runtime.kvcache import BatchKV
+    from klotski.execute.kvcache import BatchKV
     batch = sorted(seqs, key=lambda s: PROMPTS.index(s.request.prompt))
     length = max(len(s.prompt_ids) for s in batch)
     kv = BatchKV(engine.spec.num_layers, 3, engine.spec.num_kv_heads, engine.spec.head_dim, length, torch.float32)

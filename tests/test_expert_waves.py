@@ -102,8 +102,8 @@ def test_a_decode_layer_step_issues_no_host_sync_but_the_routing_read(tmp_path):
     keys = spec.group_keys()
     plan = make_plan(as_shape(spec), load_profile("rtx3090-pcie4"), device_memory=1 << 30, host_memory=1 << 32,
                      prompt_len=8, gen_len=4, config=RunConfig(model=str(model), batch_size=4, num_batches=2))
-    device_side = ("/runtime/pipeline.py", "/runtime/residency.py", "/runtime/experts.py", "/runtime/kvcache.py",
-                   "/runtime/channels.py", "/placement/cache.py", "/klotski/models/")
+    device_side = ("/execute/pipeline.py", "/execute/residency.py", "/execute/experts.py", "/execute/kvcache.py",
+                   "/execute/channels.py", "/placement/cache.py", "/klotski/models/")
     names = ["cpu", "item", "tolist", "numpy", "pin_memory", "__bool__", "__int__", "__float__", "__index__"]
     for kind, budget in (("device", None), ("host", 2 << 20)):
         cfg = RunConfig(model=str(model), progress=False, dtype="float32", batch_size=4, num_batches=2,
@@ -149,7 +149,7 @@ def test_a_decode_layer_step_issues_no_host_sync_but_the_routing_read(tmp_path):
 def test_small_uploads_reuse_ring_bytes_only_once_the_device_has_read_them():
     """The pinned ring of a step's small uploads (CUDA-only in use; its bookkeeping checked here
     with a plain buffer, a meta device and events that say when they are waited for)."""
-    from klotski.runtime.channels import SmallUploads
+    from klotski.execute.channels import SmallUploads
 
     class Event:
         made = []

@@ -1,4 +1,4 @@
-"""Host compute (klotski/runtime/hostcompute.py): attention beside a host KV cache, cold experts where
+"""Host compute (klotski/execute/hostcompute.py): attention beside a host KV cache, cold experts where
 they live. Greedy fp32 tokens equal transformers' with each on and both, for several families;
 bytes over the host->device link fall; the KV cache stays right over many steps; `auto`
 follows the cost model, which does not pretend a slow host is free."""
@@ -10,7 +10,7 @@ from conftest import PROMPTS, engine_tokens, reference_tokens, requests
 from klotski.assemble import build_engine, setup_run
 from klotski.io.checkpoint import Checkpoint
 from klotski.config import ConfigError, RunConfig
-from klotski.runtime.sequences import prepare
+from klotski.schedule.sequences import prepare
 from klotski.builtin.families import build_family
 from placement.placement import Placement
 from planner.costmodel import CostModel
@@ -145,7 +145,7 @@ def test_host_rates_are_measured_with_the_engines_ops():
     """What a GPU machine's profile records for its host: the engine's expert and attention
     core timed on the CPU (here the CPU is all there is, so the path is run directly)."""
     from klotski.builtin import tiny
-    from klotski.runtime.profile_ops import EngineOps
+    from klotski.execute.profile_ops import EngineOps
     from planner.profile import host_rates
     from planner.shapes import ModelShape
     shape = ModelShape.from_config(tiny.PRESETS["tiny"])
@@ -157,8 +157,8 @@ def test_host_rates_are_measured_with_the_engines_ops():
 
 def test_flags_fill_the_config_and_the_summary_says_what_host_compute_did():
     from klotski.cli.parser import build_parser, config_from_args
-    from klotski.runtime.hostcompute import HostCompute
-    from klotski.runtime.report import host_line
+    from klotski.execute.hostcompute import HostCompute
+    from klotski.schedule.report import host_line
     a = build_parser().parse_args(["generate", "jobs.jsonl", "--host-attention", "auto", "--host-experts", "on"])
     config = config_from_args(a)
     assert (config.host_attention, config.host_experts) == ("auto", "on")

@@ -1,7 +1,7 @@
 """The package's import graph: no circles, and dependencies point one way. Imports inside
 functions count too: a lazy import is still a dependency.
 
-    cli ─> generate / assemble / planning / ray ─> runtime ─> io ─> builtin, models,
+    cli ─> generate / assemble / planning / ray ─> schedule ─> execute ─> io ─> builtin, models,
     compress, prefetch ─> util (with config and errors)
     klotski ─> planner, placement (never back; those two never use each other)
 """
@@ -21,11 +21,13 @@ MAY_IMPORT = {
     "prefetch": BOTTOM | {"models"},
     "builtin": BOTTOM | {"models", "compress"},
     "io": BOTTOM | {"models", "compress", "prefetch", "builtin"},
-    "runtime": BOTTOM | {"io", "models", "compress", "prefetch", "builtin"},
-    "top": BOTTOM | {"runtime", "io", "models", "compress", "prefetch", "builtin", "top"},
-    "bench": BOTTOM | {"top", "runtime", "io", "models", "compress", "prefetch", "builtin"},
-    "serve": BOTTOM | {"top", "runtime", "io", "models", "compress", "prefetch", "builtin"},
-    "cli": BOTTOM | {"top", "runtime", "io", "models", "compress", "prefetch", "builtin", "bench", "serve"},
+    "execute": BOTTOM | {"io", "models", "compress", "prefetch", "builtin"},
+    "schedule": BOTTOM | {"execute", "io", "models", "compress", "prefetch", "builtin"},
+    "top": BOTTOM | {"schedule", "execute", "io", "models", "compress", "prefetch", "builtin", "top"},
+    "bench": BOTTOM | {"top", "schedule", "execute", "io", "models", "compress", "prefetch", "builtin"},
+    "serve": BOTTOM | {"top", "schedule", "execute", "io", "models", "compress", "prefetch", "builtin"},
+    "cli": BOTTOM | {"top", "schedule", "execute", "io", "models", "compress", "prefetch", "builtin", "bench",
+            "serve"},
 }
 TOP = {"klotski.assemble", "klotski.generate", "klotski.planning", "klotski.ray"}
 MAX_TOP_LEVEL_MODULES = 8
@@ -143,11 +145,11 @@ def test_dependencies_between_rooms_point_one_way():
 
 def test_the_room_check_finds_a_planted_wrong_way_import():
     graph = _graph()
-    graph["klotski.models.spec"] = graph["klotski.models.spec"] | {"klotski.runtime.pipeline"}
-    graph["klotski.io.jobs"] = graph["klotski.io.jobs"] | {"klotski.runtime.sequences"}
+    graph["klotski.models.spec"] = graph["klotski.models.spec"] | {"klotski.execute.pipeline"}
+    graph["klotski.io.jobs"] = graph["klotski.io.jobs"] | {"klotski.schedule.sequences"}
     found = _wrong_way(graph)
-    assert "klotski.models.spec (models) imports klotski.runtime.pipeline (runtime)" in found
-    assert "klotski.io.jobs (io) imports klotski.runtime.sequences (runtime)" in found
+    assert "klotski.models.spec (models) imports klotski.execute.pipeline (execute)" in found
+    assert "klotski.io.jobs (io) imports klotski.schedule.sequences (schedule)" in found
 
 
 def test_named_wrong_way_imports_stay_gone():
@@ -160,7 +162,7 @@ def test_named_wrong_way_imports_stay_gone():
     assert not reaches("klotski.errors", "klotski.io")                 # errors never imports jobs
     assert not any(reaches(m, "klotski.builtin") for m in graph if m.startswith("klotski.models"))
     assert not any(reaches(m, "klotski.io") for m in graph if m.startswith("klotski.compress"))
-    assert not reaches("klotski.planning", "klotski.runtime.pipeline")  # not the pipeline's expert FFN
+    assert not reaches("klotski.planning", "klotski.execute.pipeline")  # not the pipeline's expert FFN
     assert not any(reaches(m, "klotski.cli") for m in graph if not m.startswith("klotski.cli"))
 
 

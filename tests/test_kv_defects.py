@@ -22,9 +22,10 @@ from klotski.assemble import open_engine
 from klotski.config import RunConfig
 from klotski.io.checkpoint import Checkpoint
 from klotski.io.requests import Request
-from klotski.runtime import batching, kvcache
-from klotski.runtime.engine import Engine, KVSpace
-from klotski.runtime.kvcache import BatchKV, Staging
+from klotski.execute import kvcache
+from klotski.schedule import batching
+from klotski.schedule.engine import Engine, KVSpace
+from klotski.execute.kvcache import BatchKV, Staging
 from placement.placement import Placement
 from test_batching import PROMPTS as BATCHING_PROMPTS
 

@@ -278,7 +278,7 @@ def test_a_run_stopped_midway_never_leaves_a_partial_line_of_n(checkpoints, tmp_
 
 def test_a_token_holding_part_of_a_character_keeps_its_own_bytes(checkpoints):
     from transformers import AutoTokenizer
-    from klotski.runtime.logprobs import pieces
+    from klotski.schedule.logprobs import pieces
     tok = AutoTokenizer.from_pretrained(checkpoints["gqa"])
     lead = tok.convert_tokens_to_ids("Ã")  # byte-level BPE's piece for the byte 0xC3 ("é" starts with it)
     space = tok.convert_tokens_to_ids("Ġ")  # ... and for " "

@@ -69,7 +69,7 @@ def test_planned_placement_spreads_over_tiers(checkpoints, ref):
 
 def test_misplaced_kv_block_is_caught(checkpoints, ref, monkeypatch):
     """Storing a batch's new KV one slot off changes the output: the invariance tests would see it."""
-    from klotski.runtime.kvcache import BatchKV
+    from klotski.execute.kvcache import BatchKV
     original = BatchKV.store
 
     def off_by_one(self, layer, buf):
@@ -90,7 +90,7 @@ def test_misplaced_kv_block_is_caught(checkpoints, ref, monkeypatch):
 def test_first_batchs_kv_comes_up_during_the_layer_before(checkpoints, ref, monkeypatch):
     """With the KV cache on the host, batch 0's KV for layer l+1 is loaded while layer l's
     experts run (inequality (7)), not after them; tokens stay exact."""
-    from klotski.runtime.pipeline import Pipeline
+    from klotski.execute.pipeline import Pipeline
     issued = []
     load = Pipeline._kv_load
 
@@ -183,7 +183,7 @@ def test_left_padding_is_not_routed(checkpoints, ref, monkeypatch):
     the first step sees exactly the prompts' tokens, not batch x longest; tokens unchanged."""
     from transformers import AutoTokenizer
 
-    from klotski.runtime import pipeline
+    from klotski.execute import pipeline
     seen = []
     original = pipeline.route_group
 
@@ -225,14 +225,14 @@ def test_replayed_rate_is_the_plan_over_the_lengths_generated(checkpoints):
 
 
 def test_the_expert_phase_is_bit_identical_in_any_order():
-    """The expert phase's tensor work (klotski/runtime/experts.py), for a group of batches
+    """The expert phase's tensor work (klotski/execute/experts.py), for a group of batches
     routed together: each expert's picks are what `torch.where(experts == e)` gives over the
     group's tokens, and whatever order the experts compute in, the layer's output is the same
     bit for bit (outputs wait in their top-k slots)."""
     import torch
 
     from klotski.models import layers as L
-    from klotski.runtime.experts import LayerExperts, Routed, ids_on_host, run_expert
+    from klotski.execute.experts import LayerExperts, Routed, ids_on_host, run_expert
 
     torch.manual_seed(0)
     E, k, H = 8, 2, 16

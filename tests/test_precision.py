@@ -94,7 +94,7 @@ def test_generate_under_auto_runs_the_precision_it_took_and_says_why(checkpoints
     favours, the run takes what the 1.3x rule says, runs it (tokens equal that precision's own
     run) and its report says which and why."""
     from conftest import engine_tokens
-    from klotski.runtime.report import build_report, summary
+    from klotski.schedule.report import build_report, summary
     model = checkpoints["gqa"]
     _, probe = engine_tokens(model, prompts=["x"], max_new_tokens=1)
     budget = dict(device_memory=sum(probe.cache.full.values()) // 3, emulate_link_gbps=0.2,

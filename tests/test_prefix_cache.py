@@ -1,4 +1,4 @@
-"""A prompt prefix a window's lines share (klotski/runtime/prefix.py): prefilled once, every
+"""A prompt prefix a window's lines share (klotski/schedule/prefix.py): prefilled once, every
 line starts from it and prefills only its own tokens, attention reads it once per layer for
 every row. Greedy fp32 tokens equal transformers' and a run without it (--no-prefix-cache),
 whatever the schedule, batching, KV tier or attention site; prefill work and the KV bytes a
@@ -13,7 +13,7 @@ from klotski.config import RunConfig
 from klotski.io.checkpoint import Checkpoint
 from klotski.io.requests import Request
 from klotski.models import layers as L
-from klotski.runtime import prefix as X
+from klotski.schedule import prefix as X
 from placement.placement import Placement
 
 INSTRUCTION = ("You are a careful labeller. Read the item below and answer with one word: positive, negative or "

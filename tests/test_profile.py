@@ -1,5 +1,5 @@
 """The measured hardware profile: it times the engine's own ops (planner/profile.py gets them
-from klotski/runtime/profile_ops.py: EngineOps), its cache key changes with what is timed, and
+from klotski/execute/profile_ops.py: EngineOps), its cache key changes with what is timed, and
 `--hardware auto` measures the GPU where there is one."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from klotski.cli import main as cli
 from klotski import planning
-from klotski.runtime.profile_ops import EngineOps
+from klotski.execute.profile_ops import EngineOps
 from klotski.compress import hqq as quant
 from klotski.models import layers
 from planner import profile as P
@@ -104,9 +104,9 @@ def test_the_key_hashes_the_engine_code_the_ops_run():
     import importlib
 
     from klotski.models.spec import FAMILIES
-    from klotski.runtime import profile_ops
+    from klotski.execute import profile_ops
     modules = [importlib.import_module(name) for name in profile_ops.TIMED_MODULES]
-    assert {m.__name__ for m in FAMILIES.values()} | {"klotski.models.defaults", "klotski.runtime.experts",
+    assert {m.__name__ for m in FAMILIES.values()} | {"klotski.models.defaults", "klotski.execute.experts",
                                                      "klotski.models.layers"} <= {m.__name__ for m in modules}
 
 
@@ -119,7 +119,7 @@ def measured(monkeypatch):
         calls.append({"device": device, "ops": ops})
         return load_profile("rtx3090-pcie4")
     monkeypatch.setattr(planning, "measure", fake)
-    monkeypatch.setattr("klotski.runtime.overhead.pipeline_overhead", lambda device, open_engine, **kw: {})
+    monkeypatch.setattr("klotski.schedule.overhead.pipeline_overhead", lambda device, open_engine, **kw: {})
     return calls
 
 
@@ -149,11 +149,11 @@ def test_a_builtin_profile_measures_nothing(measured, capsys):
 
 
 def test_pipeline_overhead_is_measured_once_and_priced_per_call(tmp_path, monkeypatch):
-    """The pipeline's own cost around the ops (klotski/runtime/overhead.py): the engine's pipeline with
+    """The pipeline's own cost around the ops (klotski/schedule/overhead.py): the engine's pipeline with
     the math stubbed out, cached per machine and pipeline source; the cost model adds it per
     batch-layer, expert call, transfer, step, batch-layer with its KV cache on the host and
     token beyond one a row."""
-    from klotski.runtime import overhead
+    from klotski.schedule import overhead
     from klotski.assemble import open_engine
     from planner.costmodel import CostModel
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
@@ -179,7 +179,7 @@ def test_pipeline_overhead_is_measured_once_and_priced_per_call(tmp_path, monkey
 
 def test_pipeline_overhead_stubs_reach_every_expert():
     """The measure divides by every expert of a layer: its batch routes a token to each."""
-    from klotski.runtime import overhead
+    from klotski.schedule import overhead
     for experts, top_k in ((8, 2), (128, 8), (4, 4), (64, 6)):
         rows = overhead._rows(experts, top_k)
         _, idx = overhead._Stubs(experts, top_k).route(torch.zeros(rows, 4), None, None)
@@ -190,7 +190,7 @@ def test_pipeline_overhead_stubs_reach_every_expert():
 def test_pipeline_cost_is_measured_in_the_runs_channel_mode(monkeypatch, tmp_path):
     """A run with an emulated link copies on the channels' threads, one without copies
     inline: each is priced by its own measure, cached apart."""
-    from klotski.runtime import overhead
+    from klotski.schedule import overhead
     from klotski.assemble import open_engine
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     links = []
@@ -212,8 +212,8 @@ def test_cpu_channels_copy_on_one_thread_and_leave_compute_its_threads():
     submits it (the disk channel keeps its worker)."""
     import threading
 
-    from klotski.runtime.channels import make_channels
-    from klotski.runtime.trace import Trace
+    from klotski.execute.channels import make_channels
+    from klotski.execute.trace import Trace
     before, me = torch.get_num_threads(), threading.get_ident()
     for link in (2.0, None):
         channels = make_channels(torch.device("cpu"), Trace(False), link)
@@ -236,8 +236,8 @@ def test_an_inline_copy_never_overtakes_queued_work():
     and whatever follows it queues behind it instead of running at once."""
     import threading
 
-    from klotski.runtime.channels import make_channels
-    from klotski.runtime.trace import Trace
+    from klotski.execute.channels import make_channels
+    from klotski.execute.trace import Trace
     channels = make_channels(torch.device("cpu"), Trace(False), None)
     release, order = threading.Event(), []
     try:

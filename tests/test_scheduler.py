@@ -1,4 +1,4 @@
-"""The engine's one waiting queue (klotski/runtime/scheduler.py): sequences from another source
+"""The engine's one waiting queue (klotski/schedule/scheduler.py): sequences from another source
 (online requests) join the rows a job's window is running, first, and keep the window's shared
 prefix on; a source that leaves frees its rows; a request longer than the rows waits for
 them to drain; a stopped source's lines go while the others carry on. Greedy fp32 tokens
@@ -9,9 +9,9 @@ from conftest import reference_tokens
 from klotski.assemble import open_engine
 from klotski.config import RunConfig
 from klotski.io.requests import Request
-from klotski.runtime import kvcache
-from klotski.runtime.scheduler import ONLINE
-from klotski.runtime.sequences import prepare
+from klotski.execute import kvcache
+from klotski.schedule.scheduler import ONLINE
+from klotski.schedule.sequences import prepare
 from placement.placement import Placement
 from test_prefix_cache import MAX_NEW, SHARED
 

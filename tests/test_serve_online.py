@@ -134,10 +134,10 @@ def test_a_full_inbox_answers_429_with_retry_after(server, model):
 def test_the_inbox_bounds_requests_and_lets_leavers_go():
     """Without a server: `--max-waiting` counts requests (a request's n samples once); a
     request whose client left leaves the engine's queue at its next step, answered as ended."""
-    from klotski.runtime import sequences as S
-    from klotski.runtime.scheduler import Waiting
-    from klotski.runtime.sequences import Sequence
-    from klotski.runtime.scheduler import QueueFull as Full
+    from klotski.schedule import sequences as S
+    from klotski.schedule.scheduler import Waiting
+    from klotski.schedule.sequences import Sequence
+    from klotski.schedule.scheduler import QueueFull as Full
     from klotski.serve.worker import Inbox
 
     def request(n):

@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 from klotski.builtin.tokenizer import save_tokenizer
 from klotski.io.records import result_record
 from klotski.io.requests import CHAT_URL, COMPLETIONS_URL, Request
-from klotski.runtime import sequences as S
+from klotski.schedule import sequences as S
 from klotski.serve.stream import Chunks, TextStream, releasable
 
 TEXT = "Zürich, naïve café: 日本語の川 😀 and the river flows to the sea."

@@ -13,7 +13,7 @@ from klotski.builtin import smollm
 from klotski.assemble import open_engine
 from klotski.config import RunConfig
 from klotski.io.jobs import read_jobs
-from klotski.runtime.sequences import tokenize
+from klotski.schedule.sequences import tokenize
 from placement.store import TensorStore
 
 ROOT = Path(__file__).resolve().parents[1]

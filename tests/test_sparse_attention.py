@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from conftest import engine_tokens, reference_tokens
-from klotski.runtime.kvcache import BatchKV
+from klotski.execute.kvcache import BatchKV
 from klotski.models.layers import attention_mask
 from placement.placement import Placement
 

@@ -9,7 +9,7 @@ import pytest
 
 from klotski.io import idset, jobs, output
 from klotski import generate as run
-from klotski.runtime import sequences
+from klotski.schedule import sequences
 from klotski.config import RunConfig
 from klotski.io.idset import IdSet
 from klotski.io.jobs import count_lines, stream_jobs, windows
@@ -153,7 +153,7 @@ def test_resume_skips_finished_lines_without_tokenizing_them(checkpoints, tmp_pa
     def prepare(requests, *a, **kw):
         tokenized.extend(r.id for r in requests)
         return real_prepare(requests, *a, **kw)
-    monkeypatch.setattr("klotski.runtime.sequences.prepare", prepare)
+    monkeypatch.setattr("klotski.schedule.sequences.prepare", prepare)
     seen = []
     stop_after(monkeypatch, 3, seen)
     with pytest.raises(Stop):

@@ -86,7 +86,7 @@ def correlate(a) -> int:
     from klotski.io.jobs import read_jobs
     from klotski.io.requests import Request
     from klotski.prefetch.predictors import CorrelationPredictor
-    from klotski.runtime.sequences import prepare
+    from klotski.schedule.sequences import prepare
     if a.jobs:
         requests, _ = read_jobs(Path(a.jobs))
         requests = requests[: a.count]

@@ -47,7 +47,7 @@ def record_form(fmt: str, openai_endpoint: str | None) -> str:
 
 def result_record(seq, *, fmt: str, model: str, include_token_ids: bool = False) -> dict:
     """The output line of a finished line: `seq` is its sequence, or the list of its n samples
-    (klotski.runtime.sequences.gather), all done. A line of n > 1 is answered in one record:
+    (klotski.schedule.sequences.gather), all done. A line of n > 1 is answered in one record:
     OpenAI's ``choices[i]``, klotski's ``choices`` list (`_klotski_record`)."""
     samples = seq if isinstance(seq, list) else [seq]
     req, first = samples[0].request, samples[0]
@@ -80,7 +80,7 @@ def result_record(seq, *, fmt: str, model: str, include_token_ids: bool = False)
 
 def option_logprobs(s) -> list[dict] | None:
     """A label's confidence: [{"choice", "logprob"}] over its line's choice options, in their
-    order, from the line's scoring rows (klotski/runtime/sequences.py, `_scorers`); None where
+    order, from the line's scoring rows (klotski/schedule/sequences.py, `_scorers`); None where
     the line asked none. Each is the sum of the option's token log-probabilities (EOS's too
     where the grammar could go on) under the grammar's mask; None for an option the grammar
     would not take as the tokenizer splits it, or that did not fit the context."""

@@ -340,7 +340,7 @@ def _logprobs(src: dict, prefix: str, endpoint: str | None) -> int | None:
 
 # ---------------------------------------------------------------- constrained answers
 # Which grammar kind each constraint key gives (vLLM's structured_outputs keys and its older
-# guided_* aliases); the grammar itself is compiled by klotski/runtime/constrain.py.
+# guided_* aliases); the grammar itself is compiled by klotski/schedule/constrain.py.
 CONSTRAINT_KINDS = ("choice", "regex", "json", "grammar")
 
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from klotski.errors import RunStopped, UserError
 from klotski.generate import Job
-from klotski.runtime.stats import Stats
+from klotski.schedule.stats import Stats
 from klotski.serve.store import RETRY_S, Store
 from klotski.serve.worker import GATHER_S, Halt, config_for_batch, log, now
 from klotski.util.writes import WriteFailed, reason, writing

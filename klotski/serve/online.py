@@ -29,10 +29,10 @@ from openai.types.chat import ChatCompletion
 from klotski.io.jobs import claim_items
 from klotski.io.records import result_record
 from klotski.io.requests import CHAT_URL, COMPLETIONS_URL, LineError
-from klotski.runtime.sequences import prepare
+from klotski.schedule.sequences import prepare
 from klotski.serve.deps import Problem, Served, authorized, json_body, served
 from klotski.serve.stream import DONE, Chunks, error_event, event
-from klotski.runtime.scheduler import QueueFull
+from klotski.schedule.scheduler import QueueFull
 
 router = APIRouter(dependencies=[Depends(authorized)])
 FIELD = re.compile(r"body\.([A-Za-z_][\w.\[\]]*) ")  # the field a request's error message starts with

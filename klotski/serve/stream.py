@@ -24,7 +24,7 @@ import uuid
 
 from klotski.io.records import chat_logprobs, completion_logprobs
 from klotski.io.requests import CHAT_URL
-from klotski.runtime.logprobs import pieces
+from klotski.schedule.logprobs import pieces
 
 PARTIAL = "\ufffd"  # what a decode shows for the bytes of a character not yet complete
 DONE = "data: [DONE]\n\n"

@@ -4,7 +4,7 @@ One engine is built at start and serves everything. Accepted batches run one aft
 each as a `klotski generate` job (klotski/generate.py's Job: windows, OpenAI output records,
 resume, the run report) on that engine. Online requests (/v1/chat/completions,
 /v1/completions) are put by `Inbox` into the engine's one waiting queue
-(klotski/runtime/scheduler.py) at online priority: every step of the engine's continuous run
+(klotski/schedule/scheduler.py) at online priority: every step of the engine's continuous run
 takes them in ahead of a batch's waiting lines, so they join the running rows; each answer
 goes back through its sequences' listener. With nothing running, the worker thread runs the
 engine for them alone (requests arriving within `GATHER_S` start together).
@@ -22,8 +22,8 @@ import sys
 import threading
 import time
 
-from klotski.runtime import sequences as S
-from klotski.runtime.scheduler import ONLINE
+from klotski.schedule import sequences as S
+from klotski.schedule.scheduler import ONLINE
 
 GATHER_S = 0.02  # requests arriving this close together start one run (the rest join it step by step)
 MAX_WAITING = 1024  # online requests the queue holds (--max-waiting): past it a request is refused (429)
@@ -38,7 +38,7 @@ class Inbox:
     request awaits (answered from the engine's thread once all its samples are done)."""
 
     def __init__(self, waiting, max_waiting: int = MAX_WAITING):
-        self.waiting = waiting  # the engine's (runtime/scheduler.Waiting)
+        self.waiting = waiting  # the engine's (schedule/scheduler.Waiting)
         waiting.limit = max_waiting  # (a request's n samples count once)
         self.lock = threading.Lock()
         self.replies: dict[int, concurrent.futures.Future] = {}  # id(seq) -> future, until answered

@@ -111,8 +111,8 @@ def _slow_compute(monkeypatch):
 
 
 def _slow_copies(monkeypatch):
-    from klotski.runtime.channels import Channel
-    from klotski.runtime.kvcache import BatchKV
+    from klotski.execute.channels import Channel
+    from klotski.execute.kvcache import BatchKV
     for cls, name in ((Channel, "to_device"), (BatchKV, "load"), (BatchKV, "store")):
         original = getattr(cls, name)
 
@@ -131,7 +131,7 @@ def test_race_stress_with_injected_delays(model, resident, monkeypatch, slow, sc
 
 
 def test_expert_phase_never_syncs_the_host(model, resident, monkeypatch):
-    from klotski.runtime.pipeline import Pipeline
+    from klotski.execute.pipeline import Pipeline
     experts = Pipeline._experts
 
     def strict(self, *a):

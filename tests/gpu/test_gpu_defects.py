@@ -6,7 +6,7 @@ import torch
 
 from conftest import PROMPTS, engine_tokens, reference_tokens
 from klotski.bench.op_count import build_model, layer_ops
-from klotski.runtime import pipeline as P
+from klotski.execute import pipeline as P
 from placement.placement import Placement
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -21,7 +21,7 @@ def model(tmp_path_factory):
 def test_padded_prefill_index_upload_does_not_synchronise(model, monkeypatch):
     """The real-token index of a padded prefill goes up pinned (the ring) and non-blocking:
     under `set_sync_debug_mode("error")` a blocking pageable copy would raise."""
-    from klotski.runtime.channels import SmallUploads
+    from klotski.execute.channels import SmallUploads
     upload, seen = SmallUploads.__call__, []
 
     def strict(self, t):

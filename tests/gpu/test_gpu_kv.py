@@ -19,8 +19,8 @@ from klotski.builtin import tiny
 from klotski.config import RunConfig
 from klotski.io.checkpoint import Checkpoint
 from klotski.io.requests import Request
-from klotski.runtime import kvcache
-from klotski.runtime.kvcache import BatchKV, Staging
+from klotski.execute import kvcache
+from klotski.execute.kvcache import BatchKV, Staging
 from placement.placement import Placement
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -124,7 +124,7 @@ def test_retiring_newcomers_never_synchronises_and_pins_each_cache_once(model, r
     page-locked blocks only for the caches made, far fewer than the newcomer batches."""
     import sys
 
-    from klotski.runtime import batching
+    from klotski.schedule import batching
     from placement.pinned import PinnedBlocks
     syncs, registered, newcomers = [], [0], [0]
     synchronize, block, init = torch.cuda.synchronize, PinnedBlocks._block, batching._Newcomers.__init__

@@ -22,7 +22,7 @@ import test_batching as batching
 import test_deepseek as deepseek
 from conftest import engine_tokens, reference_tokens
 from klotski.compress.mxfp4 import Mxfp4Codec
-from klotski.runtime import kvcache
+from klotski.execute import kvcache
 from placement.placement import Placement
 # the CPU suite's fixtures, reused as they are (pytest finds fixtures by name in this module)
 from test_batching import reference  # noqa: F401

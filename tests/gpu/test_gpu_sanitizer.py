@@ -25,7 +25,7 @@ SCRIPT = """
 import sys
 sys.path[:0] = {paths!r}
 from torch.cuda._sanitizer import cuda_sanitizer
-from klotski.runtime import channels, cudacopies
+from klotski.execute import channels, cudacopies
 print("SANITIZER", cuda_sanitizer.enabled, cudacopies.sanitizer_on())
 if sys.argv[1] == "planted":
     def wait_without_the_event(self):  # the planted race: no stream.wait_event(self.event)

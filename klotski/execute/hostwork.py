@@ -9,10 +9,10 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 
-from klotski.runtime.channels import DEVICE_TO_HOST, HOST_TO_DEVICE
-from klotski.runtime.experts import LayerExperts, run_expert
-from klotski.runtime.hostcompute import HostCompute
-from klotski.runtime.kvcache import BatchKV
+from klotski.execute.channels import DEVICE_TO_HOST, HOST_TO_DEVICE
+from klotski.execute.experts import LayerExperts, run_expert
+from klotski.execute.hostcompute import HostCompute
+from klotski.execute.kvcache import BatchKV
 from planner.workingset import ATTENTION_SCORE_CHUNK
 
 

@@ -42,7 +42,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from klotski.runtime import cudacopies
+from klotski.execute import cudacopies
 
 HOST_TO_DEVICE = "host_to_device"  # the links --emulate-link throttles, one per direction
 DEVICE_TO_HOST = "device_to_host"

@@ -26,7 +26,7 @@ from contextlib import nullcontext
 
 import torch
 
-from klotski.runtime.channels import pinned_staging
+from klotski.execute.channels import pinned_staging
 
 STAGING_BYTES = 8 << 20        # each half of a device's staging ring (grown to one slot if that is more)
 REALIGN_BLOCK_BYTES = 16 << 20  # the most a realign's scratch block takes (at least one slot)
@@ -128,7 +128,7 @@ class BatchKV:
         self._columns = {}  # device -> this step's columns there
         self.stored: dict = {}
         self.staging: Staging | None = None  # loads gather through this (default: the CUDA device's ring)
-        # a prompt prefix the rows start from (runtime/prefix.py): not in this cache's slots,
+        # a prompt prefix the rows start from (schedule/prefix.py): not in this cache's slots,
         # attended before them; positions here count after it. Rows whose sequence does not
         # start from it (an online request beside a batch's lines) are marked in `no_prefix`
         self.shared = None
@@ -207,7 +207,7 @@ class BatchKV:
         self.filled += self.new
         self.new = 0
 
-    # ---- continuous batching: rows change hands (klotski/runtime/batching.py) --------------------
+    # ---- continuous batching: rows change hands (klotski/schedule/batching.py) --------------------
     def settle(self) -> None:
         """Block until every store into the host copy has landed (before the host rewrites it)."""
         for layer in self.stored:

@@ -2,7 +2,7 @@
 token masks of a batch's rows.
 
 klotski/io/requests.py reads a line's `response_format` / `structured_outputs` / `guided_*`
-field into ``Request.constraint`` = (field, kind, text); `prepare` (klotski/runtime/sequences.py)
+field into ``Request.constraint`` = (field, kind, text); `prepare` (klotski/schedule/sequences.py)
 compiles it here with `compile_grammar`, and a grammar llguidance rejects is that line's error
 record. In the step, the engine calls `mask` on a batch's logits before the pick and `start`
 once the picked tokens are appended (`Grammar.advance` consumes each one): `start` computes the

@@ -1,4 +1,4 @@
-"""Continuous batching: waiting sequences (runtime/scheduler.py) flow through the rows of n
+"""Continuous batching: waiting sequences (schedule/scheduler.py) flow through the rows of n
 decode batches. Static batching keeps a batch's rows until its longest sequence ends; here a
 row whose sequence has finished takes the next waiting prompt:
 
@@ -34,10 +34,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from klotski.runtime import sequences as S
-from klotski.runtime.kvcache import BatchKV
-from klotski.runtime.pipeline import StepInput
-from klotski.runtime.stats import DecodeRows
+from klotski.schedule import sequences as S
+from klotski.execute.kvcache import BatchKV
+from klotski.execute.pipeline import StepInput
+from klotski.schedule.stats import DecodeRows
 from placement.tiers import OverBudget
 from planner.workingset import continuous_step_limit, newcomer_chunks
 
@@ -95,7 +95,7 @@ class _Newcomers:
 
 class ContinuousRun:
     """The engine's continuous run: rows of n decode batches that sequences from the waiting
-    queue (runtime/scheduler.py) flow through. `step()` is one engine step (admit, execute,
+    queue (schedule/scheduler.py) flow through. `step()` is one engine step (admit, execute,
     update) and returns the sequences it finished, whatever their source; the run lives as
     long as rows are live or sequences wait, and `close()` gives its caches back."""
 

@@ -15,7 +15,7 @@ A step takes every batch of the group through the model layer by layer. Per laye
      starts on the next layer's attention as soon as there is room (residency.py keeps the
      wanted transfers and evicts).
 
-Host compute (klotski/runtime/hostcompute.py decides, per layer and step; hostwork.py runs it):
+Host compute (klotski/execute/hostcompute.py decides, per layer and step; hostwork.py runs it):
 a batch whose KV cache is on the host may attend there (q down, the output up; no KV load),
 and a cold expert whose group is in host RAM may be computed there (its tokens down, the
 outputs up; no transfer).
@@ -36,12 +36,12 @@ from dataclasses import dataclass
 import torch
 
 from klotski.models import layers as L
-from klotski.runtime.channels import SmallUploads
-from klotski.runtime.experts import LayerExperts, first_broken, ids_on_host, real_tokens, route_group
-from klotski.runtime.hostcompute import HostCompute
-from klotski.runtime.hostwork import HostWork
-from klotski.runtime.kvcache import BatchKV
-from klotski.runtime.residency import Residency
+from klotski.execute.channels import SmallUploads
+from klotski.execute.experts import LayerExperts, first_broken, ids_on_host, real_tokens, route_group
+from klotski.execute.hostcompute import HostCompute
+from klotski.execute.hostwork import HostWork
+from klotski.execute.kvcache import BatchKV
+from klotski.execute.residency import Residency
 from planner.workingset import ATTENTION_SCORE_CHUNK, DISK_WINDOW_LAYERS, KV_BUFFERS, Step, activation_bytes
 
 

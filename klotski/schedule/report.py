@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from klotski.errors import UserError
-from klotski.runtime.prefix import report as prefix_report
+from klotski.schedule.prefix import report as prefix_report
 from klotski.util.writes import WriteFailed, replace_atomically
 
 REPLAY_SAMPLE = 65536  # answers the replay prices at most (it walks every batch and slot)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from klotski.runtime import constrain, logprobs
+from klotski.schedule import constrain, logprobs
 
 
 @dataclass
@@ -34,21 +34,21 @@ class Sequence:
     pieces: dict | None = None  # token id -> (text, bytes) of the tokens in `logprobs`, once done
     sample: int = 0  # which of its line's n samples this is
     samples: list | None = None  # all n samples of its line (itself included), when n > 1
-    grammar: constrain.Grammar | None = None  # the answer's constraint (klotski/runtime/constrain.py)
+    grammar: constrain.Grammar | None = None  # the answer's constraint (klotski/schedule/constrain.py)
     # A label's confidence (`choice_logprobs`): one scoring row per option of the line's choice,
     # whose tokens are `forced` (the option as the tokenizer splits it, then EOS where the
     # grammar could go on) rather than picked; `scorers` lists them on every row of the line.
     forced: list[int] | None = None
     option: str | None = None
     scorers: list | None = None
-    # Its source's ears (klotski/runtime/scheduler.py): `listener(seq)` is called on the engine's
+    # Its source's ears (klotski/schedule/scheduler.py): `listener(seq)` is called on the engine's
     # thread after every step that added to `out` or ended it (a stream sends what is new);
     # `leaving` is set from any thread when nobody wants it any more (a client hung up): the
     # scheduler ends it at its next step (finish_reason "abort") and its row frees.
     listener: object = None
     leaving: bool = False
-    priority: int = 1  # its source's place in the waiting queue (runtime/scheduler.py: ONLINE first)
-    shared: int = 0  # prompt tokens the engine's shared prefix holds for it (runtime/prefix.py): not in its row
+    priority: int = 1  # its source's place in the waiting queue (schedule/scheduler.py: ONLINE first)
+    shared: int = 0  # prompt tokens the engine's shared prefix holds for it (schedule/prefix.py): not in its row
 
     @property
     def done(self) -> bool:

@@ -80,7 +80,8 @@ def _rows(experts: int, top_k: int) -> int:
 
 
 def _source_key(device: str) -> str:
-    from klotski.runtime import batching, channels, experts, hostwork, overhead, pipeline
+    from klotski.execute import channels, experts, hostwork, pipeline
+    from klotski.schedule import batching, overhead
     from planner.profile import machine_fingerprint
     h = hashlib.sha256(json.dumps(machine_fingerprint(device), sort_keys=True).encode())
     for module in (pipeline, experts, hostwork, batching, channels, overhead):
@@ -123,7 +124,7 @@ def pipeline_overhead(device: str, open_engine, steps: int = 16, rounds: int = 1
 def _measure(device: str, steps: int, rounds: int, open_engine, link_gbps: float | None) -> dict[str, float]:
     from klotski.config import RunConfig
     from klotski.io.requests import Request
-    from klotski.runtime.pipeline import StepInput
+    from klotski.execute.pipeline import StepInput
     from klotski.builtin.tiny import ensure_builtin
     from klotski.models.spec import ModelSpec
     from klotski.prefetch.correlate import new_table

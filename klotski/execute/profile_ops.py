@@ -13,7 +13,7 @@ import itertools
 TIMED_MODULES = ("klotski.models.layers", "klotski.models.defaults", "klotski.models.mixtral",
                   "klotski.models.qwen3_moe", "klotski.models.qwen2_moe", "klotski.models.olmoe",
                   "klotski.models.gpt_oss", "klotski.models.deepseek_v2", "klotski.models.deepseek_v3",
-                  "klotski.runtime.kvcache", "klotski.runtime.experts", "klotski.compress.hqq",
+                  "klotski.execute.kvcache", "klotski.execute.experts", "klotski.compress.hqq",
                   "klotski.compress.mxfp4")
 
 
@@ -105,7 +105,7 @@ class LayerOps:
 
     def attention(self, bs: int, ctx: int, new: int):
         torch, s = self.torch, self.spec
-        from klotski.runtime.kvcache import BatchKV
+        from klotski.execute.kvcache import BatchKV
         from klotski.models import layers as L
         from planner.workingset import ATTENTION_SCORE_CHUNK
         past = ctx - new
@@ -152,7 +152,7 @@ class LayerOps:
         return self._cycle([functools.partial(run, g) for g in self.gate_w])
 
     def expert(self, n: int):
-        from klotski.runtime.experts import run_expert
+        from klotski.execute.experts import run_expert
         x, ffn = self._x(n, self.spec.hidden_size), self.M.bind_expert_ffn(self.spec)
         return self._cycle([lambda w=w: run_expert(ffn, x, w) for w in self.expert_w])
 

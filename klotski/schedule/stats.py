@@ -1,5 +1,5 @@
 """The engine's numbers for the run report: seconds, tokens and rows, counted step by step
-by both batching schedules (klotski/runtime/engine.py, klotski/runtime/batching.py)."""
+by both batching schedules (klotski/schedule/engine.py, klotski/schedule/batching.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -33,7 +33,7 @@ class Stats:
     prefill_tokens: int = 0     # real prompt tokens computed by prefill-only steps (a shared prefix once)
     decode_steps: int = 0
     decode_kv_bytes: int = 0    # KV bytes loaded host->device by decode steps (the KV on the host)
-    prefix_tokens: int = 0      # the shared prefix's length (the last one shared, runtime/prefix.py)
+    prefix_tokens: int = 0      # the shared prefix's length (the last one shared, schedule/prefix.py)
     prefix_prefills: int = 0    # times a shared prefix was prefilled (once per job unless windows differ)
     prefix_lines: int = 0       # lines started from a shared prefix
     prefix_tokens_saved: int = 0  # prompt tokens not prefilled thanks to it (its own prefill deducted)

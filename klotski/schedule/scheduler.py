@@ -3,10 +3,10 @@
 A job file's windows (`klotski generate`), a Ray worker's shards and a Batch API batch hand
 their sequences to `Engine.run`, which puts them here at `BATCH` priority; `klotski serve`'s
 online requests are put here from the HTTP threads at `ONLINE` priority. The continuous run
-(klotski/runtime/batching.py) takes waiting sequences at every step: online ones first, in
+(klotski/schedule/batching.py) takes waiting sequences at every step: online ones first, in
 arrival order and whatever their length, then batch lines in the order the run chose for
 them. Finished sequences go back to their source: `Engine.run` yields the ones it was given;
-every other one has a `listener` (runtime/sequences.py) that the engine calls on its thread.
+every other one has a `listener` (schedule/sequences.py) that the engine calls on its thread.
 
 A source that no longer wants a sequence sets its `leaving` flag from any thread: a waiting
 one leaves the queue at the next step, a running one frees its row (`sequences.abandon`).

@@ -17,14 +17,14 @@ import time
 
 import torch
 
-from klotski.runtime import constrain
-from klotski.runtime import sequences as S
-from klotski.runtime.batching import ContinuousRun, chunks, prefill_input
-from klotski.runtime.kvcache import BatchKV
-from klotski.runtime.pipeline import StepInput
-from klotski.runtime.prefix import SharedPrefix, common_prefix, refusal
-from klotski.runtime.scheduler import BATCH, Waiting
-from klotski.runtime.stats import DecodeRows, Stats
+from klotski.schedule import constrain
+from klotski.schedule import sequences as S
+from klotski.schedule.batching import ContinuousRun, chunks, prefill_input
+from klotski.execute.kvcache import BatchKV
+from klotski.execute.pipeline import StepInput
+from klotski.schedule.prefix import SharedPrefix, common_prefix, refusal
+from klotski.schedule.scheduler import BATCH, Waiting
+from klotski.schedule.stats import DecodeRows, Stats
 from placement import pinned
 from placement.cache import DISK_TO_HOST
 from placement.pinned import PinnedBlocks
@@ -41,8 +41,8 @@ class Engine:
         self.device, self.dtype = device, dtype
         self.eos = ckpt.eos_ids()
         self.stats = Stats()
-        self.prefix: SharedPrefix | None = None  # the prompt prefix the window's lines share (runtime/prefix.py)
-        self.waiting = Waiting()  # the one queue every source feeds (runtime/scheduler.py)
+        self.prefix: SharedPrefix | None = None  # the prompt prefix the window's lines share (schedule/prefix.py)
+        self.waiting = Waiting()  # the one queue every source feeds (schedule/scheduler.py)
         self.continuous: ContinuousRun | None = None  # the rows running, while any are live or wait
         self._in_group = 0  # sequences finished since the predictor's last group ended
         self.prefix_off = refusal(ckpt.spec, config)
@@ -69,7 +69,7 @@ class Engine:
 
     def run(self, seqs: list[S.Sequence], check=None):
         """Generate for `seqs` (a window, a shard, a batch's lines); yield each as soon as it
-        finishes. They wait in the engine's one queue (runtime/scheduler.py) beside whatever
+        finishes. They wait in the engine's one queue (schedule/scheduler.py) beside whatever
         other sources put there (online requests), which run in the same steps and go to their
         listeners; with `seqs` empty, run until nothing waits or runs. `check()` is called
         before every step: what it raises ends this call, and this call's sequences not yet

@@ -19,7 +19,7 @@ from typing import Iterator
 from klotski.io.dataset_files import count_rows, is_dataset, job_rows
 from klotski.io.jobs import Cursor, count_lines, stream_jobs, windows
 from klotski.io.requests import LineError
-from klotski.runtime import sequences
+from klotski.schedule import sequences
 
 
 @dataclass
