@@ -5,7 +5,7 @@ import torch
 from conftest import PROMPTS, VARIANTS, engine_tokens, reference_tokens
 from klotski.config import RunConfig
 from klotski.assemble import open_engine
-from klotski.schedule.batching import prefill_input
+from klotski.schedule.sequences import prefill_input
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

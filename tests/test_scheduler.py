@@ -57,26 +57,32 @@ def mixed_rows(monkeypatch):
 
     def spy(self):
         mask = original(self)
-        seen.append(mask is not None)
+        seen.append(mask is not None and bool(mask.any()))  # some rows read it, some do not
         return mask
     monkeypatch.setattr(kvcache.BatchKV, "prefix_mask", spy)
     return seen
 
 
-@pytest.mark.parametrize("kv", ["device", "host"])
-def test_online_requests_join_a_windows_rows_beside_its_shared_prefix(checkpoints, references, mixed_rows, kv):
+@pytest.mark.parametrize("kv,batching", [("device", "continuous"), ("host", "continuous"), ("device", "static")])
+def test_online_requests_join_a_windows_rows_beside_its_shared_prefix(checkpoints, references, mixed_rows, kv,
+                                                                      batching):
+    """Continuous: they decode in a batch of their own beside the window's; static: they join
+    the window's groups, in batches that mix rows reading the prefix with rows that do not."""
     placement = None
     if kv == "host":
         from klotski.io.checkpoint import Checkpoint
         ckpt = Checkpoint.open(str(checkpoints["gqa"]))
         placement = Placement.by_kind(ckpt.spec.group_keys(), kv="host", attn="host", expert="host")
         ckpt.close()
-    engine, seqs = _engine(checkpoints["gqa"], placement)
+    # (static: batches of 3 put an online request beside two of the window's 8 lines)
+    engine, seqs = _engine(checkpoints["gqa"], placement, batching=batching, batch_size=3 if batching == "static" else 2)
     online, heard = _online(engine)
     window = {}
+    if batching == "static":  # (a static run takes in what waits at its start)
+        engine.waiting.put(online, ONLINE)
     for s in engine.run(seqs):
         window[s.request.id] = list(s.out)
-        if len(window) == 1:  # the window is running: they arrive now
+        if len(window) == 1 and batching == "continuous":  # the window is running: they arrive now
             engine.waiting.put(online[:2], ONLINE)
             engine.waiting.put(online[2:], ONLINE)
     list(engine.run([]))  # (those still running when the window ended)
@@ -93,8 +99,10 @@ def test_online_requests_join_a_windows_rows_beside_its_shared_prefix(checkpoint
     stats = engine.stats
     assert stats.prefix_prefills == 1 and stats.prefix_lines == len(SHARED)  # the window kept its prefix
     assert all(s.shared == 0 for s in online) and all(s.shared == stats.prefix_tokens for s in seqs)
-    assert any(mixed_rows)  # some step ran prefix rows and online rows in one batch
-    assert engine.waiting.stats.joined == len(OTHERS)
+    if batching == "static":
+        assert any(mixed_rows)  # some step ran prefix rows and online rows in one batch
+    else:
+        assert engine.waiting.stats.joined == len(OTHERS)
 
 
 def test_a_source_that_leaves_frees_its_rows(checkpoints, references):

@@ -54,12 +54,13 @@ class _Decode:
     positions: torch.Tensor
     broken: torch.Tensor
     prompt: list = field(default_factory=list)  # chunks still to prefill in place (the first fill)
+    online: bool = False  # online requests decoding in their own cache, beside the n batches
 
     def live(self) -> bool:
         return bool(self.prompt) or any(s is not None for s in self.rows)
 
     def free_rows(self) -> list[int]:
-        return [] if self.prompt else [i for i, s in enumerate(self.rows) if s is None]
+        return [] if self.prompt or self.online else [i for i, s in enumerate(self.rows) if s is None]
 
     def computed(self) -> int:
         """Rows a step computes: the live ones, kept in front (all of them while prefilling)."""
@@ -81,6 +82,7 @@ class _Newcomers:
     broken: torch.Tensor
     done: int = 0
     ready: list = field(default_factory=list)
+    online: bool = False  # online requests: once prefilled they decode in this cache (never wait for rows)
 
     @property
     def left(self) -> int:
@@ -236,10 +238,10 @@ class ContinuousRun:
     def _first_fill(self, batch) -> _Decode:
         kv, _ = self.space.allocate(len(batch), self.capacity)
         kv.mark_prefix(batch)
-        whole = prefill_input(batch, max(map(self.e.own_len, batch)), self.e._pad_id())
+        whole = S.prefill_input(batch, max(map(self.e.own_len, batch)), self.e._pad_id())
         self.e.stats.record_prompts(batch)
         return _Decode(kv, list(batch), [0] * len(batch), whole.positions[:, -1] + 1,
-                       torch.full((len(batch),), -1), chunks(whole, self.chunk))
+                       torch.full((len(batch),), -1), S.chunks(whole, self.chunk))
 
     def _input(self, d: _Decode) -> tuple[StepInput, bool]:
         """The batch's input this step and whether it is a prefill."""
@@ -322,10 +324,19 @@ class ContinuousRun:
         tokens, finished = self.e._sample(nc.seqs, out.logits, nc.broken)
         yield from finished
         nc.ready = [(j, t) for j, (s, t) in enumerate(zip(nc.seqs, tokens)) if not s.done]
+        if nc.online:  # they decode on in this cache, beside the n batches
+            self.newcomers.remove(nc)
+            d = _Decode(nc.kv, [None if s.done else s for s in nc.seqs], tokens,
+                        torch.tensor([len(s.prompt_ids) for s in nc.seqs]), nc.broken, online=True)
+            self.decode.append(d)
+            self._close_ranks(d)
 
     def _adopt_ready(self) -> None:
         """Ready newcomers take free rows, oldest first; a newcomer cache goes once every one
-        of its prompts has a row."""
+        of its prompts has a row; an online batch's once its rows are done."""
+        for d in [d for d in self.decode if d.online and not d.live()]:
+            self.decode.remove(d)
+            self._retire(d.kv)
         for nc in list(self.newcomers):
             if nc.left:
                 continue
@@ -369,7 +380,7 @@ class ContinuousRun:
             self.spare.remove(kv)
             kv.reset(take)
             return kv
-        for capacity in dict.fromkeys((self.longest_prompt, longest)):
+        for capacity in dict.fromkeys((max(self.longest_prompt, longest), longest)):
             try:
                 return self.space.allocate(take, capacity)[0]
             except OverBudget:
@@ -432,12 +443,13 @@ class ContinuousRun:
         prefilling and 2n in all, each no bigger than the step limit and the KV budget allow."""
         n = self.e.num_batches
         queue = self.waiting.lane()  # online requests first, whatever their length
-        if not self.decode or not queue or sum(bool(nc.left) for nc in self.newcomers) >= n or \
-                any(d.prompt for d in self.decode):
+        online = queue is self.waiting.online and bool(queue)
+        if not self.decode or not queue or any(d.prompt for d in self.decode):
             return
         # Up to n batches prefilling and n more prefilled, waiting for rows: prefill is what
-        # a job's short requests wait on, and a step's prompt tokens share its weights.
-        if len(self.newcomers) >= 2 * n:
+        # a job's short requests wait on, and a step's prompt tokens share its weights. Online
+        # requests pass those caps: they decode in their own cache, never waiting for a row.
+        if not online and (sum(bool(nc.left) for nc in self.newcomers) >= n or len(self.newcomers) >= 2 * n):
             return
         # A batch pads to its longest prompt: of the next few bs waiting, the longest go
         # together (the order by max_new_tokens holds at that grain)
@@ -449,14 +461,17 @@ class ContinuousRun:
         for take in range(min(fitting, self.e.batch_size), 0, -1):
             longest = max(self.e.own_len(queue[j]) for j in range(take))
             # one token a row beside everyone else's at their least, decode rows at their most
-            # (ready newcomers join them while this batch prefills): then every step has room
+            # (ready newcomers join them while this batch prefills): then every step has room;
+            # online batches decoding in their own caches count as others at one token a row
             others = [(len(nc.seqs), 1, nc.done) for nc in self.newcomers if nc.left]
-            live = sum(d.computed() for d in self.decode if d.live())
+            others += [(d.computed(), 1, d.kv.filled) for d in self.decode if d.online and d.live()]
+            live = sum(d.computed() for d in self.decode if d.live() and not d.online)
             ready = sum(len(nc.seqs) for nc in self.newcomers if not nc.left)
             decode_rows = min(self.e.batch_size * n - sum(r for r, _, _ in others), live + ready)
             if not self.widest((take, 0, 1), decode_rows, others):
                 continue
-            kv = self._newcomer_cache(take, longest)
+            room = longest + max(queue[j].max_new_tokens for j in range(take)) if online else longest
+            kv = self._newcomer_cache(take, room)
             if kv is not None:
                 break
         else:
@@ -464,8 +479,8 @@ class ContinuousRun:
         seqs = [queue.popleft() for _ in range(take)]
         self.e.stats.record_prompts(seqs)
         kv.mark_prefix(seqs)
-        whole = prefill_input(seqs, longest, self.e._pad_id())
-        self.newcomers.append(_Newcomers(seqs, kv, whole, torch.full((take,), -1)))
+        whole = S.prefill_input(seqs, longest, self.e._pad_id())
+        self.newcomers.append(_Newcomers(seqs, kv, whole, torch.full((take,), -1), online=online))
 
     def _newcomer_inputs(self, decode_rows: int) -> list:
         """This step's chunk of each newcomer batch still prefilling, oldest first, each the
@@ -477,23 +492,3 @@ class ContinuousRun:
             others = [(len(o.seqs), w, o.done) for j, (o, w) in enumerate(zip(prefilling, widths)) if j != i and w]
             widths[i] = self.widest((len(nc.seqs), nc.done, nc.left), decode_rows, others)
         return [(nc, nc.take(w), True) for nc, w in zip(prefilling, widths) if w]
-
-
-def prefill_input(batch: list[S.Sequence], length: int, pad: int) -> StepInput:
-    """Left-pad prompts, less the tokens a shared prefix holds for each (`Sequence.shared`), to
-    `length`; positions count real tokens only (cumsum(mask) - 1), after the prefix's."""
-    ids = torch.full((len(batch), length), pad, dtype=torch.long)
-    valid = torch.zeros((len(batch), length), dtype=torch.bool)
-    for i, s in enumerate(batch):
-        own = s.prompt_ids[s.shared:]
-        ids[i, length - len(own):] = torch.tensor(own)
-        valid[i, length - len(own):] = True
-    skip = torch.tensor([s.shared for s in batch], dtype=torch.long)[:, None]
-    positions = (valid.long().cumsum(-1) - 1).clamp(min=0) + skip
-    return StepInput(ids, valid, positions)
-
-
-def chunks(inp: StepInput, size: int) -> list[StepInput]:
-    """A prompt's columns in chunks of `size` (the last may be shorter)."""
-    return [StepInput(inp.ids[:, a:a + size], inp.valid[:, a:a + size], inp.positions[:, a:a + size])
-            for a in range(0, inp.ids.shape[1], size)]

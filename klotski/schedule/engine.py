@@ -19,7 +19,7 @@ import torch
 
 from klotski.schedule import constrain
 from klotski.schedule import sequences as S
-from klotski.schedule.batching import ContinuousRun, chunks, prefill_input
+from klotski.schedule.batching import ContinuousRun
 from klotski.execute.kvcache import BatchKV
 from klotski.execute.pipeline import StepInput
 from klotski.schedule.prefix import SharedPrefix, common_prefix, refusal
@@ -176,7 +176,7 @@ class Engine:
                 kv, _ = space.allocate(1, len(ids))
                 whole = StepInput(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.bool),
                                   torch.arange(len(ids))[None])
-                for part in chunks(whole, self.prefill_chunk or len(ids)):
+                for part in S.chunks(whole, self.prefill_chunk or len(ids)):
                     self.step([kv], [part], prompt=True, decode=None)
                 kv.settle()  # its stores have landed: loads read it from now on with no wait
             except BaseException:
@@ -250,8 +250,8 @@ class Engine:
         for its own longest request)."""
         pad = self._pad_id()
         chunk = self.prefill_chunk or max(prompt_len)
-        whole = {k: prefill_input(b, p, pad) for k, (b, p) in enumerate(zip(group, prompt_len))}
-        prompts = {k: chunks(inp, chunk) for k, inp in whole.items()}
+        whole = {k: S.prefill_input(b, p, pad) for k, (b, p) in enumerate(zip(group, prompt_len))}
+        prompts = {k: S.chunks(inp, chunk) for k, inp in whole.items()}
         next_pos = {k: inp.positions[:, -1] + 1 for k, inp in whole.items()}
         inputs = {k: parts.pop(0) for k, parts in prompts.items()}
         self.stats.record_prompts([s for b in group for s in b])

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from klotski.execute.pipeline import StepInput
+
 from klotski.schedule import constrain, logprobs
 
 
@@ -233,3 +235,23 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.G
 def _stable_seed(seed: int, request_id: str) -> int:
     digest = hashlib.sha256(f"{seed}:{request_id}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def prefill_input(batch: list[Sequence], length: int, pad: int) -> StepInput:
+    """Left-pad prompts, less the tokens a shared prefix holds for each (`Sequence.shared`), to
+    `length`; positions count real tokens only (cumsum(mask) - 1), after the prefix's."""
+    ids = torch.full((len(batch), length), pad, dtype=torch.long)
+    valid = torch.zeros((len(batch), length), dtype=torch.bool)
+    for i, s in enumerate(batch):
+        own = s.prompt_ids[s.shared:]
+        ids[i, length - len(own):] = torch.tensor(own)
+        valid[i, length - len(own):] = True
+    skip = torch.tensor([s.shared for s in batch], dtype=torch.long)[:, None]
+    positions = (valid.long().cumsum(-1) - 1).clamp(min=0) + skip
+    return StepInput(ids, valid, positions)
+
+
+def chunks(inp: StepInput, size: int) -> list[StepInput]:
+    """A prompt's columns in chunks of `size` (the last may be shorter)."""
+    return [StepInput(inp.ids[:, a:a + size], inp.valid[:, a:a + size], inp.positions[:, a:a + size])
+            for a in range(0, inp.ids.shape[1], size)]
