@@ -36,8 +36,9 @@ from dataclasses import dataclass
 import torch
 
 from klotski.models import layers as L
-from klotski.runtime.channels import SmallUploads
-from klotski.runtime.experts import LayerExperts, first_broken, ids_on_host, real_tokens, route_group
+from klotski.models.grouped import runs_grouped
+from klotski.runtime.channels import HostReads, SmallUploads
+from klotski.runtime.experts import LayerExperts, SortKeys, first_broken, real_tokens, route_group
 from klotski.runtime.hostcompute import HostCompute
 from klotski.runtime.hostwork import HostWork
 from klotski.runtime.kvcache import BatchKV
@@ -72,6 +73,9 @@ class Pipeline:
         self.res = Residency(cache, channels, memory, trace)
         # a step's small host tensors (ids, masks, RoPE tables, a wave's rows) go up through one pinned ring
         self._upload = SmallUploads(device)
+        # the routing ids come down through a pinned ring, non-blocking, an event each
+        self._read = HostReads(device)
+        self._sort_keys: dict = {}  # layer -> SortKeys (its resident experts first), made once
         self.host_work = HostWork(self.host, channels, trace, self.res.wait)
         self.schedule = config.schedule
         self.whole_layer = self.schedule in ("simple", "multibatch")
@@ -251,18 +255,43 @@ class Pipeline:
         gate = self.res.get(("gate", layer))
         with self.trace.span("compute", f"gate.{layer}"):
             routed = route_group(self.M, self.spec, hs, gate, keeps)
-        # The layer's one host sync for routing: every batch's expert ids at once; then every
-        # selected expert not on the device goes on the experts channel.
-        routed.chosen, routed.counts = ids_on_host(routed.experts, self.spec.num_experts)
-        moe = LayerExperts(routed, self.spec.top_k)
+        # Every batch's expert ids start for the host at once (non-blocking; on CUDA an event
+        # marks their arrival), and the next gate's picks likewise; then the resident experts'
+        # wave is queued (its offsets counted on the device) before the host waits for the ids:
+        # the device computes it while the host decides the transfers.
+        read = self._read(routed.experts)
+        ahead = self._speculate(layer + 1, hs, keeps)
+        stack = self.cache.stacks.get(layer)
+        moe = LayerExperts(routed, self.spec.top_k, self._keys(layer, stack))
+        if stack is not None and runs_grouped(self.device.type, self.cache.dtype):
+            self._resident_wave(layer, moe, stack)
+        moe.count(read.wait(), self.spec.num_experts)  # the layer's one wait for routing
         self.host_experts = self._experts_on_host(layer, moe)
         self.res.want([("expert", layer, e) for e in moe.chosen if e not in self.host_experts], "experts", front=True)
         self.cache.release(("gate", layer))
         if self.spec.experts_in(layer):
-            self.predictor.observe(self.spec.moe_index(layer), [routed.chosen])
-        if self.next_gate:
-            self._speculate(layer + 1, hs, keeps)
+            self.predictor.observe(self.spec.moe_index(layer), [moe.ids])
+        if ahead is not None:
+            self.predictor.speculate(self.spec.moe_index(layer + 1), [ahead.wait()])
         return moe, hot
+
+    def _keys(self, layer, stack) -> SortKeys | None:
+        """The layer's sort order, resident experts first (made once per layer)."""
+        if stack is None:
+            return None
+        if layer not in self._sort_keys:
+            self._sort_keys[layer] = SortKeys.of(stack.experts, self.spec.experts_in(layer), self._upload)
+        return self._sort_keys[layer]
+
+    def _resident_wave(self, layer, moe: LayerExperts, stack) -> None:
+        """The layer's resident experts in one wave over their stack: before the routing ids reach
+        the host where the grouped kernel runs (offsets from the device), else from host counts."""
+        ffn = self.M.bind_grouped_expert_ffn(self.spec)
+        with self.trace.span("compute", f"experts.{layer}.resident"):
+            if moe.counts is None:
+                moe.run_resident(ffn, stack.tensors)
+            else:
+                moe.run_wave(ffn, stack.tensors, stack.experts, self._upload)
 
     def _experts_on_host(self, layer, moe: LayerExperts) -> set:
         """The selected experts computed where they live this step: not on the device nor on
@@ -281,16 +310,19 @@ class Pipeline:
             self.res.claim(("expert", layer, e))
         return out
 
-    def _speculate(self, layer, hs, keeps) -> None:
-        """Next-gate prediction: layer+1's router on the hidden states entering this MoE,
-        only if that gate has already arrived (a prediction must never stall compute)."""
+    def _speculate(self, layer, hs, keeps):
+        """Next-gate prediction: layer+1's router on the hidden states entering this MoE, only if
+        that gate has already arrived (a prediction must never stall compute); its picks on their
+        way to the host (a Read), or None."""
+        if not self.next_gate:
+            return None
         key = ("gate", layer)
         if layer >= self.spec.num_layers or not self.spec.experts_in(layer) or not self.cache.ready(key):
-            return
+            return None
         gate = self.cache.get(key)
         with self.trace.span("compute", f"speculate.{layer}"):
             picks = route_group(self.M, self.spec, hs, gate, keeps, shared=False).experts
-        self.predictor.speculate(self.spec.moe_index(layer), [ids_on_host(picks, self.spec.num_experts)[0]])
+        return self._read(picks)
 
     # ---- experts ------------------------------------------------------------------------
     def _experts(self, layer, hs, moe: LayerExperts, hot):
@@ -307,11 +339,10 @@ class Pipeline:
         moved = [e for e in order if e not in self.host_experts and (stack is None or e not in stack.row)]
         host = [e for e in order if e in self.host_experts]
         ffn = self.M.bind_grouped_expert_ffn(self.spec)
-        if resident:
-            with self.trace.span("compute", f"experts.{layer}.resident"):
-                moe.run_wave(ffn, stack.tensors, stack.experts, self._upload)
-            for e in resident:
-                self.res.upcoming.pop(("expert", layer, e))
+        if resident and not moe.resident_done:
+            self._resident_wave(layer, moe, stack)
+        for e in resident:
+            self.res.upcoming.pop(("expert", layer, e))
         done, i = [], 0
         while i < len(moved) or host:
             ready = i
