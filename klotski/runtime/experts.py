@@ -128,11 +128,14 @@ class LayerExperts:
         total = n * min(self.k, keys.resident)
         ends = torch.searchsorted(self._keys, keys.bounds, right=True, out_int32=True)
         flat, step = self.slots.view(-1, self.slots.shape[-1]), min(n, PREFILL_EXPERT_CHUNK)
-        for start in range(0, total, step):
+        # every call's offsets at once: its groups' ends less its first row, within its rows (the
+        # last call's rows run to `total`, past every resident pair, so `step` bounds it too)
+        starts = torch.arange(0, total, step, dtype=torch.int32, device=ends.device)
+        offsets = (ends[None, :] - starts[:, None]).clamp_(0, step)
+        for call, start in enumerate(range(0, total, step)):
             stop = min(start + step, total)
-            offsets = (ends - start).clamp_(0, stop - start) if start else ends.clamp(max=stop)
             x = self.routed.x.index_select(0, self._tokens[start:stop])
-            y = ffn(x, w, Groups(None, offsets))
+            y = ffn(x, w, Groups(None, offsets[call]))
             flat.index_copy_(0, self._order[start:stop], y * self._weights[start:stop, None])
         self.resident_done = True
 
