@@ -94,6 +94,7 @@ class Pipeline:
         anywhere, its hidden states stopped being finite."""
         spec = self.spec
         self.predictor.begin_step()
+        self.trace.begin_step()  # timed or not (one step in RunConfig.time_every)
         # where each batch's attention runs this step, decided once: the activation reserve
         # depends on it (a host batch's keys and scores stay on the host)
         self.at_host = [self._attend_on_host(kv, inp.ids.shape[1]) for kv, inp in zip(kvs, inputs)]
