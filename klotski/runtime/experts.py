@@ -115,6 +115,15 @@ class LayerExperts:
         self._first[by_key] = np.cumsum(counts[by_key]) - counts[by_key]
         self._counts = counts.astype(np.int64)
 
+    def resident_wave(self, ffn, stack, upload) -> None:
+        """The layer's resident experts in one wave over their stack (placement.cache.ExpertStack):
+        before the routing ids reach the host (`run_resident`), or from the host counts where
+        they are in already (the grouped kernel does not run here: its fallback needs them)."""
+        if self.counts is None:
+            self.run_resident(ffn, stack.tensors)
+        else:
+            self.run_wave(ffn, stack.tensors, stack.experts, upload)
+
     def run_resident(self, ffn, w: dict) -> None:
         """The resident experts (keys 0..R-1, the rows of w's stacks) over their pairs, which lead
         the sort, with no count from the host: the groups' ends are found in the sorted keys on

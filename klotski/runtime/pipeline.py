@@ -285,14 +285,8 @@ class Pipeline:
         return self._sort_keys[layer]
 
     def _resident_wave(self, layer, moe: LayerExperts, stack) -> None:
-        """The layer's resident experts in one wave over their stack: before the routing ids reach
-        the host where the grouped kernel runs (offsets from the device), else from host counts."""
-        ffn = self.M.bind_grouped_expert_ffn(self.spec)
         with self.trace.span("compute", f"experts.{layer}.resident"):
-            if moe.counts is None:
-                moe.run_resident(ffn, stack.tensors)
-            else:
-                moe.run_wave(ffn, stack.tensors, stack.experts, self._upload)
+            moe.resident_wave(self.M.bind_grouped_expert_ffn(self.spec), stack, self._upload)
 
     def _experts_on_host(self, layer, moe: LayerExperts) -> set:
         """The selected experts computed where they live this step: not on the device nor on
