@@ -122,7 +122,7 @@ def build_engine(config, ckpt: Checkpoint, setup: RunSetup, *, predictor=None) -
     else:  # MXFP4 or GGUF experts stay packed as shipped, decoded on the device
         codec = ckpt.expert_codec(dtype)
     predictor = predictor or make_predictor(config, ckpt)
-    trace = Trace(keep_events=bool(config.trace), cuda=device.type == "cuda")
+    trace = Trace(keep_events=bool(config.trace), cuda=device.type == "cuda", every=config.time_every)
     channels = make_channels(device, trace, config.emulate_link_gbps)
     memory = Memory(setup.budgets.device, "device")
     if device.type == "cuda":  # the real allocator's peak is read against the budget from here (report)

@@ -80,6 +80,9 @@ class RunConfig:
     output_format: str = "auto"       # auto: each output line in its input line's form
     report: str | None = None
     trace: str | None = None
+    # one step in this many (per phase) has its spans timed (execute/trace.py: the busy seconds
+    # and bubble are estimated from those); 1 = every step, as a --trace run does
+    time_every: int = 8
     progress: bool = True
     window: int = 4096                # job lines read, tokenized and ordered together (memory holds one window)
     ray: str | None = None            # --ray: a Ray cluster's address ("auto" joins, "local" starts one); None = no Ray
@@ -106,7 +109,7 @@ class RunConfig:
             raise ConfigError("--top-p must be in (0, 1]")
         if self.output_format not in OUTPUT_FORMATS:
             raise ConfigError(f"--output-format {self.output_format!r}: choose one of {', '.join(OUTPUT_FORMATS)}")
-        for name in ("batch_size", "num_batches", "prefill_chunk", "window", "workers", "shard"):
+        for name in ("batch_size", "num_batches", "prefill_chunk", "window", "workers", "shard", "time_every"):
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")

@@ -110,7 +110,7 @@ def make_plan(shape, profile, *, device_memory, host_memory, prompt_len, gen_len
                      K=config.hot_experts, num_batches=1 if config.schedule == "simple" else config.num_batches,
                      chunk=config.prefill_chunk, gen_lens=gen_lens, prompt_lens=prompt_lens,
                      host_attention=config.host_attention, host_experts=config.host_experts,
-                     batching=config.batching, window=config.window)
+                     batching=config.batching, window=config.window, next_gate=config.prefetch == "next-gate")
     except Infeasible as e:
         raise BudgetRefused(e) from None
 

@@ -145,7 +145,8 @@ def host_moves(cost, bs, n, P, G, host, batching=None, utilisation=None) -> list
 
 
 def make_plan(cost, shape, budgets, pred, bs, n, layout, ios, binding, schedule, K, hot, marg, P, G, *,
-              longest: int, chunk: int, buffers: str, host=NO_HOST, batching=None, utilisation=None) -> Plan:
+              longest: int, chunk: int, buffers: str, host=NO_HOST, batching=None, utilisation=None,
+              next_gate: bool = False) -> Plan:
     L, E = shape.num_layers, shape.num_experts
     ws = working_set(cost, bs=bs, n=n, prompt_len=longest, gen_len=G, chunk=chunk, schedule=schedule, hot=K,
                      buffers=buffers, host_attention=host.attention)
@@ -198,9 +199,10 @@ def make_plan(cost, shape, budgets, pred, bs, n, layout, ios, binding, schedule,
     # ops the pipeline launches around the timed ones in a decode layer (the profile's counts)
     launches = cost.launches(batch_layers=n, expert_calls=per_layer["expected_distinct_experts"])
     per_layer["launches"] = {"decode": launches, "ms": launches * cost.profile.launch_s * 1e3}
-    # the routing ids' one copy to the host per MoE layer (execute/experts.ids_on_host): the only
-    # host sync a decode layer step makes (tests/test_expert_waves.py counts them)
-    per_layer["host_syncs"] = {"decode": 1 if E else 0}
+    # the host's waits for the routing ids (execute/channels.HostReads) per MoE layer, and for the
+    # next gate's picks with next-gate prediction: the only host syncs a decode layer step makes
+    # (tests/test_expert_waves.py counts them)
+    per_layer["host_syncs"] = {"decode": (1 + next_gate) if E else 0}
     if schedule in ("klotski", "hot-prefetch"):
         lhs, rhs, _ = ineq_terms(cost, io, dec, marg, hot, schedule, host=host)
         per_layer["inequalities_ms"] = [{"name": nm, "lhs": l * 1e3, "rhs": r * 1e3}
@@ -257,7 +259,8 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"  ops the pipeline launches around the timed ones, per decode layer: {pl['launches']['decode']:.0f} "
                      f"(at least {pl['launches']['ms']:.3f} ms of host time at the measured cost per launch)")
     if "host_syncs" in pl:
-        lines.append(f"  host syncs per decode layer: {pl['host_syncs']['decode']} (the routing ids' copy to the host; one more with --prefetch next-gate)")
+        lines.append(f"  host syncs per decode layer: {pl['host_syncs']['decode']} (waits for the routing ids' "
+                     "copy to the host; the resident experts compute meanwhile; one more with --prefetch next-gate)")
     for q in pl.get("inequalities_ms", []):
         mark = "ok " if q["lhs"] >= q["rhs"] * (1 - 1e-9) else "NO "
         lines.append(f"  {mark}{q['name']:<62} {q['lhs']:9.2f} vs {q['rhs']:9.2f}")

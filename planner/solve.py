@@ -75,7 +75,7 @@ def solve(shape, cost, budgets, *, prompt_len: int, gen_len: int, longest_prompt
           num_batches: int | None = None, chunk: int | None = None, max_sequences: int | None = None,
           popularity=None, finalists: int = 3, host_attention: str = "off", host_experts: str = "off",
           gen_lens=None, batching: str = "continuous", prompt_lens=None,
-          window: int | None = None) -> Plan:
+          window: int | None = None, next_gate: bool = False) -> Plan:
     """Best (batch size, n, placement) for generating `gen_len` tokens after `prompt_len`.
 
     `cost` is a CostModel for `shape`; `budgets` a Budgets or {"device", "host"[, "disk"]}
@@ -174,7 +174,8 @@ def solve(shape, cost, budgets, *, prompt_len: int, gen_len: int, longest_prompt
     return make_plan(cost, shape, budgets, pred, bs, n, layout, at.ios(layout), binding, schedule, hot_n,
                      hot, marg, prompt_len, gen_len, longest=longest, chunk=at.chunk(bs, n), buffers=at.buffers,
                      host=at.host, batching=batching if gen_lens else None,
-                     utilisation={b: job(n * bs, b) for b in BATCHING} if gen_lens else None)
+                     utilisation={b: job(n * bs, b) for b in BATCHING} if gen_lens else None,
+                     next_gate=next_gate)
 
 
 

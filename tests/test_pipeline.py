@@ -232,7 +232,7 @@ def test_the_expert_phase_is_bit_identical_in_any_order():
     import torch
 
     from klotski.models import layers as L
-    from klotski.execute.experts import LayerExperts, Routed, ids_on_host, run_expert
+    from klotski.execute.experts import LayerExperts, Routed, run_expert
 
     torch.manual_seed(0)
     E, k, H = 8, 2, 16
@@ -240,11 +240,11 @@ def test_the_expert_phase_is_bit_identical_in_any_order():
     w = {e: {"w1": torch.randn(32, H), "w3": torch.randn(32, H), "w2": torch.randn(H, 32)} for e in range(E)}
     x = torch.cat([h.reshape(-1, H) for h in hs])
     weights, experts = L.route(x, torch.randn(E, H), k, renormalise=True, cast=False)
-    chosen, counts = ids_on_host(experts, E)
-    routed = Routed(x, weights, experts, None, [6, 5], [None, None], chosen=chosen, counts=counts)
+    routed = Routed(x, weights, experts, None, [6, 5], [None, None])
 
     def layer(order):
         moe = LayerExperts(routed, k)
+        moe.count(experts, E)
         for e in order(moe.chosen):
             picks = moe.picks(e)
             tok = moe.tokens(picks)

@@ -208,6 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flags(g)
     g.add_argument("--report", metavar="PATH", help="write the run report as JSON")
     g.add_argument("--trace", metavar="PATH", help="write a Chrome-trace JSON (open in Perfetto)")
+    g.add_argument("--time-every", type=int, default=RunConfig.time_every, metavar="N",
+                   help="time one step in N of each phase for the report's busy seconds and bubble "
+                        f"(default {RunConfig.time_every}; --trace times every step)")
     g.add_argument("--no-resume", action="store_true", help="start the output file afresh")
     g.add_argument("--include-token-ids", action="store_true", help="add token_ids to each output line")
     g.add_argument("--output-format", default="auto", choices=OUTPUT_FORMATS,
@@ -320,7 +323,8 @@ def config_from_args(a: argparse.Namespace) -> RunConfig:
         host_experts=getattr(a, "host_experts", RunConfig.host_experts),
         direct_io=not a.no_direct_io, threads=getattr(a, "threads", None), prefix_cache=not getattr(a, "no_prefix_cache", False), resume=not a.no_resume, include_token_ids=a.include_token_ids,
         output_format=a.output_format,
-        report=a.report, trace=a.trace, progress=not a.no_progress,
+        report=a.report, trace=a.trace, time_every=getattr(a, "time_every", RunConfig.time_every),
+        progress=not a.no_progress,
         window=getattr(a, "window", RunConfig.window), ray=getattr(a, "ray", None),
         workers=getattr(a, "workers", None), shard=getattr(a, "shard", RunConfig.shard),
         prompt_field=getattr(a, "prompt_field", RunConfig.prompt_field),

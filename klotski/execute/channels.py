@@ -120,6 +120,7 @@ class Channel:
         self.on_caller = self.cuda and cudacopies.sanitizer_on()
         self._queued: Future | None = None  # the last work handed to the worker thread
         self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.staged = StagedCopies()  # pageable sources (disk reads) cross the link from locked memory
         # On CPU a copy on a worker would start its own OpenMP team as wide as the machine,
         # whose threads spin on the cores compute runs on: one thread per channel (measured on
         # tiny-mixtral with a 2 GB/s link on 2 cores: 36.8 -> 66 tokens/s).
@@ -188,7 +189,9 @@ class Channel:
         "device" is the same RAM: a host-tier tensor is cloned (the copy is what the tier
         budgets count), while a fresh read only this transfer holds (`owned`) is handed over."""
         if self.cuda:
-            return t.to(self.device, non_blocking=True)
+            if t.is_pinned():  # the host tier's locked blocks
+                return t.to(self.device, non_blocking=True)
+            return self.staged.copy(t, torch.empty(t.shape, dtype=t.dtype, device=self.device))
         return t if owned else t.clone()
 
     def empty(self, shape, dtype) -> torch.Tensor:
@@ -197,7 +200,10 @@ class Channel:
 
     def copy_into(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy a host tensor into device memory `dst` (called inside submitted work)."""
-        dst.copy_(src, non_blocking=self.cuda)
+        if self.cuda and not src.is_pinned():
+            self.staged.copy(src, dst)
+        else:
+            dst.copy_(src, non_blocking=self.cuda)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -212,24 +218,64 @@ def make_channels(device: torch.device, trace, link_gbps: float | None) -> dict[
     return {n: Channel(n, device, trace, *((None, None) if n == "disk" else (up, down))) for n in names}
 
 
-class SmallUploads:
-    """A step's small host tensors (ids, masks, RoPE tables, a wave's rows and offsets) on their
-    way to a CUDA device, through one persistent page-locked ring: each is copied into the next
-    free bytes of the ring and sent up non-blocking, an event marking when the device has read
-    them; bytes are reused only once their event has completed (waited for only if the ring
-    came round that fast). No `pin_memory()` per tensor. A tensor larger than the ring, or a
-    CPU device, takes the plain path."""
+class PinnedRing:
+    """Page-locked bytes reused in turn by copies that cross the link: `take(n)` gives the next n
+    free bytes, `busy(start, n)` marks them read or written by a copy until an event recorded on
+    the current stream completes. Bytes are reused only once their event has completed (waited
+    for only if the ring came round that fast). `buffer` and `event` replace the page-locked
+    bytes and CUDA events (tests check the bookkeeping on a CPU)."""
 
     ALIGN = 256
+
+    def __init__(self, nbytes: int, *, buffer=None, event=None):
+        self.bytes = buffer if buffer is not None else torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        self.event = event or (lambda: torch.cuda.Event())
+        self.head = 0
+        self.pending: deque = deque()  # (start, end, event) of bytes a copy may still be using
+
+    def __len__(self) -> int:
+        return len(self.bytes)
+
+    def take(self, nbytes: int) -> int:
+        """The start of `nbytes` free bytes, waiting for the oldest copies out of them if needed."""
+        while self.pending and self.pending[0][2].query():  # done already: free, no wait
+            self.pending.popleft()
+        start = -(-self.head // self.ALIGN) * self.ALIGN
+        if start + nbytes > len(self.bytes):
+            start = 0
+        while self.pending and self._overlaps(start, start + nbytes):
+            self.pending.popleft()[2].synchronize()
+        self.head = start + nbytes
+        return start
+
+    def busy(self, start: int, nbytes: int):
+        """Bytes [start, start + nbytes) are in a copy queued on the current stream; its event."""
+        done = self.event()
+        done.record()
+        self.pending.append((start, start + nbytes, done))
+        return done
+
+    def drain(self) -> None:
+        """Wait for every copy still using the ring (before it is replaced)."""
+        while self.pending:
+            self.pending.popleft()[2].synchronize()
+
+    def _overlaps(self, start: int, end: int) -> bool:
+        first = self.pending[0]
+        return first[0] < end and start < first[1]
+
+
+class SmallUploads:
+    """A step's small host tensors (ids, masks, RoPE tables, a wave's rows and offsets) on their
+    way to a CUDA device, through one persistent page-locked ring (PinnedRing): each is copied
+    into the next free bytes and sent up non-blocking, an event marking when the device has read
+    them. No `pin_memory()` per tensor. A tensor larger than half the ring, or a CPU device,
+    takes the plain path."""
 
     def __init__(self, device: torch.device, nbytes: int = 1 << 20, *, buffer=None, event=None):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
-        self.ring = buffer if buffer is not None else (
-            torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) if self.cuda else None)
-        self.event = event or (lambda: torch.cuda.Event())
-        self.head = 0
-        self.busy: deque = deque()  # (start, end, event) of bytes the device may still be reading
+        self.ring = PinnedRing(nbytes, buffer=buffer, event=event) if self.cuda or buffer is not None else None
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         if t.device.type == self.device.type:
@@ -237,30 +283,81 @@ class SmallUploads:
         nbytes = t.numel() * t.element_size()
         if self.ring is None or nbytes > len(self.ring) // 2:
             return t.to(self.device)  # no ring here (CPU, or too large): a plain copy
-        start = self._take(nbytes)
-        staged = self.ring[start:start + nbytes].view(t.dtype).view(t.shape)
+        start = self.ring.take(nbytes)
+        staged = self.ring.bytes[start:start + nbytes].view(t.dtype).view(t.shape)
         staged.copy_(t)
         out = staged.to(self.device, non_blocking=True)
-        done = self.event()
-        done.record()
-        self.busy.append((start, start + nbytes, done))
+        self.ring.busy(start, nbytes)
         return out
 
-    def _take(self, nbytes: int) -> int:
-        """The start of `nbytes` free bytes of the ring, waiting for the oldest reads if needed."""
-        while self.busy and self.busy[0][2].query():  # read already: free, no wait
-            self.busy.popleft()
-        start = -(-self.head // self.ALIGN) * self.ALIGN
-        if start + nbytes > len(self.ring):
-            start = 0
-        while self.busy and self._overlaps(start, start + nbytes):
-            self.busy.popleft()[2].synchronize()
-        self.head = start + nbytes
-        return start
 
-    def _overlaps(self, start: int, end: int) -> bool:
-        first = self.busy[0]
-        return first[0] < end and start < first[1]
+class HostReads:
+    """Small device tensors read on the host (a layer's routing ids): each copied non-blocking
+    into the next bytes of a persistent page-locked ring, an event recorded behind it on the
+    compute stream, so the kernels queued after it run on while the host waits for the values
+    (`Read.wait`) only where a decision needs them. On a CPU the tensor is on the host already:
+    no copy. A tensor larger than half the ring (a long prefill's ids) gets a ring twice its
+    size, once the old one's copies are done (a wait, a few times a run)."""
+
+    def __init__(self, device: torch.device, nbytes: int = 1 << 16, *, buffer=None, event=None):
+        self.cuda = torch.device(device).type == "cuda"
+        self.event = event
+        self.ring = PinnedRing(nbytes, buffer=buffer, event=event) if self.cuda or buffer is not None else None
+
+    def __call__(self, t: torch.Tensor) -> "Read":
+        if self.ring is None:
+            return Read(t)
+        nbytes = t.numel() * t.element_size()
+        if nbytes > len(self.ring) // 2:
+            self.ring.drain()
+            self.ring = PinnedRing(2 * nbytes, buffer=None if self.cuda else torch.empty(2 * nbytes, dtype=torch.uint8),
+                                   event=self.event)
+        start = self.ring.take(nbytes)
+        staged = self.ring.bytes[start:start + nbytes].view(t.dtype).view(t.shape)
+        staged.copy_(t, non_blocking=True)
+        return Read(staged, self.ring.busy(start, nbytes))
+
+
+class Read:
+    """A device tensor on its way to the host: `wait()` gives the host copy once it has landed."""
+
+    def __init__(self, value: torch.Tensor, event=None):
+        self.value, self.event = value, event
+
+    def wait(self) -> torch.Tensor:
+        if self.event is None:
+            return self.value
+        self.event.synchronize()  # the copy, not the compute queued behind it
+        return self.value.clone()  # the ring's bytes are reused from now on
+
+
+class StagedCopies:
+    """Host->device copies of pageable tensors (a disk-tier group as read from the file) through a
+    channel's own page-locked ring: each piece of at most half the ring is copied into it on the
+    channel's thread, then sent up non-blocking on the channel's stream, so the link never reads
+    pageable memory (which a CUDA copy does synchronously, through the driver's own bounce
+    buffer) and the next piece is staged while the last one moves. Made on first use: a run with
+    no disk tier never allocates it."""
+
+    def __init__(self, nbytes: int = 32 << 20, *, buffer=None, event=None):
+        self.nbytes, self.buffer, self.event = nbytes, buffer, event
+        self.ring: PinnedRing | None = None
+
+    def copy(self, t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """`t`'s bytes into device tensor `out` (same shape and dtype), piece by piece; `out`."""
+        if self.ring is None:
+            self.ring = PinnedRing(self.nbytes, buffer=self.buffer, event=self.event)
+        src = t.contiguous().reshape(-1).view(torch.uint8)
+        dst = out.view(-1).view(torch.uint8)
+        piece = len(self.ring) // 2
+        for a in range(0, len(src), piece):
+            n = min(piece, len(src) - a)
+            start = self.ring.take(n)
+            staged = self.ring.bytes[start:start + n]
+            staged.copy_(src[a:a + n])
+            dst[a:a + n].copy_(staged, non_blocking=True)
+            self.ring.busy(start, n)
+        return out
 
 
 def pinned_staging(nbytes: int, device: torch.device) -> torch.Tensor:

@@ -9,8 +9,6 @@ never changes a bit of the result."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import accumulate
-
 import numpy as np
 import torch
 
@@ -28,8 +26,6 @@ class Routed:
     shared: torch.Tensor | None  # the shared expert's output [N, H], for families with one
     sizes: list[int]       # each batch's real tokens (their rows of x, in order)
     keeps: list            # per batch, which of its B*T tokens are real (None: all of them)
-    chosen: torch.Tensor | None = None  # `experts` on the host (one copy per layer)
-    counts: list | None = None          # pairs per expert, counted on the host
 
 
 def route_group(family, spec, hs: list[torch.Tensor], gate: dict, keeps: list, shared: bool = True) -> Routed:
@@ -60,30 +56,97 @@ def real_tokens(valid: torch.Tensor) -> torch.Tensor | None:
     return valid.flatten().nonzero().flatten()
 
 
-def ids_on_host(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[int]]:
-    """Expert ids on the host, in one copy (the layer's one sync on CUDA), and how many of the
-    (token, slot) pairs each expert takes, counted there."""
-    ids = experts.cpu()
-    return ids, np.bincount(ids.numpy().ravel(), minlength=num_experts).tolist()
+def pairs_per_expert(ids: torch.Tensor, num_experts: int) -> np.ndarray:
+    """How many of the (token, slot) pairs each expert takes, counted from the ids on the host."""
+    return np.bincount(ids.numpy().ravel(), minlength=num_experts)
+
+
+@dataclass
+class SortKeys:
+    """Where each expert's pairs go in a layer's sort: its resident experts (the rows of its
+    stack, in id order) first, then the others in id order, so the resident ones' pairs lead
+    the sort and a wave over them needs no count from the host. `rank` maps expert -> key
+    (None: the identity, when every expert or none is resident); `bounds` = 0..resident-1,
+    both on the device."""
+    resident: int
+    rank_host: np.ndarray | None
+    rank: torch.Tensor | None
+    bounds: torch.Tensor
+
+    @classmethod
+    def of(cls, stack_experts: list[int], num_experts: int, upload) -> "SortKeys":
+        n = len(stack_experts)
+        rank = None
+        if 0 < n < num_experts:
+            rank = np.full(num_experts, -1, dtype=np.int64)
+            rank[stack_experts] = np.arange(n)
+            others = rank < 0
+            rank[others] = np.arange(n, num_experts)
+        return cls(n, rank, None if rank is None else upload(torch.from_numpy(rank)),
+                   upload(torch.arange(n, dtype=torch.int64)))
 
 
 class LayerExperts:
     """The expert phase of one layer over a group: the top-k slots the outputs wait in, and
-    which of the group's routed tokens each expert takes (a contiguous range of one sort)."""
+    which of the group's routed tokens each expert takes (a contiguous range of one sort).
+    Made from the routing on the device; `count` adds the host's side once the ids are there."""
 
-    def __init__(self, routed: Routed, top_k: int):
-        self.routed, self.k = routed, top_k
+    def __init__(self, routed: Routed, top_k: int, keys: SortKeys | None = None):
+        self.routed, self.k, self.keys = routed, top_k, keys
         self.slots = L.slots(len(routed.x), top_k, routed.x, routed.weights)
-        counts = self.counts = routed.counts
-        self.chosen = [e for e, c in enumerate(counts) if c]
-        self._starts = [0, *accumulate(counts)]
-        # flat (token·k + slot) positions in expert order, token order within an expert
-        # (what `torch.where(experts == e)` gives, for every e at once)
-        self._order = torch.argsort(routed.experts.flatten(), stable=True)
+        flat = routed.experts.flatten()
+        rank = None if keys is None else keys.rank
+        # flat (token·k + slot) positions in key order (expert order, resident experts first),
+        # token order within an expert (what `torch.where(experts == e)` gives, for every e at once)
+        self._keys, self._order = torch.sort(flat if rank is None else rank.index_select(0, flat), stable=True)
         self._tokens = self._order // top_k
         self._weights = routed.weights.flatten().index_select(0, self._order)
-        self._counts = np.asarray(counts, dtype=np.int64)
-        self._first = np.asarray(self._starts[:-1], dtype=np.int64)
+        self.ids = self.counts = self.chosen = None
+        self.resident_done = False  # the resident experts' wave ran before the ids reached the host
+
+    def count(self, ids: torch.Tensor, num_experts: int) -> None:
+        """The host's side, from the routing ids on the host: pairs per expert, the chosen
+        experts, where each one's run of the sort starts."""
+        counts = pairs_per_expert(ids, num_experts)
+        self.ids, self.counts, self.chosen = ids, counts.tolist(), np.flatnonzero(counts).tolist()
+        rank = None if self.keys is None else self.keys.rank_host
+        by_key = np.arange(num_experts) if rank is None else np.argsort(rank)
+        self._first = np.empty(num_experts, dtype=np.int64)
+        self._first[by_key] = np.cumsum(counts[by_key]) - counts[by_key]
+        self._counts = counts.astype(np.int64)
+
+    def resident_wave(self, ffn, stack, upload) -> None:
+        """The layer's resident experts in one wave over their stack (placement.cache.ExpertStack):
+        before the routing ids reach the host (`run_resident`), or from the host counts where
+        they are in already (the grouped kernel does not run here: its fallback needs them)."""
+        if self.counts is None:
+            self.run_resident(ffn, stack.tensors)
+        else:
+            self.run_wave(ffn, stack.tensors, stack.experts, upload)
+
+    def run_resident(self, ffn, w: dict) -> None:
+        """The resident experts (keys 0..R-1, the rows of w's stacks) over their pairs, which lead
+        the sort, with no count from the host: the groups' ends are found in the sorted keys on
+        the device, so this launches before the routing ids reach the host and nothing here
+        waits for the device. A token picks an expert once, so they take at most
+        tokens·min(k, R) pairs: that many rows are computed, in calls of the group's tokens as
+        run_wave's; rows past the last resident pair compute to nothing anyone reads (their
+        slots belong to experts computed in a later wave, which overwrites them)."""
+        keys = self.keys
+        n = len(self.routed.x)
+        total = n * min(self.k, keys.resident)
+        ends = torch.searchsorted(self._keys, keys.bounds, right=True, out_int32=True)
+        flat, step = self.slots.view(-1, self.slots.shape[-1]), min(n, PREFILL_EXPERT_CHUNK)
+        # every call's offsets at once: its groups' ends less its first row, within its rows (the
+        # last call's rows run to `total`, past every resident pair, so `step` bounds it too)
+        starts = torch.arange(0, total, step, dtype=torch.int32, device=ends.device)
+        offsets = (ends[None, :] - starts[:, None]).clamp_(0, step)
+        for call, start in enumerate(range(0, total, step)):
+            stop = min(start + step, total)
+            x = self.routed.x.index_select(0, self._tokens[start:stop])
+            y = ffn(x, w, Groups(None, offsets[call]))
+            flat.index_copy_(0, self._order[start:stop], y * self._weights[start:stop, None])
+        self.resident_done = True
 
     def run_wave(self, ffn, w: dict, experts, upload) -> None:
         """`ffn` (the family's grouped expert FFN) over the tokens of `experts`, whose weights are
@@ -124,7 +187,8 @@ class LayerExperts:
 
     def picks(self, e: int) -> slice:
         """Expert `e`'s range of the sorted (token, slot) pairs."""
-        return slice(self._starts[e], self._starts[e + 1])
+        first = int(self._first[e])
+        return slice(first, first + int(self._counts[e]))
 
     def tokens(self, picks: slice) -> torch.Tensor:
         """Indices into the group's routed tokens of the picked pairs (for tests and tools)."""

@@ -295,6 +295,15 @@ class BatchKV:
         skip = self.no_prefix[:self.rows]
         return None if self.shared is None or not bool(skip.any()) else ~skip
 
+    def with_prefix_columns(self, masks: dict, new_tokens: int) -> dict:
+        """A step's masks, widened by the shared prefix's columns first where the computed rows
+        mix rows that read it with rows that do not (`layers.attend_shared` masks those)."""
+        reads = self.prefix_mask()
+        if reads is None:
+            return masks
+        head = reads.view(-1, 1, 1, 1).expand(-1, 1, new_tokens, self.shared.length)
+        return {w: torch.cat([head, m], dim=-1) for w, m in masks.items()}
+
     def scrub(self, row: int) -> None:
         """Zero row `row`'s slots in every layer: its sequence went non-finite, and a later
         one in this row may attend over them masked (0 times NaN is NaN)."""

@@ -25,9 +25,8 @@ prefetched), `multibatch` (n batches, whole next layer: FlexGen style), `hot-pre
 (gate + K hot experts, the rest on demand, id order), `klotski` (+ hot-first order and early
 release). All compute the same numbers; only order and overlap differ.
 
-This module orders work and calls the model math (the family's hooks, and the expert
-phase's tensor work in experts.py); it never does arithmetic on weights, and it touches
-weights only through the WeightCache.
+This module orders work and calls the model math (the family's hooks, experts.py's tensor
+work); it never does arithmetic on weights and touches them only through the WeightCache.
 """
 from __future__ import annotations
 
@@ -36,8 +35,9 @@ from dataclasses import dataclass
 import torch
 
 from klotski.models import layers as L
-from klotski.execute.channels import SmallUploads
-from klotski.execute.experts import LayerExperts, first_broken, ids_on_host, real_tokens, route_group
+from klotski.models.grouped import runs_grouped
+from klotski.execute.channels import HostReads, SmallUploads
+from klotski.execute.experts import LayerExperts, SortKeys, first_broken, real_tokens, route_group
 from klotski.execute.hostcompute import HostCompute
 from klotski.execute.hostwork import HostWork
 from klotski.execute.kvcache import BatchKV
@@ -72,6 +72,9 @@ class Pipeline:
         self.res = Residency(cache, channels, memory, trace)
         # a step's small host tensors (ids, masks, RoPE tables, a wave's rows) go up through one pinned ring
         self._upload = SmallUploads(device)
+        # the routing ids come down through a pinned ring, non-blocking, an event each
+        self._read = HostReads(device)
+        self._sort_keys: dict = {}  # layer -> SortKeys (its resident experts first), made once
         self.host_work = HostWork(self.host, channels, trace, self.res.wait)
         self.schedule = config.schedule
         self.whole_layer = self.schedule in ("simple", "multibatch")
@@ -90,6 +93,7 @@ class Pipeline:
         anywhere, its hidden states stopped being finite."""
         spec = self.spec
         self.predictor.begin_step()
+        self.trace.begin_step()  # timed or not (one step in RunConfig.time_every)
         # where each batch's attention runs this step, decided once: the activation reserve
         # depends on it (a host batch's keys and scores stay on the host)
         self.at_host = [self._attend_on_host(kv, inp.ids.shape[1]) for kv, inp in zip(kvs, inputs)]
@@ -110,10 +114,7 @@ class Pipeline:
                 columns = kv.step_columns()  # masks are built on the host, moved once
                 if columns is not None:  # attend over the kept slots only
                     masks = {w: m.index_select(-1, columns) for w, m in masks.items()}
-                reads = kv.prefix_mask()
-                if reads is not None:  # rows that do not start from the shared prefix: its columns masked
-                    head = reads.view(-1, 1, 1, 1).expand(-1, 1, inp.ids.shape[1], kv.shared.length)
-                    masks = {w: torch.cat([head, m], dim=-1) for w, m in masks.items()}
+                masks = kv.with_prefix_columns(masks, inp.ids.shape[1])  # rows that do not read it: masked
             hs.append(h)
             keep = real_tokens(inp.valid)
             keeps.append(None if keep is None else self._upload(keep))
@@ -255,18 +256,37 @@ class Pipeline:
         gate = self.res.get(("gate", layer))
         with self.trace.span("compute", f"gate.{layer}"):
             routed = route_group(self.M, self.spec, hs, gate, keeps)
-        # The layer's one host sync for routing: every batch's expert ids at once; then every
-        # selected expert not on the device goes on the experts channel.
-        routed.chosen, routed.counts = ids_on_host(routed.experts, self.spec.num_experts)
-        moe = LayerExperts(routed, self.spec.top_k)
+        # Every batch's expert ids start for the host at once (non-blocking; on CUDA an event
+        # marks their arrival), and the next gate's picks likewise; then the resident experts'
+        # wave is queued (its offsets counted on the device) before the host waits for the ids:
+        # the device computes it while the host decides the transfers.
+        read = self._read(routed.experts)
+        ahead = self._speculate(layer + 1, hs, keeps)
+        stack = self.cache.stacks.get(layer)
+        moe = LayerExperts(routed, self.spec.top_k, self._keys(layer, stack))
+        if stack is not None and runs_grouped(self.device.type, self.cache.dtype):
+            self._resident_wave(layer, moe, stack)
+        moe.count(read.wait(), self.spec.num_experts)  # the layer's one wait for routing
         self.host_experts = self._experts_on_host(layer, moe)
         self.res.want([("expert", layer, e) for e in moe.chosen if e not in self.host_experts], "experts", front=True)
         self.cache.release(("gate", layer))
         if self.spec.experts_in(layer):
-            self.predictor.observe(self.spec.moe_index(layer), [routed.chosen])
-        if self.next_gate:
-            self._speculate(layer + 1, hs, keeps)
+            self.predictor.observe(self.spec.moe_index(layer), [moe.ids])
+        if ahead is not None:
+            self.predictor.speculate(self.spec.moe_index(layer + 1), [ahead.wait()])
         return moe, hot
+
+    def _keys(self, layer, stack) -> SortKeys | None:
+        """The layer's sort order, resident experts first (made once per layer)."""
+        if stack is None:
+            return None
+        if layer not in self._sort_keys:
+            self._sort_keys[layer] = SortKeys.of(stack.experts, self.spec.experts_in(layer), self._upload)
+        return self._sort_keys[layer]
+
+    def _resident_wave(self, layer, moe: LayerExperts, stack) -> None:
+        with self.trace.span("compute", f"experts.{layer}.resident"):
+            moe.resident_wave(self.M.bind_grouped_expert_ffn(self.spec), stack, self._upload)
 
     def _experts_on_host(self, layer, moe: LayerExperts) -> set:
         """The selected experts computed where they live this step: not on the device nor on
@@ -285,16 +305,19 @@ class Pipeline:
             self.res.claim(("expert", layer, e))
         return out
 
-    def _speculate(self, layer, hs, keeps) -> None:
-        """Next-gate prediction: layer+1's router on the hidden states entering this MoE,
-        only if that gate has already arrived (a prediction must never stall compute)."""
+    def _speculate(self, layer, hs, keeps):
+        """Next-gate prediction: layer+1's router on the hidden states entering this MoE, only if
+        that gate has already arrived (a prediction must never stall compute); its picks on their
+        way to the host (a Read), or None."""
+        if not self.next_gate:
+            return None
         key = ("gate", layer)
         if layer >= self.spec.num_layers or not self.spec.experts_in(layer) or not self.cache.ready(key):
-            return
+            return None
         gate = self.cache.get(key)
         with self.trace.span("compute", f"speculate.{layer}"):
             picks = route_group(self.M, self.spec, hs, gate, keeps, shared=False).experts
-        self.predictor.speculate(self.spec.moe_index(layer), [ids_on_host(picks, self.spec.num_experts)[0]])
+        return self._read(picks)
 
     # ---- experts ------------------------------------------------------------------------
     def _experts(self, layer, hs, moe: LayerExperts, hot):
@@ -311,11 +334,10 @@ class Pipeline:
         moved = [e for e in order if e not in self.host_experts and (stack is None or e not in stack.row)]
         host = [e for e in order if e in self.host_experts]
         ffn = self.M.bind_grouped_expert_ffn(self.spec)
-        if resident:
-            with self.trace.span("compute", f"experts.{layer}.resident"):
-                moe.run_wave(ffn, stack.tensors, stack.experts, self._upload)
-            for e in resident:
-                self.res.upcoming.pop(("expert", layer, e))
+        if resident and not moe.resident_done:
+            self._resident_wave(layer, moe, stack)
+        for e in resident:
+            self.res.upcoming.pop(("expert", layer, e))
         done, i = [], 0
         while i < len(moved) or host:
             ready = i

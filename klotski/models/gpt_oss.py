@@ -181,7 +181,7 @@ def grouped_clamped_swiglu(x, w: dict, groups: G.Groups, *, alpha: float = SWIGL
                            limit: float = SWIGLU_LIMIT) -> torch.Tensor:
     """clamped_swiglu for stacked experts over their groups of rows; each row's biases are its
     expert's, added after the product as the per-expert path adds them."""
-    rows = groups.row_group()
+    rows = groups.row_group(len(x))
     gate_up = G.grouped_mm(x, w["gate_up"], groups)
     gate_up.add_(w["gate_up_bias"].index_select(0, rows))
     gate, up = gate_up[..., ::2].clamp(max=limit), gate_up[..., 1::2].clamp(min=-limit, max=limit)

@@ -20,18 +20,27 @@ _SUPPORTED: dict = {}  # (device type, dtype) -> whether torch._grouped_mm runs 
 
 @dataclass
 class Groups:
-    """Rows x[offsets[g-1]:offsets[g]] belong to group g (its weights w[g]): `counts` on the
-    host (the fallback's slices), `offsets` on the device as int32 cumulative ends (the grouped
-    kernel's)."""
-    counts: list[int]
+    """Rows x[offsets[g-1]:offsets[g]] belong to group g (its weights w[g]): `offsets` on the
+    device as int32 cumulative ends (the grouped kernel's), `counts` on the host (the fallback's
+    slices) or None where they were counted on the device (a wave launched before the routing
+    ids reached the host). Rows past the last offset belong to no group: their outputs are
+    undefined (the caller overwrites them)."""
+    counts: list[int] | None
     offsets: torch.Tensor
 
-    def row_group(self) -> torch.Tensor:
-        """Each row's group [rows] (to gather per-group biases), made on the offsets' device from
-        them: no upload, and the row count given, so no sync."""
-        sizes = torch.diff(self.offsets, prepend=self.offsets.new_zeros(1))
-        return torch.repeat_interleave(torch.arange(len(self.counts), device=self.offsets.device), sizes,
-                                       output_size=sum(self.counts))
+    def host_counts(self) -> list[int]:
+        """`counts`, read from the device if only the offsets exist (a sync: only where a device
+        and dtype turned out to lack the grouped kernel after a wave had been launched for it)."""
+        if self.counts is None:
+            self.counts = torch.diff(self.offsets, prepend=self.offsets.new_zeros(1)).tolist()
+        return self.counts
+
+    def row_group(self, rows: int) -> torch.Tensor:
+        """Each of `rows` rows' group (to gather per-group biases), found on the offsets' device
+        (the number of ends at or before the row; a row past the last group takes the last): no
+        upload, no sync."""
+        at = torch.arange(rows, device=self.offsets.device, dtype=self.offsets.dtype)
+        return torch.searchsorted(self.offsets, at, right=True).clamp_(max=len(self.offsets) - 1)
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torch.Tensor:
@@ -44,20 +53,30 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torch.Te
     return _grouped(x, w.transpose(1, 2), groups, lambda part, g: F.linear(part, w[g]))
 
 
+def runs_grouped(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether the grouped kernel computes for this device and dtype (as probed, or as expected
+    before the first call): the offsets alone then say where each group's rows are."""
+    # fp32 on a GPU stays on the per-expert ops: a grouped kernel there may take TF32 or another
+    # summation order, and fp32 is where output must be transformers' token for token
+    return _SUPPORTED.get((device_type, dtype),
+                          hasattr(torch, "_grouped_mm") and not (device_type == "cuda" and dtype == torch.float32))
+
+
 def _grouped(x, w_kn, groups: Groups, per_group) -> torch.Tensor:
     """The grouped kernel where it runs; else `per_group` (the per-expert op itself, so the
     fallback is the per-expert path bit for bit) over each non-empty group."""
     key = (x.device.type, x.dtype)
-    # fp32 on a GPU stays on the per-expert ops: a grouped kernel there may take TF32 or another
-    # summation order, and fp32 is where output must be transformers' token for token
-    if _SUPPORTED.get(key, hasattr(torch, "_grouped_mm") and not (x.is_cuda and x.dtype == torch.float32)):
+    if runs_grouped(*key):
         try:
             out = torch._grouped_mm(x, w_kn, offs=groups.offsets)
             _SUPPORTED[key] = True
             return out
         except (RuntimeError, NotImplementedError, TypeError):
             _SUPPORTED[key] = False
-    parts = [per_group(part, g) for g, part in enumerate(x.split(groups.counts)) if len(part)]
+    counts = groups.host_counts()
+    parts = [per_group(part, g) for g, part in enumerate(x[:sum(counts)].split(counts)) if len(part)]
+    if sum(counts) < len(x):  # rows in no group: as the kernel leaves them (undefined), zeros here
+        parts.append(x.new_zeros(len(x) - sum(counts), w_kn.shape[-1]))
     if not parts:
         return x.new_empty(0, w_kn.shape[-1])
     return torch.cat(parts) if len(parts) > 1 else parts[0]

@@ -238,7 +238,6 @@ class Engine:
         self.trace.phase = "prefill" if decode is None else "decode"
         outs = self.pipeline.forward(kvs, inputs)
         elapsed = time.perf_counter() - t0
-        self.trace.resolve()
         tokens = sum(int(i.valid.sum()) for i in inputs) if decode is None else 0  # host tensors: no sync
         self.stats.record_step(elapsed, self.trace.bytes[DISK_TO_HOST] - disk0, prompt=prompt, decode=decode,
                                tokens=tokens, kv_bytes=self.pipeline.kv_bytes_loaded - kv0)

@@ -64,6 +64,9 @@ def build_report(engine, setup, *, ok: int, failed: int, skipped: int, wall_s: f
                                "longest prompts first, n batches of bs per group")},
         "bubble": {"seconds": round(engine.trace.bubble_s, 4), "share": round(engine.trace.bubble_share(), 4),
                    "decode_share": round(engine.trace.bubble_share(decode_only=True), 4)},
+        # busy seconds and the bubble are estimated from the timed steps (one in `every` a phase)
+        "timing": {"every": engine.trace.every, "steps": dict(engine.trace.steps),
+                   "timed_steps": dict(engine.trace.timed_steps)},
         "prefetch": engine.predictor.report(),
         "host_compute": engine.pipeline.host.report(),
         "prefix_cache": prefix_report(engine),

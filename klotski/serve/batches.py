@@ -176,8 +176,7 @@ class BatchJob(Job):
     def run(self) -> int:
         engine = self.worker.engine
         engine.stats = Stats()  # (read by reports alone)
-        for counts in (engine.trace.busy, engine.trace.decode_busy, engine.trace.bytes):
-            counts.clear()
+        engine.trace.clear_counts()
         try:
             return super().run()
         except Halt:

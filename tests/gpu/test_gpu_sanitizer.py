@@ -3,7 +3,7 @@
 torch's sanitizer records the tensors each kernel reads and writes through a dispatch mode of
 the thread it was enabled on. The channels used to issue their copies on worker threads, so a
 copy-versus-compute race was invisible to it and "no race found" proved nothing. While the
-sanitizer runs, the channels now issue copies on the calling thread (klotski/runtime/
+sanitizer runs, the channels now issue copies on the calling thread (klotski/execute/
 cudacopies.py). Here one run with a planted missing wait (a ticket handed over without making
 the compute stream wait on the copy's event) must be reported, and the same run without the
 plant must not; both check in the child that the sanitizer was on. Skipped without CUDA.
