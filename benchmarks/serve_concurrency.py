@@ -42,6 +42,25 @@ def health(url: str) -> dict:
         return json.loads(r.read())
 
 
+def start_server(data: Path, model: str, *flags: str) -> tuple[subprocess.Popen, str]:
+    """`klotski serve` on a free port with its data in `data` (its log beside it), once /health
+    answers: (the process, its URL). Exits with the log if it does not start."""
+    port = free_port()
+    log = Path(f"{data}.log")
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "klotski.cli", "serve", "--model", model, "--port", str(port),
+                                 "--data-dir", str(data), *flags], stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    while True:
+        try:
+            health(url)
+            return proc, url
+        except OSError:
+            if proc.poll() is not None:
+                raise SystemExit(log.read_text()) from None
+            time.sleep(0.3)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tiny-mixtral")
@@ -50,24 +69,10 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--device", default="auto")
     a = ap.parse_args()
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory() as tmp:
-        log = open(Path(tmp) / "server.log", "w")
-        proc = subprocess.Popen([sys.executable, "-m", "klotski.cli", "serve", "--model", a.model, "--port", str(port),
-                                 "--data-dir", str(Path(tmp) / "data"), "--device", a.device,
-                                 "--max-new-tokens", str(a.tokens)], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        t0 = time.perf_counter()
+        proc, url = start_server(Path(tmp) / "data", a.model, "--device", a.device, "--max-new-tokens", str(a.tokens))
         try:
-            t0 = time.perf_counter()
-            while True:
-                if proc.poll() is not None:
-                    print((Path(tmp) / "server.log").read_text(), file=sys.stderr)
-                    return 1
-                try:
-                    health(url)
-                    break
-                except OSError:
-                    time.sleep(0.3)
             startup = time.perf_counter() - t0
             client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=600)
             model = client.models.list().data[0].id

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,7 +23,7 @@ from pathlib import Path
 import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_concurrency import free_port, health  # noqa: E402
+from serve_concurrency import health, start_server  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -50,25 +49,11 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--device", default="auto")
     a = ap.parse_args()
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     out: dict = {"model": a.model, "lines": a.lines}
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "data"
-        log = open(Path(tmp) / "server.log", "w")
-        proc = subprocess.Popen([sys.executable, "-m", "klotski.cli", "serve", "--model", a.model, "--port", str(port),
-                                 "--data-dir", str(data), "--device", a.device, "--max-new-tokens", "64"],
-                                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        proc, url = start_server(data, a.model, "--device", a.device, "--max-new-tokens", "64")
         try:
-            deadline = time.time() + 300
-            while True:
-                try:
-                    health(url)
-                    break
-                except OSError:
-                    if time.time() > deadline or proc.poll() is not None:
-                        raise SystemExit("the server did not start: " + (Path(tmp) / "server.log").read_text())
-                    time.sleep(0.3)
             client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=900)
             model = client.models.list().data[0].id
             chat(client, model, 4)  # warm

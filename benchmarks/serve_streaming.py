@@ -16,26 +16,21 @@ from __future__ import annotations
 import argparse
 import json
 import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
+from pathlib import Path
 
 import openai
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve_concurrency import health, start_server  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "Tell me about rivers in Europe"}]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def online(url: str) -> dict:
-    with urllib.request.urlopen(url + "/health", timeout=5) as r:
-        return json.loads(r.read())["online"]
+    return health(url)["online"]
 
 
 def main() -> int:
@@ -44,21 +39,9 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     a = ap.parse_args()
-    port, data = free_port(), tempfile.mkdtemp(prefix="klotski-serve-streaming-")
-    log = open(f"{data}.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "klotski.cli", "serve", "--model", a.model, "--port", str(port),
-                             "--data-dir", data, "--device", "cpu", "--threads", "1"], stdout=log,
-                            stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    data = Path(tempfile.mkdtemp(prefix="klotski-serve-streaming-"))
+    proc, url = start_server(data, a.model, "--device", "cpu", "--threads", "1")
     try:
-        while True:
-            try:
-                online(url)
-                break
-            except OSError:
-                if proc.poll() is not None:
-                    raise SystemExit(open(f"{data}.log").read())
-                time.sleep(0.5)
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=600)
         ask = dict(model=a.model, messages=MESSAGES, max_tokens=a.tokens, temperature=0)
         client.chat.completions.create(**{**ask, "max_tokens": 4})  # warm
@@ -82,7 +65,7 @@ def main() -> int:
         body = json.dumps({"model": a.model, "messages": MESSAGES, "max_tokens": 1000, "temperature": 0}).encode()
         socks = []
         for _ in range(4):
-            s = socket.create_connection(("127.0.0.1", port))
+            s = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])))
             s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                       f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
             socks.append(s)

@@ -196,11 +196,9 @@ def test_a_decode_layer_step_issues_no_host_sync_but_the_routing_reads(tmp_path)
             assert all(r.index("resident") < r.index("wait") for r in runs), runs[:4]
 
 
-def test_small_uploads_reuse_ring_bytes_only_once_the_device_has_read_them():
-    """The pinned ring of a step's small uploads (CUDA-only in use; its bookkeeping checked here
-    with a plain buffer, a meta device and events that say when they are waited for)."""
-    from klotski.execute.channels import SmallUploads
-
+def _fake_events():
+    """A stand-in for torch.cuda.Event that says whether it was waited for (`Event.made`: every
+    one made, in order; `done` set by the test when the copy it marks has completed)."""
     class Event:
         made = []
 
@@ -216,6 +214,15 @@ def test_small_uploads_reuse_ring_bytes_only_once_the_device_has_read_them():
 
         def synchronize(self):
             self.waited = self.done = True
+    return Event
+
+
+def test_small_uploads_reuse_ring_bytes_only_once_the_device_has_read_them():
+    """The pinned ring of a step's small uploads (CUDA-only in use; its bookkeeping checked here
+    with a plain buffer, a meta device and events that say when they are waited for)."""
+    from klotski.execute.channels import SmallUploads
+
+    Event = _fake_events()
 
     ring = torch.zeros(4096, dtype=torch.uint8)
     up = SmallUploads(torch.device("meta"), buffer=ring, event=Event)
@@ -240,21 +247,7 @@ def test_pageable_sources_cross_the_link_through_a_reused_pinned_ring():
     ring bytes only once the copy out of them has completed."""
     from klotski.execute.channels import StagedCopies
 
-    class Event:
-        made = []
-
-        def __init__(self):
-            self.done, self.waited = False, False
-            Event.made.append(self)
-
-        def record(self):
-            pass
-
-        def query(self):
-            return self.done
-
-        def synchronize(self):
-            self.waited = self.done = True
+    Event = _fake_events()
 
     staged = StagedCopies(buffer=torch.zeros(1024, dtype=torch.uint8), event=Event)
     t = torch.arange(1000, dtype=torch.float32)  # 4000 bytes: 8 pieces of half the ring
