@@ -57,7 +57,7 @@ def compute_device(name: str) -> str:
 
 
 def measure_here(shape, *, device: str = "auto", link_gbps: float | None = None, refresh: bool = False,
-                 pipeline_cost=None):
+                 pipeline_cost=None, reuse: bool = False):
     """This machine's profile for `shape` on `device` (auto: the GPU where there is one), timed
     with the engine's own ops and cached in the user cache unless `refresh`."""
     from klotski.util import cachedir
@@ -65,7 +65,8 @@ def measure_here(shape, *, device: str = "auto", link_gbps: float | None = None,
     from klotski.util.writes import writing
     with writing(cachedir.profiles(), "the disk-speed probe of the hardware profile"):
         profile = measure(shape, ops=EngineOps(), device=compute_device(device), link_gbps=link_gbps,
-                          refresh=refresh, cache_dir=cachedir.profiles(), announce=_say, busy=machine_busy)
+                          refresh=refresh, cache_dir=cachedir.profiles(), announce=_say,
+                          busy=None if reuse else machine_busy)
         if pipeline_cost:  # what the pipeline adds around the ops (klotski/schedule/overhead.py, via assemble)
             found = pipeline_cost(compute_device(device), emulated_link=bool(link_gbps), announce=_say)
             profile.overhead_s.update({k: v for k, v in found.items() if not k.startswith(LAUNCHES)})
@@ -81,11 +82,13 @@ def _say(text: str) -> None:
 announce = _say  # a line on stderr, as the profile's own
 
 
-def profile_for(hardware: str, shape, *, device: str = "auto", link_gbps: float | None = None, pipeline_cost=None):
-    """`auto` measures this machine on `device` (cached); otherwise a built-in profile name or a
-    JSON path (which says its own device)."""
+def profile_for(hardware: str, shape, *, device: str = "auto", link_gbps: float | None = None, pipeline_cost=None,
+                reuse: bool = False):
+    """`auto` measures this machine on `device` (cached; `reuse`: a profile measured while the
+    machine was busy serves too); otherwise a built-in profile name or a JSON path (which says
+    its own device)."""
     if hardware == "auto":
-        return measure_here(shape, device=device, link_gbps=link_gbps, pipeline_cost=pipeline_cost)
+        return measure_here(shape, device=device, link_gbps=link_gbps, pipeline_cost=pipeline_cost, reuse=reuse)
     if hardware not in builtin_profiles() and not Path(hardware).exists():
         from klotski.errors import ConfigError
         raise ConfigError(f"--hardware {hardware!r}: not 'auto', a built-in profile "
@@ -261,13 +264,15 @@ def replayed_plan(config, ckpt, setup, prompt_lens, gen_lens, pipeline_cost=None
     fixed = dataclasses.replace(config, batch_size=setup.batch_size, num_batches=setup.num_batches,
                                 prefill_chunk=plan.prefill_chunk,
                                 quantize=plan.precision.get("quantize", config.quantize))
+    # (reuse: a replay is a report's figure; it never measures again mid-run, which on `klotski
+    # serve` would hold the engine's thread, and online requests, for seconds)
     again = _plan_lengths(fixed, ckpt, setup.dtype, setup.device, setup.budgets, list(prompt_lens),
-                          [max(1, g) for g in gen_lens], plan.gen_len, pipeline_cost)
+                          [max(1, g) for g in gen_lens], plan.gen_len, pipeline_cost, reuse=True)
     return again
 
 
 def _plan_lengths(config, ckpt, dtype, device, budgets, prompt_lens, gen_lens, gen_len, pipeline_cost,
-                  memory_only: bool = False):
+                  memory_only: bool = False, reuse: bool = False):
     """The plan for a job of these prompt and answer lengths (time planned for the answers'
     `gen_lens`, memory for `gen_len`); no lengths: one sequence of a one-token prompt. With
     `memory_only`, from a profile whose times mean nothing and nothing is measured: whether
@@ -278,7 +283,7 @@ def _plan_lengths(config, ckpt, dtype, device, budgets, prompt_lens, gen_lens, g
         profile = Profile(name="memory-only", device=device.type, flops=1.0, mem_bw=1.0,
                           links=dict.fromkeys(LINKS, 1.0), host_flops=1.0, host_mem_bw=1.0)
     else:
-        shape, profile, _ = _measured(config, ckpt, dtype, device, pipeline_cost)
+        shape, profile, _ = _measured(config, ckpt, dtype, device, pipeline_cost, reuse)
     kw = dict(device_memory=budgets.device, host_memory=budgets.host, prompt_len=-(-sum(lengths) // len(lengths)),
               longest_prompt=max(lengths), gen_len=gen_len, sequences=max(1, len(prompt_lens)),
               gen_lens=gen_lens or None, prompt_lens=prompt_lens or None)
@@ -296,12 +301,12 @@ def run_cost_model(config, ckpt, dtype, device, pipeline_cost=None) -> CostModel
                      sizes=ckpt.group_bytes(dtype, quant))
 
 
-def _measured(config, ckpt, dtype, device, pipeline_cost):
+def _measured(config, ckpt, dtype, device, pipeline_cost, reuse: bool = False):
     """(shape, this machine's profile for it, quantization) of a run: planned in the compute
     dtype, as that is what sits on the device and crosses the links."""
     shape = _compute_shape(ckpt, dtype)
     profile = profile_for("auto", shape, device=device.type, link_gbps=config.emulate_link_gbps,
-                          pipeline_cost=pipeline_cost)
+                          pipeline_cost=pipeline_cost, reuse=reuse)
     return shape, profile, spec_for(config)
 
 
