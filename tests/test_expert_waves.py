@@ -35,12 +35,23 @@ def path(request):
         G.force_fallback("cpu", dtype, False)
 
 
-def test_grouped_swiglu_is_each_experts_swiglu_bit_for_bit(path):
+def _same(ours, ref, exact: bool):
+    """`exact`: the same ops as the reference, bit for bit. Otherwise another kernel (the grouped
+    one; gpt-oss's biases added apart from the matmul): on this CPU bit for bit at two threads
+    but not always at one (sums ordered otherwise), so within fp32 rounding (the engine's tokens
+    are held to transformers')."""
+    if exact:
+        assert torch.equal(ours, ref)
+    else:
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+
+
+def test_grouped_swiglu_is_each_experts_swiglu(path):
     x, w, groups = _case(torch.float32)
-    assert torch.equal(G.grouped_swiglu(x, w, groups), _per_expert(L.swiglu, x, w, groups))
+    _same(G.grouped_swiglu(x, w, groups), _per_expert(L.swiglu, x, w, groups), exact=path == "fallback")
 
 
-def test_grouped_gpt_oss_experts_are_each_experts_bit_for_bit(path):
+def test_grouped_gpt_oss_experts_are_each_experts(path):
     """The clamped activation and per-expert biases (gathered per row), gpt-oss's [in, out] layout."""
     g = torch.Generator().manual_seed(1)
     counts, E, H, I = [4, 0, 7, 2], 4, 32, 48
@@ -49,7 +60,7 @@ def test_grouped_gpt_oss_experts_are_each_experts_bit_for_bit(path):
          "down": torch.randn(E, I, H, generator=g) * 0.3, "down_bias": torch.randn(E, H, generator=g)}
     groups = G.Groups(counts, torch.tensor(counts).cumsum(0).to(torch.int32))
     ours = gpt_oss.grouped_clamped_swiglu(x, w, groups, alpha=1.702, limit=2.0)
-    assert torch.equal(ours, _per_expert(lambda p, e: gpt_oss.clamped_swiglu(p, e, alpha=1.702, limit=2.0), x, w, groups))
+    _same(ours, _per_expert(lambda p, e: gpt_oss.clamped_swiglu(p, e, alpha=1.702, limit=2.0), x, w, groups), exact=False)
 
 
 def test_bf16_grouped_agrees_with_per_expert(path):
