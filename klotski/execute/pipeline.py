@@ -80,6 +80,7 @@ class Pipeline:
         self.window = DISK_WINDOW_LAYERS  # disk->host staging, layers ahead (paper §6.1's L)
         self.kv_ahead = None      # (layer, load) of batch 0's host KV, issued during the layer before
         self.at_host: list = []   # this step's batches whose attention runs beside their host KV
+        self.layouts: list = []   # this step's batches' shared segments (schedule/prefix.py)
         self.on_layer = None     # optional callback(layer, hidden states per batch), for tests
         self.kv_bytes_loaded = 0  # host->device KV bytes loads moved (a shared prefix's once per layer)
 
@@ -93,6 +94,8 @@ class Pipeline:
         # where each batch's attention runs this step, decided once: the activation reserve
         # depends on it (a host batch's keys and scores stay on the host)
         self.at_host = [self._attend_on_host(kv, inp.ids.shape[1]) for kv, inp in zip(kvs, inputs)]
+        # the shared segments each batch's computed rows start from, side by side in its attention
+        self.layouts = [kv.segments() for kv in kvs]
         act = self._activation_bytes(kvs, inputs)
         self.res.make_room(act, "activations")
         self.memory.reserve(act, "activations")
@@ -111,8 +114,8 @@ class Pipeline:
                 if columns is not None:  # attend over the kept slots only
                     masks = {w: m.index_select(-1, columns) for w, m in masks.items()}
                 reads = kv.prefix_mask()
-                if reads is not None:  # rows that do not start from the shared prefix: its columns masked
-                    head = reads.view(-1, 1, 1, 1).expand(-1, 1, inp.ids.shape[1], kv.shared.length)
+                if reads is not None:  # rows read their own segments: the others' columns masked
+                    head = reads[:, None, None, :].expand(-1, 1, inp.ids.shape[1], -1)
                     masks = {w: torch.cat([head, m], dim=-1) for w, m in masks.items()}
             hs.append(h)
             keep = real_tokens(inp.valid)
@@ -170,8 +173,10 @@ class Pipeline:
                 while len(stores) > KV_BUFFERS - 2:
                     self._kv_stored(*stores.pop(0))
                 loads[k + 1] = self._kv_load(kvs[k + 1], layer)
-            # the batch's rows start from a shared prefix: its keys, read once for every row
-            prefix = {} if kv.shared is None else {"prefix": kv.shared.layer(layer) if at_host[k] else shared.get()}
+            # the batch's rows start from shared segments: their keys, read once for every row
+            layout = self.layouts[k]
+            prefix = {} if not layout else {
+                "prefix": _joined([p.layer(layer) for p in layout]) if at_host[k] else shared.get(layout)}
             if at_host[k]:
                 hs[k] = self.host_work.attention(self.M, self.spec, layer, k, hs[k], w, ctx[k], kv, **prefix)
                 continue
@@ -197,18 +202,20 @@ class Pipeline:
         self.res.pump()
 
     def _shared_prefix(self, layer: int, kvs) -> "_SharedLayer":
-        """The shared prefix's keys/values of `layer` for the batches attending on the device:
-        on the device tier, views of the one copy; on the host, one load for the whole group
-        (on kv_load, beside batch 0's), its room held until the layer's attention is done."""
-        prefix = next((kv.shared for kv, h in zip(kvs, self.at_host) if kv.shared is not None and not h), None)
-        if prefix is None or not prefix.on_host:
-            return _SharedLayer(self, None if prefix is None else prefix.layer(layer))
-        nbytes = prefix.nbytes()
+        """Keys/values of `layer` of every shared segment the batches attending on the device
+        read: on the device tier, views of the one copy; on the host, one load of each for the
+        whole group (on kv_load, beside batch 0's), its room held until the layer's attention
+        is done."""
+        segments = list({id(p): p for k, layout in enumerate(self.layouts) if not self.at_host[k]
+                         for p in layout}.values())
+        if not segments or not segments[0].on_host:
+            return _SharedLayer(self, {id(p): p.layer(layer) for p in segments})
+        nbytes = sum(p.nbytes() for p in segments)
         self.res.make_room(nbytes, "kv prefix")
         self.memory.reserve(nbytes, f"kv prefix layer {layer}")
         self.kv_bytes_loaded += nbytes
-        ticket = self.ch["kv_load"].submit(lambda: prefix.load(layer, self.device), name=f"prefix.{layer}",
-                                           nbytes=nbytes)
+        ticket = self.ch["kv_load"].submit(lambda: {id(p): p.load(layer, self.device) for p in segments},
+                                           name=f"prefix.{layer}", nbytes=nbytes)
         return _SharedLayer(self, None, ticket, nbytes, f"prefix.{layer}")
 
     def always_host_attention(self) -> bool:
@@ -451,25 +458,33 @@ class Pipeline:
 
     def _activation_bytes(self, kvs, inputs) -> int:
         """This step's activation reserve, by the planner's own formula (workingset.py)."""
-        # a shared prefix's keys are scored too: they count in each batch's context
+        # the shared segments' keys are scored too: they count in each batch's context
         step = Step.of_batches((i.ids.shape[0], i.ids.shape[1],
-                                kv.filled + i.ids.shape[1] + (kv.shared.length if kv.shared else 0))
-                               for kv, i in zip(kvs, inputs))
+                                kv.filled + i.ids.shape[1] + sum(p.length for p in layout))
+                               for kv, i, layout in zip(kvs, inputs, self.layouts))
         # as the plan reserved it when every batch attends beside its host cache
         return activation_bytes(self.spec, self.cache.dtype.itemsize, step, host_attention=all(self.at_host))
 
 
+def _joined(parts: list) -> tuple:
+    """Segments' (keys, values) [kv_heads, length, dim] side by side: one segment as it is."""
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat([k for k, _ in parts], dim=1), torch.cat([v for _, v in parts], dim=1)
+
+
 class _SharedLayer:
-    """One layer's shared-prefix keys/values for a step: `get()` waits for a host load once
-    (timed as bubble), `release()` gives its room back after the layer's attention."""
+    """One layer's shared-segment keys/values for a step, by segment: `get(layout)` waits for
+    a host load once (timed as bubble) and joins a batch's segments; `release()` gives the
+    room back after the layer's attention."""
 
     def __init__(self, pipeline, tensors, ticket=None, nbytes: int = 0, name: str = ""):
         self.p, self.tensors, self.ticket, self.nbytes, self.name = pipeline, tensors, ticket, nbytes, name
 
-    def get(self):
+    def get(self, layout: list):
         if self.tensors is None and self.ticket is not None:
             self.tensors = self.p.res.wait(self.ticket, self.name)
-        return self.tensors
+        return _joined([self.tensors[id(p)] for p in layout])
 
     def release(self) -> None:
         if self.ticket is not None:

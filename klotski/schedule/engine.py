@@ -22,7 +22,7 @@ from klotski.schedule import sequences as S
 from klotski.schedule.batching import ContinuousRun, chunks, prefill_input
 from klotski.execute.kvcache import BatchKV
 from klotski.execute.pipeline import StepInput
-from klotski.schedule.prefix import SharedPrefix, common_prefix, refusal
+from klotski.schedule.prefix import Segment, find_segments, refusal
 from klotski.schedule.scheduler import BATCH, Waiting
 from klotski.schedule.stats import DecodeRows, Stats
 from placement import pinned
@@ -41,7 +41,8 @@ class Engine:
         self.device, self.dtype = device, dtype
         self.eos = ckpt.eos_ids()
         self.stats = Stats()
-        self.prefix: SharedPrefix | None = None  # the prompt prefix the window's lines share (schedule/prefix.py)
+        self.segments: dict[tuple, Segment] = {}  # prompt segments groups of lines share (schedule/prefix.py)
+        self.prefix_log: list[Segment] = []  # every segment prefilled this run, for the report
         self.waiting = Waiting()  # the one queue every source feeds (schedule/scheduler.py)
         self.continuous: ContinuousRun | None = None  # the rows running, while any are live or wait
         self._in_group = 0  # sequences finished since the predictor's last group ended
@@ -129,10 +130,10 @@ class Engine:
     def _run_static(self, seqs):
         """Static groups (--batching static, for ablation): whatever waits joins at the start."""
         others = self.waiting.take_all()
+        self._share_prefix(seqs)  # (first: it gives back the segments nothing running reads)
         for s in others:
             self.join_prefix(s)
         mine = {id(s) for s in seqs}
-        self._share_prefix(seqs)
         for group in self.groups(others + list(seqs)):
             for s in self._run_group(group):
                 if id(s) in mine:
@@ -145,73 +146,98 @@ class Engine:
         self.predictor.end_group()
         self.predictor.persist()  # what this group taught the predictor survives a crash
 
-    # ---- a prompt prefix the window's lines share -----------------------------------------
+    # ---- prompt segments groups of lines share (schedule/prefix.py) ------------------------
+    @property
+    def prefix(self) -> Segment | None:
+        """The longest segment held, or None."""
+        return max(self.segments.values(), key=lambda p: p.end, default=None)
+
     @property
     def shared(self) -> int:
-        """Prompt tokens the held prefix covers (rows that start from it do not prefill them)."""
-        return self.prefix.length if self.prefix else 0
+        """Keys a step's rows may score beside their own: every segment held (a bound)."""
+        return sum(p.length for p in self.segments.values())
 
     def own_len(self, s: S.Sequence) -> int:
-        """Prompt tokens a line prefills itself: those after the shared prefix it starts from."""
+        """Prompt tokens a line prefills itself: those after the segments it starts from."""
         return len(s.prompt_ids) - s.shared
 
     def _share_prefix(self, seqs) -> None:
-        """Keep the prefix held if every line starts with it, else prefill the window's own
-        (if its lines share one): once, in a one-row cache of its own. While sequences of an
-        earlier call still use the held prefix it stays, and lines start from it only where
-        they share it."""
+        """Group the window's lines by the prefixes they share and give each line its chain of
+        segments: those held already are kept, the others prefilled once each (parents first,
+        each attending to its own parent chain). Held segments nothing reads any more go."""
         if self.prefix_off or not seqs:
             return
-        if self.prefix and not self.prefix.serves(seqs) and self._prefix_in_use():
-            for s in seqs:
-                self.join_prefix(s)
-            return
-        if not (self.prefix and self.prefix.serves(seqs)):
-            self.drop_prefix()
-            ids = common_prefix(seqs)
-            if not ids:
-                return
-            space, kv = KVSpace(self), None
-            try:
-                kv, _ = space.allocate(1, len(ids))
-                whole = StepInput(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.bool),
-                                  torch.arange(len(ids))[None])
-                for part in chunks(whole, self.prefill_chunk or len(ids)):
-                    self.step([kv], [part], prompt=True, decode=None)
-                kv.settle()  # its stores have landed: loads read it from now on with no wait
-            except BaseException:
-                if kv is not None:
-                    kv.release()  # the tensors before their account
-                space.close()
-                raise
-            self.prefix = SharedPrefix(ids, kv, space)
-            if self.continuous is not None:  # the run's caches (their live rows do not read it) point at it
-                self.continuous.reprefix(self.prefix)
-            self.stats.prefix_prefills += 1
-            self.stats.prefix_tokens_saved -= len(ids)
-        for s in seqs:
-            s.shared = self.prefix.length
-        self.stats.prefix_tokens = self.prefix.length
-        self.stats.prefix_lines += len(seqs)
-        self.stats.prefix_tokens_saved += self.prefix.length * len(seqs)
+        found = find_segments([s.prompt_ids for s in seqs])
+        bounds, keys = [[] for _ in seqs], []  # where each line's chain splits its prompt so far
+        for start, end, members in found:
+            parent = bounds[members[0]]
+            keys.append(Segment.key(seqs[members[0]].prompt_ids[:end], parent + [end]))
+            for m in members:
+                bounds[m] = parent + [end]
+        self._drop_unused(set(keys))  # room first, for the segments still to prefill
+        chains = [() for _ in seqs]
+        for key, (start, end, members) in zip(keys, found):
+            parent = chains[members[0]][-1] if chains[members[0]] else None
+            segment = self.segments.get(key) or self._prefill_segment(key, list(key[1]), parent)
+            for m in members:
+                chains[m] = segment.chain
+        for s, chain in zip(seqs, chains):
+            self._start_from(s, chain)
 
     def join_prefix(self, s: S.Sequence) -> None:
-        """A sequence that joins the running rows starts from the held prefix if it shares it."""
-        s.shared = self.prefix.length if self.prefix and self.prefix.serves([s]) else 0
-        if s.shared:
+        """A sequence that joins the running rows starts from the longest held segment it shares."""
+        best = max((p for p in self.segments.values() if p.serves(s)), key=lambda p: p.end, default=None)
+        self._start_from(s, best.chain if best else ())
+
+    def _start_from(self, s: S.Sequence, chain: tuple) -> None:
+        s.chain, s.shared = chain, chain[-1].end if chain else 0
+        if chain:
+            for p in chain:
+                p.lines += 1
             self.stats.prefix_lines += 1
+            self.stats.prefix_tokens = max(self.stats.prefix_tokens, s.shared)
             self.stats.prefix_tokens_saved += s.shared
 
-    def _prefix_in_use(self) -> bool:
-        run = self.continuous
-        return run is not None and any(s.shared for s in run.holding())
+    def _prefill_segment(self, key, ids: list[int], parent: Segment | None) -> Segment:
+        """Prefill tokens [parent's end, len(ids)) once, in a one-row cache attending to the
+        parent chain, as a line's own tokens would be."""
+        start = parent.end if parent else 0
+        space, kv = KVSpace(self), None
+        try:
+            kv, _ = space.allocate(1, len(ids) - start)
+            kv.chains[0] = parent.chain if parent else ()
+            whole = StepInput(torch.tensor([ids[start:]]), torch.ones(1, len(ids) - start, dtype=torch.bool),
+                              torch.arange(start, len(ids))[None])
+            for part in chunks(whole, self.prefill_chunk or len(ids)):
+                self.step([kv], [part], prompt=True, decode=None)
+            kv.settle()  # its stores have landed: loads read it from now on with no wait
+        except BaseException:
+            if kv is not None:
+                kv.release()  # the tensors before their account
+            space.close()
+            raise
+        segment = Segment(ids, parent, kv, space)
+        segment.prefills += 1
+        self.segments[key] = segment
+        if segment not in self.prefix_log:
+            self.prefix_log.append(segment)
+        self.stats.prefix_prefills += 1
+        self.stats.prefix_tokens_saved -= segment.length
+        return segment
+
+    def _drop_unused(self, keep: set) -> None:
+        """Give back the held segments that neither `keep`, nor a sequence running or waiting,
+        nor a segment kept (a child attends to its parents) reads."""
+        readers = [*(self.continuous.holding() if self.continuous else ()), *self.waiting.everything()]
+        held = [self.segments[k] for k in keep if k in self.segments] + [p for s in readers for p in s.chain]
+        read = {id(p) for q in held for p in q.chain}
+        for key in [k for k, p in self.segments.items() if id(p) not in read]:
+            self.segments.pop(key).release()
 
     def drop_prefix(self) -> None:
-        if self.continuous is not None:
-            self.continuous.reprefix(None)
-        if self.prefix is not None:
-            self.prefix.release()
-            self.prefix = None
+        for p in self.segments.values():
+            p.release()
+        self.segments.clear()
 
     def _run_group(self, group: list[list[S.Sequence]]):
         prompt_len = [max(self.own_len(s) for s in b) for b in group]
@@ -351,7 +377,6 @@ class KVSpace:
         self.account.reserve(nbytes, "KV cache")
         kv = BatchKV(*shape, e.dtype, device=e.device, on_host=self.on_host,
                      host_zeros=blocks.zeros if blocks else None, value_dim=value_dim)
-        kv.shared = e.prefix  # its rows start from the window's shared prefix, if any
         self.held[id(kv)] = (nbytes, blocks, kv)
         return kv, nbytes
 
