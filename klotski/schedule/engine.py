@@ -202,7 +202,7 @@ class Engine:
         """Prefill tokens [parent's end, len(ids)) once, in a one-row cache attending to the
         parent chain, as a line's own tokens would be."""
         start = parent.end if parent else 0
-        space, kv = KVSpace(self), None
+        space, kv = self.kv_space(), None
         try:
             kv, _ = space.allocate(1, len(ids) - start)
             kv.chains[0] = parent.chain if parent else ()
