@@ -42,7 +42,6 @@ class Engine:
         self.eos = ckpt.eos_ids()
         self.stats = Stats()
         self.segments: dict[tuple, Segment] = {}  # prompt segments groups of lines share (schedule/prefix.py)
-        self.prefix_log: list[Segment] = []  # every segment prefilled this run, for the report
         self.waiting = Waiting()  # the one queue every source feeds (schedule/scheduler.py)
         self.continuous: ContinuousRun | None = None  # the rows running, while any are live or wait
         self._in_group = 0  # sequences finished since the predictor's last group ended
@@ -178,7 +177,7 @@ class Engine:
         chains = [() for _ in seqs]
         for key, (start, end, members) in zip(keys, found):
             parent = chains[members[0]][-1] if chains[members[0]] else None
-            segment = self.segments.get(key) or self._prefill_segment(key, list(key[1]), parent)
+            segment = self.segments.get(key) or self._prefill_segment(key, parent)
             for m in members:
                 chains[m] = segment.chain
         for s, chain in zip(seqs, chains):
@@ -193,15 +192,15 @@ class Engine:
         s.chain, s.shared = chain, chain[-1].end if chain else 0
         if chain:
             for p in chain:
-                p.lines += 1
+                self._count_prefix(p, lines=1)
             self.stats.prefix_lines += 1
             self.stats.prefix_tokens = max(self.stats.prefix_tokens, s.shared)
             self.stats.prefix_tokens_saved += s.shared
 
-    def _prefill_segment(self, key, ids: list[int], parent: Segment | None) -> Segment:
+    def _prefill_segment(self, key: tuple, parent: Segment | None) -> Segment:
         """Prefill tokens [parent's end, len(ids)) once, in a one-row cache attending to the
         parent chain, as a line's own tokens would be."""
-        start = parent.end if parent else 0
+        ids, start = key[1], parent.end if parent else 0
         space, kv = self.kv_space(), None
         try:
             kv, _ = space.allocate(1, len(ids) - start)
@@ -216,14 +215,17 @@ class Engine:
                 kv.release()  # the tensors before their account
             space.close()
             raise
-        segment = Segment(ids, parent, kv, space)
-        segment.prefills += 1
+        segment = Segment(key, parent, kv, space)
         self.segments[key] = segment
-        if segment not in self.prefix_log:
-            self.prefix_log.append(segment)
+        self._count_prefix(segment, prefills=1)
         self.stats.prefix_prefills += 1
         self.stats.prefix_tokens_saved -= segment.length
         return segment
+
+    def _count_prefix(self, p: Segment, lines: int = 0, prefills: int = 0) -> None:
+        counts = self.stats.prefixes.setdefault(p.key, [p.start, p.length, 0, 0])
+        counts[2] += lines
+        counts[3] += prefills
 
     def _drop_unused(self, keep: set) -> None:
         """Give back the held segments that neither `keep`, nor a sequence running or waiting,

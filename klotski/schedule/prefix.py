@@ -78,13 +78,12 @@ class Segment:
     (all `end` of them), after its parent chain; `kv` its one-row cache in `space` (its budget
     account). `chain` is the parents and itself: what a line starting from it attends."""
 
-    def __init__(self, ids: list[int], parent: "Segment | None", kv, space):
-        self.ids, self.parent, self.kv, self.space = ids, parent, kv, space
+    def __init__(self, key: tuple, parent: "Segment | None", kv, space):
+        self.key, self.ids, self.parent, self.kv, self.space = key, list(key[1]), parent, kv, space
         self.start = parent.end if parent else 0
-        self.end = len(ids)
+        self.end = len(self.ids)
         self.length = self.end - self.start
         self.chain = (parent.chain if parent else ()) + (self,)
-        self.lines = self.prefills = 0  # lines that started from it; times it was prefilled (report)
 
     @staticmethod
     def key(ids, bounds) -> tuple:
@@ -131,8 +130,9 @@ def report(engine) -> dict:
     saved, estimated at the run's measured prefill seconds per prompt token."""
     s = engine.stats
     per_token = s.prefill_s / s.prefill_tokens if s.prefill_tokens else None
-    prefixes = [{"start": p.start, "tokens": p.length, "lines": p.lines, "prefills": p.prefills,
-                 "prefill_tokens_saved": p.length * (p.lines - p.prefills)} for p in engine.prefix_log]
+    prefixes = [{"start": start, "tokens": tokens, "lines": lines, "prefills": prefills,
+                 "prefill_tokens_saved": tokens * (lines - prefills)}
+                for start, tokens, lines, prefills in s.prefixes.values()]
     return {"enabled": engine.config.prefix_cache,
             "status": engine.prefix_off or ("shared" if s.prefix_lines else "on: no window's lines shared "
                                             f"a prefix of {MIN_TOKENS} tokens or more"),
