@@ -135,3 +135,14 @@ def test_a_prefix_held_from_an_earlier_window_never_prevents_a_longer_one(checkp
     reference = reference_tokens(checkpoints["gqa"], prompts, max_new_tokens=4)
     assert out == [t[:m] for t, m in zip(reference, max_new)]
     assert not engine.segments  # every segment given back at close
+
+
+def test_a_window_keeps_the_segments_saving_most(monkeypatch):
+    monkeypatch.setattr(X, "MAX_SEGMENTS", 2)
+    a, b, c = list(range(100, 160)), list(range(200, 220)), list(range(300, 340))
+    prompts = [a + [1], a + [2], a + [3], b + [4], b + [5], c + [6], c + [7]]  # savings 120, 20, 40
+    assert sorted((s, e) for s, e, _ in X.find_segments(prompts)) == [(0, 40), (0, 60)]
+    nested = [a + b + [1], a + b + [2], a + [3], c + [4], c + [5], c + [6]]  # a: 120, a + b after it: 20, c: 80
+    assert sorted((s, e) for s, e, _ in X.find_segments(nested)) == [(0, 40), (0, 60)]
+    monkeypatch.setattr(X, "MAX_SEGMENTS", 3)
+    assert sorted((s, e) for s, e, _ in X.find_segments(nested)) == [(0, 40), (0, 60), (60, 80)]

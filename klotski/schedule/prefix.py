@@ -21,6 +21,9 @@ from __future__ import annotations
 import torch
 
 MIN_TOKENS = 16  # a shorter shared prefix saves less than its own prefill pass costs
+# Each segment is a prefill pass of its own (under offloading, one more stream of the weights):
+# a window keeps the ones saving the most prompt tokens, never a child without its parent.
+MAX_SEGMENTS = 16
 
 
 def refusal(spec, config) -> str | None:
@@ -70,7 +73,21 @@ def find_segments(prompts: list) -> list[tuple[int, int, list[int]]]:
                 k = j
             else:
                 k += 1
-    return sorted(found, key=lambda f: f[0])
+    return _worth_a_pass(found)
+
+
+def _worth_a_pass(found: list) -> list:
+    """At most MAX_SEGMENTS of `found`, those saving the most tokens (length x (lines - 1)),
+    each with its parent; parents before children."""
+    parent = {}
+    for i, (start, _, members) in enumerate(found):  # the enclosing segment ending where it starts
+        parent[i] = next((j for j, (_, end, outer) in enumerate(found) if end == start and members[0] in outer),
+                         None) if start else None
+    kept = set()
+    for i in sorted(range(len(found)), key=lambda i: -(found[i][1] - found[i][0]) * (len(found[i][2]) - 1)):
+        if len(kept) < MAX_SEGMENTS and (parent[i] is None or parent[i] in kept):
+            kept.add(i)
+    return sorted((found[i] for i in kept), key=lambda f: f[0])
 
 
 class Segment:
