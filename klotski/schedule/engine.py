@@ -22,7 +22,7 @@ from klotski.schedule import sequences as S
 from klotski.schedule.batching import ContinuousRun, chunks, prefill_input
 from klotski.execute.kvcache import BatchKV
 from klotski.execute.pipeline import StepInput
-from klotski.schedule.prefix import Segment, find_segments, refusal
+from klotski.schedule.prefix import Segment, SegmentCache, find_segments, refusal
 from klotski.schedule.scheduler import BATCH, Waiting
 from klotski.schedule.stats import DecodeRows, Stats
 from placement import pinned
@@ -167,19 +167,27 @@ class Engine:
         if self.prefix_off or not seqs:
             return
         found = find_segments([s.prompt_ids for s in seqs])
-        bounds, keys = [[] for _ in seqs], []  # where each line's chain splits its prompt so far
-        for start, end, members in found:
-            parent = bounds[members[0]]
-            keys.append(Segment.key(seqs[members[0]].prompt_ids[:end], parent + [end]))
+        bounds, owner = [[] for _ in seqs], [None] * len(seqs)  # each line's chain so far: its splits, last node
+        keys, parents = [], []
+        for i, (start, end, members) in enumerate(found):
+            keys.append(Segment.key(seqs[members[0]].prompt_ids[:end], bounds[members[0]] + [end]))
+            parents.append(owner[members[0]])
             for m in members:
-                bounds[m] = parent + [end]
+                bounds[m], owner[m] = bounds[m] + [end], i
         self._drop_unused(set(keys))  # room first, for the segments still to prefill
+        made: dict[int, Segment] = {}
+        while len(made) < len(found):  # a level at a time: those whose parents exist, in passes of bs
+            ready = [i for i in range(len(found)) if i not in made and (parents[i] is None or parents[i] in made)]
+            made.update((i, self.segments[keys[i]]) for i in ready if keys[i] in self.segments)
+            new = [i for i in ready if i not in made]
+            for a in range(0, len(new), self.batch_size):
+                part = new[a:a + self.batch_size]
+                made.update(zip(part, self._prefill_segments(
+                    [keys[i] for i in part], [made[parents[i]] if parents[i] is not None else None for i in part])))
         chains = [() for _ in seqs]
-        for key, (start, end, members) in zip(keys, found):
-            parent = chains[members[0]][-1] if chains[members[0]] else None
-            segment = self.segments.get(key) or self._prefill_segment(key, parent)
+        for i, (_, _, members) in enumerate(found):
             for m in members:
-                chains[m] = segment.chain
+                chains[m] = made[i].chain
         for s, chain in zip(seqs, chains):
             self._start_from(s, chain)
 
@@ -197,17 +205,23 @@ class Engine:
             self.stats.prefix_tokens = max(self.stats.prefix_tokens, s.shared)
             self.stats.prefix_tokens_saved += s.shared
 
-    def _prefill_segment(self, key: tuple, parent: Segment | None) -> Segment:
-        """Prefill tokens [parent's end, len(ids)) once, in a one-row cache attending to the
-        parent chain, as a line's own tokens would be."""
-        ids, start = key[1], parent.end if parent else 0
+    def _prefill_segments(self, keys: list, parents: list) -> list[Segment]:
+        """Prefill segments together, once, a row each (left-padded as lines are), each row
+        attending to its own parent chain as a line's own tokens would."""
+        starts = [p.end if p else 0 for p in parents]
+        lengths = [len(k[1]) - a for k, a in zip(keys, starts)]
+        width, rows = max(lengths), len(keys)
         space, kv = self.kv_space(), None
         try:
-            kv, _ = space.allocate(1, len(ids) - start)
-            kv.chains[0] = parent.chain if parent else ()
-            whole = StepInput(torch.tensor([ids[start:]]), torch.ones(1, len(ids) - start, dtype=torch.bool),
-                              torch.arange(start, len(ids))[None])
-            for part in chunks(whole, self.prefill_chunk or len(ids)):
+            kv, _ = space.allocate(rows, width)
+            kv.chains[:rows] = [p.chain if p else () for p in parents]
+            ids = torch.full((rows, width), self._pad_id(), dtype=torch.long)
+            valid = torch.zeros((rows, width), dtype=torch.bool)
+            positions = torch.zeros((rows, width), dtype=torch.long)
+            for r, (k, a, n) in enumerate(zip(keys, starts, lengths)):
+                ids[r, width - n:], valid[r, width - n:] = torch.tensor(k[1][a:]), True
+                positions[r, width - n:] = torch.arange(a, a + n)
+            for part in chunks(StepInput(ids, valid, positions), self.prefill_chunk or width):
                 self.step([kv], [part], prompt=True, decode=None)
             kv.settle()  # its stores have landed: loads read it from now on with no wait
         except BaseException:
@@ -215,12 +229,14 @@ class Engine:
                 kv.release()  # the tensors before their account
             space.close()
             raise
-        segment = Segment(key, parent, kv, space)
-        self.segments[key] = segment
-        self._count_prefix(segment, prefills=1)
-        self.stats.prefix_prefills += 1
-        self.stats.prefix_tokens_saved -= segment.length
-        return segment
+        cache = SegmentCache(kv, space, rows)
+        made = [Segment(k, p, cache, r) for r, (k, p) in enumerate(zip(keys, parents))]
+        for segment in made:
+            self.segments[segment.key] = segment
+            self._count_prefix(segment, prefills=1)
+            self.stats.prefix_prefills += 1
+            self.stats.prefix_tokens_saved -= segment.length
+        return made
 
     def _count_prefix(self, p: Segment, lines: int = 0, prefills: int = 0) -> None:
         counts = self.stats.prefixes.setdefault(p.key, [p.start, p.length, 0, 0])

@@ -90,16 +90,33 @@ def _worth_a_pass(found: list) -> list:
     return sorted((found[i] for i in kept), key=lambda f: f[0])
 
 
+class SegmentCache:
+    """The cache of segments prefilled together, a row each (in `space`: its budget account),
+    given back with the last of them."""
+
+    def __init__(self, kv, space, users: int):
+        self.kv, self.space, self.users = kv, space, users
+
+    def release(self) -> None:
+        self.users -= 1
+        if not self.users:  # the tensors go before their account does
+            self.kv.release()
+            self.space.close()
+
+
 class Segment:
     """A shared prompt segment: tokens [start, end) of the prompts that start with `ids`
-    (all `end` of them), after its parent chain; `kv` its one-row cache in `space` (its budget
-    account). `chain` is the parents and itself: what a line starting from it attends."""
+    (all `end` of them), after its parent chain; its keys and values are row `row` of
+    `cache`'s cache, the newest `length` slots. `chain` is the parents and itself: what a
+    line starting from it attends."""
 
-    def __init__(self, key: tuple, parent: "Segment | None", kv, space):
-        self.key, self.ids, self.parent, self.kv, self.space = key, list(key[1]), parent, kv, space
+    def __init__(self, key: tuple, parent: "Segment | None", cache: SegmentCache, row: int = 0):
+        self.key, self.ids, self.parent, self.cache, self.row = key, list(key[1]), parent, cache, row
+        self.kv = cache.kv
         self.start = parent.end if parent else 0
         self.end = len(self.ids)
         self.length = self.end - self.start
+        self.slots = slice(self.kv.filled - self.length, self.kv.filled)  # (left-padded beside longer ones)
         self.chain = (parent.chain if parent else ()) + (self,)
 
     @staticmethod
@@ -117,8 +134,8 @@ class Segment:
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of `layer` where they live, as [kv_heads, length, dim] views."""
-        return (self.kv.keys[layer][:self.length, 0].transpose(0, 1),
-                self.kv.values[layer][:self.length, 0].transpose(0, 1))
+        return (self.kv.keys[layer][self.slots, self.row].transpose(0, 1),
+                self.kv.values[layer][self.slots, self.row].transpose(0, 1))
 
     def nbytes(self) -> int:
         """One layer's keys and values: what a load moves."""
@@ -126,19 +143,18 @@ class Segment:
         return self.length * (k[0, 0].numel() + v[0, 0].numel()) * k.element_size()
 
     def load(self, layer: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """A device copy of `layer`'s keys and values (host tier): each one contiguous block
-        of page-locked memory, so on CUDA the copy is asynchronous on the channel's stream."""
+        """A device copy of `layer`'s keys and values (host tier), from page-locked memory: on
+        CUDA the copy is asynchronous on the channel's stream (strided when the segment shares
+        its cache with others)."""
         out = []
-        for src in (self.kv.keys[layer][:self.length, 0], self.kv.values[layer][:self.length, 0]):
+        for src in (self.kv.keys[layer][self.slots, self.row], self.kv.values[layer][self.slots, self.row]):
             dst = torch.empty(src.shape, dtype=src.dtype, device=device)
             dst.copy_(src, non_blocking=True)
             out.append(dst.transpose(0, 1))
         return out[0], out[1]
 
     def release(self) -> None:
-        """The tensors go before their account does."""
-        self.kv.release()
-        self.space.close()
+        self.cache.release()
 
 
 def report(engine) -> dict:
