@@ -1,12 +1,14 @@
-"""A labelling job whose lines share one long instruction: with and without the shared-prefix
-cache (issue 38, item 1).
+"""A labelling job whose lines share long instructions: with and without the shared-prefix
+cache (issue 38, item 1; issue 49: several instructions interleaved line by line).
 
     python benchmarks/prefix_cache.py [--model smollm2-moe] [--lines 48] [--instruction-tokens 400]
-                                      [--item-tokens 20] [--new-tokens 4] [--tight 900MiB] [--reference]
+                                      [--instructions 1] [--item-tokens 20] [--new-tokens 4]
+                                      [--tight 900MiB] [--reference]
 
-Every line is the same instruction (a rubric and few-shot examples cut to about
---instruction-tokens tokens) followed by its own item (a sentence of the built-in corpus cut
-to about --item-tokens tokens), each asking for --new-tokens greedy tokens, fp32. Four
+Line i is instruction i mod --instructions (each a numbered task, a rubric and its own few-shot
+examples cut to about --instruction-tokens tokens) followed by its own item (a sentence of the
+built-in corpus cut to about --item-tokens tokens), each asking for --new-tokens greedy tokens,
+fp32. Four
 `klotski generate` processes: with and without `--no-prefix-cache`, at the default device
 budget and at --tight (where the KV cache lives on the host and crosses the link, so the KV
 bytes a decode step loads show). Checks that the four outputs are token for token the same
@@ -45,15 +47,20 @@ def cut(tokenizer, text: str, tokens: int) -> str:
 
 def write_job(tokenizer, a, out: Path) -> list[list[int]]:
     sentences = corpus_sentences()
-    shots = "".join(f"Item: {s}\nLabel: {('positive', 'negative', 'neutral')[i % 3]}\n"
-                    for i, s in enumerate(sentences[:40]))
-    instruction = cut(tokenizer, RUBRIC + shots, a.instruction_tokens) + "\nItem: "
-    items = [cut(tokenizer, s, a.item_tokens) + "\nLabel:" for s in sentences[40:40 + a.lines]]
+    instructions = []
+    for k in range(a.instructions):
+        shots = "".join(f"Item: {s}\nLabel: {('positive', 'negative', 'neutral')[(i + k) % 3]}\n"
+                        for i, s in enumerate(sentences[13 * k:13 * k + 40]))
+        task = f"Task {k + 1}. " if a.instructions > 1 else ""
+        instructions.append(cut(tokenizer, task + RUBRIC + shots, a.instruction_tokens) + "\nItem: ")
+    first = 13 * (a.instructions - 1) + 40
+    items = [cut(tokenizer, s, a.item_tokens) + "\nLabel:" for s in sentences[first:first + a.lines]]
     if len(items) < a.lines:
         raise SystemExit(f"the corpus has {len(items)} items, {a.lines} wanted")
-    out.write_text("".join(json.dumps({"id": f"l{i}", "prompt": instruction + item, "max_new_tokens": a.new_tokens})
-                           + "\n" for i, item in enumerate(items)))
-    return [tokenizer(instruction + item)["input_ids"] for item in items]
+    prompts = [instructions[i % a.instructions] + item for i, item in enumerate(items)]
+    out.write_text("".join(json.dumps({"id": f"l{i}", "prompt": p, "max_new_tokens": a.new_tokens}) + "\n"
+                           for i, p in enumerate(prompts)))
+    return [tokenizer(p)["input_ids"] for p in prompts]
 
 
 def reference(model_dir: Path, ids: list[list[int]], new: int) -> list[list[int]]:
@@ -112,6 +119,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-moe")
     ap.add_argument("--lines", type=int, default=48)
     ap.add_argument("--instruction-tokens", type=int, default=400)
+    ap.add_argument("--instructions", type=int, default=1, help="instructions interleaved line by line")
     ap.add_argument("--item-tokens", type=int, default=20)
     ap.add_argument("--new-tokens", type=int, default=4)
     ap.add_argument("--tight", default="900MiB", help="the second runs' --device-memory (KV on the host)")
@@ -146,7 +154,7 @@ def main() -> None:
                          "kv_tier": report["plan"]["placement"].get("kv"), "prefix_cache": report["prefix_cache"]}
             print(key, json.dumps(runs[key]), flush=True)
     first = next(iter(tokens.values()))
-    result = {"model": a.model, "lines": a.lines,
+    result = {"model": a.model, "lines": a.lines, "instructions": a.instructions,
               "prompt_tokens": {"min": min(map(len, ids)), "max": max(map(len, ids))},
               "new_tokens": a.new_tokens, "batching": a.batching,
               "identical_tokens": all(t == first for t in tokens.values()), "runs": runs}

@@ -282,8 +282,9 @@ def test_planner_replays_the_engines_continuous_steps(checkpoints, chunk, bs, n)
     from planner.workingset import newcomer_chunks
     many = [Request(id=f"r{i}", line=i + 1, prompt=PROMPTS[i % len(PROMPTS)], messages=None,
                     max_new_tokens=[12, 2, 3, 1, 5][i % 5]) for i in range(17)]
+    # (the replay prefills whole prompts: these repeat, and shared segments would skip some)
     cfg = RunConfig(model=str(checkpoints["gqa"]), progress=False, dtype="float32", batch_size=bs,
-                    num_batches=n, prefill_chunk=chunk)
+                    num_batches=n, prefill_chunk=chunk, prefix_cache=False)
     engine, seqs, _ = open_engine(cfg, many)
     done = list(engine.run(seqs))
     engine.close()
@@ -305,8 +306,8 @@ def test_planner_counts_the_engines_static_prefill_passes(checkpoints, chunk, bs
     many = [Request(id=f"r{i}", line=i + 1, prompt=PROMPTS[i % len(PROMPTS)] * (1 + i % 3), messages=None,
                     max_new_tokens=[12, 2, 3, 1, 5][i % 5]) for i in range(17)]
     cfg = RunConfig(model=str(checkpoints["gqa"]), progress=False, dtype="float32", batch_size=bs,
-                    num_batches=n, prefill_chunk=chunk, batching="static")
-    engine, seqs, _ = open_engine(cfg, many)
+                    num_batches=n, prefill_chunk=chunk, batching="static", prefix_cache=False)
+    engine, seqs, _ = open_engine(cfg, many)  # (whole prompts, as the planner counts them)
     done = list(engine.run(seqs))
     engine.close()
     out = {s.request.id: len(s.out) for s in done}  # the job's order: groups break length ties by it

@@ -254,3 +254,25 @@ def test_a_batch_keeps_its_shared_prefix_while_online_requests_join(api, tmp_pat
     assert done.status == "completed" and done.request_counts.completed == 24
     prefix = json.loads((api.data / "batches" / b.id / "report.json").read_text())["prefix_cache"]
     assert prefix["status"] == "shared" and prefix["lines"] == 24 and prefix["prefix_tokens"] >= 16
+
+
+def test_a_batch_interleaving_three_instructions_shares_each(api, tmp_path):
+    """The prefix-groups issue: a Batch API batch whose lines interleave three system
+    instructions line by line prefills each once; its report lists the three, four lines each."""
+    client = api.client()
+    instructions = ["You are a careful labeller. Read the item below and answer with one word: positive, negative "
+                    "or neutral. Think about the tone of the whole item before you answer.",
+                    "Translate the user's sentence into French, keeping its meaning and its tone exactly as they "
+                    "are, and answer with the translation alone.",
+                    "Classify the topic of the user's news headline as sport, politics, science or business, and "
+                    "answer with that one word only."]
+    lines = [_line(f"q{i}", model=ALIAS, max_tokens=3, messages=[{"role": "system", "content": instructions[i % 3]},
+                                                               {"role": "user", "content": f"item number {i}"}])
+             for i in range(12)]
+    f = client.files.create(file=_write(tmp_path / "three.jsonl", lines).open("rb"), purpose="batch")
+    b = client.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
+    done = _wait(client, b.id)
+    assert done.status == "completed" and done.request_counts.completed == 12
+    prefix = json.loads((api.data / "batches" / b.id / "report.json").read_text())["prefix_cache"]
+    assert prefix["status"] == "shared" and prefix["lines"] == 12
+    assert sum(1 for p in prefix["prefixes"] if p["lines"] == 4 and p["prefills"] == 1) == 3

@@ -128,11 +128,10 @@ class BatchKV:
         self._columns = {}  # device -> this step's columns there
         self.stored: dict = {}
         self.staging: Staging | None = None  # loads gather through this (default: the CUDA device's ring)
-        # a prompt prefix the rows start from (schedule/prefix.py): not in this cache's slots,
-        # attended before them; positions here count after it. Rows whose sequence does not
-        # start from it (an online request beside a batch's lines) are marked in `no_prefix`
-        self.shared = None
-        self.no_prefix = torch.zeros(batch, dtype=torch.bool)
+        # per row, the shared prompt segments its sequence starts from (schedule/prefix.py),
+        # outermost first: not in this cache's slots, attended before them (positions here
+        # count after them); () for a row that starts from none
+        self.chains: list[tuple] = [()] * batch
 
     @staticmethod
     def nbytes_for(num_layers: int, batch: int, kv_heads: int, head_dim: int, capacity: int,
@@ -284,24 +283,33 @@ class BatchKV:
                 a[dst, row] = b[frm, src_row]
         self.valid[row] = False
         self.valid[row, dst] = src.valid[src_row, frm]
-        self.no_prefix[row] = src.no_prefix[src_row]
+        self.chains[row] = src.chains[src_row]
 
     def mark_prefix(self, seqs) -> None:
-        """Which rows start from the shared prefix: those whose sequence it holds tokens for."""
-        self.no_prefix[:len(seqs)] = torch.tensor([s.shared == 0 for s in seqs])
+        """Which shared segments each row starts from: its sequence's chain."""
+        self.chains[:len(seqs)] = [s.chain for s in seqs]
+
+    def segments(self) -> list:
+        """The segments the computed rows read, each once, in the order first met."""
+        return list({id(p): p for chain in self.chains[:self.rows] for p in chain}.values())
 
     def prefix_mask(self) -> torch.Tensor | None:
-        """[rows] True where the computed rows read the shared prefix, or None if all do."""
-        skip = self.no_prefix[:self.rows]
-        return None if self.shared is None or not bool(skip.any()) else ~skip
+        """[rows, columns of `segments()` side by side]: True where a computed row reads that
+        segment; None when every row reads every one (or there are none)."""
+        layout = self.segments()
+        reads = torch.tensor([[any(p is q for q in chain) for p in layout] for chain in self.chains[:self.rows]],
+                             dtype=torch.bool).reshape(self.rows, len(layout))
+        if not layout or bool(reads.all()):
+            return None
+        return reads.repeat_interleave(torch.tensor([p.length for p in layout]), dim=1)
 
     def with_prefix_columns(self, masks: dict, new_tokens: int) -> dict:
-        """A step's masks, widened by the shared prefix's columns first where the computed rows
-        mix rows that read it with rows that do not (`layers.attend_shared` masks those)."""
+        """A step's masks, widened by the shared segments' columns first where the computed rows
+        do not all read every one (`layers.attend_shared` masks the others' columns)."""
         reads = self.prefix_mask()
         if reads is None:
             return masks
-        head = reads.view(-1, 1, 1, 1).expand(-1, 1, new_tokens, self.shared.length)
+        head = reads[:, None, None, :].expand(-1, 1, new_tokens, -1)
         return {w: torch.cat([head, m], dim=-1) for w, m in masks.items()}
 
     def scrub(self, row: int) -> None:

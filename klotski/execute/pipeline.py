@@ -42,6 +42,7 @@ from klotski.execute.hostcompute import HostCompute
 from klotski.execute.hostwork import HostWork
 from klotski.execute.kvcache import BatchKV
 from klotski.execute.residency import Residency
+from klotski.execute.segments import SharedLayer, joined
 from planner.workingset import ATTENTION_SCORE_CHUNK, DISK_WINDOW_LAYERS, KV_BUFFERS, Step, activation_bytes
 
 
@@ -83,6 +84,7 @@ class Pipeline:
         self.window = DISK_WINDOW_LAYERS  # disk->host staging, layers ahead (paper §6.1's L)
         self.kv_ahead = None      # (layer, load) of batch 0's host KV, issued during the layer before
         self.at_host: list = []   # this step's batches whose attention runs beside their host KV
+        self.layouts: list = []   # this step's batches' shared segments (schedule/prefix.py)
         self.on_layer = None     # optional callback(layer, hidden states per batch), for tests
         self.kv_bytes_loaded = 0  # host->device KV bytes loads moved (a shared prefix's once per layer)
 
@@ -97,6 +99,8 @@ class Pipeline:
         # where each batch's attention runs this step, decided once: the activation reserve
         # depends on it (a host batch's keys and scores stay on the host)
         self.at_host = [self._attend_on_host(kv, inp.ids.shape[1]) for kv, inp in zip(kvs, inputs)]
+        # the shared segments each batch's computed rows start from, side by side in its attention
+        self.layouts = [kv.segments() for kv in kvs]
         act = self._activation_bytes(kvs, inputs)
         self.res.make_room(act, "activations")
         self.memory.reserve(act, "activations")
@@ -171,8 +175,10 @@ class Pipeline:
                 while len(stores) > KV_BUFFERS - 2:
                     self._kv_stored(*stores.pop(0))
                 loads[k + 1] = self._kv_load(kvs[k + 1], layer)
-            # the batch's rows start from a shared prefix: its keys, read once for every row
-            prefix = {} if kv.shared is None else {"prefix": kv.shared.layer(layer) if at_host[k] else shared.get()}
+            # the batch's rows start from shared segments: their keys, read once for every row
+            layout = self.layouts[k]
+            prefix = {} if not layout else {
+                "prefix": joined([p.layer(layer) for p in layout]) if at_host[k] else shared.get(layout)}
             if at_host[k]:
                 hs[k] = self.host_work.attention(self.M, self.spec, layer, k, hs[k], w, ctx[k], kv, **prefix)
                 continue
@@ -197,20 +203,22 @@ class Pipeline:
         self.cache.release(("attn", layer))
         self.res.pump()
 
-    def _shared_prefix(self, layer: int, kvs) -> "_SharedLayer":
-        """The shared prefix's keys/values of `layer` for the batches attending on the device:
-        on the device tier, views of the one copy; on the host, one load for the whole group
-        (on kv_load, beside batch 0's), its room held until the layer's attention is done."""
-        prefix = next((kv.shared for kv, h in zip(kvs, self.at_host) if kv.shared is not None and not h), None)
-        if prefix is None or not prefix.on_host:
-            return _SharedLayer(self, None if prefix is None else prefix.layer(layer))
-        nbytes = prefix.nbytes()
+    def _shared_prefix(self, layer: int, kvs) -> "SharedLayer":
+        """Keys/values of `layer` of every shared segment the batches attending on the device
+        read: on the device tier, views of the one copy; on the host, one load of each for the
+        whole group (on kv_load, beside batch 0's), its room held until the layer's attention
+        is done."""
+        segments = list({id(p): p for k, layout in enumerate(self.layouts) if not self.at_host[k]
+                         for p in layout}.values())
+        if not segments or not segments[0].on_host:
+            return SharedLayer(self.res, self.memory, {id(p): p.layer(layer) for p in segments})
+        nbytes = sum(p.nbytes() for p in segments)
         self.res.make_room(nbytes, "kv prefix")
         self.memory.reserve(nbytes, f"kv prefix layer {layer}")
         self.kv_bytes_loaded += nbytes
-        ticket = self.ch["kv_load"].submit(lambda: prefix.load(layer, self.device), name=f"prefix.{layer}",
-                                           nbytes=nbytes)
-        return _SharedLayer(self, None, ticket, nbytes, f"prefix.{layer}")
+        ticket = self.ch["kv_load"].submit(lambda: {id(p): p.load(layer, self.device) for p in segments},
+                                           name=f"prefix.{layer}", nbytes=nbytes)
+        return SharedLayer(self.res, self.memory, None, ticket, nbytes, f"prefix.{layer}")
 
     def always_host_attention(self) -> bool:
         """Every host-KV batch attends beside its cache (`--host-attention on`), as planned."""
@@ -473,28 +481,10 @@ class Pipeline:
 
     def _activation_bytes(self, kvs, inputs) -> int:
         """This step's activation reserve, by the planner's own formula (workingset.py)."""
-        # a shared prefix's keys are scored too: they count in each batch's context
+        # the shared segments' keys are scored too: they count in each batch's context
         step = Step.of_batches((i.ids.shape[0], i.ids.shape[1],
-                                kv.filled + i.ids.shape[1] + (kv.shared.length if kv.shared else 0))
-                               for kv, i in zip(kvs, inputs))
+                                kv.filled + i.ids.shape[1] + sum(p.length for p in layout))
+                               for kv, i, layout in zip(kvs, inputs, self.layouts))
         # as the plan reserved it when every batch attends beside its host cache
         return activation_bytes(self.spec, self.cache.dtype.itemsize, step, host_attention=all(self.at_host))
 
-
-class _SharedLayer:
-    """One layer's shared-prefix keys/values for a step: `get()` waits for a host load once
-    (timed as bubble), `release()` gives its room back after the layer's attention."""
-
-    def __init__(self, pipeline, tensors, ticket=None, nbytes: int = 0, name: str = ""):
-        self.p, self.tensors, self.ticket, self.nbytes, self.name = pipeline, tensors, ticket, nbytes, name
-
-    def get(self):
-        if self.tensors is None and self.ticket is not None:
-            self.tensors = self.p.res.wait(self.ticket, self.name)
-        return self.tensors
-
-    def release(self) -> None:
-        if self.ticket is not None:
-            self.p.res.wait(self.ticket, self.name)  # no copy into the room is still running
-            self.tensors, self.ticket = None, None
-            self.p.memory.free(self.nbytes)

@@ -128,7 +128,7 @@ class ContinuousRun:
         self.chunk = e.prefill_chunk or self.longest_prompt
         # every step's attention beside the host cache: the plan reserved no keys or scores
         self.host_attention = self.space.on_host and e.pipeline.always_host_attention()
-        # every row also attends over the shared prefix: its keys count in the context
+        # rows also attend over the shared segments (at most every one held): their keys count
         args = (self.spec, e.dtype.itemsize, e.batch_size, e.num_batches, self.chunk,
                 self.capacity + e.shared, self.host_attention)
         self.step_limit = continuous_step_limit(*args)
@@ -195,11 +195,6 @@ class ContinuousRun:
         """The sequences in its rows, its newcomer batches and the queue."""
         return [*(s for d in self.decode for s in d.rows if s is not None),
                 *(s for nc in self.newcomers for s in nc.seqs), *self.waiting.everything()]
-
-    def reprefix(self, prefix) -> None:
-        """The engine holds another shared prefix (or none): no live row reads the old one."""
-        for kv in [d.kv for d in self.decode] + [nc.kv for nc in self.newcomers] + self.spare:
-            kv.shared = prefix
 
     def _leave(self) -> list:
         """Sequences whose source left end now: waiting ones leave the queue, running ones

@@ -22,7 +22,7 @@ from klotski.schedule import sequences as S
 from klotski.schedule.batching import ContinuousRun
 from klotski.execute.kvcache import BatchKV
 from klotski.execute.pipeline import StepInput
-from klotski.schedule.prefix import SharedPrefix, common_prefix, refusal
+from klotski.schedule.prefix import Segment, SegmentCache, find_segments, refusal
 from klotski.schedule.scheduler import BATCH, Waiting
 from klotski.schedule.stats import DecodeRows, Stats
 from placement import pinned
@@ -41,7 +41,7 @@ class Engine:
         self.device, self.dtype = device, dtype
         self.eos = ckpt.eos_ids()
         self.stats = Stats()
-        self.prefix: SharedPrefix | None = None  # the prompt prefix the window's lines share (schedule/prefix.py)
+        self.segments: dict[tuple, Segment] = {}  # prompt segments groups of lines share (schedule/prefix.py)
         self.waiting = Waiting()  # the one queue every source feeds (schedule/scheduler.py)
         self.continuous: ContinuousRun | None = None  # the rows running, while any are live or wait
         self._in_group = 0  # sequences finished since the predictor's last group ended
@@ -129,10 +129,10 @@ class Engine:
     def _run_static(self, seqs):
         """Static groups (--batching static, for ablation): whatever waits joins at the start."""
         others = self.waiting.take_all()
+        self._share_prefix(seqs)  # (first: it gives back the segments nothing running reads)
         for s in others:
             self.join_prefix(s)
         mine = {id(s) for s in seqs}
-        self._share_prefix(seqs)
         for group in self.groups(others + list(seqs)):
             for s in self._run_group(group):
                 if id(s) in mine:
@@ -145,73 +145,117 @@ class Engine:
         self.predictor.end_group()
         self.predictor.persist()  # what this group taught the predictor survives a crash
 
-    # ---- a prompt prefix the window's lines share -----------------------------------------
+    # ---- prompt segments groups of lines share (schedule/prefix.py) ------------------------
+    @property
+    def prefix(self) -> Segment | None:
+        """The longest segment held, or None."""
+        return max(self.segments.values(), key=lambda p: p.end, default=None)
+
     @property
     def shared(self) -> int:
-        """Prompt tokens the held prefix covers (rows that start from it do not prefill them)."""
-        return self.prefix.length if self.prefix else 0
+        """Keys a step's rows may score beside their own: every segment held (a bound)."""
+        return sum(p.length for p in self.segments.values())
 
     def own_len(self, s: S.Sequence) -> int:
-        """Prompt tokens a line prefills itself: those after the shared prefix it starts from."""
+        """Prompt tokens a line prefills itself: those after the segments it starts from."""
         return len(s.prompt_ids) - s.shared
 
     def _share_prefix(self, seqs) -> None:
-        """Keep the prefix held if every line starts with it, else prefill the window's own
-        (if its lines share one): once, in a one-row cache of its own. While sequences of an
-        earlier call still use the held prefix it stays, and lines start from it only where
-        they share it."""
+        """Group the window's lines by the prefixes they share and give each line its chain of
+        segments: those held already are kept, the others prefilled once each (parents first,
+        each attending to its own parent chain). Held segments nothing reads any more go."""
         if self.prefix_off or not seqs:
             return
-        if self.prefix and not self.prefix.serves(seqs) and self._prefix_in_use():
-            for s in seqs:
-                self.join_prefix(s)
-            return
-        if not (self.prefix and self.prefix.serves(seqs)):
-            self.drop_prefix()
-            ids = common_prefix(seqs)
-            if not ids:
-                return
-            space, kv = KVSpace(self), None
-            try:
-                kv, _ = space.allocate(1, len(ids))
-                whole = StepInput(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.bool),
-                                  torch.arange(len(ids))[None])
-                for part in S.chunks(whole, self.prefill_chunk or len(ids)):
-                    self.step([kv], [part], prompt=True, decode=None)
-                kv.settle()  # its stores have landed: loads read it from now on with no wait
-            except BaseException:
-                if kv is not None:
-                    kv.release()  # the tensors before their account
-                space.close()
-                raise
-            self.prefix = SharedPrefix(ids, kv, space)
-            if self.continuous is not None:  # the run's caches (their live rows do not read it) point at it
-                self.continuous.reprefix(self.prefix)
-            self.stats.prefix_prefills += 1
-            self.stats.prefix_tokens_saved -= len(ids)
-        for s in seqs:
-            s.shared = self.prefix.length
-        self.stats.prefix_tokens = self.prefix.length
-        self.stats.prefix_lines += len(seqs)
-        self.stats.prefix_tokens_saved += self.prefix.length * len(seqs)
+        found = find_segments([s.prompt_ids for s in seqs])
+        bounds, owner = [[] for _ in seqs], [None] * len(seqs)  # each line's chain so far: its splits, last node
+        keys, parents = [], []
+        for i, (start, end, members) in enumerate(found):
+            keys.append(Segment.key(seqs[members[0]].prompt_ids[:end], bounds[members[0]] + [end]))
+            parents.append(owner[members[0]])
+            for m in members:
+                bounds[m], owner[m] = bounds[m] + [end], i
+        self._drop_unused(set(keys))  # room first, for the segments still to prefill
+        made: dict[int, Segment] = {}
+        while len(made) < len(found):  # a level at a time: those whose parents exist, in passes of bs
+            ready = [i for i in range(len(found)) if i not in made and (parents[i] is None or parents[i] in made)]
+            made.update((i, self.segments[keys[i]]) for i in ready if keys[i] in self.segments)
+            new = [i for i in ready if i not in made]
+            for a in range(0, len(new), self.batch_size):
+                part = new[a:a + self.batch_size]
+                made.update(zip(part, self._prefill_segments(
+                    [keys[i] for i in part], [made[parents[i]] if parents[i] is not None else None for i in part])))
+        chains = [() for _ in seqs]
+        for i, (_, _, members) in enumerate(found):
+            for m in members:
+                chains[m] = made[i].chain
+        for s, chain in zip(seqs, chains):
+            self._start_from(s, chain)
 
     def join_prefix(self, s: S.Sequence) -> None:
-        """A sequence that joins the running rows starts from the held prefix if it shares it."""
-        s.shared = self.prefix.length if self.prefix and self.prefix.serves([s]) else 0
-        if s.shared:
+        """A sequence that joins the running rows starts from the longest held segment it shares."""
+        best = max((p for p in self.segments.values() if p.serves(s)), key=lambda p: p.end, default=None)
+        self._start_from(s, best.chain if best else ())
+
+    def _start_from(self, s: S.Sequence, chain: tuple) -> None:
+        s.chain, s.shared = chain, chain[-1].end if chain else 0
+        if chain:
+            for p in chain:
+                self._count_prefix(p, lines=1)
             self.stats.prefix_lines += 1
+            self.stats.prefix_tokens = max(self.stats.prefix_tokens, s.shared)
             self.stats.prefix_tokens_saved += s.shared
 
-    def _prefix_in_use(self) -> bool:
-        run = self.continuous
-        return run is not None and any(s.shared for s in run.holding())
+    def _prefill_segments(self, keys: list, parents: list) -> list[Segment]:
+        """Prefill segments together, once, a row each (left-padded as lines are), each row
+        attending to its own parent chain as a line's own tokens would."""
+        starts = [p.end if p else 0 for p in parents]
+        lengths = [len(k[1]) - a for k, a in zip(keys, starts)]
+        width, rows = max(lengths), len(keys)
+        space, kv = self.kv_space(), None
+        try:
+            kv, _ = space.allocate(rows, width)
+            kv.chains[:rows] = [p.chain if p else () for p in parents]
+            ids = torch.full((rows, width), self._pad_id(), dtype=torch.long)
+            valid = torch.zeros((rows, width), dtype=torch.bool)
+            positions = torch.zeros((rows, width), dtype=torch.long)
+            for r, (k, a, n) in enumerate(zip(keys, starts, lengths)):
+                ids[r, width - n:], valid[r, width - n:] = torch.tensor(k[1][a:]), True
+                positions[r, width - n:] = torch.arange(a, a + n)
+            for part in S.chunks(StepInput(ids, valid, positions), self.prefill_chunk or width):
+                self.step([kv], [part], prompt=True, decode=None)
+            kv.settle()  # its stores have landed: loads read it from now on with no wait
+        except BaseException:
+            if kv is not None:
+                kv.release()  # the tensors before their account
+            space.close()
+            raise
+        cache = SegmentCache(kv, space, rows)
+        made = [Segment(k, p, cache, r) for r, (k, p) in enumerate(zip(keys, parents))]
+        for segment in made:
+            self.segments[segment.key] = segment
+            self._count_prefix(segment, prefills=1)
+            self.stats.prefix_prefills += 1
+            self.stats.prefix_tokens_saved -= segment.length
+        return made
+
+    def _count_prefix(self, p: Segment, lines: int = 0, prefills: int = 0) -> None:
+        counts = self.stats.prefixes.setdefault(p.key, [p.start, p.length, 0, 0])
+        counts[2] += lines
+        counts[3] += prefills
+
+    def _drop_unused(self, keep: set) -> None:
+        """Give back the held segments that neither `keep`, nor a sequence running or waiting,
+        nor a segment kept (a child attends to its parents) reads."""
+        readers = [*(self.continuous.holding() if self.continuous else ()), *self.waiting.everything()]
+        held = [self.segments[k] for k in keep if k in self.segments] + [p for s in readers for p in s.chain]
+        read = {id(p) for q in held for p in q.chain}
+        for key in [k for k, p in self.segments.items() if id(p) not in read]:
+            self.segments.pop(key).release()
 
     def drop_prefix(self) -> None:
-        if self.continuous is not None:
-            self.continuous.reprefix(None)
-        if self.prefix is not None:
-            self.prefix.release()
-            self.prefix = None
+        for p in self.segments.values():
+            p.release()
+        self.segments.clear()
 
     def _run_group(self, group: list[list[S.Sequence]]):
         prompt_len = [max(self.own_len(s) for s in b) for b in group]
@@ -350,7 +394,6 @@ class KVSpace:
         self.account.reserve(nbytes, "KV cache")
         kv = BatchKV(*shape, e.dtype, device=e.device, on_host=self.on_host,
                      host_zeros=blocks.zeros if blocks else None, value_dim=value_dim)
-        kv.shared = e.prefix  # its rows start from the window's shared prefix, if any
         self.held[id(kv)] = (nbytes, blocks, kv)
         return kv, nbytes
 

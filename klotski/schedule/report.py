@@ -179,7 +179,9 @@ def _prefix_line(prefix: dict | None) -> list[str]:
     if not prefix["prefix_prefills"]:
         return [f"prefix    {prefix['status']}"]
     saved = prefix["prefill_s_saved_estimate"]
-    return [f"prefix    {prefix['prefix_tokens']} prompt tokens shared by {prefix['lines']} lines, prefilled "
+    parts = prefix.get("prefixes", [])
+    each = ", ".join(f"{p['tokens']} tokens x {p['lines']} lines" for p in parts[:4]) + (", ..." if len(parts) > 4 else "")
+    return [f"prefix    {len(parts)} shared prefixes ({each}) for {prefix['lines']} lines, prefilled "
             f"{prefix['prefix_prefills']}x: {prefix['prefill_tokens_saved']} prompt tokens not prefilled"
             + (f" (about {saved:.2f} s at this run's prefill rate)" if saved is not None else "")]
 

@@ -50,7 +50,8 @@ class Sequence:
     listener: object = None
     leaving: bool = False
     priority: int = 1  # its source's place in the waiting queue (schedule/scheduler.py: ONLINE first)
-    shared: int = 0  # prompt tokens the engine's shared prefix holds for it (schedule/prefix.py): not in its row
+    shared: int = 0  # prompt tokens the segments it starts from hold (schedule/prefix.py): not in its row
+    chain: tuple = ()  # those segments, outermost first
 
     @property
     def done(self) -> bool:

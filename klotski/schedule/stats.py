@@ -2,7 +2,7 @@
 by both batching schedules (klotski/schedule/engine.py, klotski/schedule/batching.py)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -33,10 +33,12 @@ class Stats:
     prefill_tokens: int = 0     # real prompt tokens computed by prefill-only steps (a shared prefix once)
     decode_steps: int = 0
     decode_kv_bytes: int = 0    # KV bytes loaded host->device by decode steps (the KV on the host)
-    prefix_tokens: int = 0      # the shared prefix's length (the last one shared, schedule/prefix.py)
-    prefix_prefills: int = 0    # times a shared prefix was prefilled (once per job unless windows differ)
-    prefix_lines: int = 0       # lines started from a shared prefix
-    prefix_tokens_saved: int = 0  # prompt tokens not prefilled thanks to it (its own prefill deducted)
+    prefix_tokens: int = 0      # the longest chain of shared segments a line started from (schedule/prefix.py)
+    prefix_prefills: int = 0    # times a shared segment was prefilled (once each unless windows differ)
+    prefix_lines: int = 0       # lines started from shared segments
+    prefix_tokens_saved: int = 0  # prompt tokens not prefilled thanks to them (their own prefills deducted)
+    # per segment (by Segment.key): [start, tokens, lines that started from it, times prefilled]
+    prefixes: dict = field(default_factory=dict)
 
     def record_prompts(self, seqs) -> None:
         """Prompt tokens of sequences whose prefill starts."""
