@@ -105,8 +105,11 @@ def test_online_requests_join_a_windows_rows_beside_its_shared_prefix(checkpoint
         assert engine.waiting.stats.joined == len(OTHERS)
 
 
-def test_a_source_that_leaves_frees_its_rows(checkpoints, references):
-    engine, seqs = _engine(checkpoints["gqa"])
+@pytest.mark.parametrize("batching", ["continuous", "static"])
+def test_a_source_that_leaves_frees_its_rows(checkpoints, references, batching):
+    """Continuous: its row frees at the next step. Static: it ends at the next step (its row
+    computes on to the batch's end, unread)."""
+    engine, seqs = _engine(checkpoints["gqa"], batching=batching)
     online, _ = _online(engine, ["The capital of France is", "Once upon a time there"], [200, 200])
     online[0].listener = lambda s: setattr(s, "leaving", len(s.out) >= 3)  # hangs up after 3 tokens
     online[1].leaving = True  # hangs up before it is admitted

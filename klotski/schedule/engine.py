@@ -332,6 +332,9 @@ class Engine:
                 S.fail(s, _non_finite(layer, self.spec.num_layers))
                 finished.append(s)
                 S.notify(s)
+            elif s is not None and s.leaving and not s.done:  # (a static batch's row: it computes on, unread)
+                S.abandon(s)
+                finished.append(s)
         live = [s for s in rows if s is not None]
         # a constrained row's forbidden tokens go to -inf first (no op at all when none is)
         picked = iter(S.pick(live, constrain.mask(live, logits[[i for i, s in enumerate(rows) if s is not None]])))
