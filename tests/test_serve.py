@@ -251,6 +251,10 @@ def test_every_mistake_is_one_clear_error_and_the_server_lives(server, model, tm
     f = client.files.create(file=many.open("rb"), purpose="batch")
     b = client.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
     _wait(client, b.id, until=("in_progress",))
+    deadline = time.time() + 240  # in_progress comes before its lines reach the engine: wait for one
+    while client.batches.retrieve(b.id).request_counts.completed == 0:
+        assert time.time() < deadline, "the batch completed no line"
+        time.sleep(0.2)
     joined = _raw(server.url + "/health")[1]["online"]["joined"]
     assert client.chat.completions.create(model=model, messages=_chat("x"), max_tokens=2).choices[0].message
     assert client.batches.retrieve(b.id).status == "in_progress"

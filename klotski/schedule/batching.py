@@ -149,11 +149,13 @@ class ContinuousRun:
         """One step: what arrived joins the queue, leavers go, waiting prompts are admitted,
         the rows compute and sample. The sequences it finished ([] when nothing ran: the run
         is idle)."""
+        # work already here when a request arrives: rows computing or sequences waiting for them
+        busy = self.live() or len(self.waiting) > 0
         for s in self.waiting.collect(self.order):
             self.e.join_prefix(s)
             if s.priority == 0:
                 self.online += 1
-                self.waiting.stats.joined += self.live()
+                self.waiting.stats.joined += busy
             self.longest_prompt = max(self.longest_prompt, self.e.own_len(s))
         finished = self._leave()
         while True:
