@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from klotski import planning
-from klotski.execute.channels import make_channels
+from klotski.execute.channels import DISK_CARRIERS, make_channels
 from klotski.io.checkpoint import Checkpoint
 from klotski.schedule.engine import Engine
 from klotski.execute.hostcompute import HostCompute
@@ -29,7 +29,7 @@ from klotski.util.threads import ThreadGovernor
 from placement.cache import WeightCache
 from placement.pinned import PinnedBlocks
 from placement.placement import Placement
-from placement.tiers import Budgets, Memory, detect_budgets
+from placement.tiers import DISK, Budgets, Memory, detect_budgets
 
 
 @dataclass(frozen=True)
@@ -130,6 +130,9 @@ def build_engine(config, ckpt: Checkpoint, setup: RunSetup, *, predictor=None) -
         torch.cuda.reset_peak_memory_stats(device)
         memory.allocator_baseline = torch.cuda.memory_allocated(device)
     host_memory = Memory(setup.budgets.host, "host")
+    if device.type == "cuda" and DISK in setup.placement.tiers.values():
+        for name in DISK_CARRIERS:  # made on first use; charged now, as the planner charged them
+            host_memory.reserve(channels[name].staged.nbytes, f"the {name} channel's page-locked staging ring")
     cache = WeightCache(ckpt.store, setup.placement, ckpt.spec.group_refs, dtype, memory,
                         to_device=lambda t: t.to(device),
                         host_blocks=PinnedBlocks(pinned=True) if device.type == "cuda" else None,

@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DISK_WINDOW_LAYERS = 2          # layers staged in host memory ahead of the disk-resident ones
+STAGED_RING_BYTES = 32 << 20   # a channel's page-locked ring that pageable disk reads go up through
+STAGED_RINGS = 2               # one per channel that carries disk-tier groups up: weights, experts
 KV_BUFFERS = 3                  # host-KV batches on the device at once: storing, computing, loading
 ATTENTION_SCORE_CHUNK = 1 << 24  # attention scores alive at once (queries are chunked past it)
 PREFILL_EXPERT_CHUNK = 4096     # tokens per expert call (bounds the FFN intermediate)
@@ -147,8 +149,10 @@ def newcomer_chunks(shape, itemsize: int, bs: int, n: int, chunk: int, context: 
 
 def staging_bytes(cost) -> int:
     """Host buffers of the disk window: the layer being computed and DISK_WINDOW_LAYERS ahead
-    (each layer is staged before the current one is let go)."""
-    return (DISK_WINDOW_LAYERS + 1) * cost.layer_bytes()
+    (each layer is staged before the current one is let go); on a CUDA device also the
+    page-locked rings the disk reads cross the link through (execute/channels.StagedCopies)."""
+    rings = STAGED_RINGS * STAGED_RING_BYTES if cost.profile.device == "cuda" else 0
+    return (DISK_WINDOW_LAYERS + 1) * cost.layer_bytes() + rings
 
 
 def kv_buffer_bytes(cost, bs: int, context: int) -> int:

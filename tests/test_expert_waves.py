@@ -267,3 +267,21 @@ def test_pageable_sources_cross_the_link_through_a_reused_pinned_ring():
     Event.made.clear()
     odd = torch.randn(333).to(torch.bfloat16)  # 666 bytes: a piece and a rest
     assert torch.equal(staged.copy(odd, torch.empty_like(odd)), odd) and len(Event.made) == 2
+
+
+def test_the_host_is_charged_the_staging_rings_the_engine_reserves():
+    """On CUDA, disk-tier groups cross the link through a page-locked ring per channel that
+    carries them up (StagedCopies): the planner's host need for a disk window counts those
+    rings (none on a CPU, where no ring is made), and as many as the engine reserves."""
+    import dataclasses
+
+    from klotski.execute.channels import DISK_CARRIERS, StagedCopies
+    from planner.costmodel import CostModel
+    from planner.profile import load_profile
+    from planner.workingset import staging_bytes
+
+    gpu = load_profile("rtx3090-pcie4")
+    cpu = dataclasses.replace(gpu, device="cpu")
+    assert gpu.device == "cuda"
+    extra = staging_bytes(CostModel(gpu, "mixtral-8x7b")) - staging_bytes(CostModel(cpu, "mixtral-8x7b"))
+    assert extra == len(DISK_CARRIERS) * StagedCopies().nbytes > 0

@@ -43,7 +43,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from klotski.execute import cudacopies
+from planner.workingset import STAGED_RING_BYTES
 
+# the channels disk-tier groups go up on, each through its ring (planner.workingset.STAGED_RINGS)
+DISK_CARRIERS = ("weights", "experts")
 HOST_TO_DEVICE = "host_to_device"  # the links --emulate-link throttles, one per direction
 DEVICE_TO_HOST = "device_to_host"
 
@@ -339,7 +342,7 @@ class StagedCopies:
     buffer) and the next piece is staged while the last one moves. Made on first use: a run with
     no disk tier never allocates it."""
 
-    def __init__(self, nbytes: int = 32 << 20, *, buffer=None, event=None):
+    def __init__(self, nbytes: int = STAGED_RING_BYTES, *, buffer=None, event=None):
         self.nbytes, self.buffer, self.event = nbytes, buffer, event
         self.ring: PinnedRing | None = None
 
