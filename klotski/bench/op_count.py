@@ -5,6 +5,7 @@ expert phase's launches independent of the number of batches."""
 from __future__ import annotations
 
 import statistics
+import types
 from pathlib import Path
 
 import numpy as np
@@ -13,21 +14,18 @@ import torch
 from klotski.util.opcount import OpCounter
 
 
-class ForcedRouting:
-    """A family whose router picks exactly `active` experts for any tokens: token t's k slots
-    go to experts (t·k + j) mod active, so A is set by the caller, not by random weights. The
-    router's own weights are kept (the math is unchanged, only the choice)."""
+def forced_routing(family, active: int):
+    """The family's hooks, with a router that picks exactly `active` experts for any tokens:
+    token t's k slots go to experts (t·k + j) mod active, so A is set by the caller, not by
+    random weights. The router's own weights are kept (the math is unchanged, only the choice)."""
+    hooks = types.SimpleNamespace(**{n: getattr(family, n) for n in dir(family) if not n.startswith("__")})
 
-    def __init__(self, family, active: int):
-        self._family, self._active = family, active
-
-    def __getattr__(self, name):
-        return getattr(self._family, name)
-
-    def route(self, x, gate, spec):
-        weights, experts = self._family.route(x, gate, spec)
-        picks = torch.arange(experts.numel(), device=experts.device) % self._active
+    def route(x, gate, spec):
+        weights, experts = family.route(x, gate, spec)
+        picks = torch.arange(experts.numel(), device=experts.device) % active
         return weights, picks.view_as(experts)
+    hooks.route = route
+    return hooks
 
 
 def build_model(root: Path, experts: int = 32, top_k: int = 8, layers: int = 3) -> Path:
@@ -40,7 +38,7 @@ def build_model(root: Path, experts: int = 32, top_k: int = 8, layers: int = 3) 
 def layer_ops(model_dir, n: int, bs: int, active: int | None = None, schedule: str = "klotski",
               kernels: bool = True, dtype: str = "float32", **config) -> float:
     """Median ops per decode layer step (layers after the first, so embedding is not counted),
-    for a group of n batches of bs rows; `active` forces A (ForcedRouting)."""
+    for a group of n batches of bs rows; `active` forces A (forced_routing)."""
     from klotski.assemble import open_engine
     from klotski.config import RunConfig
     from klotski.io.requests import Request
@@ -53,7 +51,7 @@ def layer_ops(model_dir, n: int, bs: int, active: int | None = None, schedule: s
     assert not errors, errors
     pipe = engine.pipeline
     if active is not None:
-        pipe.M = ForcedRouting(pipe.M, active)
+        pipe.M = forced_routing(pipe.M, active)
     counts, seen = [], {"last": 0}
     counter = OpCounter()
 

@@ -37,8 +37,8 @@ assert set(FAMILIES) == set(FAMILY_FIELDS)
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """The shape (its fields read through: spec.hidden_size is spec.shape.hidden_size) plus
-    what the engine computes with."""
+    """The shape (its public names read through, as properties made below: spec.hidden_size
+    is spec.shape.hidden_size) plus what the engine computes with."""
     shape: ModelShape
     dtype: torch.dtype
     rms_norm_eps: float
@@ -53,11 +53,6 @@ class ModelSpec:
     # RoPE inverse frequencies [head_dim / 2] (fp32) and the factor cos/sin are scaled by
     rope_inv_freq: torch.Tensor | None = field(default=None, compare=False, repr=False)
     rope_attention_scaling: float = 1.0
-
-    def __getattr__(self, name):
-        if name.startswith("__") or name == "shape":
-            raise AttributeError(name)
-        return getattr(self.shape, name)
 
     @property
     def family(self) -> Family:
@@ -165,6 +160,16 @@ class ModelSpec:
         """Shape of every logical weight, for validating a checkpoint before generation."""
         local = self.local_shapes()
         return {ref: local[name] for key in self.group_keys() for name, ref in self.group_refs(key).items()}
+
+
+def _read_through(name: str) -> property:
+    return property(lambda self: getattr(self.shape, name), doc=f"this checkpoint's shape.{name}")
+
+
+# the shape's public names on the spec too, each a property (not a catch-all __getattr__)
+for _name in [*ModelShape.__dataclass_fields__, *dir(ModelShape)]:
+    if not _name.startswith("_") and not hasattr(ModelSpec, _name) and _name not in ModelSpec.__dataclass_fields__:
+        setattr(ModelSpec, _name, _read_through(_name))
 
 
 def check_config(cfg: dict) -> None:
