@@ -197,8 +197,10 @@ def make_plan(cost, shape, budgets, pred, bs, n, layout, ios, binding, schedule,
         "bubble_ms": {"decode": pred["decode_bubble_s"] / L * 1e3, "prefill": pred["prefill_bubble_s"] / L * 1e3},
         "expected_distinct_experts": sum(1 - (1 - min(1.0, m)) ** (n * bs) for m in marg),
     }
-    # ops the pipeline launches around the timed ones in a decode layer (the profile's counts)
-    launches = cost.launches(batch_layers=n, expert_calls=per_layer["expected_distinct_experts"])
+    # ops the pipeline launches around the timed ones in a decode layer (the profile's counts):
+    # its batch-layers, expert calls, the layer's own and its share of the step's
+    launches = cost.launches(batch_layers=n, expert_calls=per_layer["expected_distinct_experts"], layers=1,
+                             steps=1 / L)
     per_layer["launches"] = {"decode": launches, "ms": launches * cost.profile.launch_s * 1e3}
     # the host's waits for the routing ids (execute/channels.HostReads) per MoE layer, and for the
     # next gate's picks with next-gate prediction: the only host syncs a decode layer step makes

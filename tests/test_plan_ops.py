@@ -2,21 +2,14 @@
 against a real run of the plan (issue 45, item 4): the ATen ops that compute or copy, counted
 on the compute thread (util/opcount.OpCounter) over the job's decode steps, and every transfer
 submitted to a channel. Counting, not timing: the same on any CPU."""
-import collections
-
 import pytest
-import torch
 
-from klotski.assemble import open_engine
+from klotski.bench.op_count import counted_profile, decode_layer_counts
 from klotski.builtin.families import build_family
 from klotski.config import RunConfig
-from klotski.execute.channels import Channel
-from klotski.execute.profile_ops import EngineOps
 from klotski.io.checkpoint import Checkpoint
 from klotski.io.requests import Request
 from klotski.planning import engine_placement, make_plan
-from klotski.schedule.overhead import LAUNCHES, pipeline_overhead
-from klotski.util.opcount import OpCounter
 from planner.profile import load_profile
 from planner.report import format_plan
 from planner.shapes import as_shape
@@ -36,14 +29,9 @@ def model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def profile(model):
     """A built-in profile's times (they only steer the plan's choices) with the counts a
-    profile measured here carries: the model math's ops (EngineOps) and the pipeline's own
-    (schedule/overhead.py), both counted by the engine, never by the code under test."""
-    shape = as_shape(Checkpoint.open(str(model)).spec)
-    prof = load_profile("rtx3090-pcie4")
-    prof.kernels = EngineOps()(shape, torch.float32, torch.device("cpu")).kernels()
-    found = pipeline_overhead("cpu", open_engine, steps=2, rounds=1)
-    prof.launches = {k[len(LAUNCHES):]: v for k, v in found.items() if k.startswith(LAUNCHES)}
-    return prof
+    profile measured here carries: the model math's ops and the pipeline's own, both counted
+    by the engine (klotski/bench/op_count.py: counted_profile), never by the code under test."""
+    return counted_profile(model)
 
 
 def plan_for(model, profile, device_memory: int):
@@ -55,44 +43,16 @@ def plan_for(model, profile, device_memory: int):
     return cfg, spec, plan
 
 
-def counted(cfg, spec, plan, monkeypatch) -> tuple[float, float]:
-    """(kernels, submissions) per decode layer of a real run of `plan`: every decode step's ops
-    (embedding and LM head included: the plan spreads them over the layers) and submissions."""
+def counted(cfg, spec, plan) -> tuple[float, float]:
+    """(kernels, submissions) per decode layer of a real run of `plan` (klotski/bench/op_count.py)."""
     reqs = [Request(id=f"r{i}", line=i + 1, prompt=f"item {i} of the list, a passage", messages=None,
                     max_new_tokens=NEW) for i in range(BS * N)]
-    engine, seqs, errors = open_engine(cfg, reqs, placement=engine_placement(plan, spec))
-    assert not errors
-    counter, decoding, kernels, submits = OpCounter(), [False], [], collections.Counter()
-    submit, forward = Channel.submit, engine.pipeline.forward
-
-    def counting_submit(self, fn, **kw):
-        submits[self.name] += decoding[0]
-        return submit(self, fn, **kw)
-
-    def decode_forward(kvs, inputs):
-        decoding[0] = all(i.ids.shape[1] == 1 for i in inputs)
-        before = counter.kernels
-        out = forward(kvs, inputs)
-        if decoding[0]:
-            kernels.append(counter.kernels - before)
-        decoding[0] = False
-        return out
-
-    monkeypatch.setattr(Channel, "submit", counting_submit)
-    engine.pipeline.forward = decode_forward
-    try:
-        with counter:
-            list(engine.run(seqs))
-    finally:
-        engine.close()
-    layers = len(kernels) * spec.num_layers
-    assert len(kernels) >= NEW - 2
-    return sum(kernels) / layers, sum(submits.values()) / layers
+    return decode_layer_counts(cfg, reqs, engine_placement(plan, spec))
 
 
 @pytest.mark.parametrize("regime,device_memory", [("resident", 1 << 30), ("streamed", 4_000_000),
                                                   ("kv-host", 2_000_000)])
-def test_plan_predicts_a_decode_layers_kernels_and_submissions(model, profile, regime, device_memory, monkeypatch):
+def test_plan_predicts_a_decode_layers_kernels_and_submissions(model, profile, regime, device_memory):
     """Every expert resident; most experts streamed from host memory; the KV cache on the host
     too (a load and a store per batch and layer). The plan's placement is run as planned."""
     cfg, spec, plan = plan_for(model, profile, device_memory)
@@ -102,7 +62,7 @@ def test_plan_predicts_a_decode_layers_kernels_and_submissions(model, profile, r
         assert on_host == 0 and plan.tier(0, "kv") == "device"
     else:
         assert on_host >= L * E * 3 // 4 and (plan.tier(0, "kv") == "host") == (regime == "kv-host"), plan.placement
-    kernels, submissions = counted(cfg, spec, plan, monkeypatch)
+    kernels, submissions = counted(cfg, spec, plan)
     predicted = plan.per_layer["kernels"]["decode"], plan.per_layer["submissions"]["decode"]
     assert kernels == pytest.approx(predicted[0], rel=KERNELS_WITHIN), (regime, kernels, predicted)
     if regime == "resident":
@@ -119,7 +79,7 @@ def test_the_count_tells_grouped_waves_from_calls_per_expert(model, profile, mon
     ops growing with its experts, as before the grouped waves), the prediction is off the
     real count by more than the tolerance."""
     cfg, spec, plan = plan_for(model, profile, 1 << 30)
-    kernels, _ = counted(cfg, spec, plan, monkeypatch)
+    kernels, _ = counted(cfg, spec, plan)
     per_expert = dict(profile.kernels, wave_group=profile.kernels["wave"])
     monkeypatch.setattr(profile, "kernels", per_expert)
     wrong = plan_for(model, profile, 1 << 30)[2].per_layer["kernels"]["decode"]
