@@ -26,7 +26,8 @@ prefetched, then the chosen others after routing; one disk read per disk-tier gr
 disk window stages a layer's groups whether chosen or not); and, per batch whose KV cache is
 on the host and attends on the device, one load and one store. Runs are as long as MAX_RUN
 allows: with the device at its minimum working set a run holds what fits, and more
-submissions carry the same experts. Host compute's own moves are not counted."""
+submissions carry the same experts. Not counted: host compute (its moves and its ops), and
+the decoding of packed groups (HQQ, MXFP4, GGUF blocks) at each use."""
 from __future__ import annotations
 
 import math
@@ -55,19 +56,19 @@ def _layer(io, cost, bs, n, marg, hot, schedule, host_attention) -> tuple[float 
         prefetched = float(len(off))
     else:
         prefetched = len(hot) * sum(marg[e] for e in off) / max(sum(marg[:len(experts)]), 1e-12)
-    left = 1 - prefetched / len(off) if off else 0.0  # of a chosen off-device expert: not prefetched
+    unfetched = 1 - prefetched / len(off) if off else 0.0  # an off-device expert's chance it was not prefetched
     runs = cost.quant_bits is None and not shape.expert_format  # packed experts go alone
-    host = [e for e in off if experts[e] == "host"]
-    share = len(host) / len(off) if off else 0.0
+    host_tier = [e for e in off if experts[e] == "host"]
+    share = len(host_tier) / len(off) if off else 0.0
 
     def in_runs(count: float) -> float:  # submissions carrying `count` host-tier experts, certainly moved
         return count if not runs or count < 1 else math.ceil(count / MAX_RUN)
-    later = [chosen[e] * left for e in host]
+    later = [chosen[e] * unfetched for e in host_tier]  # moved after routing, each with this chance
     expected = sum(later)
     after_routing = (max(1 - math.prod(1 - p for p in later), expected / MAX_RUN) if runs else expected)
-    moved_disk = sum(chosen[e] * left for e in off if experts[e] == "disk") + prefetched * (1 - share)
-    expert_subs = in_runs(prefetched * share) + after_routing + moved_disk
-    moved_experts = prefetched + expected + sum(chosen[e] * left for e in off if experts[e] == "disk")
+    later_disk = sum(chosen[e] * unfetched for e in off if experts[e] == "disk")
+    expert_subs = in_runs(prefetched * share) + after_routing + later_disk + prefetched * (1 - share)
+    moved_experts = prefetched + expected + later_disk
     weights = (io.attn != "device") + (io.gate != "device")
     kv_moves = n * (io.kv == "host" and not host_attention)
     disk_reads = (io.attn == "disk") + (io.gate == "disk") + experts.count("disk")

@@ -160,10 +160,11 @@ class LayerOps:
         """ATen ops (views excluded) of one call of each piece of the model's own math as the
         pipeline calls it: exactly the family hooks klotski/schedule/overhead.py stubs out, so
         its counted launches and these add up to a layer's ops. `attention`: one batch's
-        attention block at decode (bs rows over ctx slots); `router`: a group's routing; `shared`: one batch's shared
-        expert (0 without one); `wave`: one grouped expert call over one expert's rows;
-        `wave_group`: each further expert in that call (0 where the grouped kernel runs, a
-        product each in its fallback). Counted on the profile's device and dtype, once."""
+        attention block at decode (bs rows over ctx slots); `router`: a group's routing;
+        `shared`: one batch's shared expert (0 without one); `wave`: one grouped expert call
+        over one expert's rows; `wave_group`: each further expert in that call (0 where the
+        grouped kernel runs, a product each in its fallback). Counted on the profile's device
+        and dtype, once."""
         from klotski.models import layers as L
         from klotski.models.grouped import Groups
         from klotski.util.opcount import OpCounter
@@ -178,8 +179,11 @@ class LayerOps:
         x = L.rms_norm(self._x(8, s.hidden_size), g["post_norm"], s.rms_norm_eps)
         ffn, w = self.M.bind_grouped_expert_ffn(s), self.expert_w[0]
 
-        def wave(groups: int) -> float:  # one expert's weights as each group's (views: no copies)
-            ws = {n: t.unsqueeze(0).expand(groups, *t.shape) for n, t in w.items()}
+        def wave(groups: int) -> float:
+            # one expert's weights as each group's, stacked as the cache stacks them: views of
+            # one copy could fail a grouped kernel the stacks run, and a failure marks the
+            # kernel unsupported for the engine that runs next (models/grouped.py)
+            ws = {n: torch.stack([t] * groups) for n, t in w.items()}
             rows = [len(x) // groups] * groups
             ends = torch.tensor(rows, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(self.device)
             return count(lambda: ffn(x, ws, Groups(rows, ends)))
