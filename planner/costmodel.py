@@ -213,17 +213,23 @@ class CostModel:
         the profile has none."""
         o, n, launch = self.profile.overhead_s, self.profile.launches, self.profile.launch_s
 
-        def term(kind: str) -> float:  # never below the ops it launches (a GPU waits on them)
-            return max(o.get(kind, 0.0), n.get(kind, 0.0) * launch)
+        def term(kind: str, ops: float | None = None) -> float:  # never below the ops it launches (a GPU waits on them)
+            return max(o.get(kind, 0.0), (n.get(kind, 0.0) if ops is None else ops) * launch)
+        # a step's seconds hold its layers' own work too; its ops are counted apart (`layer`)
+        step_ops = n.get("step", 0.0) + self.shape.num_layers * n.get("layer", 0.0)
         return (batch_layers * term("batch_layer") + expert_calls * term("expert_call")
-                + transfers * term("transfer") + steps * term("step")
+                + transfers * term("transfer") + steps * term("step", step_ops)
                 + kv_layers * term("kv_layer") + tokens * term("token"))
 
-    def launches(self, batch_layers: float = 0, expert_calls: float = 0, steps: float = 0) -> float:
-        """Ops the pipeline launches around the timed ones (the profile's counts), e.g. per step."""
+    def launches(self, batch_layers: float = 0, expert_calls: float = 0, steps: float = 0, transfers: float = 0,
+                 kv_layers: float = 0, layers: float = 0) -> float:
+        """Ops the pipeline launches around the timed ones (the profile's counts), e.g. per step:
+        per batch-layer, expert call, step, transfer, batch-layer whose KV comes from the host,
+        and layer (what one issues whatever its batches and experts)."""
         n = self.profile.launches
         return (batch_layers * n.get("batch_layer", 0.0) + expert_calls * n.get("expert_call", 0.0)
-                + steps * n.get("step", 0.0))
+                + steps * n.get("step", 0.0) + transfers * n.get("transfer", 0.0)
+                + kv_layers * n.get("kv_layer", 0.0) + layers * n.get("layer", 0.0))
 
     def t_head(self, tokens: int) -> float:
         """Final norm + LM head logits for `tokens` tokens (one per sequence per step)."""

@@ -15,7 +15,8 @@ klotski and has no model math of its own. An ops factory is called as
 `attention(bs, ctx, new_tokens)`, `gate(tokens)`, `expert(tokens)`, `head(tokens)` and
 `dequant()` (one expert's weights) each prepare inputs on the device and return a
 zero-argument callable running that op once; optionally `attend(bs, ctx, new_tokens)`, the
-attention core alone (scores and weighted values over cached keys). On a GPU machine the
+attention core alone (scores and weighted values over cached keys), and `kernels(bs, ctx)`, the
+ops one call of each piece of the math issues (kept as the profile's `kernels`). On a GPU machine the
 factory is also called with the cpu device to time host compute (an expert, the attention
 core) for `host_flops` / `host_mem_bw`; on a CPU-only machine the host is the device and
 those are the device's rates. The factory's `key` (text) names what is
@@ -53,7 +54,8 @@ BUILTIN_DIR = Path(__file__).parent / "profiles"
 # median of its repetitions again (what a step pays; the fastest ran 0.73 ms for an expert
 # the pipeline paid 1.0 ms for, call after call), and decode batches of 64 are sampled.
 # 8: the grid is timed ROUNDS times over and each point takes the median of its rounds.
-PROFILE_VERSION = 8
+# 9: the model math's ops of one call of each kind are counted (`kernels`), when the ops can.
+PROFILE_VERSION = 9
 # This VM's speed moved by a fifth within minutes: one measure priced smollm2-moe's expert at
 # 8 tokens 0.74 ms (and every other op about as much faster) where two measures minutes later
 # gave 0.91 and 0.93 and the same op timed alone 0.88-0.95; a run meets the typical pace, so
@@ -90,6 +92,11 @@ class Profile:
     # The cost model never prices a term below its launches: a GPU waits on them.
     launch_s: float = 0.0
     launches: dict[str, float] = field(default_factory=dict)
+    # ATen ops of one call of each piece of the model's own math, counted by the ops factory
+    # when it can (`ops.kernels()`: klotski/execute/profile_ops.py says which): with `launches`,
+    # the kernels a decode layer issues (planner/decode_ops.py). Empty: not counted (a built-in
+    # profile, or one measured before they were), and nothing is predicted from them.
+    kernels: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1)
@@ -268,6 +275,8 @@ def _measure(shape, make_ops, grid, device, link_gbps, reps, io_bytes, io_dir) -
                  "device_to_host": _copy_bandwidth(io_bytes, dev, "cpu", reps, sync)}
         if dev.type == "cpu":
             links["host_to_device"] = _clone_bandwidth(shape.expert_nbytes())
+        # counted, not timed: once, at the grid's first decode point
+        kernels = ops.kernels(grid["bs"][0], grid["ctx"][0]) if hasattr(ops, "kernels") else {}
     ops = None
     if dev.type == "cuda":  # the engine that runs next gets the device without the profile's blocks
         torch.cuda.empty_cache()
@@ -293,7 +302,8 @@ def _measure(shape, make_ops, grid, device, link_gbps, reps, io_bytes, io_dir) -
     machine["measure_s"] = round(time.perf_counter() - started, 2)
     return Profile(name="measured", device=dev.type, flops=flops, mem_bw=mem_bw, links=links,
                    samples=samples, shape_key=shape.key(), machine=machine,
-                   memory=_memory_capacity(dev), host_flops=host_flops, host_mem_bw=host_bw, launch_s=launch_s)
+                   memory=_memory_capacity(dev), host_flops=host_flops, host_mem_bw=host_bw, launch_s=launch_s,
+                   kernels=kernels)
 
 
 def _launch_cost(dev, sync, ops: int = 2000, rounds: int = 5) -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
+from planner.decode_ops import decode_layer_ops
 from planner.layer import INEQUALITIES, NO_HOST, LayerIO, Phase, ineq_terms
 from planner.place import TIERS, Layout
 from planner.workingset import device_need, staging_bytes, working_set
@@ -196,13 +197,21 @@ def make_plan(cost, shape, budgets, pred, bs, n, layout, ios, binding, schedule,
         "bubble_ms": {"decode": pred["decode_bubble_s"] / L * 1e3, "prefill": pred["prefill_bubble_s"] / L * 1e3},
         "expected_distinct_experts": sum(1 - (1 - min(1.0, m)) ** (n * bs) for m in marg),
     }
-    # ops the pipeline launches around the timed ones in a decode layer (the profile's counts)
-    launches = cost.launches(batch_layers=n, expert_calls=per_layer["expected_distinct_experts"])
+    # ops the pipeline launches around the timed ones in a decode layer (the profile's counts):
+    # its batch-layers, expert calls, the layer's own and its share of the step's
+    launches = cost.launches(batch_layers=n, expert_calls=per_layer["expected_distinct_experts"], layers=1,
+                             steps=1 / L)
     per_layer["launches"] = {"decode": launches, "ms": launches * cost.profile.launch_s * 1e3}
     # the host's waits for the routing ids (execute/channels.HostReads) per MoE layer, and for the
     # next gate's picks with next-gate prediction: the only host syncs a decode layer step makes
     # (tests/test_expert_waves.py counts them)
     per_layer["host_syncs"] = {"decode": (1 + next_gate) if E else 0}
+    # every kernel a decode layer issues (the pipeline's launches and the model math's ops,
+    # None where the profile counted no math) and every transfer it submits to a channel:
+    # the terms are planner/decode_ops.py's (tests/test_plan_ops.py counts both in a real run)
+    ops = decode_layer_ops(cost, ios, bs, n, marg, hot, schedule, host_attention=host.attention, head=layout.head)
+    per_layer["kernels"] = {"decode": ops["kernels"]}
+    per_layer["submissions"] = {"decode": ops["submissions"]}
     if schedule in ("klotski", "hot-prefetch"):
         lhs, rhs, _ = ineq_terms(cost, io, dec, marg, hot, schedule, host=host)
         per_layer["inequalities_ms"] = [{"name": nm, "lhs": l * 1e3, "rhs": r * 1e3}
@@ -258,9 +267,17 @@ def format_plan(plan: Plan) -> str:
     if pl.get("launches", {}).get("decode"):
         lines.append(f"  ops the pipeline launches around the timed ones, per decode layer: {pl['launches']['decode']:.0f} "
                      f"(at least {pl['launches']['ms']:.3f} ms of host time at the measured cost per launch)")
+    if "kernels" in pl:
+        k = pl["kernels"]["decode"]
+        lines.append("  kernels per decode layer: " + ("not counted (a profile measured here counts them)" if k is None
+                     else f"{k:.0f} (the pipeline's launches and the model math's ops: attention per batch, "
+                          "routing, expert waves)"))
     if "host_syncs" in pl:
         lines.append(f"  host syncs per decode layer: {pl['host_syncs']['decode']} (waits for the routing ids' "
                      "copy to the host; the resident experts compute meanwhile; one more with --prefetch next-gate)")
+    if "submissions" in pl:
+        lines.append(f"  channel submissions per decode layer: {pl['submissions']['decode']:.3g} (attention and gate "
+                     "off the device, runs of moved experts, disk reads, host KV loads and stores)")
     for q in pl.get("inequalities_ms", []):
         mark = "ok " if q["lhs"] >= q["rhs"] * (1 - 1e-9) else "NO "
         lines.append(f"  {mark}{q['name']:<62} {q['lhs']:9.2f} vs {q['rhs']:9.2f}")

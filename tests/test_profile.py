@@ -158,11 +158,13 @@ def test_pipeline_overhead_is_measured_once_and_priced_per_call(tmp_path, monkey
     from planner.costmodel import CostModel
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     found = overhead.pipeline_overhead("cpu", open_engine, steps=3)
-    launches = {k: found[overhead.LAUNCHES + k] for k in overhead.KINDS}
-    assert set(found) == set(overhead.KINDS) | {overhead.LAUNCHES + k for k in overhead.KINDS}
+    launches = {k: found[overhead.LAUNCHES + k] for k in overhead.LAUNCH_KINDS}
+    assert set(found) == set(overhead.KINDS) | {overhead.LAUNCHES + k for k in overhead.LAUNCH_KINDS}
     assert all(v >= 0 for v in found.values()) and sum(found[k] for k in overhead.KINDS) > 0
-    # counted, not timed: each expert call and each batch-layer issues ops of its own
-    assert launches["expert_call"] >= 1 and launches["batch_layer"] >= 1 and launches["step"] >= 1
+    # counted, not timed: each batch-layer, layer, transfer (its copies: inline on a CPU) and
+    # step issues ops of its own; an expert call none (a wave's ops do not grow with its experts)
+    assert launches["batch_layer"] >= 1 and launches["layer"] >= 1 and launches["step"] >= 1
+    assert launches["transfer"] >= 1 and launches["expert_call"] == 0
     monkeypatch.setattr(overhead, "_measure", lambda *a: pytest.fail("measured twice"))
     assert overhead.pipeline_overhead("cpu", open_engine, steps=3) == found
     profile = load_profile("rtx3090-pcie4")

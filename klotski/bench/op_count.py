@@ -1,7 +1,9 @@
 """How many ATen ops the compute thread issues per layer of a decode step, for n batches of bs
 rows with A experts active: the host's share of a GPU step (each op not a view is a launch).
 Used by `benchmarks/op_count.py` (the table and its fit) and by the gate test that keeps the
-expert phase's launches independent of the number of batches."""
+expert phase's launches independent of the number of batches; and the counts of a real run a
+plan's predicted kernels and submissions per decode layer are checked against
+(`tests/test_plan_ops.py`, `benchmarks/plan_ops.py`)."""
 from __future__ import annotations
 
 import statistics
@@ -118,3 +120,58 @@ def job_ops(model_dir, *, experts_on_host: bool, device_memory: int | None = Non
         engine.close()
     return {"ops": counter.total, "kernels": counter.kernels, "decode_s": engine.stats.decode_s,
             "prefill_s": engine.stats.prefill_s, "outputs": outputs}
+
+
+# ---- a plan's predicted kernels and submissions against a real run (issue 45, item 4) -------
+def counted_profile(model_dir, hardware: str = "rtx3090-pcie4"):
+    """`hardware`'s built-in profile (its times only steer a plan's choices) with the counts a
+    profile measured here carries: the model math's ops (EngineOps.kernels) and the pipeline's
+    own (schedule/overhead.py, one round), both counted by the engine on this CPU in fp32."""
+    from klotski.assemble import open_engine
+    from klotski.execute.profile_ops import EngineOps
+    from klotski.io.checkpoint import Checkpoint
+    from klotski.schedule.overhead import LAUNCHES, pipeline_overhead
+    from planner.profile import load_profile
+    from planner.shapes import as_shape
+    shape = as_shape(Checkpoint.open(str(model_dir)).spec)
+    profile = load_profile(hardware)
+    profile.kernels = EngineOps()(shape, torch.float32, torch.device("cpu")).kernels()
+    found = pipeline_overhead("cpu", open_engine, steps=2, rounds=1)
+    profile.launches = {k[len(LAUNCHES):]: v for k, v in found.items() if k.startswith(LAUNCHES)}
+    return profile
+
+
+def decode_layer_counts(config, requests, placement) -> tuple[float, float]:
+    """(kernels, channel submissions) per decode layer of a real run of `requests`: every
+    decode step's ATen ops that compute or copy on the compute thread (embedding and LM head
+    included: a plan spreads them over the layers) and every transfer submitted to a channel
+    during those steps, each over the decode steps times the layers."""
+    from klotski.assemble import open_engine
+    from klotski.execute.channels import Channel
+    engine, seqs, errors = open_engine(config, requests, placement=placement)
+    assert not errors, errors
+    counter, decoding, kernels, submitted = OpCounter(), [False], [], [0]
+    submit, forward = Channel.submit, engine.pipeline.forward
+
+    def counting_submit(channel, fn, **kw):
+        submitted[0] += decoding[0]
+        return submit(channel, fn, **kw)
+
+    def decode_forward(kvs, inputs):
+        decoding[0] = all(i.ids.shape[1] == 1 for i in inputs)
+        before = counter.kernels
+        out = forward(kvs, inputs)
+        if decoding[0]:
+            kernels.append(counter.kernels - before)
+        decoding[0] = False
+        return out
+
+    Channel.submit, engine.pipeline.forward = counting_submit, decode_forward
+    try:
+        with counter:
+            list(engine.run(seqs))
+    finally:
+        Channel.submit = submit
+        engine.close()
+    layers = max(1, len(kernels)) * engine.spec.num_layers
+    return sum(kernels) / layers, submitted[0] / layers

@@ -21,7 +21,7 @@ class EngineOps:
     """The profile's ops factory (planner/profile.py, `measure(ops=...)`): each op is the
     engine's own code as the pipeline calls it, on random weights of the shape's family."""
 
-    VERSION = 3  # of how LayerOps composes the engine's functions; the code it calls is hashed
+    VERSION = 4  # of how LayerOps composes the engine's functions (4: `kernels`); the code it calls is hashed
 
     @functools.cached_property
     def key(self) -> str:
@@ -155,6 +155,41 @@ class LayerOps:
         from klotski.execute.experts import run_expert
         x, ffn = self._x(n, self.spec.hidden_size), self.M.bind_expert_ffn(self.spec)
         return self._cycle([lambda w=w: run_expert(ffn, x, w) for w in self.expert_w])
+
+    def kernels(self, bs: int = 4, ctx: int = 64) -> dict[str, float]:
+        """ATen ops (views excluded) of one call of each piece of the model's own math as the
+        pipeline calls it: exactly the family hooks klotski/schedule/overhead.py stubs out, so
+        its counted launches and these add up to a layer's ops. `attention`: one batch's
+        attention block at decode (bs rows over ctx slots); `router`: a group's routing;
+        `shared`: one batch's shared expert (0 without one); `wave`: one grouped expert call
+        over one expert's rows; `wave_group`: each further expert in that call (0 where the
+        grouped kernel runs, a product each in its fallback). Counted on the profile's device
+        and dtype, once."""
+        from klotski.models import layers as L
+        from klotski.models.grouped import Groups
+        from klotski.util.opcount import OpCounter
+        s, torch = self.spec, self.torch
+
+        def count(fn) -> float:
+            fn()  # a first call may set things up (a probe of the grouped kernel)
+            with OpCounter() as ops:
+                fn()
+            return float(ops.kernels)
+        g = self.gate_w[0]
+        x = L.rms_norm(self._x(8, s.hidden_size), g["post_norm"], s.rms_norm_eps)
+        ffn, w = self.M.bind_grouped_expert_ffn(s), self.expert_w[0]
+
+        def wave(groups: int) -> float:
+            # one expert's weights as each group's, stacked as the cache stacks them: views of
+            # one copy could fail a grouped kernel the stacks run, and a failure marks the
+            # kernel unsupported for the engine that runs next (models/grouped.py)
+            ws = {n: torch.stack([t] * groups) for n, t in w.items()}
+            rows = [len(x) // groups] * groups
+            ends = torch.tensor(rows, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(self.device)
+            return count(lambda: ffn(x, ws, Groups(rows, ends)))
+        one = wave(1)
+        return {"attention": count(self.attention(bs, ctx, 1)), "router": count(lambda: self.M.route(x, g, s)),
+                "shared": count(lambda: self.M.shared_ffn(x, g, s)), "wave": one, "wave_group": max(0.0, wave(2) - one)}
 
     def head(self, n: int):
         from klotski.models import layers as L

@@ -11,8 +11,7 @@ from collections import deque
 from itertools import islice
 
 from placement.tiers import OverBudget
-
-MAX_RUN = 64  # experts one submission takes at most
+from planner.decode_ops import MAX_RUN  # experts one submission takes at most (the plan counts on it)
 
 
 class Residency:

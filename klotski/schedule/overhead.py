@@ -24,7 +24,12 @@ tiny-mixtral's threaded transfer and KV terms ran 1.8x and 2.4x the inline ones)
 profile's `overhead_s` (planner/costmodel.py: `t_pipeline`). Beside each term's seconds, the
 ops it issues on the compute thread (`launches.<kind>`, counted once: the same on every
 machine), which the cost model prices at the profile's per-launch cost as a floor: on a GPU
-each is a kernel launch the device waits for when the host is slower than it.
+each is a kernel launch the device waits for when the host is slower than it. The ops are
+counted layer by layer (the median over the layers after the first, which also embeds), so
+what a layer issues whatever its batches and experts (sort, slots, combine, the resident
+wave's gathers and scatters) is a term of its own, `launches.layer`, and `launches.step` is
+only what a step adds around its layers (embedding, LM head): the planner's predicted
+kernels per decode layer (planner/decode_ops.py) add them to the model math's own ops.
 """
 from __future__ import annotations
 
@@ -40,6 +45,7 @@ import torch
 from klotski.util.opcount import OpCounter
 
 KINDS = ("batch_layer", "expert_call", "transfer", "kv_layer", "token", "step")
+LAUNCH_KINDS = KINDS + ("layer",)  # counted ops only: a layer's own, whatever its batches and experts
 LAUNCHES = "launches."  # prefix of the ops counted per kind, beside its seconds
 WIDE = 8  # tokens a row in the run that prices a prefill's tokens beyond a decode step's one
 FAST_LINK = 1e6  # GB/s: channels on their threads, no transfer held back
@@ -80,11 +86,13 @@ def _rows(experts: int, top_k: int) -> int:
 
 
 def _source_key(device: str) -> str:
-    from klotski.execute import channels, experts, hostwork, pipeline
+    from klotski.execute import channels, experts, hostwork, pipeline, residency
     from klotski.schedule import batching, overhead
+    from placement import cache
     from planner.profile import machine_fingerprint
     h = hashlib.sha256(json.dumps(machine_fingerprint(device), sort_keys=True).encode())
-    for module in (pipeline, experts, hostwork, batching, channels, overhead):
+    # what the pipeline's ops and transfers run through: a change to any of them measures again
+    for module in (pipeline, experts, hostwork, batching, channels, residency, cache, overhead):
         h.update(inspect.getsource(module).encode())
     return h.hexdigest()[:16]
 
@@ -128,7 +136,7 @@ def _measure(device: str, steps: int, rounds: int, open_engine, link_gbps: float
     from klotski.builtin.tiny import ensure_builtin
     from klotski.models.spec import ModelSpec
     from klotski.prefetch.correlate import new_table
-    from klotski.prefetch.predictors import CorrelationPredictor
+    from klotski.prefetch.predictors import CorrelationPredictor, FrequencyPredictor
     from placement.placement import Placement
 
     # threads as they are: the measure's engines must not change them (the profile's cache key has them)
@@ -139,9 +147,12 @@ def _measure(device: str, steps: int, rounds: int, open_engine, link_gbps: float
     keys = spec.group_keys()  # bs, n and placement given: nothing is planned (no profile asked for)
     bs = _rows(spec.num_experts, spec.top_k)
 
-    def per_step(engine, n: int, chosen: int, new: int = 1, counter: OpCounter | None = None) -> float:
-        """Median seconds of a step; with `counter`, the ops of one step (after a warm-up)."""
+    def per_step(engine, n: int, chosen: int, new: int = 1, counter: OpCounter | None = None):
+        """Median seconds of a step; with `counter`, the ops of one step (after a warm-up) and
+        the median ops of its layers after the first."""
         engine.pipeline.M = _Stubs(chosen, engine.spec.top_k)
+        marks = []
+        engine.pipeline.on_layer = None if counter is None else lambda layer, hs: marks.append(counter.kernels)
         space = engine.kv_space()
         kvs = [space.allocate(bs, (steps + 2) * new)[0] for _ in range(n)]
         ids = torch.zeros(bs, new, dtype=torch.long)
@@ -154,8 +165,10 @@ def _measure(device: str, steps: int, rounds: int, open_engine, link_gbps: float
                 engine.pipeline.forward(kvs, inputs)
             times.append(time.perf_counter() - start)
         space.close()
+        engine.pipeline.on_layer = None
         if counter:
-            return float(counter.kernels)
+            layers = [b - a for a, b in zip(marks[-L:], marks[-L + 1:])] or [float(counter.kernels) / L]
+            return float(counter.kernels), statistics.median(layers)
         # the first is a warm-up; the median, not the fastest: a step's waits on the channel
         # threads and the allocator are part of what every step pays (the fastest of 12 ran
         # ~30% under the typical step on tiny-mixtral)
@@ -174,12 +187,11 @@ def _measure(device: str, steps: int, rounds: int, open_engine, link_gbps: float
         spec = engines["device"].spec
         L, E, k = spec.num_layers, spec.num_experts, spec.top_k
         terms = []
-        def run(count: bool = False) -> dict:
-            c = OpCounter if count else (lambda: None)
-            one, three, few = (per_step(engines["device"], 1, E, counter=c()), per_step(engines["device"], 3, E, counter=c()),
-                               per_step(engines["device"], 1, k, counter=c()))
-            moved, kv = per_step(engines["host"], 1, E, counter=c()), per_step(engines["kv"], 1, E, counter=c())
-            wide = per_step(engines["device"], 1, E, WIDE, counter=c())
+        def run() -> dict:
+            one, three, few = (per_step(engines["device"], 1, E), per_step(engines["device"], 3, E),
+                               per_step(engines["device"], 1, k))
+            moved, kv = per_step(engines["host"], 1, E), per_step(engines["kv"], 1, E)
+            wide = per_step(engines["device"], 1, E, WIDE)
             batch_layer = max(0.0, (three - one) / (2 * L))
             expert_call = max(0.0, (one - few) / (L * (E - k))) if E > k else 0.0
             return {"batch_layer": batch_layer, "expert_call": expert_call,
@@ -188,9 +200,31 @@ def _measure(device: str, steps: int, rounds: int, open_engine, link_gbps: float
                     "token": max(0.0, (wide - one) / (L * bs * (WIDE - 1))),
                     "step": max(0.0, one - L * batch_layer - L * E * expert_call)}
         terms = [run() for _ in range(rounds)]
-        counted = run(count=True)  # the ops themselves: the same on every run, once is enough
+        # The ops themselves: the same on every run, once is enough. Predicted from running
+        # counts, whose ops are the same whatever the stub's tokens choose: an exact-path
+        # table's look-ups grow with the distinct expert sets, which in these runs grow with
+        # the experts chosen (4 ops an "expert call" on tiny-mixtral, where the waves issue none).
+        for engine in engines.values():
+            engine.pipeline.predictor = FrequencyPredictor(L, E)
+        runs = {name: per_step(engines[engine], n, chosen, new, counter=OpCounter())
+                for name, engine, n, chosen, new in (("one", "device", 1, E, 1), ("three", "device", 3, E, 1),
+                                                     ("few", "device", 1, k, 1), ("moved", "host", 1, E, 1),
+                                                     ("kv", "kv", 1, E, 1), ("wide", "device", 1, E, WIDE))}
+        counted = _launches({name: layer for name, (_, layer) in runs.items()}, runs["one"][0], L, E, k, bs)
     finally:
         for engine in engines.values():
             engine.close()
     return ({kind: statistics.median(t[kind] for t in terms) for kind in KINDS}
-            | {LAUNCHES + kind: counted[kind] for kind in KINDS})
+            | {LAUNCHES + kind: counted[kind] for kind in LAUNCH_KINDS})
+
+
+def _launches(layer: dict, step_ops: float, L: int, E: int, k: int, bs: int) -> dict:
+    """Each kind's ops, from the ops of one layer of each counted run (`layer`) and the whole
+    of run "one"'s step (`step_ops`): differences of layers, as the seconds are of steps."""
+    batch_layer = max(0.0, (layer["three"] - layer["one"]) / 2)
+    expert_call = max(0.0, (layer["one"] - layer["few"]) / (E - k)) if E > k else 0.0
+    own = max(0.0, layer["one"] - batch_layer - E * expert_call)
+    return {"batch_layer": batch_layer, "expert_call": expert_call, "layer": own,
+            "transfer": max(0.0, (layer["moved"] - layer["one"]) / E), "kv_layer": max(0.0, layer["kv"] - layer["one"]),
+            "token": max(0.0, (layer["wide"] - layer["one"]) / (bs * (WIDE - 1))),
+            "step": max(0.0, step_ops - L * layer["one"])}
