@@ -54,6 +54,7 @@ class WeightCache:
         self.pending: dict = {}    # key -> Ticket of a transfer in flight
         self.pool: ExpertPool | None = None  # slots transferred experts land in (open_pool)
         self._pooled: set = set()  # the experts that land in it
+        self.landings: dict = {}   # key -> the Landing it arrives (or arrived) stacked in: the pool's overflow
         self.experts_landed_stacked = 0  # experts moved in a shared submission (start_many)
         self.staging: dict = {}    # key -> Ticket of a disk->host read in flight
         self.held: set = set()     # groups being computed with: never evicted
@@ -117,14 +118,14 @@ class WeightCache:
         return key in self.resident or key in self.loaded or key in self.pending
 
     def fits(self, key) -> bool:
-        return self.pool.free() > 0 if self.pooled(key) else self.memory.fits(self.sizes[key])
+        return (self.pooled(key) and self.pool.free() > 0) or self.memory.fits(self.sizes[key])
 
     # ---- moves --------------------------------------------------------------------------
     def start(self, key, channel) -> bool:
         """Begin moving `key` to the device on `channel`; False if the device has no room yet."""
         if self.present(key):
             return True
-        if self.pooled(key):
+        if self.pooled(key) and self.pool.free():
             return self.start_many([key], channel) > 0
         if not self.memory.fits(self.sizes[key]):
             return False
@@ -154,32 +155,61 @@ class WeightCache:
         return self.pool is not None and key in self._pooled
 
     def start_many(self, keys, channel) -> int:
-        """Begin moving a run of one layer's experts in one submission, as many as there are free
-        pool slots for (each into its own slot, adjacent or not: a wave computes them over the
-        pool's tensors without copying them again); an expert outside the pool goes alone.
-        Returns how many of `keys` started (0: no room)."""
-        if not self.pooled(keys[0]):
-            return int(self.start(keys[0], channel))
+        """Begin moving a run of one layer's experts in one submission: into free pool slots, as
+        many as there are (adjacent or not: a wave computes them over the pool's tensors without
+        copying them again); with the pool full, host-tier ones into a Landing of their own as
+        many as the device has room for; any other alone. Returns how many of `keys` started
+        (0: no room)."""
         pool, run = self.pool, 0
-        while run < len(keys) and run < pool.free() and self.pooled(keys[run]) and not self.present(keys[run]):
+        if self.pooled(keys[0]) and pool.free():
+            while run < len(keys) and run < pool.free() and self.pooled(keys[run]) and not self.present(keys[run]):
+                run += 1
+            keys = keys[:run]
+            slots = [pool.take(k) for k in keys]
+            sources = [self._source(k)[0] for k in keys]
+
+            def work():
+                for source, s in zip(sources, slots):
+                    for n, t in source().items():
+                        channel.copy_into(pool.tensors[n][s], t)
+
+            ticket = channel.submit(work, name=_label(keys[0]) + (f"+{run - 1}" if run > 1 else ""),
+                                    nbytes=sum(self.moved[k] for k in keys), after=pool.after(slots))
+            for key in keys:
+                self.pending[key] = ticket
+            self.experts_landed_stacked += run if run > 1 else 0
+            return run
+        size = self.sizes[keys[0]]
+        while (run < len(keys) and keys[run] in self.host and not self.coded(keys[run])
+               and not self.present(keys[run]) and self.memory.fits((run + 1) * size)):
             run += 1
-        if run == 0:
-            return 0
+        if run < 2:
+            return int(self.start(keys[0], channel))
         keys = keys[:run]
-        slots = [pool.take(k) for k in keys]
-        sources = [self._source(k)[0] for k in keys]
+        landing = Landing(keys, run * size)
+        self.memory.reserve(landing.nbytes, f"experts {keys[0][:2]} x{run}")
+        sources = [self.host[k] for k in keys]
 
         def work():
-            for source, s in zip(sources, slots):
-                for n, t in source().items():
-                    channel.copy_into(pool.tensors[n][s], t)
+            stacks = {n: channel.empty((run, *t.shape), t.dtype) for n, t in sources[0].items()}
+            for i, tensors in enumerate(sources):
+                for n, t in tensors.items():
+                    channel.copy_into(stacks[n][i], t)
+            return stacks
 
-        ticket = channel.submit(work, name=_label(keys[0]) + (f"+{run - 1}" if run > 1 else ""),
-                                nbytes=sum(self.moved[k] for k in keys), after=pool.after(slots))
-        for key in keys:
-            self.pending[key] = ticket
-        self.experts_landed_stacked += run if run > 1 else 0
+        ticket = channel.submit(work, name=_label(keys[0]) + f"+{run - 1}", nbytes=sum(self.moved[k] for k in keys))
+        for i, key in enumerate(keys):
+            self.pending[key], self.landings[key] = landing.row_ticket(ticket, i), landing
+        self.experts_landed_stacked += run
         return run
+
+    def in_pool(self, key) -> bool:
+        """`key` sits (or is landing) in a pool slot."""
+        return self.pool is not None and key in self.pool.slot
+
+    def landing(self, key):
+        """The Landing `key` arrived stacked in (its `stacks` set once a member was waited for), or None."""
+        return self.landings.get(key)
 
     def _source(self, key):
         """A callable giving host tensors for `key`, run on the transfer's worker, and whether
@@ -204,13 +234,19 @@ class WeightCache:
         if key in self.resident:
             return self.unpacked.get(key, self.resident[key])
         self.land(key)
-        return self.pool.view(key) if self.loaded[key] is None else self.loaded[key]
+        if self.loaded[key] is not None:
+            return self.loaded[key]
+        if self.in_pool(key):
+            return self.pool.view(key)
+        landing = self.landings[key]
+        return {n: t[landing.row[key]] for n, t in landing.stacks.items()}
 
     def land(self, key) -> None:
-        """Wait for `key`'s transfer (a pooled expert's tensors are its slot's rows: None here)."""
+        """Wait for `key`'s transfer. One in a pool slot or a Landing is kept as None: its tensors
+        are rows of the pool's or the Landing's (views made only when asked for, by `get`)."""
         if key not in self.resident and key not in self.loaded:
             landed = self.pending.pop(key).wait()
-            self.loaded[key] = None if self.pooled(key) else landed
+            self.loaded[key] = None if self.in_pool(key) or key in self.landings else landed
 
     def hold(self, key) -> None:
         """The pipeline computes with `key` now: it is not evicted until `unhold`/`release`."""
@@ -268,10 +304,13 @@ class WeightCache:
             return
         self.loaded.pop(key, None)
         self.decoded.discard(key)
-        if self.pool is not None and key in self.pool.slot:
+        landing = self.landings.pop(key, None)
+        if self.in_pool(key):
             self.pool.give(key, dropped)  # its slot is free again; no device byte moves
-        else:
+        elif landing is None:
             self.memory.free(self.sizes[key])
+        elif landing.leave():  # its stacks are freed with the last member
+            self.memory.free(landing.nbytes)
 
     def transient(self) -> list:
         """What `release` could free to make room: every transient copy not being computed with."""
@@ -342,6 +381,42 @@ class ExpertStack:
         for n, t in tensors.items():
             self.tensors[n][i].copy_(t)
         return {n: self.tensors[n][i] for n in tensors}
+
+
+class Landing:
+    """Experts of one layer moved in one submission into stacked tensors of their own (`stacks`,
+    one per weight name, row i = keys[i]) while the pool is full and the device has room beside
+    it (a decode step's activations are far below the prefill's the pool was sized beside).
+    Its bytes are one reservation, freed when the last member leaves."""
+
+    def __init__(self, keys: list, nbytes: int):
+        self.keys, self.nbytes, self.live = keys, nbytes, len(keys)
+        self.row = {k: i for i, k in enumerate(keys)}
+        self.stacks: dict | None = None
+
+    def row_ticket(self, ticket, row: int) -> "_RowTicket":
+        return _RowTicket(self, ticket, row)
+
+    def leave(self) -> bool:
+        """One member released; True when it was the last."""
+        self.live -= 1
+        return self.live == 0
+
+
+class _RowTicket:
+    """A Landing member's view of the one transfer: done with it, the stacks set when waited for."""
+
+    def __init__(self, landing: Landing, ticket, row: int):
+        self.landing, self.ticket, self.row = landing, ticket, row
+
+    def done(self) -> bool:
+        return self.ticket.done()
+
+    def wait(self) -> None:
+        self.landing.stacks = self.ticket.wait()
+
+    def discard(self) -> None:
+        self.ticket.discard()
 
 
 def _label(key) -> str:

@@ -370,22 +370,35 @@ class Pipeline:
     def _waves(self, layer, moe: LayerExperts, ffn, experts: list[int]) -> list:
         """Transferred experts that have landed, computed together: every one in a pool slot
         (placement.pool) in one call over the pool's tensors, rows in slot order (-1: a slot not
-        in this wave), no weight copied; one outside it (packed, decoded for its use; or a run
-        with no pool) in a call of its own over its tensors. Returns the keys kept to the end of
-        the layer (non-klotski schedules)."""
-        keys = [("expert", layer, e) for e in experts]
-        pooled = {k: e for k, e in zip(keys, experts) if self.cache.pooled(k)}
+        in this wave); the pool's overflow (WeightCache.start_many) in one call per Landing over
+        its stacks; any other (packed, decoded for its use) in a call of its own. No weight is
+        copied. Returns the keys kept to the end of the layer (non-klotski schedules)."""
+        pooled, landed, alone = {}, {}, []
+        for e in experts:
+            key = ("expert", layer, e)
+            landing = self.cache.landing(key)
+            if self.cache.in_pool(key):
+                pooled[key] = e
+            elif landing is not None:
+                landed.setdefault(landing, {})[key] = e
+            else:
+                alone.append((key, e))
         kept = []
         if pooled:
             for key in pooled:
                 self.res.get(key, tensors=False)  # waited for (timed as bubble)
-            pool = self.cache.pool
-            kept += self._computed(moe, ffn, pool.tensors, list(pooled), pool.rows(pooled))
-        for key, e in zip(keys, experts):
-            if key not in pooled:
-                w = self.res.get(key)  # waited for, decoded if packed
-                kept += self._computed(moe, ffn, {n: t.unsqueeze(0) for n, t in w.items()}, [key], [e])
-                del w  # no reference outlives its release
+            kept += self._computed(moe, ffn, self.cache.pool.tensors, list(pooled), self.cache.pool.rows(pooled))
+        for landing, members in landed.items():
+            for key in members:
+                self.res.get(key, tensors=False)
+            rows = [-1] * len(landing.keys)
+            for key, e in members.items():
+                rows[landing.row[key]] = e
+            kept += self._computed(moe, ffn, landing.stacks, list(members), rows)
+        for key, e in alone:
+            w = self.res.get(key)  # decoded if packed
+            kept += self._computed(moe, ffn, {n: t.unsqueeze(0) for n, t in w.items()}, [key], [e])
+            del w  # no reference outlives its release
         return kept
 
     def _computed(self, moe: LayerExperts, ffn, w: dict, keys: list, rows: list) -> list:

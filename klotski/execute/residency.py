@@ -80,10 +80,7 @@ class Residency:
         self.claim(key)
         self.cache.hold(key)
         if not self.cache.present(key):
-            if self.cache.pooled(key):
-                self.free_slot(key)
-            else:
-                self.make_room(self.cache.sizes[key], key)
+            self.room_for(key)
             self.start(key, "experts" if key[0] == "expert" else "weights")
         fetch = self.cache.get if tensors else self.cache.land
         tensors = self.timed(self.cache.ready(key), lambda: fetch(key), ".".join(map(str, key)))
@@ -111,21 +108,21 @@ class Residency:
         layer's experts from the back of the compute order."""
         while not self.memory.fits(nbytes):
             # a pooled expert leaving frees a slot, not bytes
-            victims = [k for k in self.cache.transient() if k != what and not self.cache.pooled(k)]
+            victims = [k for k in self.cache.transient() if k != what and not self.cache.in_pool(k)]
             if not victims:
                 raise OverBudget(
                     f"the device budget ({self.memory.budget} bytes) ran out: {nbytes} bytes needed for {what} "
                     f"with {self.memory.used} in use and nothing left to evict")
             self.cache.release(max(victims, key=self.next_use))
 
-    def free_slot(self, what) -> None:
-        """Evict pooled experts until the pool has a free slot for `what`, in the same Belady
-        order; the pool's bytes stay reserved."""
-        pool = self.cache.pool
-        while not pool.free():
-            victims = [k for k in self.cache.transient() if k != what and self.cache.pooled(k)]
-            if not victims:
-                raise OverBudget(f"the expert pool's {pool.slots} slots are all held: none left for {what}")
+    def room_for(self, key) -> None:
+        """Room to move `key`: a pool slot for a pooled expert (another pooled expert evicted, in
+        the same Belady order; the pool's bytes stay reserved), else bytes (make_room)."""
+        while not self.cache.fits(key):
+            victims = [k for k in self.cache.transient() if k != key and self.cache.in_pool(k)]
+            if not (self.cache.pooled(key) and victims):
+                self.make_room(self.cache.sizes[key], key)
+                return
             self.cache.release(max(victims, key=self.next_use))
 
     def next_use(self, key) -> int:
