@@ -10,7 +10,6 @@ The minimum is the least device budget (to a KiB) at which the planner's working
 Counts do not depend on the machine's load; `--budgets` runs given ones (e.g. on an older
 commit, which lacks the function that finds the minimum)."""
 import argparse
-import dataclasses
 import json
 import tempfile
 from pathlib import Path
@@ -24,29 +23,16 @@ PROMPT = "item {i} of the list, a passage about things"
 
 def minimum_budget(model) -> int:
     """The least device budget whose planned working set holds one expert slot (KiB steps)."""
-    from klotski import planning
+    from klotski.bench.op_count import pool_minimum_budget
     from klotski.config import RunConfig
     from klotski.io.checkpoint import Checkpoint
     from klotski.io.requests import Request
-    from klotski.schedule.sequences import prepare
     from placement.placement import Placement
-    from placement.tiers import detect_budgets
     cfg = RunConfig(model=str(model), progress=False, dtype="float32", batch_size=8, num_batches=4)
-    ckpt = Checkpoint.open(str(model))
-    seqs, _ = prepare([Request(id=f"r{i}", line=i + 1, prompt=PROMPT.format(i=i), messages=None, max_new_tokens=24)
-                       for i in range(32)], ckpt.tokenizer, ckpt.spec, cfg)
-    placement = Placement.by_kind(ckpt.spec.group_keys(), expert="host")
-    budgets = detect_budgets("cpu", None, None)
-    longest = max(len(s.prompt_ids) for s in seqs)
-
-    def slots(b):
-        return planning.expert_pool_slots(cfg, ckpt, torch.float32, dataclasses.replace(budgets, device=b), placement,
-                                          bs=8, n=4, chunk=None, longest_prompt=longest, gen_len=24)
-    lo, hi = 0, 64 << 20
-    while hi - lo > 1024:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if slots(mid) else (mid, hi)
-    return -(-hi // 1024) * 1024
+    keys = Checkpoint.open(str(model)).spec.group_keys()
+    reqs = [Request(id=f"r{i}", line=i + 1, prompt=PROMPT.format(i=i), messages=None, max_new_tokens=24)
+            for i in range(32)]
+    return pool_minimum_budget(cfg, reqs, Placement.by_kind(keys, expert="host"))
 
 
 def main() -> None:
