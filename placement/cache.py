@@ -125,7 +125,7 @@ class WeightCache:
         """Begin moving `key` to the device on `channel`; False if the device has no room yet."""
         if self.present(key):
             return True
-        if self.pooled(key) and self.pool.free():
+        if self.pooled(key) and self.pool.free() and not self._handed_over(key):
             return self.start_many([key], channel) > 0
         if not self.memory.fits(self.sizes[key]):
             return False
@@ -162,8 +162,11 @@ class WeightCache:
         (0: no room)."""
         pool, run = self.pool, 0
         if self.pooled(keys[0]) and pool.free():
-            while run < len(keys) and run < pool.free() and self.pooled(keys[run]) and not self.present(keys[run]):
+            while (run < len(keys) and run < pool.free() and self.pooled(keys[run]) and not self.present(keys[run])
+                   and not self._handed_over(keys[run])):
                 run += 1
+            if run == 0:
+                return int(self.start(keys[0], channel))
             keys = keys[:run]
             slots = [pool.take(k) for k in keys]
             sources = [self._source(k)[0] for k in keys]
@@ -202,6 +205,12 @@ class WeightCache:
             self.pending[key], self.landings[key] = landing.row_ticket(ticket, i), landing
         self.experts_landed_stacked += run
         return run
+
+    def _handed_over(self, key) -> bool:
+        """A disk read on a CPU device becomes the device copy itself where there is room for it
+        (no copy at all: the "device" is the same RAM); a slot of the pool would cost a copy."""
+        return (self.pool.tensors_device.type == "cpu" and self.placement.tiers.get(key) == DISK
+                and self.disk_channel is not None and self.memory.fits(self.sizes[key]))
 
     def in_pool(self, key) -> bool:
         """`key` sits (or is landing) in a pool slot."""

@@ -26,6 +26,7 @@ class ExpertPool:
         `event` makes a fence (a CUDA event factory; None: no fences, a CPU device)."""
         self.slots, self.expert_nbytes = slots, nbytes
         self.tensors = {n: torch.empty((slots, *t.shape), dtype=t.dtype, device=device) for n, t in like.items()}
+        self.tensors_device = torch.device(device)
         # a heap: a run takes the lowest free slots in turn, so experts submitted in id order sit
         # in slot order and a wave's pairs are often one run of the sort (views, no gather)
         self._free = list(range(slots))
