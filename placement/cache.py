@@ -7,10 +7,10 @@ is read per use, through a sliding window of host buffers that the pipeline fill
 gathered from: its rows are looked up where it lives, and only those rows move.
 
 Every transient device copy is reserved in the device `Memory` before its transfer is
-submitted and freed when the pipeline releases it, except a transferred 16-bit/fp32 expert:
-it lands in a slot of the one `ExpertPool` (pool.py), whose bytes were reserved once when it
-was opened; host copies, staged buffers included, are reserved in the host `Memory`. A group the pipeline is computing with is held
-(`hold`) and never chosen for eviction, so what the accounts say is what exists. Transfers
+submitted and freed when the pipeline releases it, except a transferred 16-bit/fp32 expert
+landing in a slot of the run's `ExpertPool` (pool.py), whose bytes were reserved once when it
+was opened; host copies, staged buffers included, are reserved in the host `Memory`. A group
+the pipeline is computing with is held (`hold`) and never chosen for eviction, so what the accounts say is what exists. Transfers
 run on channels handed in by the engine (objects with `submit(fn, name=, nbytes=, link=)`
 and `to_device(t)`); this package never imports them.
 """
