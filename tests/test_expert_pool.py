@@ -183,3 +183,46 @@ def test_a_cpu_pool_keeps_no_fences():
     pool.take(("expert", 0, 0))
     pool.give(("expert", 0, 0))
     assert pool.after([0]) == []
+
+
+def test_every_copy_into_a_reused_slot_is_submitted_after_its_fences(model, ref):
+    """The cache's side of the CUDA discipline, run on a CPU with stub events: once a slot has
+    been used, each copy into it is submitted `after` the fences its last users left (an event
+    recorded at each release, or the copy dropped unused), each fence handed to one copy; the
+    tokens unchanged (on a CPU channel a fence not yet done sends the copy to its worker)."""
+    from klotski.assemble import open_engine
+    from klotski.config import RunConfig
+    from tests.conftest import PROMPTS, requests
+    cfg = RunConfig(model=str(model), progress=False, dtype="float32", batch_size=3, num_batches=2,
+                    device_memory=_minimum(model, "klotski"))
+    engine, seqs, _ = open_engine(cfg, requests(PROMPTS, 10), placement=_streamed(model))
+    pool = engine.cache.pool
+    pool.event = FakeEvent
+    used, unfenced, given, submitted = set(), [], [], []
+    for channel in engine.channels.values():
+        def submit(fn, *, real=channel.submit, after=(), **kw):
+            submitted.extend(after)
+            return real(fn, after=after, **kw)
+        channel.submit = submit
+    real_take, real_after = pool.take, pool.after
+
+    def take(key):
+        s = real_take(key)
+        if s in used and not pool.fences.get(s):
+            unfenced.append((key, s))
+        used.add(s)
+        return s
+
+    def after(slots):
+        fences = real_after(slots)
+        given.extend(fences)
+        return fences
+    pool.take, pool.after = take, after
+    try:
+        done = {s.request.id: s.out for s in engine.run(seqs)}
+    finally:
+        engine.close()
+    assert [done[f"r{i}"] for i in range(len(PROMPTS))] == ref
+    assert len(used) == pool.slots == 1 and not unfenced  # the one slot, reused behind its fences every time
+    assert given and len({id(f) for f in given}) == len(given)  # each fence handed over once
+    assert all(any(f is g for g in submitted) for f in given)  # ... to the copy's submission
