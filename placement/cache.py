@@ -297,8 +297,15 @@ class WeightCache:
         finally:
             self.memory.free(work)
 
-    def release(self, key) -> None:
-        """The pipeline is done with `key` for now: drop a transient copy and free its bytes."""
+    def release_all(self, keys) -> None:
+        """`release` each of `keys`, the pooled ones behind one shared fence (a wave's)."""
+        fence = self.pool.fence() if self.pool is not None and any(self.in_pool(k) for k in keys) else None
+        for key in keys:
+            self.release(key, fence)
+
+    def release(self, key, fence=None) -> None:
+        """The pipeline is done with `key` for now: drop a transient copy and free its bytes (a
+        pooled expert's slot goes back behind `fence`, or one made for it: ExpertPool.give)."""
         self.held.discard(key)
         if key in self.resident:
             if self.unpacked.pop(key, None) is not None:
@@ -315,7 +322,7 @@ class WeightCache:
         self.decoded.discard(key)
         landing = self.landings.pop(key, None)
         if self.in_pool(key):
-            self.pool.give(key, dropped)  # its slot is free again; no device byte moves
+            self.pool.give(key, dropped if dropped is not None else fence)  # free again; no device byte moves
         elif landing is None:
             self.memory.free(self.sizes[key])
         elif landing.leave():  # its stacks are freed with the last member

@@ -48,15 +48,21 @@ class ExpertPool:
         return s
 
     def after(self, slots) -> list:
-        """The fences copies into `slots` must follow (taken: each is waited for once)."""
-        return [f for s in slots for f in self.fences.pop(s, ())]
+        """The fences copies into `slots` must follow (taken: a slot's are waited for once)."""
+        return list({id(f): f for s in slots for f in self.fences.pop(s, ())}.values())
 
-    def give(self, key, landing=None) -> None:
-        """`key` leaves its slot. `landing`: its copy, dropped unused (on CUDA it may still be
-        writing the slot); otherwise the compute that read it is fenced on the current stream."""
+    def fence(self):
+        """One event on the compute stream, recorded now, that experts released together share
+        (a wave's), or None on a CPU."""
+        return Fence(self.event) if self.event is not None else None
+
+    def give(self, key, fence=None) -> None:
+        """`key` leaves its slot; the next copy into it waits for `fence`: the copy of `key`
+        dropped unused (on CUDA it may still be writing the slot), or an event recorded after
+        the compute that read it (`fence()`, shared by a wave; made here if none is given)."""
         s = self.slot.pop(key)
         if self.event is not None:
-            self.fences.setdefault(s, []).append(landing if landing is not None else Fence(self.event))
+            self.fences.setdefault(s, []).append(fence if fence is not None else Fence(self.event))
         heapq.heappush(self._free, s)
 
     def view(self, key) -> dict:

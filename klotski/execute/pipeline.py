@@ -362,8 +362,8 @@ class Pipeline:
                 continue
             done += self._waves(layer, moe, ffn, moved[i:ready])
             i = ready
-        for key in done + self._expert_keys(layer):  # end of layer: free the rest, incl. unused prefetches
-            self.cache.release(key)
+        # end of layer: free the rest, incl. unused prefetches
+        self.cache.release_all(done + self._expert_keys(layer))
         self.res.pump()
         return moe.hidden_states(hs)
 
@@ -408,10 +408,10 @@ class Pipeline:
             moe.run_wave(ffn, w, rows, self._upload)
         for key in keys:
             self.res.upcoming.pop(key, None)
-            if self.schedule == "klotski":
-                self.cache.release(key)  # early release: room for the next transfers now
-            else:
+            if self.schedule != "klotski":
                 self.cache.unhold(key)  # kept to the end of the layer, but evictable
+        if self.schedule == "klotski":
+            self.cache.release_all(keys)  # early release: room for the next transfers now
         self.res.pump()
         return [] if self.schedule == "klotski" else keys
 
