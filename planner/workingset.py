@@ -225,7 +225,7 @@ def expert_pool_slots(ws: dict, buffers: str, resident: dict, free: float, exper
     from planner.layer import expert_slots
     need = device_need({**ws, "expert_buffers": 0}, buffers, resident)
     cap = 1 if buffers == "minimum" else expert_slots(schedule, num_experts, hot)
-    return max(0, min(cap, int((free - need) // expert_bytes))) if expert_bytes else 0
+    return max(0, int(min(cap, (free - need) // expert_bytes))) if expert_bytes else 0  # free may be inf
 
 
 BUFFER_KINDS = ("attention", "gate", "expert", "head", "kv")

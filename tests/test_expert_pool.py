@@ -229,3 +229,18 @@ def test_every_copy_into_a_reused_slot_is_submitted_after_its_fences(model, ref)
     assert [done[f"r{i}"] for i in range(len(PROMPTS))] == ref
     assert len(used) == pool.slots == 1 and not unfenced  # the one slot, reused behind its fences every time
     assert given and all(any(f is g for g in submitted) for f in given)  # handed to the copy's submission
+
+
+def test_the_pools_size_is_the_working_sets_expert_buffers_as_far_as_they_fit():
+    """Hand-worked: activations 10 bytes, experts of 4; overlapping buffers beside an attention
+    double buffer of 6 leave 30 - 16 = 14 bytes: 3 of klotski's K + 2 = 4 slots; the minimum
+    working set (the largest other buffer, 6, counted) holds its one; no room, no slot."""
+    from planner.workingset import expert_pool_slots
+    ws = {"activations": 10, "decoded": 0, "attention_buffers": 6, "gate_buffers": 0, "expert_buffers": 16,
+          "head_buffer": 0, "kv_buffers": 0}
+    assert expert_pool_slots(ws, "overlap", {}, 30, 4, "klotski", 8, 2) == 3
+    assert expert_pool_slots(ws, "overlap", {}, float("inf"), 4, "klotski", 8, 2) == 4
+    assert expert_pool_slots(ws, "overlap", {}, float("inf"), 4, "multibatch", 8, 2) == 16
+    assert expert_pool_slots(ws, "overlap", {"attention": True}, 30, 4, "klotski", 8, 2) == 4
+    assert expert_pool_slots(ws, "minimum", {}, 30, 4, "klotski", 8, 2) == 1
+    assert expert_pool_slots(ws, "minimum", {}, 19, 4, "klotski", 8, 2) == 0
