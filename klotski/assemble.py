@@ -49,6 +49,8 @@ class RunSetup:
     # KV slots every continuous-batching row gets at least: `klotski serve` plans for requests
     # not yet known, so a request within what it planned never waits for longer rows
     row_slots: int = 0
+    # slots of the device's expert pool that transferred experts land in (planning.expert_pool_slots)
+    expert_slots: int = 0
 
     def for_later_prompts(self) -> RunSetup:
         """Planned from the first prompts (a window, a shard, a batch): a longer prompt later is
@@ -96,7 +98,13 @@ def setup_run(config, ckpt: Checkpoint, seqs, *, placement: Placement | None = N
         check_room(ckpt, dtype, config.offload_dir, optimize=config.quantize_optimize)
     modes = planning.host_modes(config, device, plan)
     cost = planning.run_cost_model(config, ckpt, dtype, device, pipeline_cost) if "auto" in modes else None
-    return RunSetup(bs, n, chunk, placement, budgets, device, dtype, plan, cost, modes, config.quantize)
+    longest = max((len(s.prompt_ids) for s in seqs), default=1)
+    gen = max((s.max_new_tokens for s in seqs), default=config.max_new_tokens)
+    slots = planning.expert_pool_slots(config, ckpt, dtype, budgets, placement, bs=bs, n=n, chunk=chunk,
+                                       longest_prompt=longest, gen_len=gen, plan=plan,
+                                       host_attention=modes[0] == "on")
+    return RunSetup(bs, n, chunk, placement, budgets, device, dtype, plan, cost, modes, config.quantize,
+                    expert_slots=slots)
 
 
 def make_predictor(config, ckpt: Checkpoint):
@@ -138,6 +146,8 @@ def build_engine(config, ckpt: Checkpoint, setup: RunSetup, *, predictor=None) -
                         host_blocks=PinnedBlocks(pinned=True) if device.type == "cuda" else None,
                         disk_channel=channels["disk"], codec=codec, host_memory=host_memory)
     _check_sizes(cache, ckpt, dtype, config)
+    # slots for the transferred experts, made once and held: copies land in them, waves read them
+    cache.open_pool(setup.expert_slots, event=torch.cuda.Event if device.type == "cuda" else None)
     host = HostCompute(*setup.host_modes, setup.cost, asked=(config.host_attention, config.host_experts))
     pipeline = Pipeline(ckpt.spec, cache, channels, config, trace, predictor, memory, device, host)
     # a CPU device computes on the cores free now, looked at again as the run goes (util/threads.py)

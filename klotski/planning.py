@@ -280,8 +280,7 @@ def _plan_lengths(config, ckpt, dtype, device, budgets, prompt_lens, gen_lens, g
     lengths = prompt_lens or [1]
     if memory_only:
         shape = _compute_shape(ckpt, dtype)
-        profile = Profile(name="memory-only", device=device.type, flops=1.0, mem_bw=1.0,
-                          links=dict.fromkeys(LINKS, 1.0), host_flops=1.0, host_mem_bw=1.0)
+        profile = _memory_only(device.type)
     else:
         shape, profile, _ = _measured(config, ckpt, dtype, device, pipeline_cost, reuse)
     kw = dict(device_memory=budgets.device, host_memory=budgets.host, prompt_len=-(-sum(lengths) // len(lengths)),
@@ -291,6 +290,12 @@ def _plan_lengths(config, ckpt, dtype, device, budgets, prompt_lens, gen_lens, g
         return weigh_plans(shape, profile, config, precision_options(shape, ckpt, dtype),
                            sizes_of=lambda cfg: ckpt.group_bytes(dtype, spec_for(cfg)), **kw)
     return make_plan(shape, profile, config=config, sizes=ckpt.group_bytes(dtype, spec_for(config)), **kw)
+
+
+def _memory_only(device: str) -> Profile:
+    """A profile whose times mean nothing: for what depends on memory alone."""
+    return Profile(name="memory-only", device=device, flops=1.0, mem_bw=1.0, links=dict.fromkeys(LINKS, 1.0),
+                   host_flops=1.0, host_mem_bw=1.0)
 
 
 def run_cost_model(config, ckpt, dtype, device, pipeline_cost=None) -> CostModel:
@@ -327,6 +332,39 @@ def host_modes(config, device, plan) -> tuple[str, str]:
     if modes[0] == "auto" and plan is not None:
         modes[0] = "on" if plan.host_attention else "off"
     return tuple(modes)
+
+
+def expert_pool_slots(config, ckpt, dtype, budgets, placement: Placement, *, bs: int, n: int, chunk: int | None,
+                      longest_prompt: int, gen_len: int, plan=None, host_attention: bool = False) -> int:
+    """Slots of the device's expert pool for this run (planner.workingset.expert_pool_slots): the
+    device budget less the exact bytes the placement keeps resident (weights, and the KV cache
+    when it is on the device) and the rest of the plan's working set (its buffer mode; without a
+    plan the overlapping one, or the minimum where that leaves no slot), in experts."""
+    from planner.workingset import expert_pool_slots as slots_for, working_set
+    quant = spec_for(config)
+    shape = _compute_shape(ckpt, dtype)
+    experts = [k for k, t in placement.tiers.items() if k[0] == "expert" and t != "device"]
+    if not experts or quant or ckpt.is_gguf or ckpt.spec.expert_format == "mxfp4":
+        return 0  # nothing streamed, or packed experts: decoded per use, never pooled
+    cost = _cost(_memory_only("cpu"), shape, config, ckpt.group_bytes(dtype, quant))
+    resident = sum(ckpt.group_nbytes(k, dtype, quant)[0] for k, t in placement.tiers.items() if t == "device")
+    L, E = ckpt.spec.num_layers, ckpt.spec.num_experts
+    if placement.kv == "device":
+        resident += L * n * bs * cost.kv_context(longest_prompt + gen_len) * cost.kv_bytes_per_token_layer
+    kinds = {"attention": "attn", "gate": "gate", "expert": "expert", "head": "head"}
+    full = {kind: all(t == "device" for k, t in placement.tiers.items() if k[0] == key) for kind, key in kinds.items()}
+    full["kv"] = placement.kv == "device"
+    schedule = plan.schedule if plan else config.schedule
+    hot = plan.hot_experts if plan else (0 if config.prefetch == "none" else config.hot_experts or ckpt.spec.top_k)
+    kw = dict(bs=bs, n=n, prompt_len=longest_prompt, gen_len=gen_len, chunk=chunk or longest_prompt,
+              schedule=schedule, hot=hot, host_attention=host_attention)
+    for buffers in ((plan.buffers,) if plan else ("overlap", "minimum")):
+        ws = working_set(cost, buffers=buffers, **kw)
+        slots = slots_for(ws, buffers, full, budgets.device - resident, ckpt.group_nbytes(experts[0], dtype, quant)[0],
+                          schedule, E, hot)
+        if slots:
+            return slots
+    return 0
 
 
 def engine_placement(plan, spec) -> Placement:

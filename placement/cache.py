@@ -7,9 +7,10 @@ is read per use, through a sliding window of host buffers that the pipeline fill
 gathered from: its rows are looked up where it lives, and only those rows move.
 
 Every transient device copy is reserved in the device `Memory` before its transfer is
-submitted and freed when the pipeline releases it; host copies, staged buffers included,
-are reserved in the host `Memory`. A group the pipeline is computing with is held
-(`hold`) and never chosen for eviction, so what the accounts say is what exists. Transfers
+submitted and freed when the pipeline releases it, except a transferred 16-bit/fp32 expert
+landing in a slot of the run's `ExpertPool` (pool.py), whose bytes were reserved once when it
+was opened; host copies, staged buffers included, are reserved in the host `Memory`. A group
+the pipeline is computing with is held (`hold`) and never chosen for eviction, so what the accounts say is what exists. Transfers
 run on channels handed in by the engine (objects with `submit(fn, name=, nbytes=, link=)`
 and `to_device(t)`); this package never imports them.
 """
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from placement import pinned
+from placement.pool import ExpertPool
 from placement.tiers import DEVICE, DISK, HOST, Memory
 
 DISK_TO_HOST = "disk_to_host"
@@ -50,7 +52,9 @@ class WeightCache:
         self.host: dict = {}       # host-placed groups
         self.loaded: dict = {}     # transient device copies: key -> tensors
         self.pending: dict = {}    # key -> Ticket of a transfer in flight
-        self.landings: dict = {}   # key -> the Landing it arrives (or arrived) stacked in
+        self.pool: ExpertPool | None = None  # slots transferred experts land in (open_pool)
+        self._pooled: set = set()  # the experts that land in it
+        self.landings: dict = {}   # key -> the Landing it arrives (or arrived) stacked in: the pool's overflow
         self.experts_landed_stacked = 0  # experts moved in a shared submission (start_many)
         self.staging: dict = {}    # key -> Ticket of a disk->host read in flight
         self.held: set = set()     # groups being computed with: never evicted
@@ -114,13 +118,15 @@ class WeightCache:
         return key in self.resident or key in self.loaded or key in self.pending
 
     def fits(self, key) -> bool:
-        return self.memory.fits(self.sizes[key])
+        return (self.pooled(key) and self.pool.free() > 0) or self.memory.fits(self.sizes[key])
 
     # ---- moves --------------------------------------------------------------------------
     def start(self, key, channel) -> bool:
         """Begin moving `key` to the device on `channel`; False if the device has no room yet."""
         if self.present(key):
             return True
+        if self.pooled(key) and self.pool.free() and not self._handed_over(key):
+            return self.start_many([key], channel) > 0
         if not self.memory.fits(self.sizes[key]):
             return False
         self.memory.reserve(self.sizes[key], str(key))
@@ -129,12 +135,54 @@ class WeightCache:
                                            name=_label(key), nbytes=self.moved[key])
         return True
 
+    def open_pool(self, slots: int, *, event=None) -> None:
+        """The pool transferred experts land in: `slots` experts (0: none, every expert lands in
+        its own copy), their bytes reserved now and held for the run. Only 16-bit/fp32 experts
+        not resident go there (a packed one is decoded per use into its own copy). `event`:
+        the device's event factory (CUDA), for the fences a reused slot needs."""
+        keys = [k for k, tier in self.placement.tiers.items()
+                if k[0] == "expert" and tier != DEVICE and not self.coded(k)]
+        if slots <= 0 or not keys:
+            return
+        like = self.host[keys[0]] if keys[0] in self.host else self._read(keys[0])
+        device = self.to_device(torch.empty(0)).device
+        self.memory.reserve(slots * self.full[keys[0]], f"expert pool x{slots}")
+        self.pool = ExpertPool(slots, like, self.full[keys[0]], device, event=event)
+        self._pooled = {k for k in keys if self.full[k] == self.full[keys[0]]}
+
+    def pooled(self, key) -> bool:
+        """`key` lands in a pool slot when it is moved to the device."""
+        return self.pool is not None and key in self._pooled
+
     def start_many(self, keys, channel) -> int:
-        """Begin moving a run of one layer's experts in one submission, as many as fit: host-tier
-        16-bit ones land stacked (`Landing`: one tensor per weight name, a row each, so a wave
-        computes them in one call without copying them again); any other goes alone. Returns
-        how many of `keys` started (0: no room)."""
-        size, run = self.sizes[keys[0]], 0
+        """Begin moving a run of one layer's experts in one submission: into free pool slots, as
+        many as there are (adjacent or not: a wave computes them over the pool's tensors without
+        copying them again); with the pool full, host-tier ones into a Landing of their own as
+        many as the device has room for; any other alone. Returns how many of `keys` started
+        (0: no room)."""
+        pool, run = self.pool, 0
+        if self.pooled(keys[0]) and pool.free():
+            while (run < len(keys) and run < pool.free() and self.pooled(keys[run]) and not self.present(keys[run])
+                   and not self._handed_over(keys[run])):
+                run += 1
+            if run == 0:
+                return int(self.start(keys[0], channel))
+            keys = keys[:run]
+            slots = [pool.take(k) for k in keys]
+            sources = [self._source(k)[0] for k in keys]
+
+            def work():
+                for source, s in zip(sources, slots):
+                    for n, t in source().items():
+                        channel.copy_into(pool.tensors[n][s], t)
+
+            ticket = channel.submit(work, name=_label(keys[0]) + (f"+{run - 1}" if run > 1 else ""),
+                                    nbytes=sum(self.moved[k] for k in keys), after=pool.after(slots))
+            for key in keys:
+                self.pending[key] = ticket
+            self.experts_landed_stacked += run if run > 1 else 0
+            return run
+        size = self.sizes[keys[0]]
         while (run < len(keys) and keys[run] in self.host and not self.coded(keys[run])
                and not self.present(keys[run]) and self.memory.fits((run + 1) * size)):
             run += 1
@@ -157,6 +205,16 @@ class WeightCache:
             self.pending[key], self.landings[key] = landing.row_ticket(ticket, i), landing
         self.experts_landed_stacked += run
         return run
+
+    def _handed_over(self, key) -> bool:
+        """A disk read on a CPU device becomes the device copy itself where there is room for it
+        (no copy at all: the "device" is the same RAM); a slot of the pool would cost a copy."""
+        return (self.pool.tensors_device.type == "cpu" and self.placement.tiers.get(key) == DISK
+                and self.disk_channel is not None and self.memory.fits(self.sizes[key]))
+
+    def in_pool(self, key) -> bool:
+        """`key` sits (or is landing) in a pool slot."""
+        return self.pool is not None and key in self.pool.slot
 
     def landing(self, key):
         """The Landing `key` arrived stacked in (its `stacks` set once a member was waited for), or None."""
@@ -184,9 +242,20 @@ class WeightCache:
         """Device tensors of `key`, waiting for its transfer if needed (the caller times the wait)."""
         if key in self.resident:
             return self.unpacked.get(key, self.resident[key])
-        if key not in self.loaded:
-            self.loaded[key] = self.pending.pop(key).wait()
-        return self.loaded[key]
+        self.land(key)
+        if self.loaded[key] is not None:
+            return self.loaded[key]
+        if self.in_pool(key):
+            return self.pool.view(key)
+        landing = self.landings[key]
+        return {n: t[landing.row[key]] for n, t in landing.stacks.items()}
+
+    def land(self, key) -> None:
+        """Wait for `key`'s transfer. One in a pool slot or a Landing is kept as None: its tensors
+        are rows of the pool's or the Landing's (views made only when asked for, by `get`)."""
+        if key not in self.resident and key not in self.loaded:
+            landed = self.pending.pop(key).wait()
+            self.loaded[key] = None if self.in_pool(key) or key in self.landings else landed
 
     def hold(self, key) -> None:
         """The pipeline computes with `key` now: it is not evicted until `unhold`/`release`."""
@@ -207,9 +276,10 @@ class WeightCache:
     def largest_use(self) -> int:
         """Device bytes computing with one group can take beyond what is resident: the largest
         group fetched from another tier, or the largest resident one decoded for its use (fixed
-        once the tiers are filled; the pipeline asks every layer)."""
-        moved = max((size + self.workspace.get(key, 0) for key, size in self.sizes.items() if key not in self.resident),
-                    default=0)
+        once the tiers and the pool are made; the pipeline asks every layer). A pooled expert
+        takes a slot, no byte beyond the pool's."""
+        moved = max((size + self.workspace.get(key, 0) for key, size in self.sizes.items()
+                     if key not in self.resident and not self.pooled(key)), default=0)
         return max(moved, max((self.decode_nbytes(key) for key in self.resident if self.coded(key)), default=0))
 
     def decode(self, key) -> dict:
@@ -227,22 +297,33 @@ class WeightCache:
         finally:
             self.memory.free(work)
 
-    def release(self, key) -> None:
-        """The pipeline is done with `key` for now: drop a transient copy and free its bytes."""
+    def release_all(self, keys) -> None:
+        """`release` each of `keys`, the pooled ones behind one shared fence (a wave's)."""
+        fence = self.pool.fence() if self.pool is not None and any(self.in_pool(k) for k in keys) else None
+        for key in keys:
+            self.release(key, fence)
+
+    def release(self, key, fence=None) -> None:
+        """The pipeline is done with `key` for now: drop a transient copy and free its bytes (a
+        pooled expert's slot goes back behind `fence`, or one made for it: ExpertPool.give)."""
         self.held.discard(key)
         if key in self.resident:
             if self.unpacked.pop(key, None) is not None:
                 self.decoded.discard(key)
                 self.memory.free(self.full[key])
             return
+        dropped = None
         if key in self.pending:  # prefetched but never used: dropped once issued (nothing waits on it)
-            self.pending.pop(key).discard()
+            dropped = self.pending.pop(key)
+            dropped.discard()
         elif key not in self.loaded:
             return
         self.loaded.pop(key, None)
         self.decoded.discard(key)
         landing = self.landings.pop(key, None)
-        if landing is None:
+        if self.in_pool(key):
+            self.pool.give(key, dropped if dropped is not None else fence)  # free again; no device byte moves
+        elif landing is None:
             self.memory.free(self.sizes[key])
         elif landing.leave():  # its stacks are freed with the last member
             self.memory.free(landing.nbytes)
@@ -319,8 +400,10 @@ class ExpertStack:
 
 
 class Landing:
-    """Experts of one layer moved in one submission into stacked tensors (`stacks`, one per weight
-    name, row i = keys[i]). Its bytes are one reservation, freed when the last member leaves."""
+    """Experts of one layer moved in one submission into stacked tensors of their own (`stacks`,
+    one per weight name, row i = keys[i]) while the pool is full and the device has room beside
+    it (a decode step's activations are far below the prefill's the pool was sized beside).
+    Its bytes are one reservation, freed when the last member leaves."""
 
     def __init__(self, keys: list, nbytes: int):
         self.keys, self.nbytes, self.live = keys, nbytes, len(keys)
@@ -337,7 +420,7 @@ class Landing:
 
 
 class _RowTicket:
-    """A Landing member's view of the one transfer: done with it, its row when waited for."""
+    """A Landing member's view of the one transfer: done with it, the stacks set when waited for."""
 
     def __init__(self, landing: Landing, ticket, row: int):
         self.landing, self.ticket, self.row = landing, ticket, row
@@ -345,9 +428,8 @@ class _RowTicket:
     def done(self) -> bool:
         return self.ticket.done()
 
-    def wait(self) -> dict:
+    def wait(self) -> None:
         self.landing.stacks = self.ticket.wait()
-        return {n: t[self.row] for n, t in self.landing.stacks.items()}
 
     def discard(self) -> None:
         self.ticket.discard()

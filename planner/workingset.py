@@ -216,6 +216,22 @@ def working_set(cost, *, bs: int, n: int, prompt_len: int, gen_len: int, chunk: 
             "head_buffer": cost.head_bytes, "kv_buffers": kv}
 
 
+def expert_pool_slots(ws: dict, buffers: str, resident: dict, free: float, expert_bytes: int, schedule: str,
+                      num_experts: int, hot: int) -> int:
+    """Slots of the device's one expert pool (placement/pool.py), held for the whole run: the
+    expert buffers the working set `ws` counts (the schedule's `expert_slots` with "overlap"
+    buffers, one with "minimum"), as many of them as fit in `free` (the device budget less
+    resident weights and KV) once the rest of the working set is counted (its activations and
+    other buffers; in "minimum" mode the largest of those, which the pool no longer shares).
+    0 when not even one fits beside the rest: experts then land one at a time in copies of
+    their own. Room beyond the working set stays free for what the engine sizes as it runs
+    (newcomers' caches, shared prompt segments)."""
+    from planner.layer import expert_slots
+    need = device_need({**ws, "expert_buffers": 0}, buffers, resident)
+    cap = 1 if buffers == "minimum" else expert_slots(schedule, num_experts, hot)
+    return max(0, int(min(cap, (free - need) // expert_bytes))) if expert_bytes else 0  # free may be inf
+
+
 BUFFER_KINDS = ("attention", "gate", "expert", "head", "kv")
 
 

@@ -10,8 +10,8 @@ A step takes every batch of the group through the model layer by layer. Per laye
      device nor on its way is queued on `experts` at once;
   3. experts over the tokens of *all* batches in waves (experts.py: a handful of kernels a
      wave, whatever the number of batches or experts): the layer's resident experts in one
-     grouped call over their stack, then every transferred expert that has landed, waiting
-     only when none has; each wave's experts released the moment it is done; `weights`
+     grouped call over their stack, then every transferred expert that has landed (in its slot
+     of the one expert pool: one call over the pool), waiting only when none has; each wave's experts released the moment it is done; `weights`
      starts on the next layer's attention as soon as there is room (residency.py keeps the
      wanted transfers and evicts).
 
@@ -358,56 +358,47 @@ class Pipeline:
                                       self.M.bind_expert_ffn(self.spec))
                 continue
             if ready == i:  # none yet: wait for the next to land (FIFO: it lands first), then look again
-                self.res.get(("expert", layer, moved[i]))
+                self.res.get(("expert", layer, moved[i]), tensors=False)
                 continue
             done += self._waves(layer, moe, ffn, moved[i:ready])
             i = ready
-        for key in done + self._expert_keys(layer):  # end of layer: free the rest, incl. unused prefetches
-            self.cache.release(key)
+        # end of layer: free the rest, incl. unused prefetches
+        self.cache.release_all(done + self._expert_keys(layer))
         self.res.pump()
         return moe.hidden_states(hs)
 
     def _waves(self, layer, moe: LayerExperts, ffn, experts: list[int]) -> list:
-        """Transferred experts computed together: those that landed stacked (WeightCache.start_many)
-        in one call per landing over its stacks, the others stacked into one temporary (a view,
-        for one expert) in as few calls as the free device memory allows; a packed expert
-        (decoded for its use) goes alone. Returns the keys kept to the end of the layer
-        (non-klotski schedules)."""
-        keys = [("expert", layer, e) for e in experts]
-        landed, alone = {}, []
-        for key, e in zip(keys, experts):
+        """Transferred experts that have landed, computed together: every one in a pool slot
+        (placement.pool) in one call over the pool's tensors, rows in slot order (-1: a slot not
+        in this wave); the pool's overflow (WeightCache.start_many) in one call per Landing over
+        its stacks; any other (packed, decoded for its use) in a call of its own. No weight is
+        copied. Returns the keys kept to the end of the layer (non-klotski schedules)."""
+        pooled, landed, alone = {}, {}, []
+        for e in experts:
+            key = ("expert", layer, e)
             landing = self.cache.landing(key)
-            if landing is None:
+            if self.cache.in_pool(key):
+                pooled[key] = e
+            elif landing is not None:
+                landed.setdefault(landing, {})[key] = e
+            else:
                 alone.append((key, e))
-            else:
-                landed.setdefault(landing, []).append((key, e))
         kept = []
+        if pooled:
+            for key in pooled:
+                self.res.get(key, tensors=False)  # waited for (timed as bubble)
+            kept += self._computed(moe, ffn, self.cache.pool.tensors, list(pooled), self.cache.pool.rows(pooled))
         for landing, members in landed.items():
-            ws = [self.res.get(key) for key, _ in members]  # waited for (timed as bubble)
+            for key in members:
+                self.res.get(key, tensors=False)
             rows = [-1] * len(landing.keys)
-            for key, e in members:
+            for key, e in members.items():
                 rows[landing.row[key]] = e
-            kept += self._computed(moe, ffn, landing.stacks, [k for k, _ in members], rows)
-            del ws
-        start = 0
-        while start < len(alone):
-            stop, nbytes = start + 1, self.cache.full[alone[start][0]]
-            while (stop < len(alone) and not self.cache.coded(alone[stop][0]) and not self.cache.coded(alone[start][0])
-                   and self.memory.fits(nbytes + self.cache.full[alone[stop][0]])):
-                nbytes += self.cache.full[alone[stop][0]]
-                stop += 1
-            part = alone[start:stop]
-            ws = [self.res.get(key) for key, _ in part]  # each waited for (timed as bubble), decoded if packed
-            if len(ws) > 1:
-                self.memory.reserve(nbytes, "expert wave")
-                w = {n: torch.stack([t[n] for t in ws]) for n in ws[0]}
-            else:
-                w = {n: t.unsqueeze(0) for n, t in ws[0].items()}
-            kept += self._computed(moe, ffn, w, [k for k, _ in part], [e for _, e in part])
-            del w, ws  # no reference outlives the group's reservation
-            if len(part) > 1:
-                self.memory.free(nbytes)
-            start = stop
+            kept += self._computed(moe, ffn, landing.stacks, list(members), rows)
+        for key, e in alone:
+            w = self.res.get(key)  # decoded if packed
+            kept += self._computed(moe, ffn, {n: t.unsqueeze(0) for n, t in w.items()}, [key], [e])
+            del w  # no reference outlives its release
         return kept
 
     def _computed(self, moe: LayerExperts, ffn, w: dict, keys: list, rows: list) -> list:
@@ -417,10 +408,10 @@ class Pipeline:
             moe.run_wave(ffn, w, rows, self._upload)
         for key in keys:
             self.res.upcoming.pop(key, None)
-            if self.schedule == "klotski":
-                self.cache.release(key)  # early release: room for the next transfers now
-            else:
+            if self.schedule != "klotski":
                 self.cache.unhold(key)  # kept to the end of the layer, but evictable
+        if self.schedule == "klotski":
+            self.cache.release_all(keys)  # early release: room for the next transfers now
         self.res.pump()
         return [] if self.schedule == "klotski" else keys
 

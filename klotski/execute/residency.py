@@ -3,7 +3,8 @@ with, and what goes when room runs out. The pipeline (pipeline.py) says what it 
 (`want`), takes a group when it computes (`get`: started now if nobody did, the wait timed as
 bubble) and lets the cache drop what it is done with; this keeps the queue of wanted
 transfers, starts them while the device has room (a run of one layer's experts in one
-submission), and evicts by Belady's rule (the group needed farthest ahead first)."""
+submission), and evicts by Belady's rule (the group needed farthest ahead first): for bytes
+among the groups that hold them, for a pool slot (placement.pool) among the pooled experts."""
 from __future__ import annotations
 
 import time
@@ -71,15 +72,17 @@ class Residency:
         self.experts_loaded += started and key[0] == "expert"
         return started
 
-    def get(self, key) -> dict:
+    def get(self, key, tensors: bool = True) -> dict | None:
         """Device tensors of `key`, held until released: start it now if nobody did, and time
-        any wait as bubble."""
+        any wait as bubble. `tensors=False`: only landed (a pooled expert, computed over the
+        pool's tensors)."""
         self.claim(key)
         self.cache.hold(key)
         if not self.cache.present(key):
-            self.make_room(self.cache.sizes[key], key)
+            self.room_for(key)
             self.start(key, "experts" if key[0] == "expert" else "weights")
-        tensors = self.timed(self.cache.ready(key), lambda: self.cache.get(key), ".".join(map(str, key)))
+        fetch = self.cache.get if tensors else self.cache.land
+        tensors = self.timed(self.cache.ready(key), lambda: fetch(key), ".".join(map(str, key)))
         if self.cache.needs_decode(key):
             self.make_room(self.cache.decode_nbytes(key), key)
             with self.trace.span("compute", "dequant." + ".".join(map(str, key))):
@@ -103,11 +106,22 @@ class Residency:
         first (Belady): experts already computed, then prefetches for later layers, then this
         layer's experts from the back of the compute order."""
         while not self.memory.fits(nbytes):
-            victims = [k for k in self.cache.transient() if k != what]
+            # a pooled expert leaving frees a slot, not bytes
+            victims = [k for k in self.cache.transient() if k != what and not self.cache.in_pool(k)]
             if not victims:
                 raise OverBudget(
                     f"the device budget ({self.memory.budget} bytes) ran out: {nbytes} bytes needed for {what} "
                     f"with {self.memory.used} in use and nothing left to evict")
+            self.cache.release(max(victims, key=self.next_use))
+
+    def room_for(self, key) -> None:
+        """Room to move `key`: a pool slot for a pooled expert (another pooled expert evicted, in
+        the same Belady order; the pool's bytes stay reserved), else bytes (make_room)."""
+        while not self.cache.fits(key):
+            victims = [k for k in self.cache.transient() if k != key and self.cache.in_pool(k)]
+            if not (self.cache.pooled(key) and victims):
+                self.make_room(self.cache.sizes[key], key)
+                return
             self.cache.release(max(victims, key=self.next_use))
 
     def next_use(self, key) -> int:

@@ -50,8 +50,11 @@ def build_report(engine, setup, *, ok: int, failed: int, skipped: int, wall_s: f
         "io": {"bytes": dict(engine.trace.bytes), "decode_bytes": dict(engine.trace.decode_bytes),
                "busy_s": {k: round(v, 4) for k, v in engine.trace.busy.items()},
                "experts_loaded": engine.pipeline.experts_loaded,
-               # of those, moved in runs of one layer's experts per submission, landing stacked
+               # of those, moved in runs of one layer's experts per submission (into pool slots, or
+               # stacked in a Landing of their own while the pool was full)
                "experts_landed_stacked": engine.cache.experts_landed_stacked,
+               # the device's expert pool: slots transferred experts land in, held for the run
+               "expert_pool_slots": engine.cache.pool.slots if engine.cache.pool else 0,
                # Disk bytes per second of decode wall time: how busy decode kept the disk.
                "decode_disk_bytes": s.decode_disk_bytes,
                "decode_disk_gb_per_s": round(s.decode_disk_bytes / s.decode_s / 1e9, 4) if s.decode_s else None},
