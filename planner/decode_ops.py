@@ -22,7 +22,9 @@ Kernels per decode layer, averaged over the layers, are the sum of
 Submissions per decode layer (transfers handed to a channel): the attention and the gate
 when they are not on the device, the experts moved (a run of one layer's host-tier 16-bit
 experts in one submission, up to MAX_RUN; disk-tier or packed ones one each): the K hot ones
-prefetched, then the chosen others after routing; one disk read per disk-tier group (the
+prefetched, then the chosen others after routing: a run into the expert pool's free slots
+(`slots` less those the prefetched hold) and, when more were chosen than are free, one more
+run landing beside the pool (its overflow); one disk read per disk-tier group (the
 disk window stages a layer's groups whether chosen or not); and, per batch whose KV cache is
 on the host and attends on the device, one load and one store. Runs are as long as MAX_RUN
 allows: with the device at its minimum working set a run holds what fits, and more
@@ -42,7 +44,17 @@ def chosen_probability(marg, tokens: int) -> list[float]:
     return [1 - (1 - min(1.0, m)) ** tokens for m in marg]
 
 
-def _layer(io, cost, bs, n, marg, hot, schedule, host_attention) -> tuple[float | None, float]:
+def _more_than(k: int, chances: list[float]) -> float:
+    """The probability that more than `k` of independent events with these `chances` happen."""
+    at = [1.0] + [0.0] * (k + 1)  # at[j]: exactly j so far (j = k + 1: more than k)
+    for p in chances:
+        for j in range(k + 1, 0, -1):
+            at[j] = at[j] * (1 - p) + at[j - 1] * p if j <= k else at[j] + at[j - 1] * p
+        at[0] *= 1 - p
+    return at[k + 1]
+
+
+def _layer(io, cost, bs, n, marg, hot, schedule, host_attention, slots) -> tuple[float | None, float]:
     """(kernels or None where the profile has no counts, submissions) of one decode layer."""
     shape, counts = cost.shape, cost.profile.kernels
     chosen = chosen_probability(marg, n * bs)
@@ -65,7 +77,11 @@ def _layer(io, cost, bs, n, marg, hot, schedule, host_attention) -> tuple[float 
         return count if not runs or count < 1 else math.ceil(count / MAX_RUN)
     later = [chosen[e] * unfetched for e in host_tier]  # moved after routing, each with this chance
     expected = sum(later)
-    after_routing = (max(1 - math.prod(1 - p for p in later), expected / MAX_RUN) if runs else expected)
+    # a run into the pool's free slots (those the prefetched experts left), and what does not fit
+    # there in one more run beside the pool (its overflow: placement/cache.py)
+    free = max(0, round(slots - prefetched))
+    after_routing = ((1 - math.prod(1 - p for p in later)) + _more_than(free, later)
+                     if runs else expected)
     later_disk = sum(chosen[e] * unfetched for e in off if experts[e] == "disk")
     expert_subs = in_runs(prefetched * share) + after_routing + later_disk + prefetched * (1 - share)
     moved_experts = prefetched + expected + later_disk
@@ -87,12 +103,12 @@ def _layer(io, cost, bs, n, marg, hot, schedule, host_attention) -> tuple[float 
 
 
 def decode_layer_ops(cost, ios, bs: int, n: int, marg, hot, schedule: str, host_attention: bool = False,
-                     head: str = "device") -> dict:
+                     head: str = "device", slots: int = 0) -> dict:
     """{"kernels": per decode layer (None: the profile counted none), "submissions": per decode
     layer}, averaged over the layers of `ios` (each layer's tiers), for n batches of bs rows
     with routing marginals `marg` and the `hot` experts prefetched (the module docstring); the
     LM head off the device (`head`: its tier) adds its move once a step, spread over the layers."""
-    per = [_layer(io, cost, bs, n, marg, hot, schedule, host_attention) for io in ios]
+    per = [_layer(io, cost, bs, n, marg, hot, schedule, host_attention, slots) for io in ios]
     head_moves = (head != "device") * (1 + (head == "disk")) / len(per)  # a disk read, then the link
     kernels = None if per[0][0] is None else sum(k for k, _ in per) / len(per) + cost.launches(transfers=head_moves)
     return {"kernels": kernels, "submissions": sum(s for _, s in per) / len(per) + head_moves}

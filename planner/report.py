@@ -5,7 +5,7 @@ import json
 from dataclasses import asdict, dataclass, field
 
 from planner.decode_ops import decode_layer_ops
-from planner.layer import INEQUALITIES, NO_HOST, LayerIO, Phase, ineq_terms
+from planner.layer import INEQUALITIES, NO_HOST, LayerIO, Phase, expert_slots, ineq_terms
 from planner.place import TIERS, Layout
 from planner.workingset import device_need, staging_bytes, working_set
 from planner.units import format_bytes
@@ -209,7 +209,10 @@ def make_plan(cost, shape, budgets, pred, bs, n, layout, ios, binding, schedule,
     # every kernel a decode layer issues (the pipeline's launches and the model math's ops,
     # None where the profile counted no math) and every transfer it submits to a channel:
     # the terms are planner/decode_ops.py's (tests/test_plan_ops.py counts both in a real run)
-    ops = decode_layer_ops(cost, ios, bs, n, marg, hot, schedule, host_attention=host.attention, head=layout.head)
+    # the expert pool the engine opens for this plan (planner.workingset.expert_pool_slots's cap)
+    slots = 1 if buffers == "minimum" else expert_slots(schedule, E, K)
+    ops = decode_layer_ops(cost, ios, bs, n, marg, hot, schedule, host_attention=host.attention, head=layout.head,
+                           slots=slots)
     per_layer["kernels"] = {"decode": ops["kernels"]}
     per_layer["submissions"] = {"decode": ops["submissions"]}
     if schedule in ("klotski", "hot-prefetch"):
