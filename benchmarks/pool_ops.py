@@ -10,6 +10,7 @@ The minimum is the least device budget (to a KiB) at which the planner's working
 Counts do not depend on the machine's load; `--budgets` runs given ones (e.g. on an older
 commit, which lacks the function that finds the minimum)."""
 import argparse
+import hashlib
 import json
 import tempfile
 from pathlib import Path
@@ -35,6 +36,11 @@ def minimum_budget(model) -> int:
     return pool_minimum_budget(cfg, reqs, Placement.by_kind(keys, expert="host"))
 
 
+def tokens_digest(outputs: dict) -> str:
+    """One digest of every line's tokens (the same before and after: the tokens did not change)."""
+    return hashlib.sha256(json.dumps(outputs, sort_keys=True).encode()).hexdigest()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--budgets", type=int, nargs="*")
@@ -49,7 +55,7 @@ def main() -> None:
             for b in budgets:
                 ops = job_ops(model, experts_on_host=True, device_memory=b)
                 rows[f"{e} experts, {b} bytes"] = {"ops": ops["ops"], "kernels": ops["kernels"],
-                                                   "outputs": ops["outputs"]}
+                                                   "outputs_sha256": tokens_digest(ops["outputs"])}
                 print(f"{e} experts, device budget {b}: {ops['ops']} ops, {ops['kernels']} kernels", flush=True)
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))
