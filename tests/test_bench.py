@@ -32,7 +32,7 @@ def _args(*argv):
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("bench")
     args = _args("--preset", "tiny", "--reps", "1", "--prompts", "8", "--max-new-tokens", "3",
-                 "--systems", "klotski,multibatch,accelerate", "--ns", "1,2",
+                 "--systems", "klotski,multibatch,accelerate", "--ns", "1,2", "--accelerate-batch", "8",
                  "--out", str(root / "bench.json"), "--img-dir", str(root / "img"), "--work-dir", str(root / "work"))
     rc = bench.main(args)
     return {"rc": rc, "root": root, "results": json.loads((root / "bench.json").read_text())}
@@ -54,7 +54,9 @@ def test_exits_cleanly_with_every_system_measured(run):
     assert r["settings"]["threads"] == 1 and r["settings"]["reps"] == 1
     assert r["systems"]["klotski-link"]["median"]["bubble_share"] is not None
     assert r["systems"]["accelerate-same-bs"]["batch_size"] == r["plans"]["plain"]["batch_size"]
+    # accelerate's best batch given, not searched (the search: tests/test_baselines.py)
     assert r["systems"]["accelerate-best-bs"]["batch_size"] == r["accelerate_max_batch"]["best_batch_size"] == 8
+    assert r["accelerate_max_batch"]["searched"] is False
     sweep = {(p["schedule"], p["n"]): p["key"] for p in r["sweep"]}
     assert sweep[("klotski", 2)] == "klotski-n2-link" and len(sweep) == 4
     assert r["systems"]["klotski-n2-link"]["prompts"] == 8 and r["systems"]["klotski-n1-link"]["prompts"] == 4
