@@ -144,7 +144,9 @@ class WeightCache:
                 if k[0] == "expert" and tier != DEVICE and not self.coded(k)]
         if slots <= 0 or not keys:
             return
-        like = self.host[keys[0]] if keys[0] in self.host else self._read(keys[0])
+        # one expert's shapes from the checkpoint's index (meta tensors: nothing is read)
+        like = {n: torch.empty(self.store.entries[r.name].span(r.index, r.rows)[2], dtype=self.dtype, device="meta")
+                for n, r in self.refs_for(keys[0]).items()}
         device = self.to_device(torch.empty(0)).device
         self.memory.reserve(slots * self.full[keys[0]], f"expert pool x{slots}")
         self.pool = ExpertPool(slots, like, self.full[keys[0]], device, event=event)

@@ -69,7 +69,6 @@ class Ticket:
                 t.record_stream(stream)
         return result
 
-
     def discard(self) -> None:
         """The result is not wanted: wait only until the work was issued, never making the
         calling stream wait on the copy (its memory stays the copy stream's until it is done)."""

@@ -112,6 +112,14 @@ class Engine:
             if self.continuous is not None and not self.continuous.live() and not self.waiting.pending():
                 self._close_run()
 
+    def has_work(self) -> bool:
+        """Sequences wait, or a continuous run holds rows: `run([])` would compute."""
+        return self.waiting.pending() or self.continuous is not None
+
+    def idle(self) -> bool:
+        """No run is going: the next `run` starts one afresh."""
+        return self.continuous is None
+
     def _close_run(self, why: str | None = None) -> None:
         run, self.continuous = self.continuous, None
         if run is not None:

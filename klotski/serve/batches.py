@@ -308,8 +308,8 @@ class Worker(threading.Thread):
             self.inbox.close("the server is stopping")
 
     def step(self) -> None:
-        if self.engine.waiting.pending() or self.engine.continuous is not None:
-            if self.engine.continuous is None:
+        if self.engine.has_work():
+            if self.engine.idle():
                 time.sleep(GATHER_S)  # those arriving together start together
             for _ in self.engine.run([], check=self.check):
                 pass
