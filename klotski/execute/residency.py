@@ -82,12 +82,12 @@ class Residency:
             self.room_for(key)
             self.start(key, "experts" if key[0] == "expert" else "weights")
         fetch = self.cache.get if tensors else self.cache.land
-        tensors = self.timed(self.cache.ready(key), lambda: fetch(key), ".".join(map(str, key)))
+        out = self.timed(self.cache.ready(key), lambda: fetch(key), ".".join(map(str, key)))
         if self.cache.needs_decode(key):
             self.make_room(self.cache.decode_nbytes(key), key)
             with self.trace.span("compute", "dequant." + ".".join(map(str, key))):
                 return self.cache.decode(key)
-        return tensors
+        return out
 
     def wait(self, ticket, name):
         return self.timed(ticket.done(), ticket.wait, name)
