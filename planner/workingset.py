@@ -108,19 +108,21 @@ def activation_bytes(shape, itemsize: int, step: Step, host_attention: bool = Fa
 
 
 def widest_chunk(shape, itemsize: int, limit: int, decode_rows: int, bs: int, context: int,
-                 batch: tuple, others: list, host_attention: bool = False) -> int:
+                 batch: tuple, others: list, host_attention: bool = False, shared: int = 0) -> int:
     """The longest prefill chunk for a newcomer `batch` (rows, columns done, columns left)
     whose step stays within `limit` activation bytes beside `decode_rows` decode rows (in
     batches of bs over the whole `context`, a bound on how the engine holds them) and other
-    newcomer batches (rows, chunk, columns done); 0 when not even one column fits. The
-    engine sizes its newcomers' chunks with it and the planner's replay of continuous
-    batching does the same (planner.occupancy)."""
+    newcomer batches (rows, chunk, columns done); 0 when not even one column fits. Every
+    batch may also score `shared` keys of shared prompt segments (schedule/prefix.py) beside
+    its own. The engine sizes its newcomers' chunks with it and the planner's replay of
+    continuous batching does the same (planner.occupancy)."""
+    context += shared
     decode = [(bs, 1, context)] * (decode_rows // bs) + ([(decode_rows % bs, 1, context)] if decode_rows % bs else [])
-    rest = decode + [(r, c, done + c) for r, c, done in others]
+    rest = decode + [(r, c, shared + done + c) for r, c, done in others]
     rows, done, left = batch
 
     def fits(chunk: int) -> bool:
-        step = Step.of_batches(rest + [(rows, chunk, done + chunk)])
+        step = Step.of_batches(rest + [(rows, chunk, shared + done + chunk)])
         return activation_bytes(shape, itemsize, step, host_attention) <= limit
 
     lo, hi = 0, left  # activations grow with the chunk: the largest that fits
@@ -138,13 +140,16 @@ def continuous_step_limit(shape, itemsize: int, bs: int, n: int, chunk: int, con
     return activation_bytes(shape, itemsize, Step.prefill(bs, n, min(chunk, context), context), host_attention)
 
 
-def newcomer_chunks(shape, itemsize: int, bs: int, n: int, chunk: int, context: int, host_attention: bool = False):
-    """Continuous batching's rule for newcomers' chunks, `widest(batch, decode_rows, others)`
-    (`widest_chunk` within `continuous_step_limit`): the engine sizes its newcomers with it
-    and the planner's replay (planner.occupancy) does the same."""
-    limit = continuous_step_limit(shape, itemsize, bs, n, chunk, context, host_attention)
-    return lambda batch, decode_rows, others: widest_chunk(shape, itemsize, limit, decode_rows, bs, context,
-                                                           batch, others, host_attention)
+def newcomer_chunks(shape, itemsize: int, bs: int, n: int, chunk: int, context: int, host_attention: bool = False,
+                    shared: int = 0):
+    """Continuous batching's rule for newcomers' chunks, `widest(batch, decode_rows, others,
+    shared)` (`widest_chunk` within `continuous_step_limit`; `shared`: the keys of the shared
+    prompt segments held when it is asked, which may grow after the limit was set with
+    `shared`): the engine sizes its newcomers with it and the planner's replay
+    (planner.occupancy) does the same."""
+    limit = continuous_step_limit(shape, itemsize, bs, n, chunk, context + shared, host_attention)
+    return lambda batch, decode_rows, others, shared_now=shared: widest_chunk(
+        shape, itemsize, limit, decode_rows, bs, context, batch, others, host_attention, shared_now)
 
 
 def staging_bytes(cost) -> int:

@@ -128,11 +128,12 @@ class ContinuousRun:
         self.chunk = e.prefill_chunk or self.longest_prompt
         # every step's attention beside the host cache: the plan reserved no keys or scores
         self.host_attention = self.space.on_host and e.pipeline.always_host_attention()
-        # rows also attend over the shared segments (at most every one held): their keys count
-        args = (self.spec, e.dtype.itemsize, e.batch_size, e.num_batches, self.chunk,
-                self.capacity + e.shared, self.host_attention)
-        self.step_limit = continuous_step_limit(*args)
-        self.widest = newcomer_chunks(*args)  # a newcomer batch's chunk, as the planner replays it
+        # rows also attend over the shared segments (at most every one held): their keys count,
+        # in the limit as held now and in each newcomer's chunk as held then (windows add some)
+        args = (self.spec, e.dtype.itemsize, e.batch_size, e.num_batches, self.chunk, self.capacity)
+        self.step_limit = continuous_step_limit(*args[:-1], self.capacity + e.shared, self.host_attention)
+        # a newcomer batch's chunk, as the planner replays it
+        self.widest = newcomer_chunks(*args, self.host_attention, e.shared)
         # a newcomer's cache beyond the planned ones is taken only if a step can still run
         # beside it: its activations at their limit and the largest group it fetches
         self.headroom = self.step_limit + e.cache.largest_use
@@ -465,7 +466,7 @@ class ContinuousRun:
             live = sum(d.computed() for d in self.decode if d.live() and not d.online)
             ready = sum(len(nc.seqs) for nc in self.newcomers if not nc.left)
             decode_rows = min(self.e.batch_size * n - sum(r for r, _, _ in others), live + ready)
-            if not self.widest((take, 0, 1), decode_rows, others):
+            if not self.widest((take, 0, 1), decode_rows, others, self.e.shared):
                 continue
             room = longest + max(queue[j].max_new_tokens for j in range(take)) if online else longest
             kv = self._newcomer_cache(take, room)
@@ -487,5 +488,5 @@ class ContinuousRun:
         widths = [1] * len(prefilling)
         for i, nc in enumerate(prefilling):
             others = [(len(o.seqs), w, o.done) for j, (o, w) in enumerate(zip(prefilling, widths)) if j != i and w]
-            widths[i] = self.widest((len(nc.seqs), nc.done, nc.left), decode_rows, others)
+            widths[i] = self.widest((len(nc.seqs), nc.done, nc.left), decode_rows, others, self.e.shared)
         return [(nc, nc.take(w), True) for nc, w in zip(prefilling, widths) if w]
