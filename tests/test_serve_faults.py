@@ -14,7 +14,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from test_serve import CHAT, KEY, MAX, Server, _by_id, _chat, _line, _raw, _wait, _write
+from test_serve import CHAT, KEY, Server, _by_id, _chat, _line, _raw, _wait, _write
 
 
 def _batch(client, path: Path, n: int, prefix="r", **body):
@@ -96,6 +96,31 @@ def test_disk_full_mid_batch_ends_failed_with_its_answers_and_the_server_recover
     assert _raw(faulty.url + "/health")[1]["status"] == "ok"
     again = _wait(client, _batch(client, tmp_path / "again.jsonl", 3).id)
     assert again.status == "completed" and again.request_counts.completed == 3
+
+
+def test_an_engine_failing_at_every_step_ends_each_request_and_health_says_so(faulty, model, tmp_path):
+    """Every engine step raises (the seam's engine rule): each online request and each batch
+    ends at once in a stated final state, /health says degraded after one failed run and
+    failing (503) after three in a row, and ok again once a run succeeds."""
+    client = faulty.client()
+    faulty.control.write_text(json.dumps({"engine_error": "the device reported an error"}))
+    try:
+        for i in range(3):
+            with pytest.raises(openai.InternalServerError, match="device reported an error") as e:
+                client.chat.completions.create(model=model, messages=_chat(f"x{i}"), max_tokens=2)
+            assert e.value.status_code == 500
+            status, health = _raw(faulty.url + "/health")
+            assert health["status"] == ("degraded" if i < 2 else "failing"), health
+            assert status == (200 if i < 2 else 503)
+            assert "device reported an error" in health["problems"][0] and "crashes" in health["problems"][0]
+        done = _wait(client, _batch(client, tmp_path / "in.jsonl", 3).id)
+        assert done.status == "failed" and done.errors.data[0].code == "server_error"
+        assert "device reported an error" in done.errors.data[0].message
+        _delivered(client, done, 3, "batch_failed")
+    finally:
+        faulty.control.unlink()
+    assert client.chat.completions.create(model=model, messages=_chat("y"), max_tokens=2).choices[0].message
+    assert _raw(faulty.url + "/health") == (200, {**_raw(faulty.url + "/health")[1], "status": "ok", "problems": []})
 
 
 def test_disk_full_during_validation_fails_the_batch_in_words(faulty, tmp_path):

@@ -78,6 +78,11 @@ class Waiting:
         with self._lock:
             return sum(s.priority == ONLINE for s in self._inbound) + len(self.online)
 
+    def online_now(self) -> list:
+        """The online sequences waiting, collected or not (a snapshot; the engine's thread)."""
+        with self._lock:
+            return [s for s in self._inbound if s.priority == ONLINE] + list(self.online)
+
     def pending(self) -> bool:
         """Anything waiting, collected or not."""
         return bool(self._inbound or self.online or self.batch)

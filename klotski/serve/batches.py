@@ -279,7 +279,8 @@ class Worker(threading.Thread):
     stops it but `stop`: a batch whose run fails ends failed with what it finished; an
     unexpected failure is logged (its traceback under DIR/crashes/) and the loop goes on; while
     the data dir refuses writes it runs online requests only, and takes batches again once
-    `Store.recover` succeeds."""
+    `Store.recover` succeeds. An engine run that fails also ends the online requests that
+    waited through it, and is counted for /health until a run succeeds."""
 
     def __init__(self, store: Store, config, engine, setup, inbox, names: tuple[str, ...]):
         super().__init__(name="klotski-serve-worker", daemon=True)
@@ -287,6 +288,20 @@ class Worker(threading.Thread):
         self.engine = engine
         self.stopping = False
         self.cancelled = lambda: False  # set per batch by run_batch
+        self.failed_runs = 0  # engine runs failed since the last that did not (for /health)
+        self.last_failure: str | None = None
+
+    def engine_ran(self, failure: str | None) -> None:
+        """An engine run ended: normally (None), or failing with `failure`."""
+        self.failed_runs = self.failed_runs + 1 if failure else 0
+        self.last_failure = failure or self.last_failure
+
+    def engine_trouble(self) -> str | None:
+        """What /health says of the engine: None while its last run did not fail."""
+        if not self.failed_runs:
+            return None
+        runs = "run" if self.failed_runs == 1 else f"{self.failed_runs} runs in a row"
+        return f"the engine's last {runs} failed ({self.last_failure}); tracebacks in {self.store.crashes_dir}"
 
     def stop(self) -> None:
         self.stopping = True
@@ -311,8 +326,18 @@ class Worker(threading.Thread):
         if self.engine.has_work():
             if self.engine.idle():
                 time.sleep(GATHER_S)  # those arriving together start together
-            for _ in self.engine.run([], check=self.check):
-                pass
+            waited = self.engine.waiting.online_now()
+            try:
+                for _ in self.engine.run([], check=self.check):
+                    pass
+            except Exception as e:
+                why = f"{type(e).__name__}: {e}"
+                self.engine_ran(why)
+                # a run that fails takes its rows with it (failed by the engine); those that
+                # waited through it end too, rather than wait on an engine that may fail again
+                self.inbox.fail(waited, f"the engine failed ({why}); retry")
+                raise
+            self.engine_ran(None)
             return
         if self.store.trouble is not None and not self.store.recover():
             self.inbox.wait(RETRY_S)  # the disk is still full: online requests only
@@ -328,6 +353,7 @@ class Worker(threading.Thread):
         """Before every engine step: the server stopping ends the run (Halt)."""
         if self.stopping:
             raise Halt()
+        self.store.faults.engine_step()  # (tests: an engine failing at every step)
 
     def check_batch(self) -> None:
         """Before every step of a batch's run: stopping, cancelled or expired ends its part."""
@@ -351,6 +377,7 @@ class Worker(threading.Thread):
             log(f"{bid}: running")
             try:
                 BatchJob(self, batch).run()
+                self.engine_ran(None)
             except Halt:
                 if self.stopping:
                     raise
@@ -376,6 +403,7 @@ class Worker(threading.Thread):
         else:
             code, message = "server_error", (f"the server failed while running this batch ({type(cause).__name__}: "
                                              f"{cause}; its operator finds the details in {self.store.crashes_dir})")
+            self.engine_ran(f"{type(cause).__name__}: {cause}")
         message += ("; the answers it made are in the output file, the requests it did not run in the error file "
                     "(code batch_failed): submit those again")
         self.store.update(bid, only_if=("in_progress", "cancelling"), errors={"object": "list", "data": [

@@ -5,7 +5,9 @@ or a read-only mount would, without filling a real disk.
 `{"errno": "ENOSPC", "after_bytes": N, "names": ["run.jsonl", "*.tmp"]}`, the store's writes
 to files whose name matches one of `names` (fnmatch; all files when absent) take N more bytes
 from when the rule appeared, then each fails with that errno. Deleting FILE is space coming
-back. Without the flag (every real server), `check` is a no-op.
+back. `{"engine_error": MESSAGE}` instead makes every engine step raise (`engine_step`, called
+before each) until FILE goes: an engine that fails at every step, writes untouched. Without the
+flag (every real server), both are no-ops.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ class Faults:
         if self.control is None:
             return
         rule = self._current()
-        if rule is None:
+        if rule is None or "errno" not in rule and "engine_error" in rule:
             return
         name = Path(path).name
         if not any(fnmatch.fnmatch(name, pattern) for pattern in rule.get("names", ["*"])):
@@ -35,6 +37,11 @@ class Faults:
         if self.used > rule.get("after_bytes", 0):
             code = getattr(errno, rule.get("errno", "ENOSPC"))
             raise OSError(code, os.strerror(code), str(path))
+
+    def engine_step(self) -> None:
+        """Raise the rule's engine failure, if it names one (before every engine step)."""
+        if self.control is not None and "engine_error" in (rule := self._current() or {}):
+            raise RuntimeError(rule["engine_error"])
 
     def _current(self) -> dict | None:
         try:

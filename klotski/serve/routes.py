@@ -21,19 +21,22 @@ from klotski.serve.upload import BadUpload, receive_upload
 from klotski.util.writes import reason
 
 ENDPOINTS = (CHAT_URL, COMPLETIONS_URL)
+FAILING_AFTER = 3  # engine runs failed in a row after which /health says failing (503)
 open_router = APIRouter()
 router = APIRouter(dependencies=[Depends(authorized)])
 
 
 @open_router.get("/health")
 async def health(s: Served = Depends(served)):
-    """ok; degraded (the data dir refuses writes: batches wait, online requests are answered);
-    or 503 once the engine's thread has stopped."""
-    problems = [p for p in (s.store.trouble, None if s.worker.is_alive() else
+    """ok; degraded (the data dir refuses writes: batches wait, online requests are answered;
+    or the engine's last run failed); or failing, 503, once the engine's thread has stopped or
+    its last FAILING_AFTER runs failed (what a restart may cure: a device left in an error state)."""
+    problems = [p for p in (s.store.trouble, s.worker.engine_trouble(), None if s.worker.is_alive() else
                             f"the engine's worker has stopped ({s.inbox.closed or 'unexpectedly'})") if p]
-    body = {"status": "degraded" if problems else "ok", "model": s.names[0], "problems": problems,
-            "online": {**vars(s.stats), **s.inbox.counts()}}
-    return JSONResponse(body, status_code=200 if s.worker.is_alive() else 503)
+    failing = not s.worker.is_alive() or s.worker.failed_runs >= FAILING_AFTER
+    body = {"status": "failing" if failing else "degraded" if problems else "ok", "model": s.names[0],
+            "problems": problems, "online": {**vars(s.stats), **s.inbox.counts()}}
+    return JSONResponse(body, status_code=503 if failing else 200)
 
 
 # ---- models --------------------------------------------------------------------------------

@@ -85,6 +85,15 @@ class Inbox:
             return {"waiting": waiting, "in_engine": len(self.replies) - self.waiting.online_sequences(),
                     "left": self.left}
 
+    def fail(self, seqs: list, message: str) -> None:
+        """`seqs` (online sequences) that are not done yet leave the queue and fail with `message`
+        (the engine's thread)."""
+        left = [s for s in seqs if not s.done]
+        self.waiting.withdraw(left)
+        for s in left:
+            S.fail(s, message)
+            S.notify(s)
+
     def close(self, message: str) -> None:
         """No more requests are taken: those waiting or running and any put later fail with `message`."""
         with self.lock:
