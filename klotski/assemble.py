@@ -75,6 +75,12 @@ def setup_run(config, ckpt: Checkpoint, seqs, *, placement: Placement | None = N
         from klotski.errors import ConfigError
         raise ConfigError(f"--quantize hqq4: {ckpt.directory} is a GGUF checkpoint, already quantized (its experts "
                           "stay in their GGUF blocks on every tier); run without --quantize")
+    if config.host_attention != "off" and not ckpt.spec.family.HOST_ATTENTION:
+        # planned as the pipeline will run it (planned on the host, it overran the device budget)
+        if config.host_attention == "on":
+            planning.announce(f"--host-attention on: {ckpt.spec.family.MODEL_TYPE}'s attention runs beside its "
+                              "latent cache on the device only; attention stays on the device")
+        config = config.replace(host_attention="off")
     device, dtype = torch.device(planning.compute_device(config.device)), ckpt.compute_dtype(config.dtype)
     budgets = detect_budgets(device.type, config.device_memory, config.host_memory)
     simple = config.schedule == "simple"

@@ -168,3 +168,16 @@ def test_a_deepseek_config_that_cannot_work_is_refused_in_one_line(v3_fp8, tmp_p
     with pytest.raises(CheckpointError, match=expected) as e:
         Checkpoint.open(broken)
     assert "\n" not in str(e.value)
+
+
+def test_host_attention_asked_of_mla_is_planned_on_the_device_and_keeps_the_budget(v2_lora, capsys):
+    """MLA attends beside its latent cache on the device only (HOST_ATTENTION is False): asked
+    for `--host-attention on`, the run says so and is planned with attention on the device.
+    (Planned on the host, its KV and keys were left out of the device's working set and the
+    run overran budgets the plan had accepted: 1/8 and 1/4 of the model here.)"""
+    path, ref = v2_lora
+    for budget in (_quarter(path) // 2, _quarter(path)):
+        ours, engine = engine_tokens(path, device_memory=budget, batch_size=2, num_batches=2, host_attention="on")
+        assert ours == ref
+        assert engine.memory.peak <= budget
+    assert "attention stays on the device" in capsys.readouterr().err
