@@ -30,6 +30,7 @@ from placement.cache import WeightCache
 from placement.pinned import PinnedBlocks
 from placement.placement import Placement
 from placement.tiers import DISK, Budgets, Memory, detect_budgets
+from planner.workingset import planned_activations
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,9 @@ class RunSetup:
     row_slots: int = 0
     # slots of the device's expert pool that transferred experts land in (planning.expert_pool_slots)
     expert_slots: int = 0
+    # the activation bytes the plan left room for (workingset.planned_activations): the engine's
+    # prefill chunks keep every step within it (Engine.chunk_within); None: not bounded
+    activation_reserve: int | None = None
 
     def for_later_prompts(self) -> RunSetup:
         """Planned from the first prompts (a window, a shard, a batch): a longer prompt later is
@@ -109,8 +113,10 @@ def setup_run(config, ckpt: Checkpoint, seqs, *, placement: Placement | None = N
     slots = planning.expert_pool_slots(config, ckpt, dtype, budgets, placement, bs=bs, n=n, chunk=chunk,
                                        longest_prompt=longest, gen_len=gen, plan=plan,
                                        host_attention=modes[0] == "on")
+    reserve = planned_activations(ckpt.spec, dtype.itemsize, bs, n, chunk or longest, longest, gen,
+                                  host_attention=modes[0] == "on")
     return RunSetup(bs, n, chunk, placement, budgets, device, dtype, plan, cost, modes, config.quantize,
-                    expert_slots=slots)
+                    expert_slots=slots, activation_reserve=reserve)
 
 
 def make_predictor(config, ckpt: Checkpoint):

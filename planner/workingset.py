@@ -132,6 +132,31 @@ def widest_chunk(shape, itemsize: int, limit: int, decode_rows: int, bs: int, co
     return lo
 
 
+def planned_activations(shape, itemsize: int, bs: int, n: int, chunk: int, prompt_len: int, gen_len: int,
+                        host_attention: bool = False) -> int:
+    """The activation bytes a plan reserves: n batches of bs prompts of `prompt_len` tokens
+    prefilled in chunks of `chunk`, or decoding at the end of `gen_len` more."""
+    context, chunk = prompt_len + gen_len, max(1, min(chunk, prompt_len))
+    return max(activation_bytes(shape, itemsize, Step.prefill(bs, n, chunk, context), host_attention),
+               activation_bytes(shape, itemsize, Step.decode(bs, n, context), host_attention))
+
+
+def chunk_within(shape, itemsize: int, limit: int, bs: int, n: int, chunk: int, context: int,
+                 host_attention: bool = False) -> int:
+    """The longest prefill chunk up to `chunk` whose step (n batches of bs prompts over
+    `context` keys) takes at most `limit` activation bytes; 1 when none does. Rows that score
+    more keys than the plan counted (shared prompt segments beside a long line of its own, a
+    later window's longer prompts) are prefilled in shorter chunks instead of past the plan."""
+    def fits(c: int) -> bool:
+        return activation_bytes(shape, itemsize, Step.prefill(bs, n, c, context), host_attention) <= limit
+
+    lo, hi = 1, max(1, chunk)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
+
+
 def continuous_step_limit(shape, itemsize: int, bs: int, n: int, chunk: int, context: int,
                           host_attention: bool = False) -> int:
     """The activations a continuous step may take: the first prefill step's, n batches of bs
@@ -202,9 +227,7 @@ def working_set(cost, *, bs: int, n: int, prompt_len: int, gen_len: int, chunk: 
     from planner.layer import expert_slots
     s, b = cost.shape, cost.shape.dtype_bytes
     context = prompt_len + gen_len
-    chunk = max(1, min(chunk, prompt_len))
-    act = max(activation_bytes(s, b, Step.prefill(bs, n, chunk, context), host_attention),
-              activation_bytes(s, b, Step.decode(bs, n, context), host_attention))
+    act = planned_activations(s, b, bs, n, chunk, prompt_len, gen_len, host_attention)
     kv = 0 if host_attention else kv_buffer_bytes(cost, bs, context)
     if buffers == "minimum":
         return {"activations": act, "decoded": 0,

@@ -240,3 +240,21 @@ def test_shared_prefixes_keep_continuous_steps_within_the_budget(model, prompts)
         assert engine.stats.prefix_lines == len(lines)
         assert ours == ref, budget
         assert engine.memory.peak <= budget
+
+
+def test_long_lines_beside_shared_prefixes_stay_within_the_plan(model, prompts):
+    """A batch mixing lines that start from a shared instruction with long lines that share
+    nothing scores the instruction's keys beside the long lines' own: more keys than any
+    whole prompt the plan sized for. Prefill chunks are cut to keep such steps within the
+    activations the plan left room for (Engine.chunk_within); before, the run overran budgets
+    the plan had accepted (3/10 and 3/4 of this model at n = 2)."""
+    instruction = ("You are a careful annotator. Read the passage below and label its topic as one of: science, "
+                   "history, art, sport, music, cooking, travel, or other; answer with the label alone. Passage: ")
+    lines = [instruction + p for p in prompts[:10]] + prompts[-3:]
+    ref = reference_tokens(model, lines, NEW)
+    total = _model_bytes(model)
+    for budget in (total * 3 // 10, total * 3 // 4):
+        ours, engine = _run(model, lines, budget, num_batches=2)
+        assert engine.stats.prefix_lines == 10
+        assert ours == ref, budget
+        assert engine.memory.peak <= budget

@@ -25,6 +25,7 @@ from klotski.execute.pipeline import StepInput
 from klotski.schedule.prefix import Segment, SegmentCache, find_segments, refusal
 from klotski.schedule.scheduler import BATCH, Waiting
 from klotski.schedule.stats import DecodeRows, Stats
+from planner.workingset import chunk_within
 from placement import pinned
 from placement.cache import DISK_TO_HOST
 from placement.pinned import PinnedBlocks
@@ -229,7 +230,8 @@ class Engine:
             for r, (k, a, n) in enumerate(zip(keys, starts, lengths)):
                 ids[r, width - n:], valid[r, width - n:] = torch.tensor(k[1][a:]), True
                 positions[r, width - n:] = torch.arange(a, a + n)
-            for part in S.chunks(StepInput(ids, valid, positions), self.prefill_chunk or width):
+            chunk = self.chunk_within(rows, 1, self.prefill_chunk or width, max(starts) + width)
+            for part in S.chunks(StepInput(ids, valid, positions), chunk):
                 self.step([kv], [part], prompt=True, decode=None)
             kv.settle()  # its stores have landed: loads read it from now on with no wait
         except BaseException:
@@ -278,6 +280,14 @@ class Engine:
                 kv.release()
             space.close()
 
+    def chunk_within(self, bs: int, n: int, chunk: int, context: int, host_attention: bool = False) -> int:
+        """The longest prefill chunk up to `chunk` for n batches of bs rows over `context` keys
+        within the activations the plan left room for (RunSetup.activation_reserve)."""
+        if self.setup.activation_reserve is None:
+            return chunk
+        return chunk_within(self.spec, self.dtype.itemsize, self.setup.activation_reserve, bs, n, chunk, context,
+                            host_attention)
+
     def kv_space(self) -> "KVSpace":
         return KVSpace(self)
 
@@ -300,7 +310,9 @@ class Engine:
         a batch whose sequences are all done leaves the group's steps (its KV cache was sized
         for its own longest request)."""
         pad = self._pad_id()
-        chunk = self.prefill_chunk or max(prompt_len)
+        # the rows also score the shared segments they start from (every one held: a bound)
+        context = max(prompt_len) + max(s.max_new_tokens for b in group for s in b) + self.shared
+        chunk = self.chunk_within(self.batch_size, len(group), self.prefill_chunk or max(prompt_len), context)
         whole = {k: S.prefill_input(b, p, pad) for k, (b, p) in enumerate(zip(group, prompt_len))}
         prompts = {k: S.chunks(inp, chunk) for k, inp in whole.items()}
         next_pos = {k: inp.positions[:, -1] + 1 for k, inp in whole.items()}
