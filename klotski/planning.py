@@ -344,9 +344,12 @@ def expert_pool_slots(config, ckpt, dtype, budgets, placement: Placement, *, bs:
     quant = spec_for(config)
     shape = _compute_shape(ckpt, dtype)
     experts = [k for k, t in placement.tiers.items() if k[0] == "expert" and t != "device"]
-    if not experts or quant or ckpt.is_gguf or ckpt.spec.expert_format == "mxfp4":
-        return 0  # nothing streamed, or packed experts: decoded per use, never pooled
+    if not experts:
+        return 0  # nothing streamed
     cost = _cost(_memory_only("cpu"), shape, config, ckpt.group_bytes(dtype, quant))
+    # a slot holds an expert decoded; a packed one also its packed row, and the pool a decode workspace
+    moved, decoded = ckpt.group_nbytes(experts[0], dtype, quant)
+    slot, decode = (moved + decoded, decoded + cost.expert_workspace) if decoded else (moved, 0)
     resident = sum(ckpt.group_nbytes(k, dtype, quant)[0] for k, t in placement.tiers.items() if t == "device")
     L, E = ckpt.spec.num_layers, ckpt.spec.num_experts
     if placement.kv == "device":
@@ -360,8 +363,7 @@ def expert_pool_slots(config, ckpt, dtype, budgets, placement: Placement, *, bs:
               schedule=schedule, hot=hot, host_attention=host_attention)
     for buffers in ((plan.buffers,) if plan else ("overlap", "minimum")):
         ws = working_set(cost, buffers=buffers, **kw)
-        slots = slots_for(ws, buffers, full, budgets.device - resident, ckpt.group_nbytes(experts[0], dtype, quant)[0],
-                          schedule, E, hot)
+        slots = slots_for(ws, buffers, full, budgets.device - resident, slot, schedule, E, hot, decode)
         if slots:
             return slots
     return 0
