@@ -347,9 +347,12 @@ def expert_pool_slots(config, ckpt, dtype, budgets, placement: Placement, *, bs:
     if not experts:
         return 0  # nothing streamed
     cost = _cost(_memory_only("cpu"), shape, config, ckpt.group_bytes(dtype, quant))
-    # a slot holds an expert decoded; a packed one also its packed row, and the pool a decode workspace
-    moved, decoded = ckpt.group_nbytes(experts[0], dtype, quant)
-    slot, decode = (moved + decoded, decoded + cost.expert_workspace) if decoded else (moved, 0)
+    # a slot holds an expert decoded; a packed one also its packed row, and the pool a decode
+    # workspace: sized by the largest (the engine's pool takes one of them)
+    sizes = [ckpt.group_nbytes(k, dtype, quant) for k in experts]
+    decoded = max(d for _, d in sizes)
+    slot = max(m + d for m, d in sizes)
+    decode = decoded + cost.expert_workspace if decoded else 0
     resident = sum(ckpt.group_nbytes(k, dtype, quant)[0] for k, t in placement.tiers.items() if t == "device")
     L, E = ckpt.spec.num_layers, ckpt.spec.num_experts
     if placement.kv == "device":

@@ -156,8 +156,8 @@ class WeightCache:
         # the first host-tier one (its parts' row of bytes is the pool's packed row), else the first
         first, device = next((k for k in keys if k in self.flat), keys[0]), self.to_device(torch.empty(0)).device
         packed, workspace, rows = None, 0, 0
-        if self.coded(first):  # one expert read and decoded here, once: its parts' and its decoded shapes
-            parts = self.codec.read(first)
+        if self.coded(first):  # one expert decoded here, once: its parts' and its decoded shapes
+            parts = self.host[first] if first in self.host else self.codec.read(first)
             packed = self.flat[first][1] if first in self.flat else {n: t.to("meta") for n, t in parts.items()}
             like = {n: t.to("meta") for n, t in self.codec.decode(parts).items()}
             per = self.full[first] + self.workspace.get(first, 0)
@@ -174,9 +174,9 @@ class WeightCache:
     def _alike(self, key, other) -> bool:
         """`key` takes the same device rows as `other`: sizes, and a packed one's layout (GGUF
         blocks of one type: a layer's experts may be stored in another)."""
-        layout = getattr(self.codec, "layout", None) if self.coded(key) else None
+        types = getattr(self.codec, "block_types", None) if self.coded(key) else None
         return (self.sizes[key] == self.sizes[other] and self.coded(key) == self.coded(other)
-                and (layout is None or layout(key) == layout(other)))
+                and (types is None or types(key) == types(other)))
 
     def pooled(self, key) -> bool:
         """`key` lands in a pool slot when it is moved to the device."""

@@ -196,7 +196,8 @@ def working_set(cost, *, bs: int, n: int, prompt_len: int, gen_len: int, chunk: 
                 hot: int, buffers: str = "overlap", host_attention: bool = False) -> dict:
     """Device bytes needed besides resident weights and a device-resident KV cache, assuming
     every weight group is off the device (placement drops a group kind's buffer when the whole
-    kind is resident). Keys: activations, decoded (dequantized copies), then the buffers:
+    kind is resident). Packed experts' overlapping buffers are the expert pool's slots, each
+    decoded beside its packed row, and its decode workspace (placement/pool.py). Keys: activations, decoded (dequantized copies), then the buffers:
     attention, gate, expert, head, kv (host-resident KV). With buffers="minimum" the buffer
     entries are what the pipeline holds at once; the caller takes their max, not their sum
     (attention and KV buffers are held together). With `host_attention` no KV comes to the
@@ -217,9 +218,13 @@ def working_set(cost, *, bs: int, n: int, prompt_len: int, gen_len: int, chunk: 
                 # a resident quantized group is still dequantized into a transient copy per use
                 "attention_resident": cost.attention_decoded,
                 "expert_resident": cost.expert_decoded + cost.expert_workspace}
+    slots = expert_slots(schedule, s.num_experts, hot)
+    experts = slots * cost.expert_bytes
+    if cost.expert_decoded:  # packed experts land in the pool decoded, beside their packed rows
+        experts += slots * cost.expert_decoded + decode_workspace(slots, cost.expert_decoded + cost.expert_workspace)
     return {"activations": act, "decoded": cost.attention_decoded + cost.expert_decoded + cost.expert_workspace,
             "attention_buffers": 2 * cost.attention_bytes, "gate_buffers": 2 * cost.gate_bytes,
-            "expert_buffers": expert_slots(schedule, s.num_experts, hot) * cost.expert_bytes,
+            "expert_buffers": experts,
             "head_buffer": cost.head_bytes, "kv_buffers": kv}
 
 

@@ -157,16 +157,48 @@ def test_a_run_is_decoded_in_one_call_per_adjacent_slots(tiny_hqq, monkeypatch):
     assert experts and sum(experts) > 2 * len(experts)
 
 
-def test_mxfp4_experts_pooled_equal_transformers(tmp_path):
+@pytest.fixture(scope="module")
+def gpt_oss_mxfp4(tmp_path_factory):
+    from conftest import reference_tokens
+    from klotski.builtin.families import build_family, pack_mxfp4
+    tmp = tmp_path_factory.mktemp("mxfp4")
+    mx = pack_mxfp4(build_family(tmp / "fp32", "gpt_oss"), tmp / "mxfp4")
+    return mx, reference_tokens(mx)
+
+
+def test_mxfp4_experts_pooled_equal_transformers(gpt_oss_mxfp4):
     """gpt-oss as OpenAI ships it (MXFP4 experts), every expert on the host tier: the pool
     holds them decoded, and the tokens are transformers'."""
-    from conftest import engine_tokens, reference_tokens
-    from klotski.builtin.families import build_family, pack_mxfp4
+    from conftest import engine_tokens
     from klotski.io.checkpoint import Checkpoint
     from placement.placement import Placement
-    mx = pack_mxfp4(build_family(tmp_path / "fp32", "gpt_oss"), tmp_path / "mxfp4")
+    mx, ref = gpt_oss_mxfp4
     placement = Placement.by_kind(Checkpoint.open(str(mx)).spec.group_keys(), expert="host")
     ours, engine = engine_tokens(mx, device_memory=64 << 20, batch_size=3, num_batches=2, placement=placement)
-    assert ours == reference_tokens(mx)
+    assert ours == ref
     assert engine.cache.pool is not None and engine.cache.pool.flat is not None
     assert engine.cache.experts_landed_stacked > 0 and engine.memory.peak <= 64 << 20
+
+
+def test_every_budget_the_plan_takes_holds_packed_experts_within_it(gpt_oss_mxfp4):
+    """Budgets from an eighth of the decoded model to all of it, the planner placing it: each
+    runs with transformers' tokens and its peak within it (the packed rows and decode workspace
+    counted), or is refused naming a budget that does; where experts stream, they move in
+    stacked runs (into the pool, or its overflow where the plan's working set is the minimum)."""
+    from conftest import engine_tokens
+    from klotski.planning import BudgetRefused
+    from planner.units import format_size_flag, parse_size
+    mx, ref = gpt_oss_mxfp4
+    _, probe = engine_tokens(mx, prompts=["x"], max_new_tokens=1)
+    total, stacked = sum(probe.cache.full.values()), 0
+    for eighths in (1, 2, 3, 4, 6, 8):
+        budget = total * eighths // 8
+        try:
+            ours, engine = engine_tokens(mx, device_memory=budget, batch_size=3, num_batches=2)
+        except BudgetRefused as e:
+            budget = parse_size(format_size_flag(e.needed))
+            ours, engine = engine_tokens(mx, device_memory=budget, batch_size=3, num_batches=2)
+        assert ours == ref, (eighths, budget)
+        assert engine.memory.peak <= budget, (eighths, budget, engine.memory.peak)
+        stacked += engine.cache.experts_landed_stacked > 0
+    assert stacked >= 2

@@ -158,7 +158,7 @@ class GgufCodec:
         for name, ref in self.spec.group_refs(key).items():
             yield name, ref, self.store.qtype(ref.name)
 
-    def layout(self, key) -> tuple:
+    def block_types(self, key) -> tuple:
         """The block type of each part: experts stacked together (a pool's rows) must share it."""
         return tuple((name, q) for name, _, q in self._parts(key))
 
