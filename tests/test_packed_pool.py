@@ -202,3 +202,55 @@ def test_every_budget_the_plan_takes_holds_packed_experts_within_it(gpt_oss_mxfp
         assert engine.memory.peak <= budget, (eighths, budget, engine.memory.peak)
         stacked += engine.cache.experts_landed_stacked > 0
     assert stacked >= 2
+
+
+def test_packed_copies_follow_their_slots_fences_and_decodes_follow_their_copies(tiny_hqq):
+    """The CUDA discipline on a CPU with stub events: a copy into a reused slot's packed row is
+    submitted after the fences its last users left, and a run is decoded only once every slot
+    it reads has landed (its copy waited for: on CUDA the compute stream waits on its event)."""
+    from klotski.assemble import open_engine
+    from klotski.config import RunConfig
+    from klotski.io.checkpoint import Checkpoint
+    from placement.placement import Placement
+    from tests.conftest import PROMPTS, requests
+    from tests.test_expert_pool import FakeEvent
+    model, tmp, reference = tiny_hqq
+    placement = Placement.by_kind(Checkpoint.open(str(model)).spec.group_keys(), expert="host")
+    cfg = RunConfig(model=str(model), progress=False, dtype="float32", batch_size=3, num_batches=2,
+                    device_memory=64 << 20, quantize="hqq4", offload_dir=str(tmp / "off"))
+    engine, seqs, _ = open_engine(cfg, requests(PROMPTS, 10), placement=placement)
+    cache, pool = engine.cache, engine.cache.pool
+    pool.event = FakeEvent
+    used, unfenced, decoded_pending, submitted = set(), [], [], []
+    for channel in engine.channels.values():
+        def submit(fn, *, real=channel.submit, after=(), **kw):
+            submitted.extend(after)
+            return real(fn, after=after, **kw)
+        channel.submit = submit
+    real_take = pool.take
+
+    def take(key):
+        s = real_take(key)
+        if s in used and not pool.fences.get(s):
+            unfenced.append((key, s))
+        used.add(s)
+        return s
+    pool.take = take
+    real_decode, row, runs = cache.codec.decode, pool.flat.stride(0), []
+
+    def decode(parts):
+        t = parts.get("w1.q")  # an expert's (attention groups are packed too)
+        if t is not None and t.ndim == 3 and pool.flat.data_ptr() <= t.data_ptr() < pool.flat.data_ptr() + pool.flat.numel():
+            first = (t.data_ptr() - pool.packed["w1.q"].data_ptr()) // row
+            runs.append(t.shape[0])
+            decoded_pending.extend(k for k, s in pool.slot.items() if first <= s < first + t.shape[0]
+                                   and k in cache.pending)
+        return real_decode(parts)
+    cache.codec.decode = decode
+    try:
+        done = {s.request.id: s.out for s in engine.run(seqs)}
+    finally:
+        engine.close()
+    assert [done[f"r{i}"] for i in range(len(PROMPTS))] == reference
+    assert len(used) > 1 and not unfenced and submitted
+    assert runs and max(runs) > 1 and not decoded_pending
