@@ -339,7 +339,8 @@ def expert_pool_slots(config, ckpt, dtype, budgets, placement: Placement, *, bs:
     """Slots of the device's expert pool for this run (planner.workingset.expert_pool_slots): the
     device budget less the exact bytes the placement keeps resident (weights, and the KV cache
     when it is on the device) and the rest of the plan's working set (its buffer mode; without a
-    plan the overlapping one, or the minimum where that leaves no slot), in experts."""
+    plan the overlapping one, or the minimum where that leaves no slot), in experts. A packed
+    expert's slot holds it decoded beside its packed row, and the pool a decode workspace."""
     from planner.workingset import expert_pool_slots as slots_for, working_set
     quant = spec_for(config)
     shape = _compute_shape(ckpt, dtype)

@@ -254,3 +254,22 @@ def test_packed_copies_follow_their_slots_fences_and_decodes_follow_their_copies
     assert [done[f"r{i}"] for i in range(len(PROMPTS))] == reference
     assert len(used) > 1 and not unfenced and submitted
     assert runs and max(runs) > 1 and not decoded_pending
+
+
+def test_gguf_experts_pooled_equal_transformers(tmp_path):
+    """A Q4_K_M-like GGUF file (gate and up in Q4_K, down in Q6_K), every expert on the host
+    tier: its blocks land in the pool's packed rows, decoded into the slots, and the tokens are
+    transformers' reading the same file."""
+    pytest.importorskip("gguf")
+    import gguf_models as gm
+    from conftest import engine_tokens
+    from klotski.io.checkpoint import Checkpoint
+    from placement.placement import Placement
+    from test_gguf_models import hf_gguf_tokens
+    path = gm.write(tmp_path / "model.gguf", {"gate": "Q4_K", "up": "Q4_K", "down": "Q6_K"}, gm.QWEN3)
+    placement = Placement.by_kind(Checkpoint.open(str(path)).spec.group_keys(), expert="host")
+    ours, engine = engine_tokens(path, placement=placement, device_memory=256 << 20, batch_size=3, num_batches=2)
+    assert ours == hf_gguf_tokens(path)
+    pool = engine.cache.pool
+    assert pool is not None and pool.flat is not None and engine.cache.experts_landed_stacked > 0
+    assert engine.memory.peak <= 256 << 20
