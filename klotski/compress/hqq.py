@@ -162,7 +162,9 @@ def dequantize_tensor(parts: dict[str, torch.Tensor], dtype: torch.dtype | None 
         v = parts[key] if key in parts else \
             _dequantize_meta(parts[f"{key}_q"], parts[f"{key}_s"], parts[f"{key}_z"], groups)
         meta[key] = v.reshape(n, groups, 1).to(work)
-    W = (codes - meta["zero"]) * meta["scale"]  # hqq's Quantizer.dequantize, over every expert at once
+    # hqq's Quantizer.dequantize, (codes - zero) * scale, over every expert at once; in place on the
+    # codes (a fresh tensor), so a stacked decode holds no temporaries beyond them
+    W = codes.sub_(meta["zero"]).mul_(meta["scale"])
     W = W[:, : rows * -(-cols // gs)].reshape(n, rows, -1)[:, :, :cols]
     return W.reshape(*lead, rows, cols).to(dtype).contiguous()
 
