@@ -2,13 +2,14 @@
 the planner's minimum device budget for that placement and at 12 MiB, 128 against 8 experts
 (top-8, equal FLOPs per token): the expert pool's measure (docs/benchmarks.md).
 
-    python benchmarks/pool_ops.py [--budgets BYTES ...] [--out PATH]
+    python benchmarks/pool_ops.py [--budgets BYTES ...] [--out PATH] [--quantize hqq4] [--lines N --tokens N]
 
 The minimum is the least device budget (to a KiB) at which the planner's working set in its
 "minimum" mode, beside the exact resident bytes, holds one expert slot
 (planning.expert_pool_slots); without --budgets it is found per model and 12 MiB added.
 Counts do not depend on the machine's load; `--budgets` runs given ones (e.g. on an older
-commit, which lacks the function that finds the minimum)."""
+commit, which lacks the function that finds the minimum). `--quantize hqq4`: experts packed
+(HQQ 4-bit, quantized into a temporary directory), the packed pool's measure."""
 import argparse
 import hashlib
 import json
@@ -45,6 +46,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--budgets", type=int, nargs="*")
     p.add_argument("--out", type=Path)
+    p.add_argument("--quantize", default="none")
+    p.add_argument("--lines", type=int, default=32)
+    p.add_argument("--tokens", type=int, default=24)
     args = p.parse_args()
     torch.set_num_threads(1)
     rows = {}
@@ -53,7 +57,10 @@ def main() -> None:
         for e, model in models.items():
             budgets = args.budgets or [minimum_budget(model), 12 << 20]
             for b in budgets:
-                ops = job_ops(model, experts_on_host=True, device_memory=b)
+                packed = {} if args.quantize == "none" else {"quantize": args.quantize,
+                                                              "offload_dir": str(Path(tmp) / f"q{e}")}
+                ops = job_ops(model, experts_on_host=True, device_memory=b, lines=args.lines, tokens=args.tokens,
+                              **packed)
                 rows[f"{e} experts, {b} bytes"] = {"ops": ops["ops"], "kernels": ops["kernels"],
                                                    "outputs_sha256": tokens_digest(ops["outputs"])}
                 print(f"{e} experts, device budget {b}: {ops['ops']} ops, {ops['kernels']} kernels", flush=True)

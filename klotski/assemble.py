@@ -30,7 +30,7 @@ from placement.cache import WeightCache
 from placement.pinned import PinnedBlocks
 from placement.placement import Placement
 from placement.tiers import DISK, Budgets, Memory, detect_budgets
-from planner.workingset import planned_activations
+from planner.workingset import decode_workspace, planned_activations
 
 
 @dataclass(frozen=True)
@@ -159,7 +159,8 @@ def build_engine(config, ckpt: Checkpoint, setup: RunSetup, *, predictor=None) -
                         disk_channel=channels["disk"], codec=codec, host_memory=host_memory)
     _check_sizes(cache, ckpt, dtype, config)
     # slots for the transferred experts, made once and held: copies land in them, waves read them
-    cache.open_pool(setup.expert_slots, event=torch.cuda.Event if device.type == "cuda" else None)
+    cache.open_pool(setup.expert_slots, event=torch.cuda.Event if device.type == "cuda" else None,
+                    decode_workspace=decode_workspace)
     host = HostCompute(*setup.host_modes, setup.cost, asked=(config.host_attention, config.host_experts))
     pipeline = Pipeline(ckpt.spec, cache, channels, config, trace, predictor, memory, device, host)
     # a CPU device computes on the cores free now, looked at again as the run goes (util/threads.py)

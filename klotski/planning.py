@@ -339,14 +339,21 @@ def expert_pool_slots(config, ckpt, dtype, budgets, placement: Placement, *, bs:
     """Slots of the device's expert pool for this run (planner.workingset.expert_pool_slots): the
     device budget less the exact bytes the placement keeps resident (weights, and the KV cache
     when it is on the device) and the rest of the plan's working set (its buffer mode; without a
-    plan the overlapping one, or the minimum where that leaves no slot), in experts."""
+    plan the overlapping one, or the minimum where that leaves no slot), in experts. A packed
+    expert's slot holds it decoded beside its packed row, and the pool a decode workspace."""
     from planner.workingset import expert_pool_slots as slots_for, working_set
     quant = spec_for(config)
     shape = _compute_shape(ckpt, dtype)
     experts = [k for k, t in placement.tiers.items() if k[0] == "expert" and t != "device"]
-    if not experts or quant or ckpt.is_gguf or ckpt.spec.expert_format == "mxfp4":
-        return 0  # nothing streamed, or packed experts: decoded per use, never pooled
+    if not experts:
+        return 0  # nothing streamed
     cost = _cost(_memory_only("cpu"), shape, config, ckpt.group_bytes(dtype, quant))
+    # a slot holds an expert decoded; a packed one also its packed row, and the pool a decode
+    # workspace: sized by the largest (the engine's pool takes one of them)
+    sizes = [ckpt.group_nbytes(k, dtype, quant) for k in experts]
+    decoded = max(d for _, d in sizes)
+    slot = max(m + d for m, d in sizes)
+    decode = decoded + cost.expert_workspace if decoded else 0
     resident = sum(ckpt.group_nbytes(k, dtype, quant)[0] for k, t in placement.tiers.items() if t == "device")
     L, E = ckpt.spec.num_layers, ckpt.spec.num_experts
     if placement.kv == "device":
@@ -360,8 +367,7 @@ def expert_pool_slots(config, ckpt, dtype, budgets, placement: Placement, *, bs:
               schedule=schedule, hot=hot, host_attention=host_attention)
     for buffers in ((plan.buffers,) if plan else ("overlap", "minimum")):
         ws = working_set(cost, buffers=buffers, **kw)
-        slots = slots_for(ws, buffers, full, budgets.device - resident, ckpt.group_nbytes(experts[0], dtype, quant)[0],
-                          schedule, E, hot)
+        slots = slots_for(ws, buffers, full, budgets.device - resident, slot, schedule, E, hot, decode)
         if slots:
             return slots
     return 0

@@ -7,9 +7,9 @@ is read per use, through a sliding window of host buffers that the pipeline fill
 gathered from: its rows are looked up where it lives, and only those rows move.
 
 Every transient device copy is reserved in the device `Memory` before its transfer is
-submitted and freed when the pipeline releases it, except a transferred 16-bit/fp32 expert
-landing in a slot of the run's `ExpertPool` (pool.py), whose bytes were reserved once when it
-was opened; host copies, staged buffers included, are reserved in the host `Memory`. A group
+submitted and freed when the pipeline releases it, except a transferred expert landing in a
+slot of the run's `ExpertPool` (pool.py), whose bytes were reserved once when it was opened (a
+packed one lands packed beside its slot and is decoded into it, a run in few codec calls); host copies, staged buffers included, are reserved in the host `Memory`. A group
 the pipeline is computing with is held (`hold`) and never chosen for eviction, so what the accounts say is what exists. Transfers
 run on channels handed in by the engine (objects with `submit(fn, name=, nbytes=, link=)`
 and `to_device(t)`); this package never imports them.
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from placement import pinned
-from placement.pool import ExpertPool
+from placement.pool import ExpertPool, FlatLayout, Landing
 from placement.tiers import DEVICE, DISK, HOST, Memory
 
 DISK_TO_HOST = "disk_to_host"
@@ -50,11 +50,13 @@ class WeightCache:
         self.unpacked: dict = {}   # resident quantized groups decoded for the current use
         self.resident: dict = {}   # device-placed groups
         self.host: dict = {}       # host-placed groups
+        self.flat: dict = {}       # host-placed packed expert -> (its parts in one row of bytes, FlatLayout)
         self.loaded: dict = {}     # transient device copies: key -> tensors
         self.pending: dict = {}    # key -> Ticket of a transfer in flight
         self.pool: ExpertPool | None = None  # slots transferred experts land in (open_pool)
         self._pooled: set = set()  # the experts that land in it
         self.landings: dict = {}   # key -> the Landing it arrives (or arrived) stacked in: the pool's overflow
+        self.packed_runs: dict = {}  # pooled packed key not decoded yet -> the keys moved with it
         self.experts_landed_stacked = 0  # experts moved in a shared submission (start_many)
         self.staging: dict = {}    # key -> Ticket of a disk->host read in flight
         self.held: set = set()     # groups being computed with: never evicted
@@ -80,12 +82,18 @@ class WeightCache:
                     self.resident[key] = {n: to_device(t) for n, t in tensors.items()}
             elif tier == HOST:
                 tensors = self._read(key)
+                layout = FlatLayout.of(tensors) if self.coded(key) and key[0] == "expert" else None
+                if layout is not None:  # one row of bytes: it moves in one copy (its parts are views)
+                    tensors = {"flat": layout.flatten(tensors)}
                 if host_blocks is None:
                     self.host_memory.reserve(self.moved[key], f"host copy of {key}")
                     self.host[key] = tensors
                 else:  # charged what the locked block really takes
                     self.host_memory.reserve(pinned.charge(pinned.group_nbytes(tensors.values())), f"host copy of {key}")
                     self.host[key] = host_blocks.copy(tensors)
+                if layout is not None:
+                    self.flat[key] = (self.host[key]["flat"], layout)
+                    self.host[key] = layout.views(self.flat[key][0])
         self.host_blocks = host_blocks
 
     def close(self) -> None:
@@ -135,22 +143,40 @@ class WeightCache:
                                            name=_label(key), nbytes=self.moved[key])
         return True
 
-    def open_pool(self, slots: int, *, event=None) -> None:
+    def open_pool(self, slots: int, *, event=None, decode_workspace=None) -> None:
         """The pool transferred experts land in: `slots` experts (0: none, every expert lands in
-        its own copy), their bytes reserved now and held for the run. Only 16-bit/fp32 experts
-        not resident go there (a packed one is decoded per use into its own copy). `event`:
-        the device's event factory (CUDA), for the fences a reused slot needs."""
-        keys = [k for k, tier in self.placement.tiers.items()
-                if k[0] == "expert" and tier != DEVICE and not self.coded(k)]
+        its own copy), their bytes reserved now and held for the run. Experts not resident go
+        there; a packed one lands in its slot's packed row and is decoded into the slot, the
+        pool keeping `decode_workspace(slots, bytes one expert's decode takes)` bytes for that
+        (planner.workingset.decode_workspace). `event`: the device's event factory (CUDA), for
+        the fences a reused slot needs."""
+        keys = [k for k, tier in self.placement.tiers.items() if k[0] == "expert" and tier != DEVICE]
         if slots <= 0 or not keys:
             return
-        # one expert's shapes from the checkpoint's index (meta tensors: nothing is read)
-        like = {n: torch.empty(self.store.entries[r.name].span(r.index, r.rows)[2], dtype=self.dtype, device="meta")
-                for n, r in self.refs_for(keys[0]).items()}
-        device = self.to_device(torch.empty(0)).device
-        self.memory.reserve(slots * self.full[keys[0]], f"expert pool x{slots}")
-        self.pool = ExpertPool(slots, like, self.full[keys[0]], device, event=event)
-        self._pooled = {k for k in keys if self.full[k] == self.full[keys[0]]}
+        # the first host-tier one (its parts' row of bytes is the pool's packed row), else the first
+        first, device = next((k for k in keys if k in self.flat), keys[0]), self.to_device(torch.empty(0)).device
+        packed, workspace, rows = None, 0, 0
+        if self.coded(first):  # one expert decoded here, once: its parts' and its decoded shapes
+            parts = self.host[first] if first in self.host else self.codec.read(first)
+            packed = self.flat[first][1] if first in self.flat else {n: t.to("meta") for n, t in parts.items()}
+            like = {n: t.to("meta") for n, t in self.codec.decode(parts).items()}
+            per = self.full[first] + self.workspace.get(first, 0)
+            workspace = decode_workspace(slots, per) if decode_workspace else per
+            rows = max(1, workspace // per)
+        else:  # one expert's shapes from the checkpoint's index (meta tensors: nothing is read)
+            like = {n: torch.empty(self.store.entries[r.name].span(r.index, r.rows)[2], dtype=self.dtype,
+                                   device="meta") for n, r in self.refs_for(first).items()}
+        self.memory.reserve(slots * self.sizes[first] + workspace, f"expert pool x{slots}")
+        self.pool = ExpertPool(slots, like, self.sizes[first], device, event=event, packed=packed,
+                               workspace=workspace, decode_rows=rows)
+        self._pooled = {k for k in keys if self._alike(k, first)}
+
+    def _alike(self, key, other) -> bool:
+        """`key` takes the same device rows as `other`: sizes, and a packed one's layout (GGUF
+        blocks of one type: a layer's experts may be stored in another)."""
+        types = getattr(self.codec, "block_types", None) if self.coded(key) else None
+        return (self.sizes[key] == self.sizes[other] and self.coded(key) == self.coded(other)
+                and (types is None or types(key) == types(other)))
 
     def pooled(self, key) -> bool:
         """`key` lands in a pool slot when it is moved to the device."""
@@ -172,11 +198,18 @@ class WeightCache:
             keys = keys[:run]
             slots = [pool.take(k) for k in keys]
             sources = [self._source(k)[0] for k in keys]
+            flats = [self._flat(k, pool.layout) for k in keys]
+            rows = pool.packed if self.coded(keys[0]) else pool.tensors  # packed: decoded into the slot on use
+            for key in keys if pool.packed else ():
+                self.packed_runs[key] = keys
 
             def work():
-                for source, s in zip(sources, slots):
+                for source, flat, s in zip(sources, flats, slots):
+                    if flat is not None:  # a packed expert's parts in one row of bytes: one copy
+                        channel.copy_into(pool.flat[s], flat)
+                        continue
                     for n, t in source().items():
-                        channel.copy_into(pool.tensors[n][s], t)
+                        channel.copy_into(rows[n][s], t)
 
             ticket = channel.submit(work, name=_label(keys[0]) + (f"+{run - 1}" if run > 1 else ""),
                                     nbytes=sum(self.moved[k] for k in keys), after=pool.after(slots))
@@ -184,8 +217,8 @@ class WeightCache:
                 self.pending[key] = ticket
             self.experts_landed_stacked += run if run > 1 else 0
             return run
-        size = self.sizes[keys[0]]
-        while (run < len(keys) and keys[run] in self.host and not self.coded(keys[run])
+        size = self.sizes[keys[0]] + self.workspace.get(keys[0], 0)  # packed: its decode's temporaries too
+        while (run < len(keys) and keys[run] in self.host and self._alike(keys[run], keys[0])
                and not self.present(keys[run]) and self.memory.fits((run + 1) * size)):
             run += 1
         if run < 2:
@@ -194,8 +227,15 @@ class WeightCache:
         landing = Landing(keys, run * size)
         self.memory.reserve(landing.nbytes, f"experts {keys[0][:2]} x{run}")
         sources = [self.host[k] for k in keys]
+        layout = self.flat[keys[0]][1] if keys[0] in self.flat else None
+        layout = layout if all(self._flat(k, layout) is not None for k in keys) else None
 
         def work():
+            if layout is not None:  # packed experts in rows of bytes: one copy each, parts as views
+                flat = channel.empty((run, layout.nbytes), torch.uint8)
+                for i, key in enumerate(keys):
+                    channel.copy_into(flat[i], self.flat[key][0])
+                return layout.views(flat)
             stacks = {n: channel.empty((run, *t.shape), t.dtype) for n, t in sources[0].items()}
             for i, tensors in enumerate(sources):
                 for n, t in tensors.items():
@@ -207,6 +247,11 @@ class WeightCache:
             self.pending[key], self.landings[key] = landing.row_ticket(ticket, i), landing
         self.experts_landed_stacked += run
         return run
+
+    def _flat(self, key, layout):
+        """`key`'s host row of bytes if it is laid out as `layout` (one copy moves it), else None."""
+        flat = self.flat.get(key)
+        return flat[0] if flat is not None and layout is not None and flat[1] == layout else None
 
     def _handed_over(self, key) -> bool:
         """A disk read on a CPU device becomes the device copy itself where there is room for it
@@ -271,7 +316,10 @@ class WeightCache:
 
     def decode_nbytes(self, key) -> int:
         """Device bytes `decode` will reserve: the decoded copy of a resident group (a transient
-        copy's reservation already covers it) and the codec's temporaries while it runs."""
+        copy's reservation already covers it) and the codec's temporaries while it runs; none
+        for an expert in the pool or a Landing (their reservations hold its decode)."""
+        if self.in_pool(key) or key in self.landings:
+            return 0
         return (self.full[key] if key in self.resident else 0) + self.workspace.get(key, 0)
 
     @functools.cached_property
@@ -285,7 +333,13 @@ class WeightCache:
         return max(moved, max((self.decode_nbytes(key) for key in self.resident if self.coded(key)), default=0))
 
     def decode(self, key) -> dict:
-        """Dequantize `key` on the device for this use, its codec's temporaries reserved meanwhile."""
+        """Dequantize `key` on the device for this use, its codec's temporaries reserved meanwhile.
+        One in the pool or a Landing is decoded with the experts moved beside it (their copy has
+        arrived: one transfer), in codec calls over their stacked rows."""
+        if self.in_pool(key):
+            return self._decode_run(key)
+        if key in self.landings:
+            return self._decode_landing(self.landings[key], key)
         self.decoded.add(key)
         work = self.workspace.get(key, 0)
         self.memory.reserve(work, f"decoding {key}")
@@ -298,6 +352,32 @@ class WeightCache:
             return self.loaded[key]
         finally:
             self.memory.free(work)
+
+    def _decode_run(self, key) -> dict:
+        """`key` and the pooled experts moved with it that are still in their slots, decoded from
+        their packed rows into their slots: a codec call and a copy per weight name for each run
+        of adjacent slots (ExpertPool.segments), within the pool's workspace."""
+        pool, run = self.pool, self.packed_runs[key]
+        members = [k for k in run if self.packed_runs.get(k) is run]
+        for k in members:
+            self.land(k)  # one transfer: its arrival was waited for with key's
+        for first, end in pool.segments(pool.slot[k] for k in members):
+            decoded = self.codec.decode({n: t[first:end] for n, t in pool.packed.items()})
+            for n, t in decoded.items():
+                pool.tensors[n][first:end].copy_(t)
+            del decoded
+        for k in members:
+            del self.packed_runs[k]
+            self.decoded.add(k)
+        return pool.view(key)
+
+    def _decode_landing(self, landing, key) -> dict:
+        """The Landing's packed stacks decoded in one codec call (its reservation holds the decoded
+        stacks and the codec's temporaries), replacing them; `key`'s rows."""
+        if not landing.decoded:
+            landing.stacks, landing.decoded = self.codec.decode(landing.stacks), True
+        self.decoded.update(k for k in landing.keys if self.landings.get(k) is landing)
+        return {n: t[landing.row[key]] for n, t in landing.stacks.items()}
 
     def release_all(self, keys) -> None:
         """`release` each of `keys`, the pooled ones behind one shared fence (a wave's)."""
@@ -322,6 +402,7 @@ class WeightCache:
             return
         self.loaded.pop(key, None)
         self.decoded.discard(key)
+        self.packed_runs.pop(key, None)
         landing = self.landings.pop(key, None)
         if self.in_pool(key):
             self.pool.give(key, dropped if dropped is not None else fence)  # free again; no device byte moves
@@ -399,42 +480,6 @@ class ExpertStack:
         for n, t in tensors.items():
             self.tensors[n][i].copy_(t)
         return {n: self.tensors[n][i] for n in tensors}
-
-
-class Landing:
-    """Experts of one layer moved in one submission into stacked tensors of their own (`stacks`,
-    one per weight name, row i = keys[i]) while the pool is full and the device has room beside
-    it (a decode step's activations are far below the prefill's the pool was sized beside).
-    Its bytes are one reservation, freed when the last member leaves."""
-
-    def __init__(self, keys: list, nbytes: int):
-        self.keys, self.nbytes, self.live = keys, nbytes, len(keys)
-        self.row = {k: i for i, k in enumerate(keys)}
-        self.stacks: dict | None = None
-
-    def row_ticket(self, ticket, row: int) -> "_RowTicket":
-        return _RowTicket(self, ticket, row)
-
-    def leave(self) -> bool:
-        """One member released; True when it was the last."""
-        self.live -= 1
-        return self.live == 0
-
-
-class _RowTicket:
-    """A Landing member's view of the one transfer: done with it, the stacks set when waited for."""
-
-    def __init__(self, landing: Landing, ticket, row: int):
-        self.landing, self.ticket, self.row = landing, ticket, row
-
-    def done(self) -> bool:
-        return self.ticket.done()
-
-    def wait(self) -> None:
-        self.landing.stacks = self.ticket.wait()
-
-    def discard(self) -> None:
-        self.ticket.discard()
 
 
 def _label(key) -> str:

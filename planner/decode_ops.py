@@ -21,7 +21,7 @@ Kernels per decode layer, averaged over the layers, are the sum of
 
 Submissions per decode layer (transfers handed to a channel): the attention and the gate
 when they are not on the device, the experts moved (a run of one layer's host-tier 16-bit
-experts in one submission, up to MAX_RUN; disk-tier or packed ones one each): the K hot ones
+experts, 16-bit or packed, in one submission, up to MAX_RUN; disk-tier ones one each): the K hot ones
 prefetched, then the chosen others after routing: a run into the expert pool's free slots
 (`slots` less those the prefetched hold) and, when more were chosen than are free, one more
 run landing beside the pool (its overflow); one disk read per disk-tier group (the
@@ -29,7 +29,8 @@ disk window stages a layer's groups whether chosen or not); and, per batch whose
 on the host and attends on the device, one load and one store. Runs are as long as MAX_RUN
 allows: with the device at its minimum working set a run holds what fits, and more
 submissions carry the same experts. Not counted: host compute (its moves and its ops), and
-the decoding of packed groups (HQQ, MXFP4, GGUF blocks) at each use."""
+the decoding of packed groups (HQQ, MXFP4, GGUF blocks): a resident one's at each use, a moved
+run's in codec calls over its stacked rows."""
 from __future__ import annotations
 
 import math
@@ -69,19 +70,17 @@ def _layer(io, cost, bs, n, marg, hot, schedule, host_attention, slots) -> tuple
     else:
         prefetched = len(hot) * sum(marg[e] for e in off) / max(sum(marg[:len(experts)]), 1e-12)
     unfetched = 1 - prefetched / len(off) if off else 0.0  # an off-device expert's chance it was not prefetched
-    runs = cost.quant_bits is None and not shape.expert_format  # packed experts go alone
     host_tier = [e for e in off if experts[e] == "host"]
     share = len(host_tier) / len(off) if off else 0.0
 
     def in_runs(count: float) -> float:  # submissions carrying `count` host-tier experts, certainly moved
-        return count if not runs or count < 1 else math.ceil(count / MAX_RUN)
+        return count if count < 1 else math.ceil(count / MAX_RUN)
     later = [chosen[e] * unfetched for e in host_tier]  # moved after routing, each with this chance
     expected = sum(later)
     # a run into the pool's free slots (those the prefetched experts left), and what does not fit
     # there in one more run beside the pool (its overflow: placement/cache.py)
     free = max(0, round(slots - prefetched))
-    after_routing = ((1 - math.prod(1 - p for p in later)) + _more_than(free, later)
-                     if runs else expected)
+    after_routing = (1 - math.prod(1 - p for p in later)) + _more_than(free, later)
     later_disk = sum(chosen[e] * unfetched for e in off if experts[e] == "disk")
     expert_subs = in_runs(prefetched * share) + after_routing + later_disk + prefetched * (1 - share)
     moved_experts = prefetched + expected + later_disk

@@ -26,6 +26,8 @@ KV_BUFFERS = 3                  # host-KV batches on the device at once: storing
 ATTENTION_SCORE_CHUNK = 1 << 24  # attention scores alive at once (queries are chunked past it)
 PREFILL_EXPERT_CHUNK = 4096     # tokens per expert call (bounds the FFN intermediate)
 PREFILL_SHARE = 0.25            # a prefill chunk's activations may take this much of the device
+DECODE_WORKSPACE_BYTES = 64 << 20  # packed experts decoded into the pool at once (beyond one): the bytes
+                                   # their decoded copies and temporaries take, at most
 
 
 @dataclass(frozen=True)
@@ -219,7 +221,8 @@ def working_set(cost, *, bs: int, n: int, prompt_len: int, gen_len: int, chunk: 
                 hot: int, buffers: str = "overlap", host_attention: bool = False) -> dict:
     """Device bytes needed besides resident weights and a device-resident KV cache, assuming
     every weight group is off the device (placement drops a group kind's buffer when the whole
-    kind is resident). Keys: activations, decoded (dequantized copies), then the buffers:
+    kind is resident). Packed experts' overlapping buffers are the expert pool's slots, each
+    decoded beside its packed row, and its decode workspace (placement/pool.py). Keys: activations, decoded (dequantized copies), then the buffers:
     attention, gate, expert, head, kv (host-resident KV). With buffers="minimum" the buffer
     entries are what the pipeline holds at once; the caller takes their max, not their sum
     (attention and KV buffers are held together). With `host_attention` no KV comes to the
@@ -238,14 +241,26 @@ def working_set(cost, *, bs: int, n: int, prompt_len: int, gen_len: int, chunk: 
                 # a resident quantized group is still dequantized into a transient copy per use
                 "attention_resident": cost.attention_decoded,
                 "expert_resident": cost.expert_decoded + cost.expert_workspace}
+    slots = expert_slots(schedule, s.num_experts, hot)
+    experts = slots * cost.expert_bytes
+    if cost.expert_decoded:  # packed experts land in the pool decoded, beside their packed rows
+        experts += slots * cost.expert_decoded + decode_workspace(slots, cost.expert_decoded + cost.expert_workspace)
     return {"activations": act, "decoded": cost.attention_decoded + cost.expert_decoded + cost.expert_workspace,
             "attention_buffers": 2 * cost.attention_bytes, "gate_buffers": 2 * cost.gate_bytes,
-            "expert_buffers": expert_slots(schedule, s.num_experts, hot) * cost.expert_bytes,
+            "expert_buffers": experts,
             "head_buffer": cost.head_bytes, "kv_buffers": kv}
 
 
+def decode_workspace(slots: int, decode_bytes: int) -> int:
+    """Device bytes the expert pool keeps for decoding packed experts into its `slots`: the
+    decoded copies and codec temporaries (`decode_bytes` an expert) of as many experts as one
+    codec call takes, all of them up to DECODE_WORKSPACE_BYTES, at least one. Grows with the
+    slots and with an expert's bytes, so a plan sized with the larger ones covers the run."""
+    return min(slots * decode_bytes, max(decode_bytes, DECODE_WORKSPACE_BYTES))
+
+
 def expert_pool_slots(ws: dict, buffers: str, resident: dict, free: float, expert_bytes: int, schedule: str,
-                      num_experts: int, hot: int) -> int:
+                      num_experts: int, hot: int, decode_bytes: int = 0) -> int:
     """Slots of the device's one expert pool (placement/pool.py), held for the whole run: the
     expert buffers the working set `ws` counts (the schedule's `expert_slots` with "overlap"
     buffers, one with "minimum"), as many of them as fit in `free` (the device budget less
@@ -253,11 +268,19 @@ def expert_pool_slots(ws: dict, buffers: str, resident: dict, free: float, exper
     other buffers; in "minimum" mode the largest of those, which the pool no longer shares).
     0 when not even one fits beside the rest: experts then land one at a time in copies of
     their own. Room beyond the working set stays free for what the engine sizes as it runs
-    (newcomers' caches, shared prompt segments)."""
+    (newcomers' caches, shared prompt segments). Packed experts: `expert_bytes` is a slot's
+    decoded and packed rows, and the pool's `decode_workspace` of `decode_bytes` fits beside."""
     from planner.layer import expert_slots
-    need = device_need({**ws, "expert_buffers": 0}, buffers, resident)
+    if not expert_bytes:
+        return 0
+    room = free - device_need({**ws, "expert_buffers": 0}, buffers, resident)
     cap = 1 if buffers == "minimum" else expert_slots(schedule, num_experts, hot)
-    return max(0, int(min(cap, (free - need) // expert_bytes))) if expert_bytes else 0  # free may be inf
+    lo, hi = 0, max(0, int(min(cap, room // expert_bytes)))  # free may be inf
+    while lo < hi:  # the most slots whose decode workspace fits beside them (it grows with them)
+        mid = (lo + hi + 1) // 2
+        fits = mid * expert_bytes + (decode_workspace(mid, decode_bytes) if decode_bytes else 0) <= room
+        lo, hi = (mid, hi) if fits else (lo, mid - 1)
+    return lo
 
 
 BUFFER_KINDS = ("attention", "gate", "expert", "head", "kv")

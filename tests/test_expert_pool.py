@@ -1,5 +1,5 @@
 """The expert pool (issue 45 item 1): one set of device slots per run, sized from the planner's
-working set, that every transferred 16-bit/fp32 expert lands in; its bytes reserved once; its
+working set, that every transferred expert lands in (packed ones decoded into it); its bytes reserved once; its
 addresses fixed; waves computed over it; slots reused behind fences on CUDA."""
 import pytest
 import torch
@@ -116,8 +116,9 @@ def test_the_pool_is_the_plans_expert_buffers_and_is_charged_once(model):
         engine.close()
 
 
-def test_packed_experts_stay_outside_the_pool(tmp_path):
-    """HQQ-quantized experts are decoded per use into copies of their own: no pool is made."""
+def test_packed_experts_land_in_the_pool_decoded(tmp_path):
+    """HQQ-quantized experts streamed: the pool's slots hold them decoded (the compute dtype's
+    shapes), beside a packed row each that their copy lands in (tests/test_packed_pool.py)."""
     from klotski.assemble import open_engine
     from klotski.builtin import tiny
     from klotski.config import RunConfig
@@ -128,7 +129,11 @@ def test_packed_experts_stay_outside_the_pool(tmp_path):
     engine, seqs, _ = open_engine(cfg, requests(PROMPTS[:3], 2), placement=_streamed(model))
     try:
         list(engine.run(seqs))
-        assert engine.cache.pool is None and engine.cache.pooled(("expert", 0, 0)) is False
+        pool = engine.cache.pool
+        assert pool is not None and engine.cache.pooled(("expert", 0, 0))
+        assert {n: t.shape[1:] for n, t in pool.tensors.items()} == {
+            n: t.shape for n, t in engine.cache.codec.decode(engine.cache.host[("expert", 0, 0)]).items()}
+        assert pool.flat.shape == (pool.slots, engine.cache.moved[("expert", 0, 0)])
     finally:
         engine.close()
 

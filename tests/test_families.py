@@ -88,9 +88,11 @@ def test_hqq4_packs_each_familys_projections_and_keeps_the_rest(family_models, t
     assert kept <= set(attn)
     with pytest.raises(KeyError):  # router and shared expert are read from the checkpoint as they are
         load_quantized(copy, "gate.0")
-    quarter = sum(engine.cache.full.values()) // 4
+    # a sixth: at a quarter the planner keeps qwen2's packed experts resident (moved ones take a
+    # pool slot decoded beside their packed row) and moves attention and gates instead
+    sixth = sum(engine.cache.full.values()) // 6
     moved, engine = engine_tokens(family_models[family], quantize="hqq4", offload_dir=str(tmp_path / "q"),
-                                  device_memory=quarter, batch_size=2, num_batches=3)
+                                  device_memory=sixth, batch_size=2, num_batches=3)
     assert moved == resident
     assert engine.pipeline.experts_loaded > 0
 

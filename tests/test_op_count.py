@@ -42,3 +42,17 @@ def test_fine_grained_experts_cost_what_coarse_ones_do(tmp_path_factory):
         runs = {e: job_ops(m, experts_on_host=host, device_memory=budget, lines=16, tokens=8)
                 for e, m in models.items()}
         assert runs[FINE]["ops"] <= bound * runs[COARSE]["ops"], (host, runs[FINE]["ops"], runs[COARSE]["ops"])
+
+
+def test_packed_fine_grained_experts_cost_what_coarse_ones_do(tmp_path_factory):
+    """The same for HQQ 4-bit experts streamed from host memory through a tight budget: they
+    land packed in the pool (one copy each), are decoded into their slots a run at a time and
+    computed in grouped waves, so 128 experts cost at most 2.5x the ops of 8 as 16-bit ones do.
+    Each moved into a copy of its own, decoded (24 parts) and computed alone, it was 5.53x
+    (197734 against 35737 ops: docs/benchmarks.md)."""
+    from klotski.bench.op_count import FINE, COARSE, build_fine_and_coarse, job_ops
+    root = tmp_path_factory.mktemp("fine-hqq")
+    models = build_fine_and_coarse(root)
+    runs = {e: job_ops(m, experts_on_host=True, device_memory=8 << 20, lines=16, tokens=8, quantize="hqq4",
+                       offload_dir=str(root / f"hqq-{e}")) for e, m in models.items()}
+    assert runs[FINE]["ops"] <= 2.5 * runs[COARSE]["ops"], (runs[FINE]["ops"], runs[COARSE]["ops"])

@@ -94,10 +94,11 @@ def build_fine_and_coarse(root: Path, layers: int = 3) -> dict[int, Path]:
 
 
 def job_ops(model_dir, *, experts_on_host: bool, device_memory: int | None = None, lines: int = 32,
-            tokens: int = 24, bs: int = 8, n: int = 4) -> dict:
+            tokens: int = 24, bs: int = 8, n: int = 4, **options) -> dict:
     """ATen ops (all, and kernels: not views) the compute thread issues for a whole job of
     `lines` prompts, `tokens` new tokens each, and its decode seconds (one run): every expert
-    resident, or every expert streamed from host memory through `device_memory`."""
+    resident, or every expert streamed from host memory through `device_memory`. `options`:
+    more RunConfig fields (`quantize="hqq4", offload_dir=...`)."""
     from klotski.assemble import open_engine
     from klotski.config import RunConfig
     from klotski.io.checkpoint import Checkpoint
@@ -107,7 +108,7 @@ def job_ops(model_dir, *, experts_on_host: bool, device_memory: int | None = Non
     keys = Checkpoint.open(str(model_dir)).spec.group_keys()
     placement = Placement.by_kind(keys, expert="host" if experts_on_host else "device")
     cfg = RunConfig(model=str(model_dir), progress=False, dtype="float32", batch_size=bs, num_batches=n,
-                    device_memory=device_memory)
+                    device_memory=device_memory, **options)
     reqs = [Request(id=f"r{i}", line=i + 1, prompt=f"item {i} of the list, a passage about things", messages=None,
                     max_new_tokens=tokens) for i in range(lines)]
     engine, seqs, errors = open_engine(cfg, reqs, placement=placement)

@@ -158,6 +158,10 @@ class GgufCodec:
         for name, ref in self.spec.group_refs(key).items():
             yield name, ref, self.store.qtype(ref.name)
 
+    def block_types(self, key) -> tuple:
+        """The block type of each part: experts stacked together (a pool's rows) must share it."""
+        return tuple((name, q) for name, _, q in self._parts(key))
+
     def packed_nbytes(self, key) -> int:
         return sum(self.store.raw_nbytes(r.name, r.index, r.rows) if q not in FLOAT_TYPES
                    else math.prod(self.store.entries[r.name].span(r.index, r.rows)[2]) * self.dtype.itemsize

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -136,27 +137,36 @@ def quantize_tensor(w: torch.Tensor, spec: QuantSpec = QuantSpec()) -> dict[str,
 
 def dequantize_tensor(parts: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
     """Rebuild the weight on the device `parts` are on, in `dtype` (default: the source dtype).
+    Parts stacked along leading dimensions (experts of one layer, each part [n, ...]) give the
+    weights stacked the same way, each bit for bit what it gives alone.
 
     Up to 4 bits the arithmetic runs in `dtype`, as HQQ does: for bf16 on this CPU it is
     ~3x faster than fp32 (3 vs 9.5 ms per 1024x3584, one thread), error 0.0897 → 0.0898.
     8-bit codes run in fp32: bf16 cannot hold a zero point in [0, 255] to within one code
     step (rel. error 0.0071 instead of 0.0053)."""
     header = parts["header"]
-    _, bits, gs, _, rows, cols = header.shape
+    lead = header.shape[:-6]
+    _, bits, gs, _, rows, cols = header.shape[-6:]
     dtype = dtype or header.dtype
     work = dtype if bits < META_BITS else torch.float32
     groups = _padded_groups(rows, cols, gs)
+    n = math.prod(lead)
     Quantizer = _hqq()
-    meta = {"nbits": bits, "group_size": gs, "axis": 1, "shape": (groups, gs),
-            "packing": Quantizer.bit_to_packing[bits], "view_as_float": False, "compute_dtype": work}
-    meta["unpack_view_dtype"] = Quantizer.unpack_view_dtype[meta["packing"]]
+    # hqq's unpacking works down the first dimension of a [packed groups, gs] matrix, column by
+    # column: the stacked experts go side by side in its columns and come back out after
+    q = parts["q"].reshape(n, *parts["q"].shape[-2:])
+    codes = Quantizer.unpack[Quantizer.bit_to_packing[bits]](q.transpose(0, 1).reshape(q.shape[1], -1), dtype=work)
+    codes = codes[:groups].view(groups, n, gs).transpose(0, 1)  # 3 bits: 10 codes an int32, padded
+    meta = {}
     for key in ("scale", "zero"):
         v = parts[key] if key in parts else \
             _dequantize_meta(parts[f"{key}_q"], parts[f"{key}_s"], parts[f"{key}_z"], groups)
-        meta[key] = v.to(work)
-    W = Quantizer.dequantize(parts["q"], meta)
-    W = W[: rows * -(-cols // gs)].reshape(rows, -1)[:, :cols]
-    return W.to(dtype).contiguous()
+        meta[key] = v.reshape(n, groups, 1).to(work)
+    # hqq's Quantizer.dequantize, (codes - zero) * scale, over every expert at once; in place on the
+    # codes (a fresh tensor), so a stacked decode holds no temporaries beyond them
+    W = codes.sub_(meta["zero"]).mul_(meta["scale"])
+    W = W[:, : rows * -(-cols // gs)].reshape(n, rows, -1)[:, :, :cols]
+    return W.reshape(*lead, rows, cols).to(dtype).contiguous()
 
 
 def packed_weight_nbytes(rows: int, cols: int, spec: QuantSpec = QuantSpec()) -> int:
@@ -196,10 +206,10 @@ def _quantize_meta(v: torch.Tensor, mgs: int):
 
 
 def _dequantize_meta(q, s, z, count: int) -> torch.Tensor:
-    meta = {"nbits": META_BITS, "group_size": q.shape[1], "axis": 1, "shape": tuple(q.shape),
+    meta = {"nbits": META_BITS, "group_size": q.shape[-1], "axis": 1, "shape": tuple(q.shape),
             "packing": "8bit_u8", "view_as_float": False, "unpack_view_dtype": torch.uint8,
             "compute_dtype": torch.float32, "scale": s, "zero": z}
-    return _hqq().dequantize(q, meta).reshape(-1, 1)[:count]
+    return _hqq().dequantize(q, meta).reshape(*q.shape[:-2], -1, 1)[..., :count, :]
 
 
 # ---- tensor groups ------------------------------------------------------------------------

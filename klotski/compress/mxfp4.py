@@ -11,6 +11,7 @@ way the HQQ codec (klotski/compress/quantized.py) does. Decoding follows transfo
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -24,27 +25,30 @@ WORKSPACE_BYTES = 16 << 20
 
 
 def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """blocks [rows, cols/32, 16], scales [rows, cols/32] -> the weight transposed, [cols, rows]
-    (what `x @ W` takes, as transformers lays gpt-oss experts out in memory). Beyond the output it
-    takes at most `workspace_nbytes(rows, cols, dtype)` bytes of temporaries."""
-    rows, groups, width = blocks.shape
+    """blocks [..., rows, cols/32, 16], scales [..., rows, cols/32] -> the weight transposed,
+    [..., cols, rows] (what `x @ W` takes, as transformers lays gpt-oss experts out in memory);
+    leading dimensions are experts decoded together, each bit for bit as alone. Beyond the output
+    it takes at most `workspace_nbytes(rows, cols, dtype)` bytes of temporaries per expert."""
+    *lead, rows, groups, width = blocks.shape
+    n = math.prod(lead)
+    blocks, scales = blocks.reshape(n, rows, groups, width), scales.reshape(n, rows, groups)
     table = byte_values(dtype, blocks.device)
     # scaling by an exact power of two is what transformers' ldexp does, bit for bit; in place, so
     # the float copy is the only temporary
     scale = scales.to(torch.float32, copy=True).sub_(127).exp2_().to(dtype)
-    out = torch.empty(groups * 2 * width, rows, dtype=dtype, device=blocks.device)
-    step = _chunk_groups(rows, groups, dtype)
+    out = torch.empty(n, groups * 2 * width, rows, dtype=dtype, device=blocks.device)
+    step = _chunk_groups(n * rows, groups, dtype)
     for g in range(0, groups, step):
         k = min(step, groups - g)
         # one lookup per byte gives both of its values (low nibble first); a slab of whole groups is
-        # a contiguous block of rows of the transposed output
-        codes = blocks[:, g:g + k].to(torch.int32, memory_format=torch.contiguous_format)
-        vals = torch.nn.functional.embedding(codes.view(rows, k * width), table)
+        # a contiguous block of rows of each expert's transposed output
+        codes = blocks[:, :, g:g + k].to(torch.int32, memory_format=torch.contiguous_format)
+        vals = torch.nn.functional.embedding(codes.view(n, rows, k * width), table)
         del codes
-        vals = vals.view(rows, k, 2 * width).mul_(scale[:, g:g + k, None])
-        out[g * 2 * width:(g + k) * 2 * width].copy_(vals.view(rows, k * 2 * width).t())
+        vals = vals.view(n, rows, k, 2 * width).mul_(scale[:, :, g:g + k, None])
+        out[:, g * 2 * width:(g + k) * 2 * width].copy_(vals.view(n, rows, k * 2 * width).transpose(1, 2))
         del vals
-    return out
+    return out.view(*lead, groups * 2 * width, rows)
 
 
 @functools.cache

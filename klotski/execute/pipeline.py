@@ -371,8 +371,10 @@ class Pipeline:
         """Transferred experts that have landed, computed together: every one in a pool slot
         (placement.pool) in one call over the pool's tensors, rows in slot order (-1: a slot not
         in this wave); the pool's overflow (WeightCache.start_many) in one call per Landing over
-        its stacks; any other (packed, decoded for its use) in a call of its own. No weight is
-        copied. Returns the keys kept to the end of the layer (non-klotski schedules)."""
+        its stacks; any other (moved alone: no slot nor room to stack it, or a disk read handed
+        over on a CPU) in a call of its own. A packed expert is decoded when first waited for,
+        with the experts moved beside it (into their slots, or their Landing's stacks). No weight
+        is copied. Returns the keys kept to the end of the layer (non-klotski schedules)."""
         pooled, landed, alone = {}, {}, []
         for e in experts:
             key = ("expert", layer, e)
@@ -396,7 +398,7 @@ class Pipeline:
                 rows[landing.row[key]] = e
             kept += self._computed(moe, ffn, landing.stacks, list(members), rows)
         for key, e in alone:
-            w = self.res.get(key)  # decoded if packed
+            w = self.res.get(key)  # decoded into a copy of its own if packed
             kept += self._computed(moe, ffn, {n: t.unsqueeze(0) for n, t in w.items()}, [key], [e])
             del w  # no reference outlives its release
         return kept

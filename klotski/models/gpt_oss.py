@@ -94,13 +94,15 @@ GGUF_PARTS = ("gate", "up", "down")  # a GGUF expert's matrices, [out, in] as ll
 
 
 def join_gguf_expert(w: dict) -> dict:
-    """A GGUF expert decoded (gate, up [I, H], down [H, I] and their biases) -> this family's
-    layout: gate and up rows interleaved and transposed into `gate_up` [H, 2I], down [I, H]
-    (contiguous, as transformers holds them, so the products sum in its order)."""
-    I, H = w["gate"].shape
-    gate_up = torch.stack((w["gate"], w["up"]), dim=1).view(2 * I, H).t().contiguous()
-    return {"gate_up": gate_up, "gate_up_bias": torch.stack((w["gate_bias"], w["up_bias"]), dim=1).view(2 * I),
-            "down": w["down"].t().contiguous(), "down_bias": w["down_bias"]}
+    """A GGUF expert decoded (gate, up [I, H], down [H, I] and their biases; experts decoded
+    together stacked on leading dimensions) -> this family's layout: gate and up rows
+    interleaved and transposed into `gate_up` [H, 2I], down [I, H] (contiguous, as transformers
+    holds them, so the products sum in its order)."""
+    *lead, I, H = w["gate"].shape
+    gate_up = torch.stack((w["gate"], w["up"]), dim=-2).view(*lead, 2 * I, H).transpose(-1, -2).contiguous()
+    return {"gate_up": gate_up,
+            "gate_up_bias": torch.stack((w["gate_bias"], w["up_bias"]), dim=-1).view(*lead, 2 * I),
+            "down": w["down"].transpose(-1, -2).contiguous(), "down_bias": w["down_bias"]}
 
 
 def local_shapes(spec) -> dict[str, tuple[int, ...]]:
