@@ -14,7 +14,8 @@ klotski and has no model math of its own. An ops factory is called as
 `ops(shape, torch_dtype, torch_device)` and returns an object whose methods
 `attention(bs, ctx, new_tokens)`, `gate(tokens)`, `expert(tokens)`, `head(tokens)` and
 `dequant()` (one expert's weights) each prepare inputs on the device and return a
-zero-argument callable running that op once; optionally `attend(bs, ctx, new_tokens)`, the
+zero-argument callable running that op once; optionally `wave(experts, pairs)`, one grouped
+call over a stack of experts with the pairs spread over them (the engine's waves), `attend(bs, ctx, new_tokens)`, the
 attention core alone (scores and weighted values over cached keys), and `kernels(bs, ctx)`, the
 ops one call of each piece of the math issues (kept as the profile's `kernels`). On a GPU machine the
 factory is also called with the cpu device to time host compute (an expert, the attention
@@ -55,7 +56,9 @@ BUILTIN_DIR = Path(__file__).parent / "profiles"
 # the pipeline paid 1.0 ms for, call after call), and decode batches of 64 are sampled.
 # 8: the grid is timed ROUNDS times over and each point takes the median of its rounds.
 # 9: the model math's ops of one call of each kind are counted (`kernels`), when the ops can.
-PROFILE_VERSION = 9
+# 10: the grouped expert call (`wave`: many experts in one call, as the engine computes them)
+# is timed at one expert and at WAVE_GROUPS, for its per-call and per-expert parts.
+PROFILE_VERSION = 10
 # This VM's speed moved by a fifth within minutes: one measure priced smollm2-moe's expert at
 # 8 tokens 0.74 ms (and every other op about as much faster) where two measures minutes later
 # gave 0.91 and 0.93 and the same op timed alone 0.88-0.95; a run meets the typical pace, so
@@ -64,6 +67,12 @@ ROUNDS = 3
 # A chunked prefill pass (new tokens ≪ context) is neither a decode step nor a whole prompt:
 # tiny-mixtral's 8 tokens over 128 ran 0.90 ms where the whole-prompt samples priced 0.65.
 CHUNK_SAMPLE = 8
+# A wave is timed over 1 and over WAVE_GROUPS experts at each of WAVE_PAIRS pairs an expert:
+# the difference is what each further expert adds, the rest the call's own cost (6 points;
+# the stack is held to WAVE_BYTES, so a huge expert is timed in waves of 2).
+WAVE_GROUPS = 8
+WAVE_PAIRS = (1, 8, 64)
+WAVE_BYTES = 1 << 30
 
 
 @dataclass
@@ -349,7 +358,16 @@ def _time_grid(ops, shape, grid, reps, sync) -> dict[str, list[list[float]]]:
     for n in sorted({1, max(grid["bs"])}):
         samples["head"].append([n, _timeit(ops.head(n), reps, sync)])
     samples["dequant"].append([shape.expert_params, _timeit(ops.dequant(), reps, sync)])
+    if hasattr(ops, "wave"):  # [experts, pairs, seconds]
+        samples["wave"] = [[g, g * n, _timeit(ops.wave(g, g * n), reps, sync)]
+                           for n in WAVE_PAIRS for g in (1, wave_groups(shape))]
     return samples
+
+
+def wave_groups(shape) -> int:
+    """Experts in the profile's larger timed wave: WAVE_GROUPS, fewer where their stack would
+    pass WAVE_BYTES (at least 2)."""
+    return max(2, min(WAVE_GROUPS, WAVE_BYTES // max(1, shape.expert_params * shape.dtype_bytes)))
 
 
 def host_rates(shape, make_ops, grid, reps, samples=None) -> tuple[float, float]:
