@@ -228,13 +228,16 @@ class CostModel:
         (per-group work: on a CPU the kernel loops over groups) and its pairs' FLOPs and weight
         bytes. Measured: the timed waves' per-expert part relative to the single-expert op
         (`t_expert`) at the same pairs, interpolated in log pairs and scaled by `t_expert`
-        beyond. Inferred without them: `t_expert` less the call's fixed part, plus a stated
-        `wave_group` overhead."""
+        beyond. Inferred without them: `t_expert` less the call's fixed part (where the profile
+        states a `wave_group` overhead: less the `expert` overhead, plus that)."""
         if pairs <= 0:
             return 0.0
         fit = self._wave_fit()
         if fit is None:
-            return max(0.0, self.t_expert(pairs) - self.t_wave_call()) + self.profile.overhead_s.get("wave_group", 0.0)
+            o = self.profile.overhead_s
+            if "wave_group" in o:
+                return max(0.0, self.t_expert(pairs) - o.get("expert", 0.0)) + o["wave_group"]
+            return max(0.0, self.t_expert(pairs) - self.t_wave_call())
         ratios = sorted((n, per / max(self.t_expert(n), 1e-12)) for n, per in fit[1].items())
         at = math.log(max(1.0, pairs))
         lo = max((r for r in ratios if math.log(r[0]) <= at), default=ratios[0])

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from planner.workingset import PREFILL_EXPERT_CHUNK
+PREFILL_EXPERT_CHUNK = 4096  # pairs one expert call takes at most (bounds the FFN intermediate)
 
 
 def call_rows(tokens: float) -> float:

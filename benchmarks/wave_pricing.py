@@ -1,0 +1,66 @@
+"""The planner's predicted prefill and decode seconds against a run's, for 8 and 128 experts at
+equal FLOPs (issue: the planner prices the expert phase as the engine runs it, in waves). The
+two Qwen3-shaped models of benchmarks/fine_grained.py (128 experts top-8 and 8 experts top-8,
+each 128 wide; klotski.bench.op_count.build_fine_and_coarse) run the same 32-line job, 24 new
+tokens a line, 4 batches of 8, in fp32 on one thread, every expert resident and every expert
+streamed through a 12 MiB device budget. Each row is the median of --repeats runs of
+`klotski generate`; "predicted" is the report's replay of its own plan over the lengths the
+answers had (`replayed_prefill_s`, `replayed_decode_s`), so only the cost model's error is left.
+
+    python benchmarks/wave_pricing.py [--repeats 3] [--out benchmarks/results/wave_pricing.json]
+
+The CLI runs as a subprocess with this process's PYTHONPATH, so pointing it at another tree
+measures that tree's planner on the same models."""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from klotski.bench.op_count import build_fine_and_coarse
+
+REGIMES = {"resident": [], "streamed 12 MiB": ["--device-memory", "12MiB"]}
+FIELDS = ("replayed_prefill_s", "prefill_s", "replayed_decode_s", "decode_s")
+
+
+def _run(model: Path, flags: list[str], tmp: Path, tag: str) -> dict:
+    jobs = tmp / "jobs.jsonl"
+    if not jobs.exists():
+        jobs.write_text("".join(json.dumps({"id": f"r{i}", "prompt": f"item {i} of the list, a passage about things",
+                                            "max_new_tokens": 24}) + "\n" for i in range(32)))
+    report = tmp / f"{tag}.report.json"
+    cmd = [sys.executable, "-m", "klotski.cli.main", "generate", str(jobs), "--model", str(model), "--device", "cpu",
+           "--dtype", "float32", "--threads", "1", "--batch-size", "8", "--num-batches", "4", "--no-progress",
+           "--no-resume", "-o", str(tmp / f"{tag}.out.jsonl"), "--report", str(report), *flags]
+    subprocess.run(cmd, check=True, env=os.environ.copy(), stdout=subprocess.DEVNULL)
+    r = json.loads(report.read_text())
+    return {k: r[k] for k in FIELDS}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "wave_pricing.json")
+    args = p.parse_args()
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        models = build_fine_and_coarse(tmp / "models")
+        for regime, flags in REGIMES.items():
+            for e, model in models.items():
+                runs = [_run(model, flags, tmp, f"{e}-{i}") for i in range(args.repeats)]
+                rows[f"{regime}, {e} experts"] = {k: statistics.median(r[k] for r in runs) for k in FIELDS}
+    print("| regime, model | prefill predicted | prefill measured | decode predicted | decode measured |\n"
+          "|---|---|---|---|---|")
+    for name, r in rows.items():
+        print(f"| {name} | {r['replayed_prefill_s']:.3f} | {r['prefill_s']:.3f} | {r['replayed_decode_s']:.3f} "
+              f"| {r['decode_s']:.3f} |")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(rows, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
