@@ -2,7 +2,7 @@
 equal FLOPs (issue: the planner prices the expert phase as the engine runs it, in waves). The
 two Qwen3-shaped models of benchmarks/fine_grained.py (128 experts top-8 and 8 experts top-8,
 each 128 wide; klotski.bench.op_count.build_fine_and_coarse) run the same 32-line job, 24 new
-tokens a line, 4 batches of 8, in fp32 on one thread, every expert resident and every expert
+tokens a line, 4 batches of 8, in fp32 (the engine's thread count), every expert resident and every expert
 streamed through a 12 MiB device budget. Each row is the median of --repeats runs of
 `klotski generate`; "predicted" is the report's replay of its own plan over the lengths the
 answers had (`replayed_prefill_s`, `replayed_decode_s`), so only the cost model's error is left.
@@ -10,7 +10,8 @@ answers had (`replayed_prefill_s`, `replayed_decode_s`), so only the cost model'
     python benchmarks/wave_pricing.py [--repeats 3] [--out benchmarks/results/wave_pricing.json]
 
 The CLI runs as a subprocess with this process's PYTHONPATH, so pointing it at another tree
-measures that tree's planner on the same models."""
+measures that tree's planner on the same models. The models are built in --models (kept, so a
+profile measured for their shapes is measured once for both trees' runs)."""
 import argparse
 import json
 import os
@@ -20,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from klotski.bench.op_count import build_fine_and_coarse
+from klotski.bench.op_count import COARSE, FINE, build_fine_and_coarse
 
 REGIMES = {"resident": [], "streamed 12 MiB": ["--device-memory", "12MiB"]}
 FIELDS = ("replayed_prefill_s", "prefill_s", "replayed_decode_s", "decode_s")
@@ -33,9 +34,9 @@ def _run(model: Path, flags: list[str], tmp: Path, tag: str) -> dict:
                                             "max_new_tokens": 24}) + "\n" for i in range(32)))
     report = tmp / f"{tag}.report.json"
     cmd = [sys.executable, "-m", "klotski.cli.main", "generate", str(jobs), "--model", str(model), "--device", "cpu",
-           "--dtype", "float32", "--threads", "1", "--batch-size", "8", "--num-batches", "4", "--no-progress",
+           "--dtype", "float32", "--batch-size", "8", "--num-batches", "4", "--no-progress",
            "--no-resume", "-o", str(tmp / f"{tag}.out.jsonl"), "--report", str(report), *flags]
-    subprocess.run(cmd, check=True, env=os.environ.copy(), stdout=subprocess.DEVNULL)
+    subprocess.run(cmd, check=True, env=os.environ.copy(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     r = json.loads(report.read_text())
     return {k: r[k] for k in FIELDS}
 
@@ -44,11 +45,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "wave_pricing.json")
+    p.add_argument("--models", type=Path, default=Path(tempfile.gettempdir()) / "klotski-wave-pricing")
     args = p.parse_args()
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        models = build_fine_and_coarse(tmp / "models")
+        models = {e: args.models / f"qwen3-{e}" for e in (FINE, COARSE)}
+        if not all((m / "config.json").exists() for m in models.values()):
+            models = build_fine_and_coarse(args.models)
         for regime, flags in REGIMES.items():
             for e, model in models.items():
                 runs = [_run(model, flags, tmp, f"{e}-{i}") for i in range(args.repeats)]

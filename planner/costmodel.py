@@ -248,6 +248,17 @@ class CostModel:
             ratio = lo[1] + (hi[1] - lo[1]) * (at - math.log(lo[0])) / (math.log(hi[0]) - math.log(lo[0]))
         return self.t_expert(pairs) * ratio
 
+    def t_wave_slot(self) -> float:
+        """What an empty group costs a grouped call (a resident wave's every call passes the
+        layer's whole stack, most of it empty in a decode's call): on a CPU the kernel still
+        visits it. Measured: a wave over g experts with every pair in the first, less the wave
+        of one at those pairs, over g − 1, held within 0 and an expert's part at one pair.
+        Inferred without that sample: 0 (a GPU's grouped kernel skips an empty group)."""
+        rows = self._samples.get("wave_empty") or []
+        single = {p: t for g, p, t in self._samples.get("wave") or [] if g == 1}
+        slots = [(t - single[p]) / (g - 1) for g, p, t in rows if g > 1 and p in single]
+        return min(max(0.0, slots[0]), self.t_wave_expert(1)) if slots else 0.0
+
     def _wave_fit(self) -> tuple[float, dict[float, float]] | None:
         """(the call's fixed part, {pairs an expert: one expert's part}) from the profile's timed
         waves at this shape, or None. At each pairs an expert, waves over 1 and over g experts

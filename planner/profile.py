@@ -63,8 +63,7 @@ ROUNDS = 3
 # A chunked prefill pass (new tokens ≪ context) is neither a decode step nor a whole prompt:
 # tiny-mixtral's 8 tokens over 128 ran 0.90 ms where the whole-prompt samples priced 0.65.
 CHUNK_SAMPLE = 8
-# A wave is timed over 1 and over WAVE_GROUPS experts at each of WAVE_PAIRS pairs an expert:
-# what each further expert adds, and the call's own cost (the stack held to WAVE_BYTES).
+# A wave is timed over 1 and WAVE_GROUPS experts at each of WAVE_PAIRS pairs an expert (the stack within WAVE_BYTES).
 WAVE_GROUPS = 8
 WAVE_PAIRS = (1, 8, 64)
 WAVE_BYTES = 1 << 30
@@ -353,9 +352,10 @@ def _time_grid(ops, shape, grid, reps, sync) -> dict[str, list[list[float]]]:
     for n in sorted({1, max(grid["bs"])}):
         samples["head"].append([n, _timeit(ops.head(n), reps, sync)])
     samples["dequant"].append([shape.expert_params, _timeit(ops.dequant(), reps, sync)])
-    if hasattr(ops, "wave"):  # [experts, pairs, seconds]
-        samples["wave"] = [[g, g * n, _timeit(ops.wave(g, g * n), reps, sync)]
-                           for n in WAVE_PAIRS for g in (1, wave_groups(shape))]
+    if hasattr(ops, "wave"):  # [experts, pairs, seconds]; wave_empty: one expert's among g - 1 empty groups
+        g = wave_groups(shape)
+        samples["wave"] = [[k, k * n, _timeit(ops.wave(k, k * n), reps, sync)] for n in WAVE_PAIRS for k in (1, g)]
+        samples["wave_empty"] = [[g, 8, _timeit(ops.wave(g, 8, spread=False), reps, sync)]]
     return samples
 
 

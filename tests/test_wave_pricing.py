@@ -147,3 +147,22 @@ def test_the_profile_times_waves_of_one_and_of_several_experts(tmp_path):
     cost = CostModel(prof, shape)
     assert 0 <= cost.t_wave_call() <= min(r[2] for r in prof.samples["wave"] if r[0] == 1)
     assert cost.t_wave_expert(8) > 0
+
+
+def test_a_resident_waves_calls_pay_for_the_empty_groups_they_pass():
+    """Each call of the resident wave takes the layer's whole stack (it runs before the counts
+    reach the host): at bs 32 its 8 calls pass 8·128 groups, ~125 with pairs. Where the kernel
+    visits an empty group (a CPU), the profile's wave of one expert's pairs among empty groups
+    prices each."""
+    plain = fitted(call=30e-6, group=5e-6, single=50e-6, shape=MANY)
+    with_empty = fitted(call=30e-6, group=5e-6, single=50e-6, shape=MANY)
+    one = next(t for g, p, t in with_empty.samples["wave"] if (g, p) == (1, 8))
+    with_empty.samples["wave_empty"] = [[8, 8, one + 7 * 2e-6]]
+    assert CostModel(with_empty, MANY).t_wave_slot() == pytest.approx(2e-6)
+    assert CostModel(plain, MANY).t_wave_slot() == 0.0  # not timed: a GPU's kernel skips them
+
+    def resident(prof):
+        io = LayerIO("device", "device", "device", ("device",) * 128, "device")
+        parts = ineq_terms(CostModel(prof, MANY), io, Phase(32, 1, 64, 1), [8 / 128] * 128, set())[2]
+        return parts["hot"] + parts["cold"]
+    assert resident(with_empty) - resident(plain) == pytest.approx((8 * 128 - used(MANY, 32)) * 2e-6)

@@ -156,18 +156,20 @@ class LayerOps:
         x, ffn = self._x(n, self.spec.hidden_size), self.M.bind_expert_ffn(self.spec)
         return self._cycle([lambda w=w: run_expert(ffn, x, w) for w in self.expert_w])
 
-    def wave(self, groups: int, pairs: int):
+    def wave(self, groups: int, pairs: int, spread: bool = True):
         """One wave as `LayerExperts.run_wave` computes it: the family's grouped expert FFN over
         a stack of `groups` experts (stacked as the cache stacks a layer's resident experts and
-        the pool holds the landed ones), `pairs` rows spread evenly over them, in one call (the
-        profile keeps `pairs` within a call's PREFILL_EXPERT_CHUNK). Cycles through copies of
-        the stack, so its weights are read cold."""
+        the pool holds the landed ones), `pairs` rows spread evenly over them (or, not `spread`,
+        all in the first: the others empty groups, as a resident wave's calls pass the whole
+        stack), in one call (the profile keeps `pairs` within a call's PREFILL_EXPERT_CHUNK).
+        Cycles through copies of the stack, so its weights are read cold."""
         from klotski.models.grouped import Groups
         torch, experts = self.torch, self.expert_w
         ffn = self.M.bind_grouped_expert_ffn(self.spec)
         stacks = [{n: torch.stack([experts[(c * groups + g) % len(experts)][n] for g in range(groups)])
                    for n in experts[0]} for c in range(self._count(groups * _nbytes(experts[0])))]
-        rows = [pairs // groups + (g < pairs % groups) for g in range(groups)]
+        rows = [pairs // groups + (g < pairs % groups) for g in range(groups)] if spread else \
+            [pairs] + [0] * (groups - 1)
         ends = torch.tensor(rows, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(self.device)
         x = self._x(pairs, self.spec.hidden_size)
         return self._cycle([lambda w=w: ffn(x, w, Groups(rows, ends)) for w in stacks])
