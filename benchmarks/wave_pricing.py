@@ -10,7 +10,8 @@ answers had (`replayed_prefill_s`, `replayed_decode_s`), so only the cost model'
     python benchmarks/wave_pricing.py [--repeats 3] [--out benchmarks/results/wave_pricing.json]
 
 The CLI runs as a subprocess with this process's PYTHONPATH, so pointing it at another tree
-measures that tree's planner on the same models. The models are built in --models (kept, so a
+measures that tree's planner on the same models (run it from outside either tree: `python -m`
+puts the working directory first). The models are built in --models (kept, so a
 profile measured for their shapes is measured once for both trees' runs)."""
 import argparse
 import json
