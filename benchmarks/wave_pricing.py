@@ -39,13 +39,14 @@ FIXED = ("import os, sys; from planner.profile import Profile; from klotski impo
 
 def _saved_profile(model: Path, where: Path) -> Path:
     """The profile the runs of `model` plan with: saved in `where`, or measured here first."""
-    import torch
+    import dataclasses
 
     from klotski import assemble, planning
     from klotski.io.checkpoint import Checkpoint
+    from planner.shapes import as_shape
     path = where / f"{model.name}.json"
-    if not path.exists():
-        shape = planning._compute_shape(Checkpoint.open(str(model)), torch.float32)
+    if not path.exists():  # planned in the runs' dtype, as klotski.planning does
+        shape = dataclasses.replace(as_shape(Checkpoint.open(str(model)).spec), dtype="float32")
         where.mkdir(parents=True, exist_ok=True)
         path.write_text(planning.measure_here(shape, device="cpu", pipeline_cost=assemble.pipeline_cost).to_json())
     return path
