@@ -158,6 +158,7 @@ def planner_compute(profile, layer_shape):
     measured for `layer_shape`: its per-layer op times hold for any layer count of it):
     attention, router, the experts a pass hits and the head, and the pipeline's own cost."""
     from planner.costmodel import CostModel
+    from planner.waves import resident_calls
     cost = CostModel(profile, layer_shape)
 
     def compute_s(shape, bs, n, tokens, ctx):
@@ -165,7 +166,8 @@ def planner_compute(profile, layer_shape):
         rows = n * bs * tokens
         hit = min(E, rows * k)  # experts a layer runs: all of them once a pass has E/k tokens
         attn = cost.t_attn(bs, ctx) if tokens == 1 else cost.t_attn(bs, ctx, tokens)
-        layer = n * (attn + cost.t_gate(bs * tokens)) + hit * cost.t_expert(rows * k / hit)
+        # the experts in waves, as the engine computes them resident (planner/waves.py)
+        layer = n * (attn + cost.t_gate(bs * tokens)) + cost.t_wave(hit, rows * k, resident_calls(rows, k, E))
         return (L * layer + n * cost.t_head(bs)
                 + cost.t_pipeline(batch_layers=n * L, expert_calls=hit * L, steps=1, tokens=rows * L))
     return compute_s

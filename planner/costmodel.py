@@ -202,6 +202,84 @@ class CostModel:
         """One expert FFN over `tokens` tokens; 0 for none (the expert is not run)."""
         return 0.0 if tokens <= 0 else self._time("expert", (max(1.0, tokens),))
 
+    # ---- waves: many experts in one grouped call, as the engine computes them -----------
+    def t_wave(self, experts: float, pairs: float, calls: float = 1.0) -> float:
+        """A wave of `experts` experts sharing `pairs` (token, slot) pairs evenly, in `calls`
+        grouped calls: each call's fixed part, then each expert's part (`t_wave_expert`)."""
+        if experts <= 0 or pairs <= 0:
+            return 0.0
+        return calls * self.t_wave_call() + experts * self.t_wave_expert(pairs / experts)
+
+    def t_wave_call(self) -> float:
+        """The fixed part of one grouped expert call (its kernels' launches and dispatch), paid
+        once a call whatever its experts. Measured: the intercept of the timed waves over 1 and
+        over several experts at equal pairs an expert. Inferred where the profile timed no wave
+        (a built-in profile, one measured before PROFILE_VERSION 10 or at other shapes): the
+        `wave` overhead if it states one, else a single expert call's fixed cost (the `expert`
+        overhead: the grouped call launches the kernels one expert's call does)."""
+        fit = self._wave_fit()
+        if fit is not None:
+            return fit[0]
+        o = self.profile.overhead_s
+        return float(o.get("wave", o.get("expert", 0.0)))
+
+    def t_wave_expert(self, pairs: float) -> float:
+        """What one expert with `pairs` pairs adds to a wave: its share of the grouped kernel
+        (per-group work: on a CPU the kernel loops over groups) and its pairs' FLOPs and weight
+        bytes. Measured: the timed waves' per-expert part relative to the single-expert op
+        (`t_expert`) at the same pairs, interpolated in log pairs and scaled by `t_expert`
+        beyond. Inferred without them: `t_expert` less the call's fixed part (where the profile
+        states a `wave_group` overhead: less the `expert` overhead, plus that)."""
+        if pairs <= 0:
+            return 0.0
+        fit = self._wave_fit()
+        if fit is None:
+            o = self.profile.overhead_s
+            if "wave_group" in o:
+                return max(0.0, self.t_expert(pairs) - o.get("expert", 0.0)) + o["wave_group"]
+            return max(0.0, self.t_expert(pairs) - self.t_wave_call())
+        ratios = sorted((n, per / max(self.t_expert(n), 1e-12)) for n, per in fit[1].items())
+        at = math.log(max(1.0, pairs))
+        lo = max((r for r in ratios if math.log(r[0]) <= at), default=ratios[0])
+        hi = min((r for r in ratios if math.log(r[0]) >= at), default=ratios[-1])
+        if hi[0] == lo[0]:
+            ratio = lo[1]
+        else:
+            ratio = lo[1] + (hi[1] - lo[1]) * (at - math.log(lo[0])) / (math.log(hi[0]) - math.log(lo[0]))
+        return self.t_expert(pairs) * ratio
+
+    def t_wave_slot(self) -> float:
+        """What an empty group costs a grouped call (a resident wave's every call passes the
+        layer's whole stack, most of it empty in a decode's call): on a CPU the kernel still
+        visits it. Measured: a wave over g experts with every pair in the first, less the wave
+        of one at those pairs, over g − 1, held within 0 and an expert's part at one pair.
+        Inferred without that sample: 0 (a GPU's grouped kernel skips an empty group)."""
+        rows = self._samples.get("wave_empty") or []
+        single = {p: t for g, p, t in self._samples.get("wave") or [] if g == 1}
+        slots = [(t - single[p]) / (g - 1) for g, p, t in rows if g > 1 and p in single]
+        return min(max(0.0, slots[0]), self.t_wave_expert(1)) if slots else 0.0
+
+    def _wave_fit(self) -> tuple[float, dict[float, float]] | None:
+        """(the call's fixed part, {pairs an expert: one expert's part}) from the profile's timed
+        waves at this shape, or None. At each pairs an expert, waves over 1 and over g experts
+        give the intercept (g·t₁ − t_g)/(g − 1); the median is the call's part, held between 0
+        and the fastest single-expert wave (noise where the weights' bytes dwarf it). A wave
+        OUTLIER times off the median ratio of the waves to their experts' `t_expert` was
+        disturbed, not measured, and is left out."""
+        if "_wave" not in self.__dict__:
+            rows = [(g, p, t / (g * max(self.t_expert(p / g), 1e-12)), t) for g, p, t in self._samples.get("wave") or []]
+            median = sorted(r for _, _, r, _ in rows)[len(rows) // 2] if rows else 0.0
+            rows = [(g, p, t) for g, p, r, t in rows if median / OUTLIER <= r <= median * OUTLIER]
+            single = {p: t for g, p, t in rows if g == 1}
+            many = {p / g: (g, t) for g, p, t in rows if g > 1}
+            fits = [(g * single[n] - t) / (g - 1) for n, (g, t) in many.items() if n in single]
+            if not fits:
+                self._wave = None
+            else:
+                call = min(max(0.0, sorted(fits)[len(fits) // 2]), min(single.values()))
+                self._wave = (call, {n: max(0.0, t - call) / g for n, (g, t) in many.items()})
+        return self._wave
+
     def t_pipeline(self, batch_layers: float = 0, expert_calls: float = 0, transfers: float = 0,
                    steps: float = 0, kv_layers: float = 0, tokens: float = 0) -> float:
         """What the engine's pipeline adds around the ops (routing bookkeeping, gathers, the

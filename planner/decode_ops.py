@@ -17,7 +17,8 @@ Kernels per decode layer, averaged over the layers, are the sum of
     a wave's ops do not grow with its experts where the grouped kernel runs (`wave_group` is
     0 there), only with its calls, each over at most as many (token, slot) pairs as the group
     has tokens: min(k, R) for the wave over R resident experts, and for the experts moved,
-    their share of the pairs plus half a call per landing (its last call part-filled).
+    their share of the pairs plus half a call per landing (its last call part-filled), at least
+    one a landing (planner/waves.py counts them, for the time model too).
 
 Submissions per decode layer (transfers handed to a channel): the attention and the gate
 when they are not on the device, the experts moved (a run of one layer's host-tier 16-bit
@@ -34,6 +35,8 @@ run's in codec calls over its stacked rows."""
 from __future__ import annotations
 
 import math
+
+from planner.waves import resident_calls, wave_calls
 
 # Experts one submission takes at most (a run of one layer's experts; execute/residency.py
 # takes it from here).
@@ -93,9 +96,11 @@ def _layer(io, cost, bs, n, marg, hot, schedule, host_attention, slots) -> tuple
     distinct = sum(chosen[:len(experts)])
     launches = cost.launches(batch_layers=n, expert_calls=distinct, transfers=moved_experts + weights,
                              kv_layers=kv_moves, layers=1, steps=1 / shape.num_layers)
-    calls = min(shape.top_k, resident) if resident else 0
-    if off:  # the moved experts' share of a token's k picks, half a call more per landing
-        calls += sum(marg[e] for e in off) + 0.5 * expert_subs
+    # the resident wave's calls; the moved experts' pairs in calls, half a call more per landing
+    tokens = n * bs
+    calls = resident_calls(tokens, shape.top_k, resident)
+    if off:
+        calls += wave_calls(tokens * sum(marg[e] for e in off), tokens, expert_subs)
     math_ops = (n * (counts.get("attention", 0.0) + counts.get("shared", 0.0)) + counts.get("router", 0.0)
                 + calls * counts.get("wave", 0.0) + distinct * counts.get("wave_group", 0.0))
     return launches + math_ops, subs

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from planner.waves import landing_waves, resident_calls, wave_calls
+
 SCHEDULES = ("simple", "multibatch", "hot-prefetch", "klotski")
 INEQUALITIES = ("(4) n·t_A ≥ t_io(G)",
                 "(5) n·(t_A+t_G) ≥ t_io(G)+K·t_io(E)",
@@ -96,38 +98,78 @@ def t_kv_batch(cost, io: LayerIO, ph: Phase, host=None) -> float:
     return cost.t_io(cost.kv_loaded(ph.bs, ph.ctx, ph.new))
 
 
-def ineq_terms(cost, io: LayerIO, ph: Phase, marg, hot, schedule="klotski", with_kv=False, host=None):
-    """Left and right sides of inequalities (4)–(7) for one layer, generalised to per-expert
-    tiers (a resident expert costs no transfer) and expected routing: expert e serves
-    n·bs·m_e tokens and is needed with probability 1−(1−m_e)^(n·bs). `with_kv` adds the
-    KV-cache loads that share the link (the paper's inequalities leave them out). `host`
-    (a Host) moves attention cores and cold experts to the host lane: host attention is
-    cover like device attention; a host expert neither moves nor takes device time."""
-    tokens = ph.n * ph.bs * ph.new
-    t_a, host_a = attention_phase(cost, io, ph, host)
-    t_a += cost.t_dequant("attention")
-    host_e = 0.0
-    t_g = ph.n * cost.t_gate(ph.bs * ph.new)
+def expert_phase(cost, io: LayerIO, tokens: float, marg, hot=(), host=None, landed=False) -> dict:
+    """One layer's experts over a group's `tokens` tokens, priced as the engine computes them
+    (planner/waves.py): each used expert's part of a wave (`t_wave_expert` at its expected
+    pairs, and its dequantization), and each grouped call's fixed part once a call. The
+    resident experts are one wave over their stack, run first (before the routing reaches the
+    host: with the hot ones, cover for the cold transfers), each of its calls over the whole
+    stack (`t_wave_slot` for each group a call passes empty); the moved hot experts, prefetched,
+    one wave; the cold ones in the waves they land in (`waves.landing_waves`, a wave each when
+    the link is the slower), or, `landed` (the whole layer moved ahead: simple, multibatch),
+    one wave. Packed experts (HQQ, MXFP4, GGUF) decode for their use and are a wave each.
+    Experts computed where they live (`host`) keep their own price. Returns compute ("first":
+    resident and hot, "cold"), their grouped calls, their transfers and the host lane's
+    experts."""
+    out = {"first": 0.0, "hot_io": 0.0, "cold": 0.0, "cold_io": 0.0, "cold_fetch": [], "host": 0.0, "calls": 0.0}
     deq = cost.t_dequant("expert")
-    hot_c = hot_io = cold_c = cold_io = 0.0
-    cold_fetch = []
+    packed = cost.quant_bits is not None or bool(cost.shape.expert_format)
+    used_by = {"resident": 0.0, "hot": 0.0, "cold": 0.0}
+    pairs_by = dict(used_by)
     for e, m in enumerate(marg):
         used = _used(m, tokens)
         if used <= 0:
             continue
         if e not in hot and host and host.expert_here(cost, tokens * m / used, io.experts[e]):
-            host_e += used * cost.t_host_expert(tokens * m / used)
+            out["host"] += used * cost.t_host_expert(tokens * m / used)
             continue
-        t_c = used * (cost.t_expert(tokens * m / used) + deq)
+        t_c = used * (cost.t_wave_expert(tokens * m / used) + deq)
         fetch = cost.t_fetch(cost.expert_bytes, io.experts[e])
-        if e in hot:
-            hot_c += t_c
-            hot_io += fetch
-        else:
-            cold_c += t_c
-            cold_io += used * fetch
+        kind = "resident" if io.experts[e] == "device" else "hot" if e in hot or landed else "cold"
+        used_by[kind] += used
+        pairs_by[kind] += tokens * m
+        if kind == "cold":
+            out["cold"] += t_c
+            out["cold_io"] += used * fetch
             if fetch > 0:
-                cold_fetch.append(fetch)
+                out["cold_fetch"].append(fetch)
+        else:
+            out["first"] += t_c
+            out["hot_io"] += fetch
+    call = cost.t_wave_call()
+    resident = sum(t == "device" for t in io.experts)
+    empty = 0.0  # group slots the resident wave's calls pass without a pair (each call takes the whole stack)
+    if packed:  # a wave of one each
+        first = sum(wave_calls(pairs_by[k], tokens, used_by[k]) for k in ("resident", "hot"))
+        cold = wave_calls(pairs_by["cold"], tokens, used_by["cold"])
+    else:
+        stacked = resident_calls(tokens, cost.shape.top_k, resident) if used_by["resident"] > 0 else 0.0
+        empty = max(0.0, stacked * resident - used_by["resident"])
+        first = stacked + wave_calls(pairs_by["hot"], tokens, min(1.0, used_by["hot"]))
+        fetch = sum(out["cold_fetch"]) / len(out["cold_fetch"]) if out["cold_fetch"] else 0.0
+        expert = out["cold"] / used_by["cold"] if used_by["cold"] else 0.0
+        cold = wave_calls(pairs_by["cold"], tokens, landing_waves(used_by["cold"], fetch, call, expert))
+    out["first"] += first * call + empty * cost.t_wave_slot()
+    out["cold"] += cold * call
+    out["first_calls"], out["cold_calls"], out["calls"] = first, cold, first + cold
+    return out
+
+
+def ineq_terms(cost, io: LayerIO, ph: Phase, marg, hot, schedule="klotski", with_kv=False, host=None):
+    """Left and right sides of inequalities (4)–(7) for one layer, generalised to per-expert
+    tiers (a resident expert costs no transfer) and expected routing: expert e serves
+    n·bs·m_e tokens and is needed with probability 1−(1−m_e)^(n·bs). Experts are priced in
+    waves (`expert_phase`): t_hotE is the resident and hot experts' waves, Σ_Q t_E the cold
+    ones'. `with_kv` adds the KV-cache loads that share the link (the paper's inequalities
+    leave them out). `host` (a Host) moves attention cores and cold experts to the host lane:
+    host attention is cover like device attention; a host expert neither moves nor takes
+    device time."""
+    tokens = ph.n * ph.bs * ph.new
+    t_a, host_a = attention_phase(cost, io, ph, host)
+    t_a += cost.t_dequant("attention")
+    t_g = ph.n * cost.t_gate(ph.bs * ph.new)
+    ex = expert_phase(cost, io, tokens, marg, hot, host)
+    hot_c, hot_io, cold_c, cold_io, cold_fetch = ex["first"], ex["hot_io"], ex["cold"], ex["cold_io"], ex["cold_fetch"]
     first = sum(cold_fetch) / len(cold_fetch) if cold_fetch else 0.0
     io_g = cost.t_fetch(cost.gate_bytes, io.gate)
     io_a = cost.t_fetch(cost.attention_bytes, io.next_attn)
@@ -143,22 +185,18 @@ def ineq_terms(cost, io: LayerIO, ph: Phase, marg, hot, schedule="klotski", with
     lhs = [t_a, t_a + t_g, t_a + t_g + cover, t_a + t_g + cover + cold_c]
     rhs = [io_g, io_g + hot_io, io_g + hot_io + first, io_g + hot_io + cold_io + io_a]
     parts = {"attn": t_a, "gate": t_g, "hot": hot_c, "cold": cold_c, "compute": t_a + t_g + hot_c + cold_c,
-             "host_attn": host_a, "host_experts": host_e}
+             "host_attn": host_a, "host_experts": ex["host"], "expert_calls": ex["calls"]}
     return lhs, rhs, parts
 
 
 def flexgen_terms(cost, io: LayerIO, ph: Phase, marg, with_kv=False, host=None):
     """Multi-batch without expert awareness (FlexGen zig-zag): while attention runs for all
-    batches the whole MoE layer loads (the paper's Eq. 1); while the MoE layer runs batch by
-    batch the next attention loads."""
+    batches the whole MoE layer loads (the paper's Eq. 1); while the MoE layer runs (the
+    gates batch by batch, the experts over every batch at once, in waves: all of them have
+    landed) the next attention loads."""
     t_a = ph.n * cost.t_attn(ph.bs, ph.ctx, ph.new) + cost.t_dequant("attention")
-    per_batch = ph.bs * ph.new
-    t_m = ph.n * cost.t_gate(per_batch)
-    deq = cost.t_dequant("expert")
-    for m in marg:
-        used = _used(m, per_batch)
-        if used > 0:
-            t_m += ph.n * used * (cost.t_expert(per_batch * m / used) + deq)
+    ex = expert_phase(cost, io, ph.n * ph.bs * ph.new, marg, landed=True)
+    t_m = ph.n * cost.t_gate(ph.bs * ph.new) + ex["first"] + ex["cold"]
     io_moe = cost.t_fetch(cost.gate_bytes, io.gate) + sum(cost.t_fetch(cost.expert_bytes, t) for t in io.experts)
     if with_kv:  # every batch's KV loads during the attention phase, beside the MoE weights
         io_moe += ph.n * t_kv_batch(cost, io, ph, host)

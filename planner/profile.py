@@ -14,14 +14,13 @@ klotski and has no model math of its own. An ops factory is called as
 `ops(shape, torch_dtype, torch_device)` and returns an object whose methods
 `attention(bs, ctx, new_tokens)`, `gate(tokens)`, `expert(tokens)`, `head(tokens)` and
 `dequant()` (one expert's weights) each prepare inputs on the device and return a
-zero-argument callable running that op once; optionally `attend(bs, ctx, new_tokens)`, the
-attention core alone (scores and weighted values over cached keys), and `kernels(bs, ctx)`, the
-ops one call of each piece of the math issues (kept as the profile's `kernels`). On a GPU machine the
-factory is also called with the cpu device to time host compute (an expert, the attention
-core) for `host_flops` / `host_mem_bw`; on a CPU-only machine the host is the device and
-those are the device's rates. The factory's `key` (text) names what is
-timed and is part of the cache key: change it whenever the timed code changes, so that no
-cached profile of the old code is served.
+zero-argument callable running that op once; optionally `wave(experts, pairs)` (one grouped
+call over a stack of experts, the pairs spread over them), `attend(bs, ctx, new_tokens)` (the
+attention core alone) and `kernels(bs, ctx)` (the ops one call of each piece of the math
+issues: the profile's `kernels`). On a GPU machine the factory is also called with the cpu
+device to time host compute (an expert, the attention core) for `host_flops` /
+`host_mem_bw`; on a CPU-only machine the host is the device. The factory's `key` (text) names
+what is timed and is part of the cache key: change it whenever the timed code changes.
 
 torch is imported inside the measuring functions only: planning from a built-in profile
 must not pay for (or require) torch.
@@ -45,17 +44,17 @@ from planner.shapes import as_shape
 
 BUILTIN_DIR = Path(__file__).parent / "profiles"
 # The measuring harness (grid, timing, links); part of the cache key with the ops' own key.
-# 2: the engine's ops are injected; every timed call starts and ends synchronized, after an
-# untimed warm-up. 3: host compute rates (host_flops, host_mem_bw); each op's time is the
-# fastest of its repetitions, not their median. 4: ops read their weights cold (EngineOps
-# cycles through copies), as the pipeline's steps do. 5: on a CPU the host->device rate is
-# an expert-sized clone on a one-thread worker, as the engine's channels copy. 6: chunked
-# prefill (a few new tokens over a long context) is sampled too. 7: each op's time is the
-# median of its repetitions again (what a step pays; the fastest ran 0.73 ms for an expert
-# the pipeline paid 1.0 ms for, call after call), and decode batches of 64 are sampled.
+# 2: the engine's ops are injected; each timed call synchronized, after a warm-up. 3: host
+# compute rates (host_flops, host_mem_bw); an op's time is the fastest of its repetitions.
+# 4: ops read their weights cold (EngineOps cycles through copies), as the steps do. 5: on a
+# CPU the host->device rate is an expert-sized clone on a one-thread worker, as the channels
+# copy. 6: chunked prefill (a few new tokens over a long context) is sampled too. 7: an op's
+# time is the median of its repetitions again (what a step pays; the fastest ran 0.73 ms for
+# an expert the pipeline paid 1.0 ms for, call after call), and decode batches of 64.
 # 8: the grid is timed ROUNDS times over and each point takes the median of its rounds.
 # 9: the model math's ops of one call of each kind are counted (`kernels`), when the ops can.
-PROFILE_VERSION = 9
+# 10: a grouped expert call over 1 and WAVE_GROUPS experts (`wave`, as the engine runs them).
+PROFILE_VERSION = 10
 # This VM's speed moved by a fifth within minutes: one measure priced smollm2-moe's expert at
 # 8 tokens 0.74 ms (and every other op about as much faster) where two measures minutes later
 # gave 0.91 and 0.93 and the same op timed alone 0.88-0.95; a run meets the typical pace, so
@@ -64,6 +63,10 @@ ROUNDS = 3
 # A chunked prefill pass (new tokens ≪ context) is neither a decode step nor a whole prompt:
 # tiny-mixtral's 8 tokens over 128 ran 0.90 ms where the whole-prompt samples priced 0.65.
 CHUNK_SAMPLE = 8
+# A wave is timed over 1 and WAVE_GROUPS experts at each of WAVE_PAIRS pairs an expert (the stack within WAVE_BYTES).
+WAVE_GROUPS = 8
+WAVE_PAIRS = (1, 8, 64)
+WAVE_BYTES = 1 << 30
 
 
 @dataclass
@@ -349,7 +352,16 @@ def _time_grid(ops, shape, grid, reps, sync) -> dict[str, list[list[float]]]:
     for n in sorted({1, max(grid["bs"])}):
         samples["head"].append([n, _timeit(ops.head(n), reps, sync)])
     samples["dequant"].append([shape.expert_params, _timeit(ops.dequant(), reps, sync)])
+    if hasattr(ops, "wave"):  # [experts, pairs, seconds]; wave_empty: one expert's among g - 1 empty groups
+        g = wave_groups(shape)
+        samples["wave"] = [[k, k * n, _timeit(ops.wave(k, k * n), reps, sync)] for n in WAVE_PAIRS for k in (1, g)]
+        samples["wave_empty"] = [[g, 8, _timeit(ops.wave(g, 8, spread=False), reps, sync)]]
     return samples
+
+
+def wave_groups(shape) -> int:
+    """Experts in the larger timed wave: WAVE_GROUPS, or the model's, or what WAVE_BYTES holds (≥ 2)."""
+    return max(2, min(WAVE_GROUPS, shape.num_experts, WAVE_BYTES // max(1, shape.expert_params * shape.dtype_bytes)))
 
 
 def host_rates(shape, make_ops, grid, reps, samples=None) -> tuple[float, float]:

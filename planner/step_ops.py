@@ -3,10 +3,12 @@
 Schedules (Section 9.5 of the paper and DESIGN.md):
   simple        one batch; while a layer computes, the whole next layer loads (attention
                 while MoE runs, gate + all experts while attention runs)
-  multibatch    the same over n batches (FlexGen zig-zag); the MoE layer runs batch by batch
+  multibatch    the same over n batches (FlexGen zig-zag); the gates run batch by batch, then
+                every batch's experts at once
   hot-prefetch  n batches; gate + K hot experts load during attention; every other selected
                 expert is queued the moment a batch's gate has run; experts run across all
                 batches, in expert-id order
+  every schedule's experts are priced in waves (layer.expert_phase: many experts a grouped call)
   klotski       hot-prefetch + hot (and resident) experts first, then cold ones in arrival
                 order, each expert freed as soon as it is done
 
@@ -22,7 +24,7 @@ layer 0's attention weights and first KV batch, and the disk window's first laye
 from __future__ import annotations
 
 from planner.event_engine import Deferred, EventEngine, Op, OpPool
-from planner.layer import NO_HOST, LayerIO, host_attention_here
+from planner.layer import NO_HOST, LayerIO, expert_phase, host_attention_here
 from planner.workingset import DISK_WINDOW_LAYERS
 
 
@@ -171,22 +173,36 @@ class StepOps:
 
     # MoE, FlexGen style
     def _moe_flexgen(self, j, io: LayerIO, counts):
-        """Batch by batch: gate, then that batch's experts in id order. The whole layer must
-        have arrived first (the weight stream is synchronised per layer)."""
+        """Batch by batch the gates, then the experts over every batch at once, in id order (the
+        engine routes the group together and computes its experts in waves). The whole layer
+        must have arrived first (the weight stream is synchronised per layer)."""
         c = self.c
         layer_keys = [("G", j)] + [("E", j, x) for x in range(self.E)]
-        deq = c.t_dequant("expert")
         ops = []
         for k in range(self.n):
             start = [lambda j=j: self._next_layer(j)] if k == 0 else []
             ops.append(Op(f"gate L{j} b{k}", c.t_gate(self.bs * self.new), layer_keys + self._gate_needs(j, k), start,
                            layer=j))
-            for x in range(self.E):
-                if counts[k][x]:
-                    ops.append(Op(f"expert L{j} e{x} b{k}", c.t_expert(counts[k][x]) + (deq if k == 0 else 0.0),
-                                   layer=j))
+        # then every batch's experts at once, in waves (all of them have landed)
+        total = [sum(cnt[x] for cnt in counts) for x in range(self.E)]
+        price = self._wave_prices(j, io, total, (), landed=True)
+        ops += [Op(f"expert L{j} e{x}", price(x), layer=j) for x in range(self.E) if total[x]]
         ops[-1].on_end = tuple(ops[-1].on_end) + (lambda j=j: self._free_layer(j),)
         return ops
+
+    def _wave_prices(self, j, io: LayerIO, total, hot, on_host=(), landed=False):
+        """Each expert op's seconds as the engine's waves price it (layer.expert_phase): its part
+        of a wave at its tokens, plus its share of the grouped calls' fixed parts, which the
+        analytic model counts for the layer at its routing marginals (the resident and hot
+        experts' calls shared among theirs, the cold ones' among theirs)."""
+        c, tokens = self.c, self.n * self.bs * self.new
+        ex = expert_phase(c, io, tokens, self.r.marginals(j), hot, self.host, landed)
+        first = [x for x in range(self.E) if total[x] and x not in on_host
+                 and (landed or x in hot or io.experts[x] == "device")]
+        cold = [x for x in range(self.E) if total[x] and x not in on_host and x not in first]
+        share = {x: ex["first_calls"] / len(first) for x in first} | {x: ex["cold_calls"] / len(cold) for x in cold}
+        deq, call = c.t_dequant("expert"), c.t_wave_call()
+        return lambda x: c.t_wave_expert(total[x]) + deq + share.get(x, 0.0) * call
 
     def _free_layer(self, j):
         for x in list(self.held.get(j, ())):
@@ -235,7 +251,7 @@ class StepOps:
         back = Op(f"host experts L{j}", 0.0, [("HE", j, x) for x in sorted(on_host)], layer=j)
 
         def expert_ops():
-            deq = c.t_dequant("expert")
+            price = self._wave_prices(j, io, total, set(hot), on_host)
             back.needs = [("HE", j, x) for x in sorted(on_host) if total[x]]
             if self.sch == "klotski":
                 # Hot and resident experts first, most tokens first; then cold ones as they
@@ -243,10 +259,10 @@ class StepOps:
                 # Whatever has arrived runs rather than wait for the next in line.
                 early = sorted((x for x in range(self.E) if total[x] and x not in cold_order and x not in on_host),
                                key=lambda x: -total[x])
-                return [OpPool([Op(f"expert L{j} e{x}", c.t_expert(total[x]) + deq, [("E", j, x)],
+                return [OpPool([Op(f"expert L{j} e{x}", price(x), [("E", j, x)],
                                    on_end=[lambda x=x: self._free_expert(j, x)], layer=j)
                                for x in early + cold_order], j), back]
-            out = [Op(f"expert L{j} e{x}", c.t_expert(total[x]) + deq, [("E", j, x)], layer=j)
+            out = [Op(f"expert L{j} e{x}", price(x), [("E", j, x)], layer=j)
                    for x in range(self.E) if total[x] and x not in on_host]
             if out:
                 out[-1].on_end = (lambda: self._free_layer(j),)

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from planner.waves import PREFILL_EXPERT_CHUNK  # tokens per expert call (bounds the FFN intermediate)
+
 DISK_WINDOW_LAYERS = 2          # layers staged in host memory ahead of the disk-resident ones
 STAGED_RING_BYTES = 32 << 20   # a channel's page-locked ring that pageable disk reads go up through
 STAGED_RINGS = 2               # one per channel that carries disk-tier groups up: weights, experts
 KV_BUFFERS = 3                  # host-KV batches on the device at once: storing, computing, loading
 ATTENTION_SCORE_CHUNK = 1 << 24  # attention scores alive at once (queries are chunked past it)
-PREFILL_EXPERT_CHUNK = 4096     # tokens per expert call (bounds the FFN intermediate)
 PREFILL_SHARE = 0.25            # a prefill chunk's activations may take this much of the device
 DECODE_WORKSPACE_BYTES = 64 << 20  # packed experts decoded into the pool at once (beyond one): the bytes
                                    # their decoded copies and temporaries take, at most

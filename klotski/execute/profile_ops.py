@@ -13,7 +13,7 @@ import itertools
 TIMED_MODULES = ("klotski.models.layers", "klotski.models.defaults", "klotski.models.mixtral",
                   "klotski.models.qwen3_moe", "klotski.models.qwen2_moe", "klotski.models.olmoe",
                   "klotski.models.gpt_oss", "klotski.models.deepseek_v2", "klotski.models.deepseek_v3",
-                  "klotski.execute.kvcache", "klotski.execute.experts", "klotski.compress.hqq",
+                  "klotski.models.grouped", "klotski.execute.kvcache", "klotski.execute.experts", "klotski.compress.hqq",
                   "klotski.compress.mxfp4")
 
 
@@ -21,7 +21,7 @@ class EngineOps:
     """The profile's ops factory (planner/profile.py, `measure(ops=...)`): each op is the
     engine's own code as the pipeline calls it, on random weights of the shape's family."""
 
-    VERSION = 4  # of how LayerOps composes the engine's functions (4: `kernels`); the code it calls is hashed
+    VERSION = 5  # of how LayerOps composes the engine's functions (4: `kernels`; 5: `wave`); the code it calls is hashed
 
     @functools.cached_property
     def key(self) -> str:
@@ -47,7 +47,7 @@ class LayerOps:
     """Random weights of one layer of `shape`'s family on `device`, and closures running each op
     exactly as the pipeline does: the family's attention block over a BatchKV (norm, RoPE,
     GQA expansion, scores chunked at ATTENTION_SCORE_CHUNK), its router and shared expert,
-    SwiGLU experts in PREFILL_EXPERT_CHUNK pieces, the LM head, and HQQ dequantization of one
+    SwiGLU experts in PREFILL_EXPERT_CHUNK pieces, a wave of experts in one grouped call, the LM head, and HQQ dequantization of one
     expert as the quantized cache decodes it. Per-step work (RoPE tables, masks) is prepared
     outside the timed closures, as the pipeline does it once per step, not per layer.
 
@@ -155,6 +155,24 @@ class LayerOps:
         from klotski.execute.experts import run_expert
         x, ffn = self._x(n, self.spec.hidden_size), self.M.bind_expert_ffn(self.spec)
         return self._cycle([lambda w=w: run_expert(ffn, x, w) for w in self.expert_w])
+
+    def wave(self, groups: int, pairs: int, spread: bool = True):
+        """One wave as `LayerExperts.run_wave` computes it: the family's grouped expert FFN over
+        a stack of `groups` experts (stacked as the cache stacks a layer's resident experts and
+        the pool holds the landed ones), `pairs` rows spread evenly over them (or, not `spread`,
+        all in the first: the others empty groups, as a resident wave's calls pass the whole
+        stack), in one call (the profile keeps `pairs` within a call's PREFILL_EXPERT_CHUNK).
+        Cycles through copies of the stack, so its weights are read cold."""
+        from klotski.models.grouped import Groups
+        torch, experts = self.torch, self.expert_w
+        ffn = self.M.bind_grouped_expert_ffn(self.spec)
+        stacks = [{n: torch.stack([experts[(c * groups + g) % len(experts)][n] for g in range(groups)])
+                   for n in experts[0]} for c in range(self._count(groups * _nbytes(experts[0])))]
+        rows = [pairs // groups + (g < pairs % groups) for g in range(groups)] if spread else \
+            [pairs] + [0] * (groups - 1)
+        ends = torch.tensor(rows, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(self.device)
+        x = self._x(pairs, self.spec.hidden_size)
+        return self._cycle([lambda w=w: ffn(x, w, Groups(rows, ends)) for w in stacks])
 
     def kernels(self, bs: int = 4, ctx: int = 64) -> dict[str, float]:
         """ATen ops (views excluded) of one call of each piece of the model's own math as the
