@@ -206,27 +206,14 @@ def test_every_copy_into_a_reused_slot_is_submitted_after_its_fences(model, ref)
                     device_memory=_minimum(model, "klotski"))
     engine, seqs, _ = open_engine(cfg, requests(PROMPTS, 10), placement=_streamed(model))
     pool = engine.cache.pool
-    pool.event = FakeEvent
-    used, unfenced, given, submitted = set(), [], [], []
-    for channel in engine.channels.values():
-        def submit(fn, *, real=channel.submit, after=(), **kw):
-            submitted.extend(after)
-            return real(fn, after=after, **kw)
-        channel.submit = submit
-    real_take, real_after = pool.take, pool.after
-
-    def take(key):
-        s = real_take(key)
-        if s in used and not pool.fences.get(s):
-            unfenced.append((key, s))
-        used.add(s)
-        return s
+    used, unfenced, submitted = watch_slots(engine)
+    given, real_after = [], pool.after
 
     def after(slots):
         fences = real_after(slots)
         given.extend(fences)
         return fences
-    pool.take, pool.after = take, after
+    pool.after = after
     try:
         done = {s.request.id: s.out for s in engine.run(seqs)}
     finally:
@@ -234,6 +221,29 @@ def test_every_copy_into_a_reused_slot_is_submitted_after_its_fences(model, ref)
     assert [done[f"r{i}"] for i in range(len(PROMPTS))] == ref
     assert len(used) == pool.slots == 1 and not unfenced  # the one slot, reused behind its fences every time
     assert given and all(any(f is g for g in submitted) for f in given)  # handed to the copy's submission
+
+
+def watch_slots(engine) -> tuple[set, list, list]:
+    """Stub fences on the engine's pool, and what its run does with them: the slots taken, a
+    slot taken again with no fence to follow (key, slot), the tickets handed to submissions."""
+    pool = engine.cache.pool
+    pool.event = FakeEvent
+    used, unfenced, submitted = set(), [], []
+    for channel in engine.channels.values():
+        def submit(fn, *, real=channel.submit, after=(), **kw):
+            submitted.extend(after)
+            return real(fn, after=after, **kw)
+        channel.submit = submit
+    real_take = pool.take
+
+    def take(key):
+        s = real_take(key)
+        if s in used and not pool.fences.get(s):
+            unfenced.append((key, s))
+        used.add(s)
+        return s
+    pool.take = take
+    return used, unfenced, submitted
 
 
 def test_the_pools_size_is_the_working_sets_expert_buffers_as_far_as_they_fit():

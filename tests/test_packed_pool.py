@@ -213,29 +213,15 @@ def test_packed_copies_follow_their_slots_fences_and_decodes_follow_their_copies
     from klotski.io.checkpoint import Checkpoint
     from placement.placement import Placement
     from tests.conftest import PROMPTS, requests
-    from tests.test_expert_pool import FakeEvent
+    from tests.test_expert_pool import watch_slots
     model, tmp, reference = tiny_hqq
     placement = Placement.by_kind(Checkpoint.open(str(model)).spec.group_keys(), expert="host")
     cfg = RunConfig(model=str(model), progress=False, dtype="float32", batch_size=3, num_batches=2,
                     device_memory=64 << 20, quantize="hqq4", offload_dir=str(tmp / "off"))
     engine, seqs, _ = open_engine(cfg, requests(PROMPTS, 10), placement=placement)
     cache, pool = engine.cache, engine.cache.pool
-    pool.event = FakeEvent
-    used, unfenced, decoded_pending, submitted = set(), [], [], []
-    for channel in engine.channels.values():
-        def submit(fn, *, real=channel.submit, after=(), **kw):
-            submitted.extend(after)
-            return real(fn, after=after, **kw)
-        channel.submit = submit
-    real_take = pool.take
-
-    def take(key):
-        s = real_take(key)
-        if s in used and not pool.fences.get(s):
-            unfenced.append((key, s))
-        used.add(s)
-        return s
-    pool.take = take
+    used, unfenced, submitted = watch_slots(engine)
+    decoded_pending = []
     real_decode, row, runs = cache.codec.decode, pool.flat.stride(0), []
 
     def decode(parts):
