@@ -107,7 +107,8 @@ def expert_phase(cost, io: LayerIO, tokens: float, marg, hot=(), host=None, land
     stack (`t_wave_slot` for each group a call passes empty); the moved hot experts, prefetched,
     one wave; the cold ones in the waves they land in (`waves.landing_waves`, a wave each when
     the link is the slower), or, `landed` (the whole layer moved ahead: simple, multibatch),
-    one wave. Packed experts (HQQ, MXFP4, GGUF) decode for their use and are a wave each.
+    one wave. Packed experts (HQQ, MXFP4, GGUF) moved to the device land in the pool and are
+    priced alike; resident ones decode for their use and are a wave each.
     Experts computed where they live (`host`) keep their own price. Returns compute ("first":
     resident and hot, "cold"), their grouped calls, their transfers and the host lane's
     experts."""
@@ -139,16 +140,16 @@ def expert_phase(cost, io: LayerIO, tokens: float, marg, hot=(), host=None, land
     call = cost.t_wave_call()
     resident = sum(t == "device" for t in io.experts)
     empty = 0.0  # group slots the resident wave's calls pass without a pair (each call takes the whole stack)
-    if packed:  # a wave of one each
-        first = sum(wave_calls(pairs_by[k], tokens, used_by[k]) for k in ("resident", "hot"))
-        cold = wave_calls(pairs_by["cold"], tokens, used_by["cold"])
+    if packed:  # resident packed experts decode for their use: a wave each
+        first = wave_calls(pairs_by["resident"], tokens, used_by["resident"])
     else:
-        stacked = resident_calls(tokens, cost.shape.top_k, resident) if used_by["resident"] > 0 else 0.0
-        empty = max(0.0, stacked * resident - used_by["resident"])
-        first = stacked + wave_calls(pairs_by["hot"], tokens, min(1.0, used_by["hot"]))
-        fetch = sum(out["cold_fetch"]) / len(out["cold_fetch"]) if out["cold_fetch"] else 0.0
-        expert = out["cold"] / used_by["cold"] if used_by["cold"] else 0.0
-        cold = wave_calls(pairs_by["cold"], tokens, landing_waves(used_by["cold"], fetch, call, expert))
+        first = resident_calls(tokens, cost.shape.top_k, resident) if used_by["resident"] > 0 else 0.0
+        empty = max(0.0, first * resident - used_by["resident"])
+    # moved ones, packed or not, land in the pool and compute in its waves
+    first += wave_calls(pairs_by["hot"], tokens, min(1.0, used_by["hot"]))
+    fetch = sum(out["cold_fetch"]) / len(out["cold_fetch"]) if out["cold_fetch"] else 0.0
+    expert = out["cold"] / used_by["cold"] if used_by["cold"] else 0.0
+    cold = wave_calls(pairs_by["cold"], tokens, landing_waves(used_by["cold"], fetch, call, expert))
     out["first"] += first * call + empty * cost.t_wave_slot()
     out["cold"] += cold * call
     out["first_calls"], out["cold_calls"], out["calls"] = first, cold, first + cold

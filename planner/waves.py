@@ -7,8 +7,8 @@ A wave is one grouped call (or a few) over every expert whose weights are on the
 layer's resident experts first (their stack), then, as transferred experts land, every one
 landed. A call takes at most as many (token, slot) pairs as the group has tokens (and
 PREFILL_EXPERT_CHUNK), so a wave of p pairs is ceil(p / rows) calls. Packed experts (HQQ,
-MXFP4, GGUF blocks) are priced as a wave of one each, as they ran before the pool took them
-(it now decodes runs of them into its slots and computes them in its waves: not yet priced)."""
+MXFP4, GGUF blocks) moved to the device land in the pool and are counted alike; resident ones
+decode for their use and each computes as a wave of its own."""
 from __future__ import annotations
 
 import math
