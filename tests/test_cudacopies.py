@@ -58,3 +58,39 @@ def test_cpu_channels_never_take_the_sanitizer_path(monkeypatch):
     finally:
         for c in channels.values():
             c.close()
+
+
+def test_a_ticket_makes_each_stream_wait_once(monkeypatch):
+    """The members of a run moved in one submission each wait for its one ticket: the compute
+    stream waits on the copy's event once, not once per member; another stream waits again.
+    (Stub streams and event, a fresh stream object per query as torch gives: on a CPU only the
+    bookkeeping is checked.)"""
+    from concurrent.futures import Future
+
+    import torch
+
+    from klotski.execute.channels import Ticket
+
+    waits = {"compute": [], "side": []}
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def __eq__(self, other):
+            return isinstance(other, Stream) and other.name == self.name
+
+        def wait_event(self, event):
+            waits[self.name].append(event)
+
+    current = ["compute"]
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: Stream(current[0]))
+    done = Future()
+    done.set_result(None)
+    ticket = Ticket(done, event="copied")
+    for _ in range(8):
+        ticket.wait()
+    assert waits == {"compute": ["copied"], "side": []}
+    current[0] = "side"
+    ticket.wait()
+    assert waits == {"compute": ["copied"], "side": ["copied"]}

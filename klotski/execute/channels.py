@@ -54,19 +54,23 @@ DEVICE_TO_HOST = "device_to_host"
 class Ticket:
     def __init__(self, future: Future, event=None):
         self.future, self.event = future, event
+        self.waited_on = None  # the stream last made to wait for it: all its later work follows
 
     def done(self) -> bool:
         """The data has arrived (not merely been queued)."""
         return self.future.done() and (self.event is None or self.event.query())
 
     def wait(self):
-        """The result, usable on the calling thread's current stream."""
+        """The result, usable on the calling thread's current stream. A run of experts moved in
+        one submission is waited for by each member: the stream waits on the event once."""
         result = self.future.result()
         if self.event is not None:
             stream = torch.cuda.current_stream()
-            stream.wait_event(self.event)
-            for t in device_tensors(result):
-                t.record_stream(stream)
+            if stream != self.waited_on:
+                stream.wait_event(self.event)
+                for t in device_tensors(result):
+                    t.record_stream(stream)
+                self.waited_on = stream
         return result
 
     def discard(self) -> None:
