@@ -327,9 +327,10 @@ class WeightCache:
         """Device bytes computing with one group can take beyond what is resident: the largest
         group fetched from another tier, or the largest resident one decoded for its use (fixed
         once the tiers and the pool are made; the pipeline asks every layer). A pooled expert
-        takes a slot, no byte beyond the pool's."""
+        takes a slot, no byte beyond the pool's; the embedding table never comes whole (its rows
+        are gathered where it lives: `embedding_rows`)."""
         moved = max((size + self.workspace.get(key, 0) for key, size in self.sizes.items()
-                     if key not in self.resident and not self.pooled(key)), default=0)
+                     if key not in self.resident and not self.pooled(key) and key != ("embed",)), default=0)
         return max(moved, max((self.decode_nbytes(key) for key in self.resident if self.coded(key)), default=0))
 
     def decode(self, key) -> dict:

@@ -61,7 +61,10 @@ def live_rows(gen_lens: Sequence[int], slots: int) -> Counter:
 
 
 def continuous_steps(prompt_lens: Sequence[int], gen_lens: Sequence[int], bs: int, n: int,
-                     widest: Callable[[tuple, int, list], int], lookahead: int = 4) -> tuple[list[int], Counter, float]:
+                     widest: Callable[[tuple, int, list], int], lookahead: int = 4,
+                     cache_bytes: Callable[[int, int], float] | None = None,
+                     room: Callable[[int], float] = lambda longest: float("inf")
+                     ) -> tuple[list[list[int]], Counter, float]:
     """Continuous batching replayed step by step with its prefills, as klotski/schedule/batching.py
     runs a window: the first n·bs requests (longest answers first) prefill together in place
     (their prompts returned, priced as a static prefill); after that a step decodes the live
@@ -70,21 +73,32 @@ def continuous_steps(prompt_lens: Sequence[int], gen_lens: Sequence[int], bs: in
     `widest((rows, columns done, columns left), decode rows, others)` allows beside the
     decode rows and the other newcomers (rows, chunk, columns done), oldest first, those not
     yet given one at a column a row (the engine's rule: workingset.widest_chunk within the
-    first prefill step's activations); a prefilled newcomer takes rows as they free. Returns
-    (first fill's prompt lengths, Counter of (live rows, newcomer batches, their prompt
-    tokens) -> steps, the slots a decode row attends on average). A job of short answers and
-    long prompts waits on these prefills, which `live_rows` (newcomers there at once) does not
-    see. A batch's rows share its slots, and its newest lines up with every row's newest, so
-    a row attends (and loads from a host cache) as many slots as the batch's longest-lived
-    row holds: counted here as the group's longest, since the first fill spreads the long
-    answers over the batches (tiny-mixtral, 10 MB, 2 GB/s: 0.95 M row-slots a layer this way
-    against about 0.97 M the engine loaded for its decode rows; a row's own context would say
-    0.48 M)."""
+    first prefill step's activations); a prefilled newcomer takes rows as they free.
+
+    A newcomer batch of r prompts, the longest p tokens, needs a cache of `cache_bytes(r, p)`
+    bytes beside the others' within `room(longest)` bytes (workingset.newcomer_room: what the
+    device has beyond the plan sized for prompts up to `longest`, as the engine sizes its rows
+    for the longest prompt waiting at a fill; unbounded where the cache lives on the host):
+    the engine takes as many of the next prompts as fit, and where none does they wait, and
+    once every row has drained the next n·bs start afresh in a fill of their own, prefilled
+    alone (a job at a tight budget runs group after group, nothing prefilled beside a decode
+    step).
+
+    Returns (each fill's prompt lengths, in the order they ran; Counter of (live rows,
+    newcomer batches, their prompt tokens) -> steps; the slots a decode row attends on
+    average). A job of short answers and long prompts waits on these prefills, which
+    `live_rows` (newcomers there at once) does not see. A batch's rows share its slots, and
+    its newest lines up with every row's newest, so a row attends (and loads from a host
+    cache) as many slots as the batch's longest-lived row holds: counted here as the group's
+    longest, since the first fill spreads the long answers over the batches (tiny-mixtral,
+    10 MB, 2 GB/s: 0.95 M row-slots a layer this way against about 0.97 M the engine loaded
+    for its decode rows; a row's own context would say 0.48 M)."""
     reqs = sorted(zip(gen_lens, prompt_lens), key=lambda r: (-r[0], -r[1]))
     rows = n * bs
-    first, queue = reqs[:rows], reqs[rows:]
-    live = [[g - 1, p + 1] for g, p in first if g > 1]  # [decode steps left, slots attended]
-    newcomers = []                                  # [answers, columns left, prompts, columns done]
+    fills, queue = [reqs[:rows]], reqs[rows:]
+    live = [[g - 1, p + 1] for g, p in fills[0] if g > 1]  # [decode steps left, slots attended]
+    spare = room(max((p for _, p in reqs), default=0))
+    newcomers = []                                  # [answers, columns left, prompts, columns done, cache bytes]
     steps = Counter()
     q, row_slots, row_steps = 0, 0, 0
     while live or q < len(queue) or newcomers:
@@ -92,11 +106,23 @@ def continuous_steps(prompt_lens: Sequence[int], gen_lens: Sequence[int], bs: in
         if q < len(queue) and len(prefilling) < n and len(newcomers) < 2 * n:
             head = sorted(queue[q:q + lookahead * bs], key=lambda r: -r[1])
             queue[q:q + len(head)] = head
-            batch = queue[q:q + bs]
-            q += len(batch)
-            # an answer of one token ends with its prefill: it never takes a row
-            newcomers.append([[(g, p) for g, p in batch if g > 1], max(p for _, p in batch), len(batch), 0])
-            prefilling.append(newcomers[-1])
+            held = sum(nc[4] for nc in newcomers)
+            for take in range(min(bs, len(head)), 0, -1):  # the longest first: each take pads to head[0]
+                need = cache_bytes(take, head[0][1]) if cache_bytes else 0.0
+                if held + need <= spare:
+                    batch = queue[q:q + take]
+                    q += take
+                    # an answer of one token ends with its prefill: it never takes a row
+                    newcomers.append([[(g, p) for g, p in batch if g > 1], max(p for _, p in batch), take, 0, need])
+                    prefilling.append(newcomers[-1])
+                    break
+            else:
+                if not live and not newcomers:  # nothing fits beside the caches: a fill of its own
+                    spare = room(max(p for _, p in queue[q:]))  # rows sized for what waits
+                    fills.append(queue[q:q + rows])
+                    q += len(fills[-1])
+                    live = [[g - 1, p + 1] for g, p in fills[-1] if g > 1]
+                    continue
         widths = [1] * len(prefilling)
         for i, nc in enumerate(prefilling):
             others = [(o[2], w, o[3]) for j, (o, w) in enumerate(zip(prefilling, widths)) if j != i and w]
@@ -115,4 +141,4 @@ def continuous_steps(prompt_lens: Sequence[int], gen_lens: Sequence[int], bs: in
             nc[0] = nc[0][take:]
             if not nc[0]:
                 newcomers.remove(nc)
-    return [p for _, p in first], steps, row_slots / max(1, row_steps)
+    return [[p for _, p in fill] for fill in fills], steps, row_slots / max(1, row_steps)

@@ -52,6 +52,26 @@ class Layout:
     head: str
 
 
+def resident_bytes(cost, layout: Layout, kv_layer: float) -> dict:
+    """Bytes each tier holds for the whole run under `layout`: its weights, and its layers' KV
+    cache at `kv_layer` bytes a layer."""
+    by_tier = {t: 0.0 for t in TIERS}
+    for counts, size in ((layout.attn, cost.attention_bytes), (layout.gate, cost.gate_bytes),
+                         (layout.experts, cost.expert_bytes), (layout.kv, kv_layer)):
+        for t, c in counts.items():
+            by_tier[t] += c * size
+    by_tier[layout.embed] += cost.embed_bytes
+    by_tier[layout.head] += cost.head_bytes
+    return by_tier
+
+
+def resident_kinds(layout: Layout, L: int, E: int) -> dict:
+    """The kinds of group (workingset.BUFFER_KINDS) wholly on the device: they need no buffer."""
+    return {"attention": layout.attn["device"] == L, "gate": layout.gate["device"] == L,
+            "expert": layout.experts["device"] == L * E, "kv": layout.kv["device"] == L,
+            "head": layout.head == "device"}
+
+
 def _inputs(cost, bs, n, P, G, schedule, hot, marg, chunk, buffers, host_attention=False):
     """What both placers need: shape, layers, experts, working set, KV bytes per layer (whole
     context, and loaded per decode step on average), share of experts a layer uses."""

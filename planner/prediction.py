@@ -13,7 +13,7 @@ from planner.workingset import newcomer_chunks
 
 
 def predict_group(cost, ios, bs, n, P, G, schedule, hot, marg, layout, chunk=None, host=NO_HOST,
-                  utilisation=1.0, job: "JobLengths | None" = None) -> dict:
+                  utilisation=1.0, job: "JobLengths | None" = None, newcomer_room=None) -> dict:
     """Analytic times for one batch group: the prefill passes (one per chunk of `chunk`
     prompt tokens) and G−1 decode steps (decode evaluated at the mean context, attention cost
     being linear in it; with the job's prompts, over the batches' padded width:
@@ -24,7 +24,10 @@ def predict_group(cost, ios, bs, n, P, G, schedule, hot, marg, layout, chunk=Non
     short answers is planned as prefill-heavy as it is, not as if each ran G tokens. The
     job's prefill also pays the attention of its left padding (`padded_attention_s`, where
     the prompt lengths are known). Under continuous batching a decode step is priced at the
-    rows it computes (the replay's live rows), under static at the whole group."""
+    rows it computes (the replay's live rows), under static at the whole group; its newcomers'
+    caches share `newcomer_room(longest prompt)` device bytes (workingset.newcomer_room; None:
+    unbounded; where none fits, the engine runs group after group)."""
+    room = newcomer_room or (lambda longest: math.inf)
     groups = Counter(ios)  # layers with the same tiers have the same times
 
     def step(ph):
@@ -57,10 +60,14 @@ def predict_group(cost, ios, bs, n, P, G, schedule, hot, marg, layout, chunk=Non
                 width = max(1, min(longest_chunk, p))
                 return step(Phase(bs, n, p, width))[0] * math.ceil(p / width)
             # its rows attend their batch's longest-lived row's slots (occupancy.continuous_steps)
-            replay = job.continuous(cost.shape, bs, n, longest_chunk, host.attention)
+            replay = job.continuous(cost.shape, bs, n, longest_chunk, host.attention, room,
+                                    lambda rows, p: cost.kv_bytes(rows * cost.kv_context(p)))
             at = max(1, round(replay[3]))
             job_prefill, job_decode = continuous_s(replay, cost, bs, n, longest_chunk, fill_s, live_price(at),
                                                    lambda k, new: step(Phase(bs, k, at, new))[0])
+            fills, steps, weight, _ = replay  # the job's prefill passes, as the engine counts them
+            job_split["job_prefill_passes"] = weight * (sum(math.ceil(max(f) / longest_chunk) for f in fills if f)
+                                                        + sum(c for (_, b, _), c in steps.items() if b))
         else:
             padding = job.padding(cost, bs, longest_chunk, P)
             if job.batching == "static" and job.prompts:
@@ -81,29 +88,33 @@ def predict_group(cost, ios, bs, n, P, G, schedule, hot, marg, layout, chunk=Non
                 decoding = dec * sum(max(0, g - 1) for g in lens) / max(n * bs * utilisation, 1e-12)
             job_prefill, job_decode = prefill * len(lens) / (n * bs) + padding, decoding
         useful = sum(lens) / max(job_prefill + job_decode, 1e-12)
-        job_split = {"job_prefill_s": job_prefill, "job_decode_s": job_decode}
+        job_split.update(job_prefill_s=job_prefill, job_decode_s=job_decode)
     return {"prefill_s": prefill, "decode_s": decode, "tokens_per_s": useful,
             "computed_tokens_per_s": computed, "utilisation": utilisation,
             "prefill_tokens_per_s": n * bs * P / max(prefill, 1e-12),
             "decode_tokens_per_s": n * bs * max(0, G - 1) / max(decode, 1e-12) if G > 1 else 0.0,
-            "prefill_bubble_s": pb, "decode_step_s": dec, "decode_bubble_s": db, **job_split}
+            "prefill_bubble_s": pb, "decode_step_s": dec, "decode_bubble_s": db,
+            "newcomer_room": None if math.isinf(at_longest := room(max(job.prompts) if job and job.prompts else P))
+            else at_longest, **job_split}
 
 
 def continuous_s(replay, cost, bs, n, chunk, fill_s, price, mixed_s) -> tuple[float, float]:
     """Seconds of the job's prefill and decode under continuous batching, from its replay step
     by step with its prefills (`JobLengths.continuous`: `occupancy.continuous_steps` over the
-    job's first window, weighted to stand for all): the first fill is a static prefill of the
-    prompts it takes (`fill_s(p)`, a group at their mean prompt p), plus its padding's
-    attention; then a step of r live rows
+    job's first window, weighted to stand for all): each fill (the first, and any the engine
+    starts afresh when no newcomer's cache fits) is a static prefill of the prompts it takes
+    (`fill_s(p)`, a group at their mean prompt p), plus its padding's attention; then a step of r live rows
     alone costs `price(r)`, and one that carries newcomer batches is priced as one forward
     over the decode batches and the newcomers together, their rows' tokens spread over them
     (`mixed_s(batches, tokens a row)`). A step with rows decoding counts as decode, as the
     engine counts it. The first fill takes the longest answers first, and among equal ones
     the longest prompts: with every answer of one length, medium-mixtral's first fill was
     twice the job's mean prompt, and priced at the mean it came out 0.8 s against 1.9."""
-    first, steps, weight, _ = replay
-    mean = -(-sum(first) // max(1, len(first)))
-    prefill, decode, memo = fill_s(mean) + padded_attention_s(cost, bs, chunk, mean, first), 0.0, {}
+    fills, steps, weight, _ = replay
+    prefill, decode, memo = 0.0, 0.0, {}
+    for fill in fills:
+        mean = -(-sum(fill) // max(1, len(fill)))
+        prefill += fill_s(mean) + padded_attention_s(cost, bs, chunk, mean, fill)
     for (rows, batches, tokens), count in steps.items():
         if not batches:
             decode += count * price(rows)
@@ -187,19 +198,26 @@ class JobLengths:
         """Decode steps per live-row count under continuous batching (occupancy.live_rows)."""
         return self._memoised(("live", slots), lambda: live_rows([g - 1 for g in self.lens], slots))
 
-    def continuous(self, shape, bs: int, n: int, chunk: int,
-                   host_attention: bool = False) -> tuple[list, Counter, float, float]:
-        """(first fill's prompts, steps, weight, slots a decode row attends) of the job's first window replayed
-        (`occupancy.continuous_steps`), weighted to stand for the whole job; newcomers' chunks
-        are sized as the engine sizes them (`workingset.newcomer_chunks`)."""
+    def continuous(self, shape, bs: int, n: int, chunk: int, host_attention: bool = False,
+                   room=lambda longest: math.inf, cache_bytes=None) -> tuple[list, Counter, float, float]:
+        """(each fill's prompts, steps, weight, slots a decode row attends) of the job's first
+        window replayed (`occupancy.continuous_steps`), weighted to stand for the whole job;
+        newcomers' chunks are sized as the engine sizes them (`workingset.newcomer_chunks`),
+        their caches (`cache_bytes(rows, longest prompt)`) within `room(longest prompt)` bytes."""
+        window = self.prompts[:self.window]
+        longest, shortest = max(window), min(window)
+        ends = (room(longest), room(shortest))  # what tells one room apart from another, for the memo
+        if cache_bytes and ends[0] >= 2 * n * cache_bytes(bs, longest):
+            room, ends = (lambda _: math.inf), None  # every newcomer the engine takes fits
+
         def replay():
             w = self.window
             prompts, lens = self.prompts[:w], self.lens[:w]
             widest = newcomer_chunks(shape, shape.dtype_bytes, bs, n, chunk, max(map(sum, zip(prompts, lens))),
                                      host_attention)
-            first, steps, span = continuous_steps(prompts, lens, bs, n, widest)
-            return first, steps, len(self.lens) / min(len(self.lens), w), span
-        return self._memoised(("continuous", bs, n, chunk, host_attention), replay)
+            fills, steps, span = continuous_steps(prompts, lens, bs, n, widest, cache_bytes=cache_bytes, room=room)
+            return fills, steps, len(self.lens) / min(len(self.lens), w), span
+        return self._memoised(("continuous", bs, n, chunk, host_attention, ends), replay)
 
     def static_passes(self, group: int, chunk: int) -> int:
         """Prefill passes of the job under static batching: each window's prompts longest

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 
 from planner.decode_ops import decode_layer_ops
 from planner.layer import INEQUALITIES, NO_HOST, LayerIO, Phase, expert_slots, ineq_terms
-from planner.place import TIERS, Layout
+from planner.place import TIERS, Layout, resident_bytes, resident_kinds
 from planner.workingset import device_need, staging_bytes, working_set
 from planner.units import format_bytes
 
@@ -40,7 +40,9 @@ class Plan:
     slot_utilisation: dict = field(default_factory=dict)  # {"continuous": u, "static": u}
     job_prefill_s: float = 0.0   # the whole job's prefill and decode seconds, when its lengths were given
     job_decode_s: float = 0.0
+    job_prefill_passes: float = 0.0  # the job's prefill passes (continuous batching, its replay)
     precision: dict = field(default_factory=dict)  # the precisions weighed and the one taken (planner.precision)
+    newcomer_room: float | None = None  # device bytes newcomers' caches may take (continuous; None: unbounded)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -152,22 +154,9 @@ def make_plan(cost, shape, budgets, pred, bs, n, layout, ios, binding, schedule,
     ws = working_set(cost, bs=bs, n=n, prompt_len=longest, gen_len=G, chunk=chunk, schedule=schedule, hot=K,
                      buffers=buffers, host_attention=host.attention)
     kv_layer = n * bs * cost.kv_context(longest + G) * cost.kv_bytes_per_token_layer
-    by_tier = {t: 0.0 for t in TIERS}
-    for t, c in layout.attn.items():
-        by_tier[t] += c * cost.attention_bytes
-    for t, c in layout.gate.items():
-        by_tier[t] += c * cost.gate_bytes
-    for t, c in layout.experts.items():
-        by_tier[t] += c * cost.expert_bytes
-    for t, c in layout.kv.items():
-        by_tier[t] += c * kv_layer
-    by_tier[layout.embed] += cost.embed_bytes
-    by_tier[layout.head] += cost.head_bytes
+    by_tier = resident_bytes(cost, layout, kv_layer)
     resident = dict(by_tier)
-    full = {"attention": layout.attn["device"] == L, "gate": layout.gate["device"] == L,
-            "expert": layout.experts["device"] == L * E, "kv": layout.kv["device"] == L,
-            "head": layout.head == "device"}
-    by_tier["device"] += device_need(ws, buffers, full)
+    by_tier["device"] += device_need(ws, buffers, resident_kinds(layout, L, E))
     if layout.attn["disk"] or layout.gate["disk"] or layout.experts["disk"] or layout.head == "disk":
         by_tier["host"] += staging_bytes(cost)
     summary = {}
@@ -228,7 +217,9 @@ def make_plan(cost, shape, budgets, pred, bs, n, layout, ios, binding, schedule,
                 moves=host_moves(cost, bs, n, P, G, host, batching, utilisation),
                 prefill_tokens_per_s=pred.get("prefill_tokens_per_s", 0.0),
                 decode_tokens_per_s=pred.get("decode_tokens_per_s", 0.0), batching=batching,
+                newcomer_room=pred.get("newcomer_room"),
                 slot_utilisation=dict(utilisation or {}), job_prefill_s=pred.get("job_prefill_s", 0.0),
+                job_prefill_passes=pred.get("job_prefill_passes", 0.0),
                 job_decode_s=pred.get("job_decode_s", 0.0))
 
 
@@ -249,6 +240,9 @@ def format_plan(plan: Plan) -> str:
            if plan.decode_tokens_per_s else ""),
         f"binding: {plan.binding}",
         *(f"  {m}" for m in plan.moves),
+        *([f"continuous batching: {format_bytes(plan.newcomer_room)} of the device left for the caches of"
+           " prompts prefilled ahead of free rows"]
+          if plan.newcomer_room is not None and plan.batching == "continuous" else []),
         "",
         f"{'tier':<8}{'peak':>12}{'resident':>12}  groups",
     ]

@@ -20,9 +20,10 @@ from planner.infeasible import Infeasible, diagnose, short_budget
 from planner.layer import (FLEXGEN_INEQUALITIES, INEQUALITIES, NO_HOST, SCHEDULES, Host, Phase, flexgen_terms,
                            ineq_terms)
 from planner.occupancy import BATCHING
-from planner.place import Budgets, layer_ios, place_greedy, place_milp
+from planner.place import Budgets, layer_ios, place_greedy, place_milp, resident_bytes, resident_kinds
 from planner.prediction import JobLengths, predict_group
-from planner.workingset import chunk_candidates, device_need, prefill_chunk, working_set
+from planner.workingset import (chunk_candidates, device_need, newcomer_room, pool_slots_planned, prefill_chunk,
+                                working_set)
 from planner.report import Plan, format_plan, make_plan
 from planner.shapes import as_shape
 
@@ -264,7 +265,31 @@ class SearchContext:
 
     def predict(self, bs, n, layout):
         return predict_group(self.cost, self.ios(layout), bs, n, self.P, self.G, self.schedule, self.hot,
-                             self.marg, layout, self.chunk(bs, n), self.host, self.job(n * bs), self.job)
+                             self.marg, layout, self.chunk(bs, n), self.host, self.job(n * bs), self.job,
+                             self.newcomer_room(bs, n, layout))
+
+    def newcomer_room(self, bs, n, layout):
+        """Device bytes newcomers' caches may take under continuous batching, as a function of
+        the longest prompt the engine sizes its rows for (workingset.newcomer_room); None
+        (unbounded) when the KV cache lives on the host, as newcomers' caches then do."""
+        if self.job.batching != "continuous" or layout.kv.get("host"):
+            return None
+        cost, L, E = self.cost, self.cost.shape.num_layers, self.cost.shape.num_experts
+        resident, chunk = resident_kinds(layout, L, E), self.chunk(bs, n)
+        kw = dict(bs=bs, n=n, gen_len=self.G, chunk=chunk, schedule=self.schedule, hot=self.hot_n,
+                  host_attention=self.host.attention)
+
+        def free(longest: int) -> float:  # the budget less resident weights and the rows' caches
+            kv_layer = n * bs * cost.kv_context(longest + self.G) * cost.kv_bytes_per_token_layer
+            return self.budgets.device - resident_bytes(cost, layout, kv_layer)["device"]
+        # the pool is opened once, for the plan's longest prompt; the rows are sized again at each fill
+        slots = pool_slots_planned(cost, working_set(cost, prompt_len=self.P_mem, buffers=self.buffers, **kw),
+                                   self.buffers, resident, free(self.P_mem), schedule=self.schedule, hot=self.hot_n)
+
+        def room(longest: int) -> float:
+            return newcomer_room(cost, free(longest), resident,
+                                 working_set(cost, prompt_len=longest, buffers="minimum", **kw), slots)
+        return room
 
 
 def _choose_n(ctx: SearchContext, bs):

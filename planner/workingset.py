@@ -284,6 +284,30 @@ def expert_pool_slots(ws: dict, buffers: str, resident: dict, free: float, exper
     return lo
 
 
+def pool_slots_planned(cost, ws: dict, buffers: str, resident: dict, free: float, *, schedule: str,
+                       hot: int) -> int:
+    """The expert pool's slots the engine opens for a plan (`expert_pool_slots` in the cost
+    model's sizes: a slot holds an expert, a packed one decoded beside its packed row); 0
+    when every expert is resident."""
+    if resident.get("expert"):
+        return 0
+    decode = cost.expert_decoded + cost.expert_workspace if cost.expert_decoded else 0
+    return expert_pool_slots(ws, buffers, resident, free, cost.expert_bytes + cost.expert_decoded, schedule,
+                             cost.shape.num_experts, hot, decode)
+
+
+def newcomer_room(cost, free: float, resident: dict, minimum: dict, slots: int) -> float:
+    """Device bytes continuous batching's newcomer caches can take at once beside a plan: the
+    engine makes each one's room by evicting transient groups, keeping free what a step needs
+    (its activations and the largest group it fetches; schedule/batching.py). So: `free` (the
+    budget less resident weights and the group's KV caches) less the expert pool of `slots`
+    (held for the run) and the rest of the working set at its `minimum` (buffers="minimum")."""
+    decode = cost.expert_decoded + cost.expert_workspace if cost.expert_decoded else 0
+    pool = slots * (cost.expert_bytes + cost.expert_decoded) + (decode_workspace(slots, decode) if decode and slots else 0)
+    rest = device_need({**minimum, "expert_buffers": 0} if slots else minimum, "minimum", resident)
+    return max(0.0, free - pool - rest)
+
+
 BUFFER_KINDS = ("attention", "gate", "expert", "head", "kv")
 
 

@@ -290,9 +290,9 @@ def test_planner_replays_the_engines_continuous_steps(checkpoints, chunk, bs, n)
     engine.close()
     capacity = max(len(s.prompt_ids) + s.max_new_tokens for s in done)
     widest = newcomer_chunks(engine.spec, 4, bs, n, chunk, capacity)
-    first, steps, _ = continuous_steps([len(s.prompt_ids) for s in done], [len(s.out) for s in done], bs, n, widest)
-    assert engine.stats.refills > 0
-    assert engine.stats.prefill_passes == -(-max(first) // chunk) + sum(c for (_, b, _), c in steps.items() if b)
+    fills, steps, _ = continuous_steps([len(s.prompt_ids) for s in done], [len(s.out) for s in done], bs, n, widest)
+    assert engine.stats.refills > 0 and len(fills) == 1
+    assert engine.stats.prefill_passes == -(-max(fills[0]) // chunk) + sum(c for (_, b, _), c in steps.items() if b)
     assert engine.stats.decode_rows == sum(rows * c for (rows, _, _), c in steps.items())
 
 

@@ -117,7 +117,9 @@ def replayed(prompt_lens, gen_lens, replan) -> dict:
         return none
     return {"replayed_tokens_per_s": round(plan.predicted_tokens_per_s, 3),
             "replayed_prefill_s": round(plan.job_prefill_s * scale, 4),
-            "replayed_decode_s": round(plan.job_decode_s * scale, 4)}
+            "replayed_decode_s": round(plan.job_decode_s * scale, 4),
+            # continuous batching: the passes the replay made (set beside the run's `prefill_passes`)
+            "replayed_prefill_passes": round(plan.job_prefill_passes * scale, 1) if plan.job_prefill_passes else None}
 
 
 def summary(report: dict, out_path: Path) -> str:
