@@ -68,7 +68,8 @@ class GroupBytes:
     embed: int       # the embedding table, gathered from on the host
     attention_decoded: int = 0
     expert_decoded: int = 0
-    expert_workspace: int = 0  # temporaries while one expert decodes (MXFP4), held for the call only
+    expert_workspace: int = 0  # temporaries while one expert decodes (MXFP4, GGUF, HQQ), held for the call only
+    attention_workspace: int = 0  # temporaries while a quantized attention group decodes (HQQ)
 
 
 class CostModel:
@@ -96,7 +97,7 @@ class CostModel:
         self.attention_bytes, self.gate_bytes, self.expert_bytes = sizes.attention, sizes.gate, sizes.expert
         self.head_bytes, self.embed_bytes = sizes.head, sizes.embed
         self.attention_decoded, self.expert_decoded = sizes.attention_decoded, sizes.expert_decoded
-        self.expert_workspace = sizes.expert_workspace
+        self.expert_workspace, self.attention_workspace = sizes.expert_workspace, sizes.attention_workspace
         self.kv_bytes_per_token_layer = s.kv_width * b  # MLA: the latent and rotary key only
         measured_here = getattr(profile, "shape_key", None) == s.key()
         self._samples = profile.samples if measured_here else {}

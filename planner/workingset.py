@@ -235,18 +235,19 @@ def working_set(cost, *, bs: int, n: int, prompt_len: int, gen_len: int, chunk: 
     kv = 0 if host_attention else kv_buffer_bytes(cost, bs, context)
     if buffers == "minimum":
         return {"activations": act, "decoded": 0,
-                "attention_buffers": cost.attention_bytes + cost.attention_decoded,
+                "attention_buffers": cost.attention_bytes + cost.attention_decoded + cost.attention_workspace,
                 "gate_buffers": cost.gate_bytes,
                 "expert_buffers": cost.expert_bytes + cost.expert_decoded + cost.expert_workspace,
                 "head_buffer": cost.head_bytes, "kv_buffers": kv,
                 # a resident quantized group is still dequantized into a transient copy per use
-                "attention_resident": cost.attention_decoded,
+                "attention_resident": cost.attention_decoded + cost.attention_workspace,
                 "expert_resident": cost.expert_decoded + cost.expert_workspace}
     slots = expert_slots(schedule, s.num_experts, hot)
     experts = slots * cost.expert_bytes
     if cost.expert_decoded:  # packed experts land in the pool decoded, beside their packed rows
         experts += slots * cost.expert_decoded + decode_workspace(slots, cost.expert_decoded + cost.expert_workspace)
-    return {"activations": act, "decoded": cost.attention_decoded + cost.expert_decoded + cost.expert_workspace,
+    return {"activations": act, "decoded": (cost.attention_decoded + cost.attention_workspace + cost.expert_decoded
+                                            + cost.expert_workspace),
             "attention_buffers": 2 * cost.attention_bytes, "gate_buffers": 2 * cost.gate_bytes,
             "expert_buffers": experts,
             "head_buffer": cost.head_bytes, "kv_buffers": kv}

@@ -136,6 +136,11 @@ def test_hqq_experts_computed_over_the_pool_token_for_token(tiny_hqq, schedule):
     assert over_pool and max(over_pool) > 1
     assert cache.experts_landed_stacked > 0
     assert engine.memory.peak <= budget
+    # each decode's temporaries reserved as the planner counts them (hqq.workspace_nbytes)
+    coded = [k for k in cache.sizes if cache.coded(k)]
+    assert {k[0] for k in coded} == {"attn", "expert"}
+    for k in coded:
+        assert cache.workspace[k] == engine.ckpt.hqq_workspace_nbytes(k, cache.dtype, hqq.QuantSpec()) > 0
 
 
 def test_a_run_is_decoded_in_one_call_per_adjacent_slots(tiny_hqq, monkeypatch):

@@ -299,3 +299,69 @@ def test_leftovers_of_killed_runs_are_removed_live_ones_kept(source, tmp_path):
         (d / WEIGHTS_FILE).write_bytes(b"half")
     quantize_checkpoint(source, tmp_path / "q", QuantSpec(), groups_of(source))
     assert not dead.exists() and live.exists()
+
+
+class LiveStorages(torch.utils._python_dispatch.TorchDispatchMode):
+    """The most bytes of storages made by ops inside it alive at once (each storage counted
+    from the op that made it until the last tensor on it is collected)."""
+
+    def __init__(self):
+        super().__init__()
+        self.refs, self.size, self.live, self.peak = {}, {}, 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        import weakref
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                key = t.untyped_storage().data_ptr()
+                if key not in self.refs:
+                    self.refs[key], self.size[key] = 0, t.untyped_storage().nbytes()
+                    self.live += self.size[key]
+                    self.peak = max(self.peak, self.live)
+                self.refs[key] += 1
+                weakref.finalize(t, self._drop, key)
+        return out
+
+    def _drop(self, key):
+        self.refs[key] -= 1
+        if not self.refs[key]:
+            del self.refs[key]
+            self.live -= self.size.pop(key)
+
+
+@pytest.mark.parametrize("spec", [QuantSpec(), QuantSpec(bits=8, meta_group_size=None), QuantSpec(bits=3),
+                                  QuantSpec(bits=2, group_size=32)])
+@pytest.mark.parametrize("shape,experts", [((96, 256), 1), ((96, 256), 4), ((100, 70), 3), ((256, 96), 6)])
+def test_a_decode_holds_no_more_than_its_workspace(spec, shape, experts):
+    """The device bytes a decode takes beyond its output, counted storage by storage, stay
+    within `workspace_nbytes` (what the WeightCache reserves around a decode and the planner
+    counts); stacked decodes (the expert pool's) come within 2x of it, so the bound is no
+    guess. (Unreserved, a stacked HQQ decode held 1.3x its output beside it.)"""
+    from klotski.compress.hqq import workspace_nbytes
+    parts = [quantize_tensor(normal(*shape, seed=i), spec) for i in range(experts)]
+    stacked = {k: torch.stack([p[k] for p in parts]) for k in parts[0]}
+    dequantize_tensor(stacked, torch.bfloat16)  # hqq's first call sets itself up
+    counted = LiveStorages()
+    with counted:
+        out = dequantize_tensor(stacked, torch.bfloat16)
+    held = counted.peak - out.untyped_storage().nbytes()
+    bound = workspace_nbytes(*shape, spec.bits, spec.group_size, torch.bfloat16, experts)
+    assert 0 < held <= bound
+    if experts > 1:
+        assert bound <= 2 * held
+
+
+def test_the_engine_reserves_what_the_planner_counts_for_a_decode(source, tmp_path):
+    """The codec's temporaries for a group (read from its stored headers: what the WeightCache
+    reserves) equal the checkpoint's figure from shapes alone (what the planner counts)."""
+    from klotski.compress.hqq import group_workspace_nbytes, workspace_nbytes
+    from klotski.compress.quantized import QuantCodec
+    out = quantize_checkpoint(source, tmp_path / "q", QuantSpec(), groups_of(source))
+    codec = QuantCodec(out, torch.bfloat16)
+    for label, group in groups_of(source):
+        key = tuple(int(p) if p.isdigit() else p for p in label.split("."))
+        shapes = [tuple(t.shape) for n, t in group.items() if n != "input_norm"]
+        expected = max(workspace_nbytes(*s, 4, 64, torch.bfloat16) for s in shapes)
+        assert codec.workspace_nbytes(key) == expected > 0
+    assert group_workspace_nbytes([], torch.bfloat16) == 0

@@ -163,10 +163,34 @@ def dequantize_tensor(parts: dict[str, torch.Tensor], dtype: torch.dtype | None 
             _dequantize_meta(parts[f"{key}_q"], parts[f"{key}_s"], parts[f"{key}_z"], groups)
         meta[key] = v.reshape(n, groups, 1).to(work)
     # hqq's Quantizer.dequantize, (codes - zero) * scale, over every expert at once; in place on the
-    # codes (a fresh tensor), so a stacked decode holds no temporaries beyond them
+    # codes (a fresh tensor), so a stacked decode holds no temporaries beyond them (workspace_nbytes
+    # bounds what it does hold: the codes' copies while they unpack, and the output's layout copy)
     W = codes.sub_(meta["zero"]).mul_(meta["scale"])
     W = W[:, : rows * -(-cols // gs)].reshape(n, rows, -1)[:, :, :cols]
     return W.reshape(*lead, rows, cols).to(dtype).contiguous()
+
+
+def workspace_nbytes(rows: int, cols: int, bits: int, gs: int, dtype: torch.dtype, experts: int = 1) -> int:
+    """Device bytes `dequantize_tensor` holds beyond its output while it decodes a rows x cols
+    weight (`experts` of them stacked), at most: the packed codes laid side by side and hqq's
+    two shifted copies of them while it unpacks, the unpacked codes in the working dtype, the
+    scales and zeros, and a copy in the working dtype for each step between the codes' layout
+    and the output's that is not a view (8-bit codes: the conversion to `dtype`; a width not a
+    multiple of gs: the cut of its padding). Measured against a count of every storage the
+    decode makes (tests/test_quant.py)."""
+    groups = _padded_groups(rows, cols, gs)
+    work = dtype.itemsize if bits < META_BITS else 4
+    packed = -(-groups // 10) * gs * 4 if bits == 3 else groups * gs * bits // 8
+    meta = groups * (2 * work + 2 * 4)  # scale and zero, and their fp32 decode from 8-bit codes
+    copies = (work != dtype.itemsize) + (cols % gs != 0)
+    return experts * (3 * packed + groups * gs * work + meta + copies * rows * -(-cols // gs) * gs * work)
+
+
+def group_workspace_nbytes(headers, dtype: torch.dtype) -> int:
+    """`dequantize_group`'s temporaries: its weights decode one after another (each one's
+    output is the group's decoded copy), so the largest weight's `workspace_nbytes`. `headers`:
+    each quantized weight's header shape (..., bits, gs, ., rows, cols)."""
+    return max((workspace_nbytes(h[-2], h[-1], h[-5], h[-4], dtype) for h in headers), default=0)
 
 
 def packed_weight_nbytes(rows: int, cols: int, spec: QuantSpec = QuantSpec()) -> int:

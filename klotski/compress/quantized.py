@@ -24,6 +24,7 @@ class QuantCodec:
         from safetensors import safe_open
         self.directory, self.dtype = Path(directory), dtype
         self._packed: dict[str, int] = {}
+        self._headers: dict[str, list] = {}  # a group's quantized weights' header shapes
         with safe_open(self.directory / quant.WEIGHTS_FILE, framework="pt") as f:
             for name in f.keys():
                 group = name.split("/", 1)[0]
@@ -32,12 +33,18 @@ class QuantCodec:
                 for d in sl.get_shape():
                     numel *= d
                 self._packed[group] = self._packed.get(group, 0) + numel * dtypes.safetensors_itemsize(sl.get_dtype())
+                if name.endswith(".header"):
+                    self._headers.setdefault(group, []).append(tuple(sl.get_shape()))
 
     def covers(self, key) -> bool:
         return key[0] in QUANTIZED_KINDS
 
     def packed_nbytes(self, key) -> int:
         return self._packed[label(key)]
+
+    def workspace_nbytes(self, key) -> int:
+        """Device bytes a decode of `key` holds beyond its output (the WeightCache reserves them)."""
+        return quant.group_workspace_nbytes(self._headers.get(label(key), ()), self.dtype)
 
     def read(self, key) -> dict:
         return quant.load_quantized(self.directory, label(key))

@@ -66,6 +66,15 @@ class Checkpoint:
         coded = quant is not None and key[0] in hqq.QUANTIZED_KINDS
         return packed, (full if coded else 0)
 
+    def hqq_workspace_nbytes(self, key, dtype: torch.dtype, quant) -> int:
+        """The temporaries one decode of `key`'s HQQ copy holds (hqq.workspace_nbytes of its
+        largest quantized weight); 0 for a group HQQ does not quantize."""
+        if quant is None or key[0] not in hqq.QUANTIZED_KINDS:
+            return 0
+        return max((hqq.workspace_nbytes(*self.store.entries[r.name].span(r.index, r.rows)[2], quant.bits,
+                                         quant.group_size, dtype)
+                    for name, r in self.spec.group_refs(key).items() if name in hqq.PROJECTIONS), default=0)
+
     def group_bytes(self, dtype: torch.dtype, quant=None) -> GroupBytes:
         """The planner's sizes of each group kind: the largest group of each kind."""
         sizes: dict = {}
@@ -82,6 +91,10 @@ class Checkpoint:
             if key[0] == "expert" and self.is_gguf:
                 work = self.expert_codec(dtype).workspace_nbytes(key)
                 sizes["expert_workspace"] = max(sizes.get("expert_workspace", 0), work)
+            elif decoded and quant is not None and not (key[0] == "expert" and self.spec.expert_format == "mxfp4"):
+                # HQQ's decode temporaries, one group at a time
+                work = self.hqq_workspace_nbytes(key, dtype, quant)
+                sizes[f"{kind}_workspace"] = max(sizes.get(f"{kind}_workspace", 0), work)
         return GroupBytes(**sizes)
 
     @property
