@@ -25,11 +25,11 @@ from klotski.execute.pipeline import StepInput
 from klotski.schedule.prefix import Segment, SegmentCache, find_segments, refusal
 from klotski.schedule.scheduler import BATCH, Waiting
 from klotski.schedule.stats import DecodeRows, Stats
-from planner.workingset import chunk_within
+from planner.workingset import Step, activation_bytes, chunk_within
 from placement import pinned
 from placement.cache import DISK_TO_HOST
 from placement.pinned import PinnedBlocks
-from placement.tiers import HOST
+from placement.tiers import HOST, OverBudget
 
 
 class Engine:
@@ -184,19 +184,33 @@ class Engine:
             for m in members:
                 bounds[m], owner[m] = bounds[m] + [end], i
         self._drop_unused(set(keys))  # room first, for the segments still to prefill
+        own = [len(s.prompt_ids) + s.max_new_tokens for s in seqs]  # each line's keys beside its segments
+        for _, end, members in found:
+            for m in members:
+                own[m] = min(own[m], len(seqs[m].prompt_ids) - end + seqs[m].max_new_tokens)
+        if not self._segments_fit(set(keys), max(own), sum(end - start for start, end, _ in found)):
+            return  # a step over them would pass the activations the plan reserved: lines prefill whole
         made: dict[int, Segment] = {}
-        while len(made) < len(found):  # a level at a time: those whose parents exist, in passes of bs
+        keep_free = self._segment_headroom(max(own))
+        room = True
+        while room and len(made) < len(found):  # a level at a time: parents first, in passes of bs
             ready = [i for i in range(len(found)) if i not in made and (parents[i] is None or parents[i] in made)]
             made.update((i, self.segments[keys[i]]) for i in ready if keys[i] in self.segments)
             new = [i for i in ready if i not in made]
             for a in range(0, len(new), self.batch_size):
                 part = new[a:a + self.batch_size]
-                made.update(zip(part, self._prefill_segments(
-                    [keys[i] for i in part], [made[parents[i]] if parents[i] is not None else None for i in part])))
+                segments = self._prefill_segments([keys[i] for i in part],
+                                                  [made[parents[i]] if parents[i] is not None else None for i in part],
+                                                  keep_free)
+                if segments is None:  # no room beside the plan: these lines prefill their own tokens
+                    room = False
+                    break
+                made.update(zip(part, segments))
         chains = [() for _ in seqs]
-        for i, (_, _, members) in enumerate(found):
+        for i, (_, _, members) in enumerate(found):  # parents before children: each line's deepest made
             for m in members:
-                chains[m] = made[i].chain
+                if i in made:
+                    chains[m] = made[i].chain
         for s, chain in zip(seqs, chains):
             self._start_from(s, chain)
 
@@ -214,15 +228,47 @@ class Engine:
             self.stats.prefix_tokens = max(self.stats.prefix_tokens, s.shared)
             self.stats.prefix_tokens_saved += s.shared
 
-    def _prefill_segments(self, keys: list, parents: list) -> list[Segment]:
+    def _segments_fit(self, keys: set, own: int, new: int) -> bool:
+        """Whether a one-column step still fits the activations the plan reserved with every
+        segment held (those kept and `new` tokens of new ones) side by side in a batch's keys
+        beside a line's `own` (a batch attends over all its rows' segments; the plan counted
+        whole prompts): else no chunk is small enough once they are held."""
+        if self.setup.activation_reserve is None:
+            return True
+        held = sum(p.length for k, p in self.segments.items() if k not in keys)
+        step = Step.prefill(self.batch_size, self.num_batches, 1, own + held + new)
+        host_attention = self.placement.kv == HOST and self.pipeline.always_host_attention()
+        return activation_bytes(self.spec, self.dtype.itemsize, step, host_attention) <= self.setup.activation_reserve
+
+    def _segment_headroom(self, own: int) -> int:
+        """Device bytes a shared segment's cache must leave free, so that segments take only room
+        the plan does not count on (it counted whole prompts in every row; rows that start from
+        segments hold `own` slots at most, their own tokens and answers): a step's activations
+        and the largest group it fetches, and the rows' caches while none are made (a continuous
+        run's, once made, are in use already)."""
+        if self.placement.kv == HOST:
+            return 0
+        rows = 0
+        if not (self.continuous and any(d.live() for d in self.continuous.decode)):
+            heads, key_dim, value_dim = self.spec.kv_cache_dims
+            rows = BatchKV.nbytes_for(self.spec.num_layers, self.batch_size * self.num_batches, heads, key_dim,
+                                      own, self.dtype, value_dim)
+        return (self.setup.activation_reserve or 0) + self.cache.largest_use + rows
+
+    def _prefill_segments(self, keys: list, parents: list, keep_free: int = 0) -> list[Segment] | None:
         """Prefill segments together, once, a row each (left-padded as lines are), each row
-        attending to its own parent chain as a line's own tokens would."""
+        attending to its own parent chain as a line's own tokens would; None (nothing made)
+        when their cache does not fit with `keep_free` device bytes still free."""
         starts = [p.end if p else 0 for p in parents]
         lengths = [len(k[1]) - a for k, a in zip(keys, starts)]
         width, rows = max(lengths), len(keys)
         space, kv = self.kv_space(), None
         try:
-            kv, _ = space.allocate(rows, width)
+            kv, _ = space.allocate(rows, width, keep_free=keep_free)
+        except OverBudget:
+            space.close()
+            return None
+        try:
             kv.chains[:rows] = [p.chain if p else () for p in parents]
             ids = torch.full((rows, width), self._pad_id(), dtype=torch.long)
             valid = torch.zeros((rows, width), dtype=torch.bool)
