@@ -9,8 +9,10 @@ gathered from: its rows are looked up where it lives, and only those rows move.
 Every transient device copy is reserved in the device `Memory` before its transfer is
 submitted and freed when the pipeline releases it, except a transferred expert landing in a
 slot of the run's `ExpertPool` (pool.py), whose bytes were reserved once when it was opened (a
-packed one lands packed beside its slot and is decoded into it, a run in few codec calls); host copies, staged buffers included, are reserved in the host `Memory`. A group
-the pipeline is computing with is held (`hold`) and never chosen for eviction, so what the accounts say is what exists. Transfers
+packed one lands packed beside its slot and is decoded into it, a run in few codec calls);
+host copies, staged buffers included, are reserved in the host `Memory`. A group the pipeline
+is computing with is held (`hold`) and never chosen for eviction, so what the accounts say is
+what exists. Transfers
 run on channels handed in by the engine (objects with `submit(fn, name=, nbytes=, link=)`
 and `to_device(t)`); this package never imports them.
 """

@@ -125,8 +125,7 @@ class ContinuousRun:
         waiting, own, e = self.waiting.everything(), self.e.own_len, self.e
         self.capacity = max([self.floor] + [own(s) + s.max_new_tokens for s in waiting])
         self.longest_prompt = max([1] + [own(s) for s in waiting])  # a host newcomer cache's slots
-        # every step's attention beside the host cache: the plan reserved no keys or scores
-        self.host_attention = self.space.on_host and e.pipeline.always_host_attention()
+        self.host_attention = e.attends_on_host()
         self.chunk = e.chunk_within(e.batch_size, e.num_batches, e.prefill_chunk or self.longest_prompt,
                                     self.capacity + e.shared, self.host_attention)
         # rows also attend over the shared segments (at most every one held): their keys count,

@@ -237,8 +237,7 @@ class Engine:
             return True
         held = sum(p.length for k, p in self.segments.items() if k not in keys)
         step = Step.prefill(self.batch_size, self.num_batches, 1, own + held + new)
-        host_attention = self.placement.kv == HOST and self.pipeline.always_host_attention()
-        return activation_bytes(self.spec, self.dtype.itemsize, step, host_attention) <= self.setup.activation_reserve
+        return activation_bytes(self.spec, self.dtype.itemsize, step, self.attends_on_host()) <= self.setup.activation_reserve
 
     def _segment_headroom(self, own: int) -> int:
         """Device bytes a shared segment's cache must leave free, so that segments take only room
@@ -325,6 +324,10 @@ class Engine:
             for kv in kvs:  # the tensors go before their accounts do
                 kv.release()
             space.close()
+
+    def attends_on_host(self) -> bool:
+        """Every step's attention runs beside the host KV cache: the plan reserved no keys or scores."""
+        return self.placement.kv == HOST and self.pipeline.always_host_attention()
 
     def chunk_within(self, bs: int, n: int, chunk: int, context: int, host_attention: bool = False) -> int:
         """The longest prefill chunk up to `chunk` for n batches of bs rows over `context` keys
