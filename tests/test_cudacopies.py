@@ -4,6 +4,9 @@ queue on one link, work run on the caller keeps its exception for `result`, and 
 query answers from torch's own sanitizer object. The CUDA side is tests/gpu/test_gpu_sanitizer.py."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -94,3 +97,19 @@ def test_a_ticket_makes_each_stream_wait_once(monkeypatch):
     current[0] = "side"
     ticket.wait()
     assert waits == {"compute": ["copied"], "side": ["copied"]}
+
+
+def test_asking_never_switches_torchs_gpu_trace_on():
+    """Importing torch.cuda._sanitizer builds its dispatch mode, which activates torch's GPU trace
+    hooks (a Python call per event and allocation; on an H200 a run died in one). Asking whether
+    the sanitizer is on, and opening channels, must leave that module unimported."""
+    probe = ("import sys, torch\n"
+             "from klotski.execute import cudacopies\n"
+             "from klotski.execute.channels import make_channels\n"
+             "from klotski.execute.trace import Trace\n"
+             "assert not cudacopies.sanitizer_on()\n"
+             "for c in make_channels(torch.device('cpu'), Trace(False), None).values(): c.close()\n"
+             "print('torch.cuda._sanitizer' in sys.modules)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_CUDA_SANITIZER"}
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.strip() == "False", out.stderr

@@ -18,17 +18,17 @@ at the link's own speed) in the two runs that need them to:
 """
 from __future__ import annotations
 
+import sys
 import time
 from concurrent.futures import Future
 
 
 def sanitizer_on() -> bool:
-    """The CUDA sanitizer is checking this process (torch exposes no public query)."""
-    try:
-        from torch.cuda._sanitizer import cuda_sanitizer
-    except ImportError:  # a torch without it checks nothing
-        return False
-    return bool(cuda_sanitizer.enabled)
+    """The CUDA sanitizer is checking this process (torch exposes no public query). Only asked of
+    a module torch already imported: importing `torch.cuda._sanitizer` builds its dispatch mode,
+    which switches on torch's GPU trace hooks for every event and allocation, enabled or not."""
+    module = sys.modules.get("torch.cuda._sanitizer")
+    return module is not None and bool(module.cuda_sanitizer.enabled)
 
 
 def run_here(work) -> Future:
