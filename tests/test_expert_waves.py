@@ -285,3 +285,38 @@ def test_the_host_is_charged_the_staging_rings_the_engine_reserves():
     assert gpu.device == "cuda"
     extra = staging_bytes(CostModel(gpu, "mixtral-8x7b")) - staging_bytes(CostModel(cpu, "mixtral-8x7b"))
     assert extra == len(DISK_CARRIERS) * StagedCopies().nbytes > 0
+
+
+def test_an_expert_computes_in_the_same_pieces_whatever_its_wave():
+    """On an H200 the host placement's hidden states differed in their last bits from the resident
+    run's (tests/gpu/test_gpu.py): waves cut their calls at every `step` rows of the wave, so an
+    expert straddling a cut was computed as two products in one wave and one in another, and a
+    GPU picks its kernel (its summation) by a product's rows. Here a product whose bits depend on
+    its rows, as a GPU's can: the slots must be the same whatever the waves hold."""
+    import numpy as np
+    from klotski.execute.experts import LayerExperts, Routed
+
+    g = torch.Generator().manual_seed(3)
+    tokens, k, hidden, experts = 6, 2, 8, 6
+    ids = torch.tensor([[0, 2], [0, 2], [0, 2], [0, 3], [0, 5], [2, 5]])  # pairs: 5, 0, 4, 1, 0, 2
+    routed = Routed(torch.randn(tokens, hidden, generator=g), torch.rand(tokens, k, generator=g), ids,
+                    None, [tokens], [None])
+    w = {"w": torch.randn(experts, hidden, hidden, generator=g)}
+
+    def rows_dependent_ffn(x, ws, groups):  # each group's product, shifted by its own row count
+        parts = x[:sum(groups.counts)].split(groups.counts)
+        return torch.cat([p @ ws["w"][i] + len(p) for i, p in enumerate(parts) if len(p)])
+
+    def slots(waves):
+        moe = LayerExperts(routed, k)
+        moe.count(ids, experts)
+        for wave in waves:
+            moe.run_wave(rows_dependent_ffn, {"w": w["w"][wave]}, wave, torch.as_tensor)
+        return moe.slots
+
+    one = slots([list(range(experts))])
+    assert torch.equal(one, slots([[2, 3], [0, 1, 4, 5]]))
+    assert torch.equal(one, slots([[5], [3, 4], [0], [1, 2]]))
+    # every call within `step` (the group's tokens): the activation reserve still bounds a wave
+    from klotski.execute.experts import call_rows
+    assert all(b - a <= tokens for a, b in call_rows(np.array([5, 0, 4, 1, 0, 2]), tokens))

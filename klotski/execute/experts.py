@@ -170,9 +170,7 @@ class LayerExperts:
             rows = upload(torch.from_numpy(rows))
             order, tokens, weights = (t.index_select(0, rows) for t in (self._order, self._tokens, self._weights))
         ends, flat = np.cumsum(counts), self.slots.view(-1, self.slots.shape[-1])
-        step = min(len(self.routed.x), PREFILL_EXPERT_CHUNK)
-        for start in range(0, total, step):  # bounds the gathered rows and FFN intermediates
-            stop = min(start + step, total)
+        for start, stop in call_rows(counts, min(len(self.routed.x), PREFILL_EXPERT_CHUNK)):
             part = np.clip(ends, start, stop) - np.clip(ends - counts, start, stop)
             # the call's rows span a run of groups: only their weights (views) and offsets go in
             lo, hi = int(np.argmax(ends > start)), int(np.searchsorted(ends, stop, side="left")) + 1
@@ -210,6 +208,25 @@ class LayerExperts:
         out = L.combine(self.slots, hs[0].dtype, r.shared)
         parts = out.split(r.sizes) if len(hs) > 1 else (out,)
         return [residual(h, o, keep) for h, o, keep in zip(hs, parts, r.keeps)]
+
+
+def call_rows(counts: np.ndarray, step: int) -> list[tuple[int, int]]:
+    """A wave's calls as row ranges of at most `step` rows over its experts' runs (`counts`, in
+    the wave's order), cut only between experts or where an expert's own rows reach a multiple
+    of `step`. So each expert is computed in the same pieces (the pieces `run_expert` takes)
+    whichever experts share its wave: on a GPU a product's kernel, and so its bits, depends on
+    its number of rows, and the waves differ with the placement (resident stack, landing stacks)."""
+    calls, start, rows = [], 0, 0
+    for c in counts[counts > 0].tolist():
+        pieces = [step] * (c // step) + ([c % step] if c % step else [])
+        for piece in pieces:
+            if rows + piece > step:
+                calls.append((start, start + rows))
+                start, rows = start + rows, 0
+            rows += piece
+    if rows:
+        calls.append((start, start + rows))
+    return calls
 
 
 def run_expert(expert_ffn, x: torch.Tensor, w: dict) -> torch.Tensor:
