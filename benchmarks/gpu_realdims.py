@@ -45,6 +45,7 @@ import json
 import runpy
 import shlex
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -177,7 +178,8 @@ class Shape:
         self.dir = model_root(a, self.bytes) / f"{name}-{a.layers}l-s{a.shrink}-{a.routing}"
         self.work = a.work_dir / name
         self.model = self.jobs = None
-        self.bs = self.n = None  # klotski's, once its row ran
+        self.bs = self.n = None  # klotski's, once its row ran (or the planner's, where it failed)
+        self.klotski_failed = None  # its row's error: not run again for the rows that need its choices
         self.build_s = None
 
     def ready(self) -> None:
@@ -318,19 +320,38 @@ def run_row(a, shapes: dict, key: str, timeout: float) -> dict:
     shape.ready()
     if tag != "klotski" and not shape.bs and a.batch_size and a.num_batches:  # forced: klotski's too
         shape.bs, shape.n = a.batch_size, a.num_batches
-    if tag != "klotski" and not shape.bs:  # the others run at klotski's choices: take them first
+    if tag != "klotski" and not shape.bs and not shape.klotski_failed:  # the others run at klotski's choices
         first = run_row(a, shapes, f"{name}:klotski", timeout)
         a.results.append(first)
+    if tag != "klotski" and not shape.bs:  # klotski's row failed: the baselines still run, at the plan's
+        shape.bs, shape.n = planned_choices(a, shape, min(timeout, 120.0))
         if not shape.bs:
-            return {"row": key, "ok": False, "error": f"needs {name}:klotski's batch size, and that row failed"}
+            return {"row": key, "ok": False, "error": f"{name}:klotski failed and `klotski plan` gave no batch size"}
     row = (accelerate_row(a, shape, timeout) if tag == "accelerate" else kernels_row(a, shape, timeout)
            if tag == "kernels" else klotski_row(a, shape, tag, timeout))
-    if tag == "klotski" and row.get("ok"):
-        shape.bs, shape.n = row["bs"], row["n"]
+    if tag == "klotski":
+        shape.bs, shape.n = (row["bs"], row["n"]) if row.get("ok") else (None, None)
+        shape.klotski_failed = None if row.get("ok") else row.get("error") or "failed"
+    elif shape.klotski_failed and tag in ("simple", "accelerate", "multibatch", "kernels"):
+        row["choices_from"] = "klotski plan (the klotski row failed)"
     row.update(row=key, model=name, system=tag, layers=a.layers, shrink=a.shrink)
     if row.get("ok") and tag != "kernels":
         row["extrapolated"] = extrapolate(shape, row, a.layers)
     return row
+
+
+def planned_choices(a, shape: Shape, timeout: float) -> tuple[int | None, int | None]:
+    """The planner's batch size and n for this shape, budget and link (`klotski plan`, prompts of
+    the job's length): what the baselines run at when klotski's own row failed."""
+    cmd = [sys.executable, "-m", "klotski.cli", "plan", "--json", "--model", str(shape.model), "--device", a.device,
+           "--device-memory", f"{shape.budget // 1024}KiB", "--prompt-len", str(a.prompt_tokens),
+           "--gen-len", str(a.max_new_tokens), "--emulate-link", str(a.link_gbps)]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        plan = json.loads(out.stdout)
+        return plan.get("batch_size"), plan.get("num_batches")
+    except (subprocess.TimeoutExpired, ValueError, OSError):
+        return None, None
 
 
 def targets(rows: dict) -> list[dict]:

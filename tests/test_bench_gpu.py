@@ -94,3 +94,37 @@ def test_rows_not_started_by_the_deadline_are_listed(tmp_path):
                           "--out", str(tmp_path / "out.json")))
     r = json.loads((tmp_path / "out.json").read_text())
     assert rc == 0 and r["rows"] == [] and r["not_run"] == ["mixtral-8x7b:klotski", "qwen3-30b-a3b:simple"]
+
+
+def test_the_baselines_run_at_the_plans_choices_when_klotskis_row_fails(run, monkeypatch):
+    """On an H200 the Mixtral klotski row failed, and simple and accelerate were left unmeasured
+    ("needs klotski's batch size") after klotski's row had been run twice more for them. Now a
+    failed row runs once, and the baselines take the planner's batch size (`klotski plan`)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu_realdims as G
+    tried, ran = [], {}
+
+    def klotski_row(a, shape, tag, timeout):
+        if tag == "klotski":
+            tried.append(tag)
+            return {"ok": False, "error": "planted failure"}
+        ran[tag] = (shape.bs, shape.n)
+        return {"ok": False, "error": "not run in this test"}
+
+    def accelerate_row(a, shape, timeout):
+        ran["accelerate"] = (shape.bs, shape.n)
+        return {"ok": False, "error": "not run in this test"}
+
+    monkeypatch.setattr(G, "klotski_row", klotski_row)
+    monkeypatch.setattr(G, "accelerate_row", accelerate_row)
+    root = run["root"]
+    a = G.parse_args(["--device", "cpu", "--layers", "2", "--prompts", "4", "--prompt-tokens", "40",
+                      "--max-new-tokens", "3", "--model-dir", str(root / "models"), "--work-dir", str(root / "fail")])
+    a.shrink, a.results = 16, []
+    shapes = {}
+    rows = [G.run_row(a, shapes, f"mixtral-8x7b:{tag}", 120) for tag in ("simple", "accelerate")]
+    assert tried == ["klotski"]  # once, for both
+    bs, n = ran["simple"]
+    assert isinstance(bs, int) and bs >= 1 and isinstance(n, int) and n >= 1
+    assert ran["accelerate"] == (bs, n)
+    assert all(r["choices_from"].startswith("klotski plan") for r in rows)
