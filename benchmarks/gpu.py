@@ -145,6 +145,10 @@ def launch(a, system, tag, budget, cmd, out, report) -> tuple[dict, dict | None]
     r = json.loads(report.read_text()) if report.exists() else None
     if r is not None and "error" in r:  # the engine's report of a run that stopped
         rc, last, r = rc or 1, r["error"], None
+    crash = re.search(r"details in (\S+\.txt)", last or "")
+    if crash and Path(crash.group(1)).is_file():  # the traceback into the row's log: logs travel back, /tmp does not
+        with open(log, "a") as fh:
+            fh.write("\n" + Path(crash.group(1)).read_text(errors="replace"))
     row = {"system": system, "run": tag, "ok": r is not None, "error": last if rc != 0 else None, "returncode": rc,
            "budget_bytes": budget, "budget_raised": budget != a.budget, "wall_s": wall, "log": str(log), "output": str(out)}
     if r and "requests" in r:  # a generation's report (gpu_realdims' kernels probe writes another)
