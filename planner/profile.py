@@ -43,17 +43,9 @@ from pathlib import Path
 from planner.shapes import as_shape
 
 BUILTIN_DIR = Path(__file__).parent / "profiles"
-# The measuring harness (grid, timing, links); part of the cache key with the ops' own key.
-# 2: the engine's ops are injected; each timed call synchronized, after a warm-up. 3: host
-# compute rates (host_flops, host_mem_bw); an op's time is the fastest of its repetitions.
-# 4: ops read their weights cold (EngineOps cycles through copies), as the steps do. 5: on a
-# CPU the host->device rate is an expert-sized clone on a one-thread worker, as the channels
-# copy. 6: chunked prefill (a few new tokens over a long context) is sampled too. 7: an op's
-# time is the median of its repetitions again (what a step pays; the fastest ran 0.73 ms for
-# an expert the pipeline paid 1.0 ms for, call after call), and decode batches of 64.
-# 8: the grid is timed ROUNDS times over and each point takes the median of its rounds.
-# 9: the model math's ops of one call of each kind are counted (`kernels`), when the ops can.
-# 10: a grouped expert call over 1 and WAVE_GROUPS experts (`wave`, as the engine runs them).
+# The measuring harness's version (grid, timing, links), part of the cache key with the ops' own
+# key; each bump is described in git's history (10: grouped expert calls over 1 and WAVE_GROUPS
+# experts, `wave`, as the engine runs them).
 PROFILE_VERSION = 10
 # This VM's speed moved by a fifth within minutes: one measure priced smollm2-moe's expert at
 # 8 tokens 0.74 ms (and every other op about as much faster) where two measures minutes later
@@ -172,11 +164,12 @@ def machine_fingerprint(device: str = "cpu") -> dict:
     return fp
 
 
-def profile_key(shape, device: str, link_gbps: float | None, grid: dict, ops_key: str = "") -> str:
+def profile_key(shape, device: str, grid: dict, ops_key: str = "") -> str:
     """What a cached profile stands for: machine, shape, grid, the harness's version and the
-    ops that were timed (`ops_key`: the ops factory's `key`)."""
+    ops that were timed (`ops_key`: the ops factory's `key`). Not an emulated link: that only
+    replaces the measured link's rate (`with_link`), so every `--emulate-link` shares one."""
     text = json.dumps({"version": PROFILE_VERSION, "ops": ops_key, "machine": machine_fingerprint(device),
-                       "shape": as_shape(shape).key(), "link_gbps": link_gbps, "grid": grid}, sort_keys=True)
+                       "shape": as_shape(shape).key(), "grid": grid}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -203,19 +196,19 @@ def measure(shape, *, ops, batch_sizes=(1, 4, 16, 64), context_lengths=(128, 512
     shape = as_shape(shape)
     grid = {"bs": list(batch_sizes), "ctx": list(context_lengths), "tokens": list(token_counts),
             "io_bytes": io_bytes, "clone": "inline"}  # how a CPU copy is timed (part of the cache key)
-    key = profile_key(shape, device, link_gbps, grid, ops.key)
+    key = profile_key(shape, device, grid, ops.key)
     cache = cache_dir is not None
     path = Path(cache_dir or ".") / f"{key}.json"
     if cache and not refresh and path.exists():
         try:
-            return Profile.from_json(path.read_text())
+            return with_link(Profile.from_json(path.read_text()), link_gbps)
         except (ValueError, TypeError):
             pass  # a damaged cache file is re-measured
     # measured while busy earlier: used while the machine is still busy, measured again once it is not
     stale = path.with_suffix(".busy")
     if cache and not refresh and stale.exists() and (busy is None or busy() is not None):
         try:
-            return Profile.from_json(stale.read_text())
+            return with_link(Profile.from_json(stale.read_text()), link_gbps)
         except (ValueError, TypeError):
             pass
     started = time.perf_counter()
@@ -223,7 +216,7 @@ def measure(shape, *, ops, batch_sizes=(1, 4, 16, 64), context_lengths=(128, 512
         announce(f"measuring this machine's speed at this model's layer shapes on {device} (once; cached"
                  f"{' in ' + str(cache_dir) if cache else ' for this run only'})")
     before = busy() if busy else None
-    prof = _measure(shape, ops, grid, device, link_gbps, reps, io_bytes, io_dir or cache_dir)
+    prof = _measure(shape, ops, grid, device, reps, io_bytes, io_dir or cache_dir)
     after = busy() if busy and before is not None else None
     if announce:
         announce(f"speed measured in {time.perf_counter() - started:.1f} s")
@@ -238,6 +231,17 @@ def measure(shape, *, ops, batch_sizes=(1, 4, 16, 64), context_lengths=(128, 512
     elif cache:
         _save(path, prof.to_json())
         stale.unlink(missing_ok=True)
+    return with_link(prof, link_gbps)
+
+
+def with_link(prof: Profile, link_gbps: float | None) -> Profile:
+    """`prof` with the host<->device link at `link_gbps` GB/s (`--emulate-link`), the measured
+    rate kept in `machine`; unchanged for None (the real link)."""
+    if not link_gbps:
+        return prof
+    prof.machine["measured_host_to_device"] = prof.links["host_to_device"]
+    prof.machine["emulated_link_gbps"] = float(link_gbps)
+    prof.links["host_to_device"] = prof.links["device_to_host"] = float(link_gbps) * 1e9
     return prof
 
 
@@ -255,7 +259,7 @@ def _save(path: Path, text: str) -> None:
               "the run goes on and the next run measures again", file=sys.stderr)
 
 
-def _measure(shape, make_ops, grid, device, link_gbps, reps, io_bytes, io_dir) -> Profile:
+def _measure(shape, make_ops, grid, device, reps, io_bytes, io_dir) -> Profile:
     import torch
 
     from planner.costmodel import CostModel
@@ -286,10 +290,6 @@ def _measure(shape, make_ops, grid, device, link_gbps, reps, io_bytes, io_dir) -
     disk_bw, disk_method = _disk_read_bandwidth(io_bytes, io_dir)
     links["disk_to_host"] = disk_bw
     machine = machine_fingerprint(device) | {"disk_read": disk_method}
-    if link_gbps:
-        machine["measured_host_to_device"] = links["host_to_device"]
-        links["host_to_device"] = links["device_to_host"] = float(link_gbps) * 1e9
-        machine["emulated_link_gbps"] = float(link_gbps)
 
     # Effective roofline parameters: the best compute rate and the best memory rate seen.
     # Between and beyond the measured points the cost model scales these, corrected by

@@ -80,10 +80,10 @@ def test_ops_read_their_weights_cold():
 
 def test_cache_key_changes_with_what_is_timed(monkeypatch, tmp_path):
     grid = {"bs": [1]}
-    base = profile_key(TINY, "cpu", None, grid, "ops-a")
-    assert profile_key(TINY, "cpu", None, grid, "ops-b") != base
+    base = profile_key(TINY, "cpu", grid, "ops-a")
+    assert profile_key(TINY, "cpu", grid, "ops-b") != base
     monkeypatch.setattr(P, "PROFILE_VERSION", P.PROFILE_VERSION + 1)
-    assert profile_key(TINY, "cpu", None, grid, "ops-a") != base
+    assert profile_key(TINY, "cpu", grid, "ops-a") != base
     monkeypatch.undo()
 
     key = EngineOps().key
@@ -96,6 +96,21 @@ def test_cache_key_changes_with_what_is_timed(monkeypatch, tmp_path):
     measure(TINY, ops=EngineOps(), cache_dir=cache, io_dir=tmp_path, **GRID)
     measure(TINY, ops=Recomposed(), cache_dir=cache, io_dir=tmp_path, **GRID)
     assert len(list(cache.glob("*.json"))) == 2  # the old ops' profile is not served
+
+
+def test_every_emulated_link_shares_one_measurement(monkeypatch, tmp_path):
+    """`--emulate-link` only replaces the link's rate: one measurement of a shape serves every
+    rate (each of the suite's link settings used to measure the same layers again)."""
+    timed = []
+    counting(monkeypatch, P, "_measure", timed)
+    cache = tmp_path / "profiles"
+    real = measure(TINY, ops=EngineOps(), cache_dir=cache, io_dir=tmp_path, **GRID)
+    slow = measure(TINY, ops=EngineOps(), cache_dir=cache, io_dir=tmp_path, link_gbps=2.5, **GRID)
+    again = measure(TINY, ops=EngineOps(), cache_dir=cache, io_dir=tmp_path, **GRID)
+    assert len(timed) == 1 and len(list(cache.glob("*.json"))) == 1
+    assert slow.links["host_to_device"] == slow.links["device_to_host"] == 2.5e9
+    assert slow.machine["measured_host_to_device"] == real.links["host_to_device"] == again.links["host_to_device"]
+    assert "emulated_link_gbps" not in again.machine and slow.samples == real.samples
 
 
 def test_the_key_hashes_the_engine_code_the_ops_run():
