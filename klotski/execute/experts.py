@@ -8,7 +8,10 @@ in slot order, so the order, the grouping (and the place: device or host) expert
 never changes a bit of the result."""
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass
+from itertools import accumulate
+
 import numpy as np
 import torch
 
@@ -216,16 +219,15 @@ def call_rows(counts: np.ndarray, step: int) -> list[tuple[int, int]]:
     of `step`. So each expert is computed in the same pieces (the pieces `run_expert` takes)
     whichever experts share its wave: on a GPU a product's kernel, and so its bits, depends on
     its number of rows, and the waves differ with the placement (resident stack, landing stacks)."""
-    calls, start, rows = [], 0, 0
-    for c in counts[counts > 0].tolist():
-        pieces = [step] * (c // step) + ([c % step] if c % step else [])
-        for piece in pieces:
-            if rows + piece > step:
-                calls.append((start, start + rows))
-                start, rows = start + rows, 0
-            rows += piece
-    if rows:
-        calls.append((start, start + rows))
+    pieces = [c for c in counts.tolist() if c]
+    if pieces and max(pieces) > step:  # an expert over one call's rows: cut within it at multiples of step
+        pieces = [p for c in pieces for p in [step] * (c // step) + ([c % step] if c % step else [])]
+    ends = list(accumulate(pieces))
+    calls, start, total = [], 0, ends[-1] if ends else 0
+    while start < total:  # each call: the most whole pieces from `start` that fit in `step` rows
+        stop = ends[bisect_right(ends, start + step) - 1]
+        calls.append((start, stop))
+        start = stop
     return calls
 
 
