@@ -43,6 +43,7 @@ from planner.units import parse_size  # noqa: E402
 SYSTEMS = ("klotski", "hot-prefetch", "multibatch", "simple", "accelerate")
 H2D_LANES = LINK_CHANNELS["host_to_device"]  # weights, experts, kv_load: every channel putting bytes on the link
 BUILD_TIMEOUT = 3600  # xl writes ~31 GB
+TERM_GRACE_S = 30  # after SIGTERM at a time limit, for the run to write its report of the part that ran
 ENV = {**os.environ, "TOKENIZERS_PARALLELISM": "false",
        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 PINNED = """import json, statistics, sys, time, torch
@@ -85,11 +86,17 @@ def sh(cmd, log: Path, timeout: float) -> tuple[int | None, float, str]:
     with open(log, "w") as fh:
         fh.write("$ " + shlex.join(map(str, cmd)) + "\n")
         fh.flush()
+        proc = subprocess.Popen(list(map(str, cmd)), stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, env=ENV)
         try:
-            rc = subprocess.run(list(map(str, cmd)), stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, env=ENV,
-                                timeout=timeout).returncode
-        except subprocess.TimeoutExpired:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:  # SIGTERM first: klotski then reports the part that ran
             rc = None
+            proc.terminate()
+            try:
+                proc.wait(timeout=TERM_GRACE_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
     lines = [l for l in log.read_text(errors="replace").splitlines()[1:] if l.strip()]  # [0]: the command
     last = lines[-1][:2000] if lines else ""
     return rc, round(time.perf_counter() - t0, 2), last if rc is not None else f"timed out after {timeout:.0f} s: {last}"
@@ -145,12 +152,14 @@ def launch(a, system, tag, budget, cmd, out, report) -> tuple[dict, dict | None]
     r = json.loads(report.read_text()) if report.exists() else None
     if r is not None and "error" in r:  # the engine's report of a run that stopped
         rc, last, r = rc or 1, r["error"], None
+    partial = bool(r and r.get("stopped"))  # cut at its time limit: the figures are of the part that ran
     crash = re.search(r"details in (\S+\.txt)", last or "")
     if crash and Path(crash.group(1)).is_file():  # the traceback into the row's log: logs travel back, /tmp does not
         with open(log, "a") as fh:
             fh.write("\n" + Path(crash.group(1)).read_text(errors="replace"))
     row = {"system": system, "run": tag, "ok": r is not None, "error": last if rc != 0 else None, "returncode": rc,
-           "budget_bytes": budget, "budget_raised": budget != a.budget, "wall_s": wall, "log": str(log), "output": str(out)}
+           "budget_bytes": budget, "budget_raised": budget != a.budget, "wall_s": wall, "log": str(log), "output": str(out),
+           "partial": partial}
     if r and "requests" in r:  # a generation's report (gpu_realdims' kernels probe writes another)
         gen, ok = r["tokens"]["generated"] if "tokens" in r else r["generated_tokens"], r["requests"]["ok"]
         row.update(tok_s=r["tokens_per_s"], decode_tok_s=per_s(gen - ok, r["decode_s"]), prefill_s=r["prefill_s"],

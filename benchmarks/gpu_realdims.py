@@ -399,7 +399,8 @@ def table(rows: list[dict]) -> str:
             continue
         ex, mib = r.get("extrapolated") or {}, lambda x: f(x and x / 2**20, "{:.0f}")
         published = " / ".join(str(ex[k]) for k in ("paper_table3_tok_s", "moegen_decode_tok_s") if k in ex) or "-"
-        out.append((r["row"], f"{r.get('bs')} x {r.get('n')}", f(r.get("prefill_tok_s"), "{:.1f}"),
+        out.append((r["row"] + (" (partial: cut at its time limit)" if r.get("partial") else ""),
+                    f"{r.get('bs')} x {r.get('n')}", f(r.get("prefill_tok_s"), "{:.1f}"),
                     f(r.get("decode_tok_s"), "{:.1f}"), f(r.get("tok_s"), "{:.1f}"),
                     f(r.get("link_busy_decode"), "{:.0%}"), f(r.get("decode_bubble"), "{:.1%}"),
                     f(r.get("host_s_per_layer_step") and r["host_s_per_layer_step"] * 1e3, "{:.2f}"),

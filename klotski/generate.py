@@ -85,10 +85,23 @@ class Job:
         self.plan()
         self.open_output()
         with self.writer:
-            self.run_windows()
+            try:
+                self.run_windows()
+            except KeyboardInterrupt:  # Ctrl-C, SIGTERM: the report covers what ran (a rerun resumes)
+                self.save_stopped("interrupted")
+                raise
             report = self.report()
         self.save(report)
         return 1 if self.failed else 0
+
+    def save_stopped(self, why: str) -> None:
+        """The report of the part that ran, marked `stopped`, where one was asked for; never in
+        the way of the one line that says the run stopped."""
+        if self.config.report and self.engine is not None:
+            try:
+                save_report(self.config.report, {**self.report(), "stopped": why})
+            except Exception:  # a report that cannot be made is not the news the user needs
+                pass
 
     def open_checkpoint(self) -> Checkpoint:
         """The checkpoint the job runs (`klotski serve` hands in its engine's)."""

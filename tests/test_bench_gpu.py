@@ -128,3 +128,20 @@ def test_the_baselines_run_at_the_plans_choices_when_klotskis_row_fails(run, mon
     assert isinstance(bs, int) and bs >= 1 and isinstance(n, int) and n >= 1
     assert ran["accelerate"] == (bs, n)
     assert all(r["choices_from"].startswith("klotski plan") for r in rows)
+
+
+def test_a_row_at_its_time_limit_is_asked_to_stop_before_it_is_killed(tmp_path, monkeypatch):
+    """benchmarks/gpu.py's runner sends SIGTERM at a row's limit and waits for the run to write
+    its report of the part that ran (klotski does: tests/test_iofaults.py), then kills."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu
+    monkeypatch.setattr(gpu, "TERM_GRACE_S", 10)
+    said = tmp_path / "said.txt"
+    script = ("import signal, sys, time\n"
+              f"signal.signal(signal.SIGTERM, lambda *_: (open({str(said)!r}, 'w').write('bye'), sys.exit(143)))\n"
+              "print('started', flush=True)\n"
+              "time.sleep(60)\n")
+    t0 = time.perf_counter()
+    rc, _, last = gpu.sh([sys.executable, "-c", script], tmp_path / "row.log", timeout=3)
+    assert rc is None and last.startswith("timed out after 3 s")
+    assert said.read_text() == "bye" and time.perf_counter() - t0 < 10

@@ -186,8 +186,8 @@ def test_correlation_cache_that_cannot_be_saved_warns_once_and_the_run_goes_on(j
 
 def test_sigterm_mid_run_says_so_and_the_rerun_resumes(job, checkpoints, tmp_path, uninterrupted):
     from test_cli import KLOTSKI, run
-    out = tmp_path / "out.jsonl"
-    args = _args(job, checkpoints["gqa"], out)
+    out, report = tmp_path / "out.jsonl", tmp_path / "report.json"
+    args = _args(job, checkpoints["gqa"], out, "--report", str(report))
     proc = subprocess.Popen(KLOTSKI + args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while time.time() < deadline and (not out.exists() or out.read_text().count("\n") < 2):
@@ -198,6 +198,11 @@ def test_sigterm_mid_run_says_so_and_the_rerun_resumes(job, checkpoints, tmp_pat
     assert err.strip().splitlines()[-1] == "klotski: terminated; rerun the same command to resume"
     assert "Traceback" not in err
     assert 2 <= len(_ids(out)) < len(PROMPT_SET), "the signal should land mid-run"
+    # the report covers the part that ran, and says it stopped (a benchmark's row cut at its time
+    # limit keeps its figures)
+    stopped = json.loads(report.read_text())
+    assert stopped["stopped"] == "interrupted" and "error" not in stopped
+    assert stopped["requests"]["ok"] == len(_ids(out)) and stopped["tokens"]["generated"] > 0
     r = run(args)
     assert r.returncode == 0, r.stderr
     assert sorted(_ids(out)) == sorted(uninterrupted)
