@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from klotski.models import layers as L
-from klotski.models.grouped import Groups
+from klotski.models.grouped import Groups, runs_grouped
 from planner.workingset import PREFILL_EXPERT_CHUNK
 
 
@@ -173,7 +173,8 @@ class LayerExperts:
             rows = upload(torch.from_numpy(rows))
             order, tokens, weights = (t.index_select(0, rows) for t in (self._order, self._tokens, self._weights))
         ends, flat = np.cumsum(counts), self.slots.view(-1, self.slots.shape[-1])
-        for start, stop in call_rows(counts, min(len(self.routed.x), PREFILL_EXPERT_CHUNK)):
+        per_group = not runs_grouped(self.routed.x.device.type, self.routed.x.dtype)
+        for start, stop in call_rows(counts, min(len(self.routed.x), PREFILL_EXPERT_CHUNK), per_group):
             part = np.clip(ends, start, stop) - np.clip(ends - counts, start, stop)
             # the call's rows span a run of groups: only their weights (views) and offsets go in
             lo, hi = int(np.argmax(ends > start)), int(np.searchsorted(ends, stop, side="left")) + 1
@@ -213,12 +214,17 @@ class LayerExperts:
         return [residual(h, o, keep) for h, o, keep in zip(hs, parts, r.keeps)]
 
 
-def call_rows(counts: np.ndarray, step: int) -> list[tuple[int, int]]:
+def call_rows(counts: np.ndarray, step: int, whole_experts: bool = True) -> list[tuple[int, int]]:
     """A wave's calls as row ranges of at most `step` rows over its experts' runs (`counts`, in
-    the wave's order), cut only between experts or where an expert's own rows reach a multiple
-    of `step`. So each expert is computed in the same pieces (the pieces `run_expert` takes)
-    whichever experts share its wave: on a GPU a product's kernel, and so its bits, depends on
-    its number of rows, and the waves differ with the placement (resident stack, landing stacks)."""
+    the wave's order). `whole_experts`: cut only between experts or where an expert's own rows
+    reach a multiple of `step`, so each expert's products are the same (the pieces `run_expert`
+    takes) whichever experts share its wave: a GPU picks a product's kernel, and so its bits, by
+    its rows, and waves differ with the placement (resident stack, landing stacks). That is for
+    the per-group products (fp32 on a GPU: models/grouped.py); one grouped kernel a call, whose
+    bits are not promised across placements (16-bit), takes the fewest calls: every `step` rows."""
+    total = int(counts.sum())
+    if not whole_experts:
+        return [(start, min(start + step, total)) for start in range(0, total, step)]
     pieces = [c for c in counts.tolist() if c]
     if pieces and max(pieces) > step:  # an expert over one call's rows: cut within it at multiples of step
         pieces = [p for c in pieces for p in [step] * (c // step) + ([c % step] if c % step else [])]
