@@ -189,9 +189,12 @@ class ModelShape:
 
     def key(self) -> str:
         """Stable text identifying the shapes and dtype (for profile cache keys); fields added
-        later are left out at their defaults, so keys cached before them still match."""
+        later are left out at their defaults, so keys cached before them still match. Not the
+        depth: a profile times one layer's ops, so models that differ only in their number of
+        layers (a few-layer build and its full model) share one measurement."""
         return ",".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self)
-                        if f.name != "name" and _LATER_DEFAULTS.get(f.name, _NONE) != getattr(self, f.name))
+                        if f.name not in ("name", "num_layers")
+                        and _LATER_DEFAULTS.get(f.name, _NONE) != getattr(self, f.name))
 
 
 _NONE = object()

@@ -113,6 +113,24 @@ def test_every_emulated_link_shares_one_measurement(monkeypatch, tmp_path):
     assert "emulated_link_gbps" not in again.machine and slow.samples == real.samples
 
 
+def test_models_differing_only_in_depth_share_one_measurement(monkeypatch, tmp_path):
+    """A profile times one layer's ops: a few-layer build and its full-depth model (the GPU bench's
+    4-layer Mixtral and `klotski plan --model mixtral-8x7b`) share one measurement, and the cost
+    model uses its samples for both; another width is measured apart."""
+    import dataclasses
+    from planner.costmodel import CostModel
+    timed = []
+    counting(monkeypatch, P, "_measure", timed)
+    cache = tmp_path / "profiles"
+    deep = dataclasses.replace(TINY, num_layers=32)
+    few = measure(TINY, ops=EngineOps(), cache_dir=cache, io_dir=tmp_path, **GRID)
+    full = measure(deep, ops=EngineOps(), cache_dir=cache, io_dir=tmp_path, **GRID)
+    assert len(timed) == 1 and full.samples == few.samples
+    assert CostModel(full, deep)._samples == few.samples
+    measure(dataclasses.replace(TINY, intermediate_size=256), ops=EngineOps(), cache_dir=cache, io_dir=tmp_path, **GRID)
+    assert len(timed) == 2
+
+
 def test_the_key_hashes_the_engine_code_the_ops_run():
     """Every module named imports (the key reads its source), and among them are every family
     and the shared hooks and expert helpers the ops call."""
