@@ -12,9 +12,8 @@ slot of the run's `ExpertPool` (pool.py), whose bytes were reserved once when it
 packed one lands packed beside its slot and is decoded into it, a run in few codec calls);
 host copies, staged buffers included, are reserved in the host `Memory`. A group the pipeline
 is computing with is held (`hold`) and never chosen for eviction, so what the accounts say is
-what exists. Transfers
-run on channels handed in by the engine (objects with `submit(fn, name=, nbytes=, link=)`
-and `to_device(t)`); this package never imports them.
+what exists. Transfers run on channels handed in by the engine (objects with
+`submit(fn, name=, nbytes=, link=)` and `to_device(t)`); this package never imports them.
 """
 from __future__ import annotations
 

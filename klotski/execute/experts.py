@@ -222,8 +222,8 @@ def call_rows(counts: np.ndarray, step: int, whole_experts: bool = True) -> list
     its rows, and waves differ with the placement (resident stack, landing stacks). That is for
     the per-group products (fp32 on a GPU: models/grouped.py); one grouped kernel a call, whose
     bits are not promised across placements (16-bit), takes the fewest calls: every `step` rows."""
-    total = int(counts.sum())
     if not whole_experts:
+        total = int(counts.sum())
         return [(start, min(start + step, total)) for start in range(0, total, step)]
     pieces = [c for c in counts.tolist() if c]
     if pieces and max(pieces) > step:  # an expert over one call's rows: cut within it at multiples of step
