@@ -95,13 +95,14 @@ class Job:
         return 1 if self.failed else 0
 
     def save_stopped(self, why: str) -> None:
-        """The report of the part that ran, marked `stopped`, where one was asked for; never in
-        the way of the one line that says the run stopped."""
+        """The report of the part that ran, marked `stopped`, where one was asked for; one line
+        on stderr where it cannot be written, never in the way of the line that says the run stopped."""
         if self.config.report and self.engine is not None:
             try:
                 save_report(self.config.report, {**self.report(), "stopped": why})
-            except Exception:  # a report that cannot be made is not the news the user needs
-                pass
+            except Exception as e:  # one line, and the stop itself stays the news
+                print(f"klotski: --report {self.config.report}: the part that ran was not reported "
+                      f"({type(e).__name__}: {e})", file=sys.stderr)
 
     def open_checkpoint(self) -> Checkpoint:
         """The checkpoint the job runs (`klotski serve` hands in its engine's)."""

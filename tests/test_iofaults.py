@@ -224,3 +224,19 @@ def test_a_temporary_left_by_a_killed_run_is_removed_by_the_next_write(tmp_path)
     replace_atomically(target, b"{}")
     assert target.read_bytes() == b"{}"
     assert not stale.exists() and live.exists()
+
+
+def test_a_stopped_runs_report_that_cannot_be_written_is_one_line(tmp_path, capsys):
+    """The interrupted run's report goes where --report says; where it cannot be written the
+    user reads why in one line (and the stop itself is still raised by the caller)."""
+    from klotski.config import RunConfig
+    from klotski.generate import Job
+    report = tmp_path / "a-directory"
+    report.mkdir()
+    job = Job(RunConfig(model="m", report=str(report)), tmp_path / "jobs.jsonl", tmp_path / "out.jsonl", 0.0)
+    job.engine = object()  # a run had begun
+    job.report = lambda: {"tokens_per_s": 1.0}
+    job.save_stopped("interrupted")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"klotski: --report {report}: the part that ran was not reported")
+    assert report.is_dir()
