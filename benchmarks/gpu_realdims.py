@@ -318,15 +318,10 @@ def run_row(a, shapes: dict, key: str, timeout: float) -> dict:
     name, tag = key.split(":")
     shape = shapes.setdefault(name, Shape(a, name))
     shape.ready()
-    if tag != "klotski" and not shape.bs and a.batch_size and a.num_batches:  # forced: klotski's too
-        shape.bs, shape.n = a.batch_size, a.num_batches
-    if tag != "klotski" and not shape.bs and not shape.klotski_failed:  # the others run at klotski's choices
-        first = run_row(a, shapes, f"{name}:klotski", timeout)
-        a.results.append(first)
-    if tag != "klotski" and not shape.bs:  # klotski's row failed: the baselines still run, at the plan's
-        shape.bs, shape.n = planned_choices(a, shape, min(timeout, 120.0))
-        if not shape.bs:
-            return {"row": key, "ok": False, "error": f"{name}:klotski failed and `klotski plan` gave no batch size"}
+    if tag != "klotski":
+        error = baseline_choices(a, shapes, shape, timeout)
+        if error:
+            return {"row": key, "ok": False, "error": error}
     row = (accelerate_row(a, shape, timeout) if tag == "accelerate" else kernels_row(a, shape, timeout)
            if tag == "kernels" else klotski_row(a, shape, tag, timeout))
     if tag == "klotski":
@@ -338,6 +333,23 @@ def run_row(a, shapes: dict, key: str, timeout: float) -> dict:
     if row.get("ok") and tag != "kernels":
         row["extrapolated"] = extrapolate(shape, row, a.layers)
     return row
+
+
+def baseline_choices(a, shapes: dict, shape: Shape, timeout: float) -> str | None:
+    """Set the batch size and n a baseline row runs at, once per shape: forced by the flags (klotski's
+    too), else klotski's row's (run first), else the plan's where klotski's row failed. An error
+    where none is known."""
+    if shape.bs:
+        return None
+    if a.batch_size and a.num_batches:
+        shape.bs, shape.n = a.batch_size, a.num_batches
+        return None
+    if not shape.klotski_failed:
+        a.results.append(run_row(a, shapes, f"{shape.name}:klotski", timeout))
+        if shape.bs:
+            return None
+    shape.bs, shape.n = planned_choices(a, shape, min(timeout, 120.0))
+    return None if shape.bs else f"{shape.name}:klotski failed and `klotski plan` gave no batch size"
 
 
 def planned_choices(a, shape: Shape, timeout: float) -> tuple[int | None, int | None]:
