@@ -89,6 +89,7 @@ def setup_run(config, ckpt: Checkpoint, seqs, *, placement: Placement | None = N
     budgets = detect_budgets(device.type, config.device_memory, config.host_memory)
     simple = config.schedule == "simple"
     bs, n, chunk, plan = config.batch_size or 8, 1 if simple else (config.num_batches or 1), config.prefill_chunk, None
+    given = placement is not None  # by the caller (the Python API, tests, benchmarks): not the planner's
     if config.batch_size is None or (config.num_batches is None and not simple) or placement is None:
         plan = planning.plan_job(config, ckpt, dtype, device, budgets, seqs, pipeline_cost)
         bs = config.batch_size or plan.batch_size
@@ -110,9 +111,10 @@ def setup_run(config, ckpt: Checkpoint, seqs, *, placement: Placement | None = N
     cost = planning.run_cost_model(config, ckpt, dtype, device, pipeline_cost) if "auto" in modes else None
     longest = max((len(s.prompt_ids) for s in seqs), default=1)
     gen = max((s.max_new_tokens for s in seqs), default=config.max_new_tokens)
-    slots = planning.expert_pool_slots(config, ckpt, dtype, budgets, placement, bs=bs, n=n, chunk=chunk,
-                                       longest_prompt=longest, gen_len=gen, plan=plan,
-                                       host_attention=modes[0] == "on")
+    steps = dict(bs=bs, n=n, chunk=chunk, longest_prompt=longest, gen_len=gen, host_attention=modes[0] == "on")
+    if given:  # the planner's own placements fit by construction
+        planning.refuse_unworkable_placement(config, ckpt, dtype, budgets, placement, **steps)
+    slots = planning.expert_pool_slots(config, ckpt, dtype, budgets, placement, plan=plan, **steps)
     reserve = planned_activations(ckpt.spec, dtype.itemsize, bs, n, chunk or longest, longest, gen,
                                   host_attention=modes[0] == "on")
     return RunSetup(bs, n, chunk, placement, budgets, device, dtype, plan, cost, modes, config.quantize,

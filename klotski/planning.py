@@ -342,22 +342,67 @@ def expert_pool_slots(config, ckpt, dtype, budgets, placement: Placement, *, bs:
     plan the overlapping one, or the minimum where that leaves no slot), in experts. A packed
     expert's slot holds it decoded beside its packed row, and the pool a decode workspace."""
     from planner.workingset import expert_pool_slots as slots_for, working_set
-    quant = spec_for(config)
-    shape = _compute_shape(ckpt, dtype)
-    experts = [k for k, t in placement.tiers.items() if k[0] == "expert" and t != "device"]
-    if not experts:
+    held = _held(config, ckpt, dtype, placement, bs=bs, n=n, chunk=chunk, longest_prompt=longest_prompt,
+                 gen_len=gen_len, plan=plan, host_attention=host_attention)
+    if not held.experts:
         return 0  # nothing streamed
-    cost = _cost(_memory_only("cpu"), shape, config, ckpt.group_bytes(dtype, quant))
+    for buffers in ((plan.buffers,) if plan else ("overlap", "minimum")):
+        ws = working_set(held.cost, buffers=buffers, **held.kw)
+        slots = slots_for(ws, buffers, held.full, budgets.device - held.resident, held.slot, held.schedule,
+                          ckpt.spec.num_experts, held.hot, held.decode)
+        if slots:
+            return slots
+    return 0
+
+
+def refuse_unworkable_placement(config, ckpt, dtype, budgets, placement: Placement, *, bs: int, n: int,
+                                chunk: int | None, longest_prompt: int, gen_len: int,
+                                host_attention: bool = False) -> None:
+    """A placement the caller gave (not planned) is refused before anything is loaded where its
+    resident bytes and the least working set a step holds (planner.workingset, "minimum") do not
+    fit the device budget, naming the budget that does (BudgetRefused)."""
+    from planner.workingset import device_need, working_set
+    held = _held(config, ckpt, dtype, placement, bs=bs, n=n, chunk=chunk, longest_prompt=longest_prompt,
+                 gen_len=gen_len, host_attention=host_attention)
+    steps = device_need(working_set(held.cost, buffers="minimum", **held.kw), "minimum", held.full)
+    need = held.resident + steps
+    if need > budgets.device:
+        raise BudgetRefused(Infeasible(
+            f"the placement given keeps {format_size_flag(held.resident)} on the device and a step holds "
+            f"{format_size_flag(steps)} more at the least: the device budget of "
+            f"{format_size_flag(budgets.device)} cannot hold them", "device", need - budgets.device, need,
+            budgets.device))
+
+
+@dataclasses.dataclass
+class _Held:
+    cost: CostModel
+    resident: int      # bytes the placement keeps on the device: weights, and the KV cache there
+    full: dict         # kind -> wholly resident (its buffers are not needed)
+    experts: list      # the expert groups that are streamed
+    slot: int          # a pool slot's bytes (a packed expert: decoded beside its packed row)
+    decode: int        # the pool's decode of one expert (0: experts not packed)
+    schedule: str
+    hot: int
+    kw: dict           # the working set's step: bs, n, lengths, chunk, schedule, hot experts
+
+
+def _held(config, ckpt, dtype, placement: Placement, *, bs, n, chunk, longest_prompt, gen_len, plan=None,
+          host_attention=False) -> _Held:
+    """What a placement holds on the device, in the exact bytes of the run's groups."""
+    quant = spec_for(config)
+    cost = _cost(_memory_only("cpu"), _compute_shape(ckpt, dtype), config, ckpt.group_bytes(dtype, quant))
+    experts = [k for k, t in placement.tiers.items() if k[0] == "expert" and t != "device"]
     # a slot holds an expert decoded; a packed one also its packed row, and the pool a decode
     # workspace: sized by the largest (the engine's pool takes one of them)
     sizes = [ckpt.group_nbytes(k, dtype, quant) for k in experts]
-    decoded = max(d for _, d in sizes)
-    slot = max(m + d for m, d in sizes)
+    decoded = max((d for _, d in sizes), default=0)
+    slot = max((m + d for m, d in sizes), default=0)
     decode = decoded + cost.expert_workspace if decoded else 0
     resident = sum(ckpt.group_nbytes(k, dtype, quant)[0] for k, t in placement.tiers.items() if t == "device")
-    L, E = ckpt.spec.num_layers, ckpt.spec.num_experts
     if placement.kv == "device":
-        resident += L * n * bs * cost.kv_context(longest_prompt + gen_len) * cost.kv_bytes_per_token_layer
+        resident += (ckpt.spec.num_layers * n * bs * cost.kv_context(longest_prompt + gen_len)
+                     * cost.kv_bytes_per_token_layer)
     kinds = {"attention": "attn", "gate": "gate", "expert": "expert", "head": "head"}
     full = {kind: all(t == "device" for k, t in placement.tiers.items() if k[0] == key) for kind, key in kinds.items()}
     full["kv"] = placement.kv == "device"
@@ -365,12 +410,7 @@ def expert_pool_slots(config, ckpt, dtype, budgets, placement: Placement, *, bs:
     hot = plan.hot_experts if plan else (0 if config.prefetch == "none" else config.hot_experts or ckpt.spec.top_k)
     kw = dict(bs=bs, n=n, prompt_len=longest_prompt, gen_len=gen_len, chunk=chunk or longest_prompt,
               schedule=schedule, hot=hot, host_attention=host_attention)
-    for buffers in ((plan.buffers,) if plan else ("overlap", "minimum")):
-        ws = working_set(cost, buffers=buffers, **kw)
-        slots = slots_for(ws, buffers, full, budgets.device - resident, slot, schedule, E, hot, decode)
-        if slots:
-            return slots
-    return 0
+    return _Held(cost, resident, full, experts, slot, decode, schedule, hot, kw)
 
 
 def engine_placement(plan, spec) -> Placement:

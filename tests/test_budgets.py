@@ -114,6 +114,39 @@ def test_every_budget_runs_exactly_within_it_or_names_a_minimum_that_does(model,
     assert sum(kind == "ran" for kind, _ in outcomes) >= 4
 
 
+@pytest.mark.parametrize("kind", ["expert", "attn"])
+def test_a_placement_given_is_refused_before_loading_or_runs_within_the_budget(model, prompts, ref, kind,
+                                                                                monkeypatch):
+    """A placement handed to open_engine (the Python API, tests, benchmarks) is not the planner's:
+    where its resident bytes and a step's least working set cannot fit, it is refused before a
+    weight is read (it used to fail mid-run: "nothing left to evict"), naming a budget with
+    which the same placement runs exactly, within it."""
+    from klotski.io.checkpoint import Checkpoint
+    from placement.placement import Placement
+    keys = Checkpoint.open(str(model)).spec.group_keys()
+    placement = Placement.by_kind(keys, **{kind: "host"})
+    reads = []
+    real_read = TensorStore.read
+    monkeypatch.setattr(TensorStore, "read", lambda self, *a, **k: reads.append(a) or real_read(self, *a, **k))
+
+    def run(budget):
+        cfg = RunConfig(model=str(model), dtype="float32", batch_size=4, num_batches=2, max_new_tokens=NEW,
+                        device_memory=budget, progress=False)
+        engine, seqs, _ = open_engine(cfg, _requests(prompts), placement=placement)
+        done = {s.request.id: s.out for s in engine.run(seqs)}
+        engine.close()
+        return [done[f"r{i}"] for i in range(len(prompts))], engine
+
+    with pytest.raises(BudgetRefused) as refused:
+        run(_model_bytes(model) // 8)
+    assert not reads, "refused after reading weights"
+    assert f"--device-memory {format_size_flag(refused.value.needed)}" in str(refused.value)
+    budget = parse_size(format_size_flag(refused.value.needed))
+    ours, engine = run(budget)
+    assert ours == ref
+    assert engine.memory.peak <= budget
+
+
 def test_a_budget_that_cannot_work_is_refused_before_any_measurement(model, prompts, monkeypatch):
     """The minimum needs no timings: a refusal comes before this machine is measured (on a
     new machine or model that measure is the first run's wait), and names the same minimum."""
