@@ -63,8 +63,21 @@ def assert_same(got, ref, what):
     assert tokens == ref_tokens, what
     assert len(states) == len(ref_states), what
     for step, (a, b) in enumerate(zip(states, ref_states)):
-        for x, y in zip(a, b):
-            assert torch.equal(x, y), f"{what}: hidden states differ at layer-step {step}"
+        for batch, (x, y) in enumerate(zip(a, b)):
+            assert torch.equal(x, y), f"{what}: hidden states differ at layer-step {step}, {difference(x, y, batch)}"
+
+
+def difference(x, y, batch) -> str:
+    """Where two hidden states differ, for the failure message: which batch, rows and tokens,
+    how many values and by how much (a few rows of last bits point at a kernel's choice of
+    tiling; whole rows or large values at a misplaced byte or a race)."""
+    if x.shape != y.shape:
+        return f"batch {batch}: shapes {tuple(x.shape)} and {tuple(y.shape)}"
+    diff = (x.float() - y.float()).abs()
+    where = (x != y).nonzero().tolist()
+    rows = sorted({tuple(i[:-1]) for i in where})
+    return (f"batch {batch} of shape {tuple(x.shape)}: {len(where)} of {x.numel()} values differ, max |diff| "
+            f"{diff.max().item():.3g}, in {len(rows)} (row, token) places, the first {rows[:8]}")
 
 
 @pytest.fixture(scope="module")
