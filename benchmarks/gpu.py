@@ -44,8 +44,19 @@ SYSTEMS = ("klotski", "hot-prefetch", "multibatch", "simple", "accelerate")
 H2D_LANES = LINK_CHANNELS["host_to_device"]  # weights, experts, kv_load: every channel putting bytes on the link
 BUILD_TIMEOUT = 3600  # xl writes ~31 GB
 TERM_GRACE_S = 30  # after SIGTERM at a time limit, for the run to write its report of the part that ran
+# Segments that grow in place (what `klotski` sets for itself) in every child from its start: a
+# child that caps its allocator initialises CUDA before `klotski.cli` could set it, and torch reads
+# the setting once. A user's own setting wins.
 ENV = {**os.environ, "TOKENIZERS_PARALLELISM": "false",
+       "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),
        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+
+
+def cap_allocator(cap: int | None) -> None:
+    """This process's CUDA caching allocator capped to `cap` bytes (nothing without CUDA or a cap)."""
+    import torch
+    if cap and torch.cuda.is_available():
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / torch.cuda.get_device_properties(0).total_memory))
 PINNED = """import json, statistics, sys, time, torch
 dev, n = sys.argv[1], 256 << 20
 sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
@@ -234,9 +245,7 @@ def accelerate_child(spec_path: Path) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     s = json.loads(spec_path.read_text())
-    if s.get("allocator_cap"):  # the same allocator cap as Klotski's process (gpu_realdims.py)
-        torch.cuda.set_per_process_memory_fraction(
-            min(1.0, s["allocator_cap"] / torch.cuda.get_device_properties(0).total_memory))
+    cap_allocator(s.get("allocator_cap"))  # the same allocator cap as Klotski's process (gpu_realdims.py)
     tok = AutoTokenizer.from_pretrained(s["model"], padding_side="left")
     tok.pad_token = tok.pad_token or tok.eos_token
     t0 = time.perf_counter()

@@ -145,3 +145,31 @@ def test_a_row_at_its_time_limit_is_asked_to_stop_before_it_is_killed(tmp_path, 
     rc, _, last = gpu.sh([sys.executable, "-c", script], tmp_path / "row.log", timeout=3)
     assert rc is None and last.startswith("timed out after 3 s")
     assert said.read_text() == "bye" and time.perf_counter() - t0 < 10
+
+
+def test_a_row_the_allocators_cap_stopped_runs_again_under_a_higher_cap(tmp_path, monkeypatch):
+    """The cap is the budget plus the CUDA runtime's headroom (a cap of the budget itself stops a
+    run that fills its budget, as klotski's runs do: the cuBLAS workspace is outside its
+    accounts); a row that still meets the cap's "out of memory" is measured again under a cap a
+    quarter higher, and says so."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu_realdims as G
+    a = G.parse_args(["--device", "cuda", "--layers", "4", "--model-dir", str(tmp_path / "m"),
+                      "--work-dir", str(tmp_path / "w")])
+    a.shrink = 1
+    shape = G.Shape(a, "mixtral-8x7b")
+    assert shape.cap == shape.budget + G.RUNTIME_HEADROOM
+    shape.jobs, shape.bs, shape.n = tmp_path / "jobs.jsonl", 4, 1
+    launchers = []
+
+    def klotski_once(ns, schedule, tag, budget, extra, launcher):
+        launchers.append(launcher)
+        error = "internal error (OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 MiB)"
+        return {"ok": False, "error": error if len(launchers) == 1 else "the second try failed too"}
+
+    monkeypatch.setattr(G.gpu, "klotski_once", klotski_once)
+    monkeypatch.setattr(G, "figures", lambda *args, **kw: {})
+    row = G.klotski_row(a, shape, "klotski", 100.0)
+    assert [int(x[-1]) for x in launchers] == [shape.cap, int(shape.cap * 1.25)]
+    assert "out of memory" in row["first_try"]["error"] and "allocator cap" in row["first_try"]["then"]
+    assert row["error"] == "the second try failed too"
