@@ -251,6 +251,29 @@ def test_small_uploads_reuse_ring_bytes_only_once_the_device_has_read_them():
     assert up(torch.ones(3, device="meta")).device.type == "meta"  # already there: no copy
 
 
+def test_a_ring_never_hands_out_bytes_a_newer_copy_still_reads():
+    """After a wrap the ring's oldest pending copy can be a straggler at its end while a newer one
+    holds its start: bytes are handed out only once every copy in them is done (found by reading:
+    the ring waited for the oldest copy only, and gave out bytes a copy was still reading)."""
+    from klotski.execute.channels import PinnedRing
+
+    Event = _fake_events()
+    ring = PinnedRing(1024, buffer=torch.zeros(1024, dtype=torch.uint8), event=Event)
+
+    def use(nbytes):
+        start = ring.take(nbytes)
+        ring.busy(start, nbytes)
+        return start
+
+    assert [use(700), use(232)] == [0, 768]     # A [0, 700), T [768, 1000)
+    assert use(400) == 0                        # wraps: waits for A, D [0, 400)
+    a, t, d = Event.made
+    assert a.waited and not t.waited and not d.waited
+    assert use(600) == 0                        # wraps again: [0, 600) holds D, not T
+    assert d.waited, "bytes handed out while a copy still reads them"
+    assert not t.waited                         # T's bytes are not wanted: no wait for it
+
+
 def test_pageable_sources_cross_the_link_through_a_reused_pinned_ring():
     """A disk-tier group as read from the file (pageable) goes up through the channel's locked
     ring piece by piece (StagedCopies; CUDA-only in use, its bookkeeping checked here with a plain

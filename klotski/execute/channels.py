@@ -249,8 +249,11 @@ class PinnedRing:
         start = -(-self.head // self.ALIGN) * self.ALIGN
         if start + nbytes > len(self.bytes):
             start = 0
-        while self.pending and self._overlaps(start, start + nbytes):
-            self.pending.popleft()[2].synchronize()
+        # every copy still in these bytes, not only the oldest: after a wrap the oldest may be a
+        # straggler at the ring's end while a newer one holds its start
+        while (hit := next((p for p in self.pending if p[0] < start + nbytes and start < p[1]), None)) is not None:
+            hit[2].synchronize()
+            self.pending.remove(hit)
         self.head = start + nbytes
         return start
 
@@ -265,10 +268,6 @@ class PinnedRing:
         """Wait for every copy still using the ring (before it is replaced)."""
         while self.pending:
             self.pending.popleft()[2].synchronize()
-
-    def _overlaps(self, start: int, end: int) -> bool:
-        first = self.pending[0]
-        return first[0] < end and start < first[1]
 
 
 class SmallUploads:
