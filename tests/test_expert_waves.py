@@ -71,6 +71,46 @@ def test_bf16_grouped_agrees_with_per_expert(path):
     assert (ours - ref).abs().max() <= 2 ** -7 * ref.abs().max()
 
 
+def test_running_out_of_memory_is_raised_and_a_refusal_falls_back(monkeypatch):
+    """A call the grouped kernel refuses sends that device and dtype to the per-group path for
+    good; running out of memory is the device's trouble, raised as it is, and the kernel stays
+    chosen (found by reading: both were taken as "unsupported", and every later wave ran per
+    group, with a sync, where the bench caps the allocator)."""
+    x, w, groups = _case(torch.float32)
+    G.force_fallback("cpu", torch.float32, False)
+    try:
+        def oom(*args, **kw):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+        monkeypatch.setattr(torch, "_grouped_mm", oom, raising=False)
+        with pytest.raises(torch.OutOfMemoryError):
+            G.grouped_swiglu(x, w, groups)
+        assert G.runs_grouped("cpu", torch.float32)
+
+        def refused(*args, **kw):
+            raise RuntimeError("grouped gemm is not supported for this input")
+        monkeypatch.setattr(torch, "_grouped_mm", refused, raising=False)
+        assert torch.equal(G.grouped_swiglu(x, w, groups), _per_expert(L.swiglu, x, w, groups))
+        assert not G.runs_grouped("cpu", torch.float32)
+    finally:
+        G.force_fallback("cpu", torch.float32, False)
+
+
+@pytest.mark.parametrize("capability, dtype, grouped", [((9, 0), torch.bfloat16, True), ((10, 0), torch.bfloat16, True),
+                                                        ((8, 0), torch.bfloat16, False), ((8, 6), torch.bfloat16, False),
+                                                        ((9, 0), torch.float16, False), ((9, 0), torch.float32, False)])
+def test_cuda_takes_the_grouped_kernel_only_where_torch_runs_it_without_a_sync(monkeypatch, capability, dtype,
+                                                                               grouped):
+    """torch's grouped kernel on CUDA is bf16 on compute capability 9.x/10.x; elsewhere torch falls
+    back to copying the offsets to the host, a sync a call, so the per-group path (with the host's
+    counts, and no resident wave launched before the routing read) is taken; fp32 never groups."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+    G.force_fallback("cuda", dtype, False)
+    try:
+        assert G.runs_grouped("cuda", dtype) is (grouped and hasattr(torch, "_grouped_mm"))
+    finally:
+        G.force_fallback("cuda", dtype, False)
+
+
 def test_streamed_experts_land_stacked_and_tokens_match_transformers(tmp_path, path):
     """Every expert streamed from host memory through a small device budget: runs of them move in
     one submission each and compute in waves over their stacks, token for token transformers,

@@ -4,10 +4,11 @@ of kernels whatever the number of experts (a fine-grained model routes a step to
 one call per expert cost ~8 kernels and a Python round each.
 
 `torch._grouped_mm` computes it where the device and dtype have it (on a CPU in fp32 and
-bf16, bit for bit the per-expert products; on CUDA 16-bit on Hopper and later); elsewhere, at
+bf16, bit for bit the per-expert products; on CUDA bf16 on Hopper and Blackwell); elsewhere, at
 torch versions without it, and for fp32 on a GPU, the fallback is one product per non-empty
 group (the per-expert math, exact, and the host counts say where each group's rows are). The
-choice is probed once per device and dtype: a call that raises marks that pair as unsupported."""
+choice is made once per device and dtype: a call the kernel refuses marks that pair as
+unsupported (running out of memory, or a device error, is raised as it is)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 _SUPPORTED: dict = {}  # (device type, dtype) -> whether torch._grouped_mm runs there
+_DEVICE_ERRORS = tuple(e for e in (getattr(torch, "AcceleratorError", None),) if e is not None)
 
 
 @dataclass
@@ -56,10 +58,23 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torch.Te
 def runs_grouped(device_type: str, dtype: torch.dtype) -> bool:
     """Whether the grouped kernel computes for this device and dtype (as probed, or as expected
     before the first call): the offsets alone then say where each group's rows are."""
-    # fp32 on a GPU stays on the per-expert ops: a grouped kernel there may take TF32 or another
-    # summation order, and fp32 is where output must be transformers' token for token
-    return _SUPPORTED.get((device_type, dtype),
-                          hasattr(torch, "_grouped_mm") and not (device_type == "cuda" and dtype == torch.float32))
+    key = (device_type, dtype)
+    if key not in _SUPPORTED:
+        _SUPPORTED[key] = _expected(device_type, dtype)
+    return _SUPPORTED[key]
+
+
+def _expected(device_type: str, dtype: torch.dtype) -> bool:
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if device_type != "cuda":
+        return True
+    # On CUDA torch's own kernel takes bf16 on compute capability 9.x and 10.x (Hopper, Blackwell;
+    # torch 2.10-2.11); elsewhere its fallback copies the offsets to the host, a sync per call:
+    # the per-group path here does with the host's counts. fp32 stays on the per-expert ops: a
+    # grouped kernel may take TF32 or another summation order, and fp32 is where output must be
+    # transformers' token for token.
+    return dtype == torch.bfloat16 and torch.cuda.get_device_capability()[0] in (9, 10)
 
 
 def _grouped(x, w_kn, groups: Groups, per_group) -> torch.Tensor:
@@ -68,9 +83,9 @@ def _grouped(x, w_kn, groups: Groups, per_group) -> torch.Tensor:
     key = (x.device.type, x.dtype)
     if runs_grouped(*key):
         try:
-            out = torch._grouped_mm(x, w_kn, offs=groups.offsets)
-            _SUPPORTED[key] = True
-            return out
+            return torch._grouped_mm(x, w_kn, offs=groups.offsets)
+        except (torch.OutOfMemoryError, *_DEVICE_ERRORS):
+            raise  # the device's trouble, not the kernel's: never a reason to leave it
         except (RuntimeError, NotImplementedError, TypeError):
             _SUPPORTED[key] = False
     counts = groups.host_counts()
