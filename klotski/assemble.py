@@ -152,9 +152,7 @@ def build_engine(config, ckpt: Checkpoint, setup: RunSetup, *, predictor=None) -
         torch.cuda.reset_peak_memory_stats(device)
         memory.allocator_baseline = torch.cuda.memory_allocated(device)
     host_memory = Memory(setup.budgets.host, "host")
-    if device.type == "cuda" and DISK in setup.placement.tiers.values():
-        for name in DISK_CARRIERS:  # made on first use; charged now, as the planner charged them
-            host_memory.reserve(channels[name].staged.nbytes, f"the {name} channel's page-locked staging ring")
+    reserve_staging_rings(host_memory, channels, setup)
     cache = WeightCache(ckpt.store, setup.placement, ckpt.spec.group_refs, dtype, memory,
                         to_device=lambda t: t.to(device),
                         host_blocks=PinnedBlocks(pinned=True) if device.type == "cuda" else None,
@@ -169,6 +167,18 @@ def build_engine(config, ckpt: Checkpoint, setup: RunSetup, *, predictor=None) -
     threads = ThreadGovernor(config.threads) if device.type == "cpu" else None
     return Engine(config, ckpt, setup, pipeline=pipeline, cache=cache, predictor=predictor, channels=channels,
                   memory=memory, host_memory=host_memory, trace=trace, device=device, dtype=dtype, threads=threads)
+
+
+def reserve_staging_rings(host_memory: Memory, channels: dict, setup: RunSetup) -> None:
+    """The page-locked rings pageable host tensors cross a CUDA link through, made on first use,
+    charged now: one per channel carrying disk-tier groups up (as the planner charged them), and
+    the activations channel's where host compute may run (its results go up through it)."""
+    if setup.device.type != "cuda":
+        return  # no ring: on a CPU the "device" is host memory
+    names = [*(DISK_CARRIERS if DISK in setup.placement.tiers.values() else ()),
+             *(("activations",) if setup.host_modes != ("off", "off") else ())]
+    for name in names:
+        host_memory.reserve(channels[name].staged.nbytes, f"the {name} channel's page-locked staging ring")
 
 
 def _cublas_workspace(device, dtype) -> int:

@@ -24,6 +24,8 @@ from planner.waves import PREFILL_EXPERT_CHUNK  # tokens per expert call (bounds
 DISK_WINDOW_LAYERS = 2          # layers staged in host memory ahead of the disk-resident ones
 STAGED_RING_BYTES = 32 << 20   # a channel's page-locked ring that pageable disk reads go up through
 STAGED_RINGS = 2               # one per channel that carries disk-tier groups up: weights, experts
+ACTIVATION_RING_BYTES = 4 << 20  # host compute's results going up (in pieces of half of it): the
+                                 # engine's host account holds it where host compute may run on a GPU
 KV_BUFFERS = 3                  # host-KV batches on the device at once: storing, computing, loading
 ATTENTION_SCORE_CHUNK = 1 << 24  # attention scores alive at once (queries are chunked past it)
 PREFILL_SHARE = 0.25            # a prefill chunk's activations may take this much of the device

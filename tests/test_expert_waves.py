@@ -350,6 +350,36 @@ def test_the_host_is_charged_the_staging_rings_the_engine_reserves():
     assert extra == len(DISK_CARRIERS) * StagedCopies().nbytes > 0
 
 
+def test_host_computes_results_go_up_through_a_small_ring_the_host_account_holds():
+    """On CUDA a pageable tensor crosses the link through a channel's page-locked ring; host
+    compute's results did through a 32 MiB one made on first use, outside the host account (found
+    by reading). The activations channel's ring is small, and charged where host compute may run;
+    the disk carriers' rings where a disk tier is."""
+    import types
+
+    from klotski.assemble import reserve_staging_rings
+    from klotski.execute.channels import make_channels
+    from klotski.execute.trace import Trace
+    from placement.tiers import Memory
+    from planner.workingset import ACTIVATION_RING_BYTES, STAGED_RING_BYTES
+
+    channels = make_channels(torch.device("cpu"), Trace(), None)
+    assert channels["activations"].staged.nbytes == ACTIVATION_RING_BYTES < STAGED_RING_BYTES
+    assert channels["experts"].staged.nbytes == STAGED_RING_BYTES
+
+    def charged(device, tiers, modes):
+        memory = Memory(1 << 30, "host")
+        setup = types.SimpleNamespace(device=torch.device(device), placement=types.SimpleNamespace(tiers=tiers),
+                                      host_modes=modes)
+        reserve_staging_rings(memory, channels, setup)
+        return memory.used
+    disk, host = {("expert", 0, 0): "disk"}, {("expert", 0, 0): "host"}
+    assert charged("cuda", host, ("off", "off")) == 0
+    assert charged("cuda", host, ("off", "auto")) == ACTIVATION_RING_BYTES
+    assert charged("cuda", disk, ("on", "off")) == 2 * STAGED_RING_BYTES + ACTIVATION_RING_BYTES
+    assert charged("cpu", disk, ("on", "on")) == 0
+
+
 def test_an_expert_computes_in_the_same_pieces_whatever_its_wave():
     """On an H200 the host placement's hidden states differed in their last bits from the resident
     run's (tests/gpu/test_gpu.py): waves cut their calls at every `step` rows of the wave, so an

@@ -43,7 +43,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from klotski.execute import cudacopies
-from planner.workingset import STAGED_RING_BYTES
+from planner.workingset import ACTIVATION_RING_BYTES, STAGED_RING_BYTES
 
 # the channels disk-tier groups go up on, each through its ring (planner.workingset.STAGED_RINGS)
 DISK_CARRIERS = ("weights", "experts")
@@ -113,7 +113,7 @@ class EmulatedLink:
 
 class Channel:
     def __init__(self, name: str, device: torch.device, trace, link: EmulatedLink | None = None,
-                 down: EmulatedLink | None = None):
+                 down: EmulatedLink | None = None, staged_bytes: int = STAGED_RING_BYTES):
         self.name, self.device, self.trace = name, device, trace
         self.links = {HOST_TO_DEVICE: link, DEVICE_TO_HOST: down}
         # the disk channel only reads files into host memory: host work, timed by the host clock
@@ -126,7 +126,8 @@ class Channel:
         self.on_caller = self.cuda and cudacopies.sanitizer_on()
         self._queued: Future | None = None  # the last work handed to the worker thread
         self.stream = torch.cuda.Stream(device) if self.cuda else None
-        self.staged = StagedCopies()  # pageable sources (disk reads) cross the link from locked memory
+        # pageable sources (disk reads, host compute's results) cross the link from locked memory
+        self.staged = StagedCopies(staged_bytes)
         # On CPU a copy on a worker would start its own OpenMP team as wide as the machine,
         # whose threads spin on the cores compute runs on: one thread per channel (measured on
         # tiny-mixtral with a 2 GB/s link on 2 cores: 36.8 -> 66 tokens/s).
@@ -221,7 +222,9 @@ def make_channels(device: torch.device, trace, link_gbps: float | None) -> dict[
     # host compute's results come up on their own channel: behind the KV loads they would
     # wait for transfers they do not depend on
     names = ("weights", "experts", "kv_load", "kv_store", "activations", "disk")
-    return {n: Channel(n, device, trace, *((None, None) if n == "disk" else (up, down))) for n in names}
+    return {n: Channel(n, device, trace, *((None, None) if n == "disk" else (up, down)),
+                       staged_bytes=ACTIVATION_RING_BYTES if n == "activations" else STAGED_RING_BYTES)
+            for n in names}
 
 
 class PinnedRing:
