@@ -181,6 +181,16 @@ def reserve_staging_rings(host_memory: Memory, channels: dict, setup: RunSetup) 
         host_memory.reserve(channels[name].staged.nbytes, f"the {name} channel's page-locked staging ring")
 
 
+def adopt_on_this_thread(engine: Engine) -> None:
+    """A thread other than the one that built `engine` will run its steps (`klotski serve`'s
+    worker). On CUDA cuBLAS keeps a handle, and a workspace, per thread: this thread's is made
+    now and counted with the runtime, outside the budget's accounts, as the builder's was."""
+    if engine.device.type == "cuda":
+        made = _cublas_workspace(engine.device, engine.dtype)
+        engine.memory.runtime_bytes += made
+        engine.memory.allocator_baseline += made
+
+
 def _cublas_workspace(device, dtype) -> int:
     """cuBLAS allocates a workspace per stream on first use, through the caching allocator. It
     belongs to the CUDA runtime, like the context, and does not grow with the job: it is made

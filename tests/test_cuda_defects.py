@@ -5,6 +5,7 @@ what only CUDA shows.)"""
 from contextlib import contextmanager
 
 import pytest
+import torch
 
 from conftest import PROMPTS, engine_tokens, reference_tokens
 from klotski.bench.op_count import build_model
@@ -116,3 +117,22 @@ def test_expert_order_asks_each_transfer_once(tmp_path):
                       device_memory=12 << 20)
     assert sizes and max(sizes) >= 16
     assert all(c <= a for c, a in zip(calls, sizes)), list(zip(calls, sizes))
+
+
+def test_a_thread_that_runs_an_engine_it_did_not_build_counts_its_cublas_workspace(monkeypatch):
+    """`klotski serve` builds its engine on the server's thread and runs it on the worker's; cuBLAS
+    makes a workspace per thread (32 MiB on an H200), so the worker's landed after the allocator
+    baseline and counted as the engine's bytes in the report's allocator peak (found by reading).
+    The worker makes it first and counts it with the runtime."""
+    import types
+
+    from klotski import assemble
+    made = []
+    monkeypatch.setattr(assemble, "_cublas_workspace", lambda device, dtype: made.append(device) or 1234)
+    memory = types.SimpleNamespace(runtime_bytes=100, allocator_baseline=5000)
+    engine = types.SimpleNamespace(device=torch.device("cuda"), dtype=torch.bfloat16, memory=memory)
+    assemble.adopt_on_this_thread(engine)
+    assert made and memory.runtime_bytes == 1334 and memory.allocator_baseline == 6234
+    cpu = types.SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32, memory=memory)
+    assemble.adopt_on_this_thread(cpu)  # no cuBLAS on a CPU
+    assert len(made) == 1

@@ -29,6 +29,7 @@ import threading
 import time
 from pathlib import Path
 
+from klotski.assemble import adopt_on_this_thread
 from klotski.errors import RunStopped, UserError
 from klotski.generate import Job
 from klotski.schedule.stats import Stats
@@ -308,6 +309,7 @@ class Worker(threading.Thread):
         self.inbox.notify()
 
     def run(self) -> None:
+        adopt_on_this_thread(self.engine)  # built on the server's thread, run on this one
         try:
             while not self.stopping:
                 try:
