@@ -136,3 +136,33 @@ def test_a_thread_that_runs_an_engine_it_did_not_build_counts_its_cublas_workspa
     cpu = types.SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32, memory=memory)
     assemble.adopt_on_this_thread(cpu)  # no cuBLAS on a CPU
     assert len(made) == 1
+
+
+def test_closing_host_kv_caches_waits_for_loads_still_reading_them():
+    """A step that fails mid-layer can leave KV loads issued ahead (for the next layer) still
+    reading a host cache's locked blocks; closing the caches unregistered them at once (after
+    waiting for stores only: found by reading). Now the load channel is drained first."""
+    import threading
+    import time
+    import types
+
+    from klotski.execute.channels import Channel
+    from klotski.schedule.engine import KVSpace
+
+    channel = Channel("kv_load", torch.device("cpu"), Trace(), link=None)
+    channel.inline = False  # on its worker thread, as on CUDA
+    release, order = threading.Event(), []
+    channel.submit(lambda: (release.wait(5), order.append("load done")), name="a load issued ahead")
+
+    class Blocks:
+        def close(self):
+            order.append("blocks closed")
+
+    host = types.SimpleNamespace(free=lambda n: None)
+    space = KVSpace(types.SimpleNamespace(channels={"kv_load": channel}, placement=types.SimpleNamespace(kv="host"),
+                                          host_memory=host, memory=None))
+    space.held = {1: (64, Blocks(), types.SimpleNamespace(settle=lambda: None))}
+    threading.Thread(target=lambda: (time.sleep(0.2), release.set())).start()
+    space.close()
+    assert order == ["load done", "blocks closed"]
+    channel.close()

@@ -38,7 +38,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
@@ -189,7 +189,16 @@ class Channel:
 
         if self.on_caller:  # the CUDA sanitizer sees the copies only on its own thread
             return Ticket(cudacopies.run_here(work), event)
-        return Ticket(self._pool.submit(work), event)
+        self._queued = self._pool.submit(work)
+        return Ticket(self._queued, event)
+
+    def drain(self) -> None:
+        """Wait until everything submitted so far has run and its copies are done (before the
+        memory they read goes: a failed step's loads issued ahead)."""
+        if self._queued is not None:
+            wait([self._queued])  # its own failure, if any, is its ticket's to raise
+        if self.stream is not None:
+            self.stream.synchronize()
 
     def to_device(self, t: torch.Tensor, owned: bool = False) -> torch.Tensor:
         """Copy a host tensor into device memory (called inside submitted work). On CPU the

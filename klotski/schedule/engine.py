@@ -479,6 +479,9 @@ class KVSpace:
         self.account.free(nbytes)
 
     def close(self) -> None:
+        if any(blocks for _, blocks, _ in self.held.values()):
+            # a step that failed may have left loads issued ahead reading the locked blocks
+            self.e.channels["kv_load"].drain()
         for nbytes, blocks, kv in self.held.values():
             if blocks:
                 kv.settle()
