@@ -28,8 +28,9 @@ class HostWork:
         follows them down; the attention core runs on the host over the host cache; the output
         comes back up. Nothing of the prefix crosses the link; a shared prompt prefix
         (`prefix`, its host keys/values) is read where it lives too."""
-        if layer in kv.stored:  # an earlier step's store of this layer writes beside the new slots
-            self.wait(kv.stored[layer], "kv_store")
+        if layer in kv.stored:  # an earlier step's store of this layer writes beside the new slots,
+            self.wait(kv.stored[layer], "kv_store")  # and the host reads them: landed, not only queued
+            kv.landed(layer)
         cos, sin, _, host_masks = ctx
         name = f"{layer}.b{k}"
         counts = self.host.attention

@@ -210,9 +210,9 @@ class BatchKV:
     def settle(self) -> None:
         """Block until every store into the host copy has landed (before the host rewrites it)."""
         for layer in self.stored:
-            self._landed(layer)
+            self.landed(layer)
 
-    def _landed(self, layer: int) -> None:
+    def landed(self, layer: int) -> None:
         """Block until the last store of `layer` has landed: its own event, not the device."""
         ticket = self.stored.get(layer)
         if ticket is not None:
@@ -389,7 +389,7 @@ class BatchKV:
             elif part is not None and part.is_contiguous():
                 upload(dst, part)  # stream-ordered behind the last store (the channel waits on it)
             else:
-                self._landed(layer)  # the host reads these slots now: the last store must have landed
+                self.landed(layer)  # the host reads these slots now: the last store must have landed
                 staging.upload(dst, src if part is None else part, self.old_slots)
         return keys, values, old
 
