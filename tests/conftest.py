@@ -1,4 +1,5 @@
 """Shared fixtures: tiny checkpoints built once per session, transformers as the reference."""
+import functools
 import pytest
 import torch
 
@@ -112,3 +113,56 @@ def run_keeping_states(engine, seqs, sync: bool = False):
         torch.cuda.synchronize()
     engine.close()
     return done, states
+
+
+# ---- one model's runs under different placements, compared bit for bit (tests/gpu/test_gpu.py,
+# tests/test_placement_bits.py) ------------------------------------------------------------
+PLACEMENTS = {  # kind -> tier, and where the KV cache lives
+    "resident": dict(kv="device"),
+    "host": dict(kv="host", attn="host", gate="host", expert="host", head="host", embed="host"),
+    "disk": dict(kv="host", attn="host", gate="host", expert="disk"),
+    "mixed": dict(kv="device", attn="host", expert="disk"),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def placement_of(model_dir, kind):
+    from placement.placement import Placement
+    _, probe = engine_tokens(model_dir, prompts=["x"], max_new_tokens=1, device="cpu")
+    tiers = dict(PLACEMENTS[kind])
+    return Placement.by_kind(probe.spec.group_keys(), kv=tiers.pop("kv"), **tiers)
+
+
+def placed_run(model_dir, kind="resident", *, device, sync=False, max_new_tokens=8, **config):
+    """Tokens and per-layer hidden states (device copies, compared after the run) of one run
+    with the placement `kind` (PLACEMENTS), 3 x 2 batches of PROMPTS in fp32."""
+    cfg = RunConfig(model=str(model_dir), progress=False, dtype="float32", device=device,
+                    batch_size=3, num_batches=2, **config)
+    engine, seqs, errors = open_engine(cfg, requests(PROMPTS, max_new_tokens), placement=placement_of(model_dir, kind))
+    assert not errors
+    done, states = run_keeping_states(engine, seqs, sync)
+    return [done[f"r{i}"] for i in range(len(PROMPTS))], states, engine
+
+
+def assert_same(got, ref, what):
+    """Two placed runs: the same tokens and, at every layer-step, the same hidden states' bits."""
+    tokens, states, _ = got
+    ref_tokens, ref_states, _ = ref
+    assert tokens == ref_tokens, what
+    assert len(states) == len(ref_states), what
+    for step, (a, b) in enumerate(zip(states, ref_states)):
+        for batch, (x, y) in enumerate(zip(a, b)):
+            assert torch.equal(x, y), f"{what}: hidden states differ at layer-step {step}, {difference(x, y, batch)}"
+
+
+def difference(x, y, batch) -> str:
+    """Where two hidden states differ, for the failure message: which batch, rows and tokens,
+    how many values and by how much (a few rows of last bits point at a kernel's choice of
+    tiling; whole rows or large values at a misplaced byte or a race)."""
+    if x.shape != y.shape:
+        return f"batch {batch}: shapes {tuple(x.shape)} and {tuple(y.shape)}"
+    diff = (x.float() - y.float()).abs()
+    where = (x != y).nonzero().tolist()
+    rows = sorted({tuple(i[:-1]) for i in where})
+    return (f"batch {batch} of shape {tuple(x.shape)}: {len(where)} of {x.numel()} values differ, max |diff| "
+            f"{diff.max().item():.3g}, in {len(rows)} (row, token) places, the first {rows[:8]}")

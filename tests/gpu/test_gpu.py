@@ -6,7 +6,6 @@ all) and a device synchronisation after every layer. Every other placement, sche
 tier, quantisation and sparsity must give bit-identical hidden states at every layer and
 identical tokens: same shapes, same kernels, so any difference is a race or a misplaced byte.
 """
-import functools
 import json
 import os
 import subprocess
@@ -16,22 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import PROMPTS, engine_tokens, reference_tokens, requests, run_keeping_states
+from conftest import (PROMPTS, assert_same, engine_tokens, placed_run, placement_of, reference_tokens,
+                      requests)
 from klotski.builtin import tiny
 from klotski.assemble import open_engine
 from klotski.config import RunConfig
-from placement.placement import Placement
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA device: run tests/gpu on a GPU machine (../shared/gpu/README.md)")
 
 SCHEDULES = ("klotski", "hot-prefetch", "multibatch", "simple")
-PLACEMENTS = {  # kind -> tier, and where the KV cache lives
-    "resident": dict(kv="device"),
-    "host": dict(kv="host", attn="host", gate="host", expert="host", head="host", embed="host"),
-    "disk": dict(kv="host", attn="host", gate="host", expert="disk"),
-    "mixed": dict(kv="device", attn="host", expert="disk"),
-}
 SLEEP_CYCLES = 4_000_000  # ~2 ms of GPU time: long enough to expose a missing wait
 
 
@@ -40,44 +33,9 @@ def model(tmp_path_factory):
     return tiny.build_checkpoint(tmp_path_factory.mktemp("gpu") / "small", "small", dtype="float32")
 
 
-@functools.lru_cache(maxsize=None)
-def placement_of(model_dir, kind):
-    _, probe = engine_tokens(model_dir, prompts=["x"], max_new_tokens=1, device="cpu")
-    tiers = dict(PLACEMENTS[kind])
-    return Placement.by_kind(probe.spec.group_keys(), kv=tiers.pop("kv"), **tiers)
-
-
 def run(model_dir, kind="resident", *, sync=False, max_new_tokens=8, **config):
-    """Tokens and per-layer hidden states (device copies, compared after the run) of one run."""
-    cfg = RunConfig(model=str(model_dir), progress=False, dtype="float32", device="cuda",
-                    batch_size=3, num_batches=2, **config)
-    engine, seqs, errors = open_engine(cfg, requests(PROMPTS, max_new_tokens), placement=placement_of(model_dir, kind))
-    assert not errors
-    done, states = run_keeping_states(engine, seqs, sync)
-    return [done[f"r{i}"] for i in range(len(PROMPTS))], states, engine
-
-
-def assert_same(got, ref, what):
-    tokens, states, _ = got
-    ref_tokens, ref_states, _ = ref
-    assert tokens == ref_tokens, what
-    assert len(states) == len(ref_states), what
-    for step, (a, b) in enumerate(zip(states, ref_states)):
-        for batch, (x, y) in enumerate(zip(a, b)):
-            assert torch.equal(x, y), f"{what}: hidden states differ at layer-step {step}, {difference(x, y, batch)}"
-
-
-def difference(x, y, batch) -> str:
-    """Where two hidden states differ, for the failure message: which batch, rows and tokens,
-    how many values and by how much (a few rows of last bits point at a kernel's choice of
-    tiling; whole rows or large values at a misplaced byte or a race)."""
-    if x.shape != y.shape:
-        return f"batch {batch}: shapes {tuple(x.shape)} and {tuple(y.shape)}"
-    diff = (x.float() - y.float()).abs()
-    where = (x != y).nonzero().tolist()
-    rows = sorted({tuple(i[:-1]) for i in where})
-    return (f"batch {batch} of shape {tuple(x.shape)}: {len(where)} of {x.numel()} values differ, max |diff| "
-            f"{diff.max().item():.3g}, in {len(rows)} (row, token) places, the first {rows[:8]}")
+    """Tokens and per-layer hidden states of one run on the GPU (conftest.placed_run)."""
+    return placed_run(model_dir, kind, device="cuda", sync=sync, max_new_tokens=max_new_tokens, **config)
 
 
 @pytest.fixture(scope="module")
