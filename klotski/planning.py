@@ -97,10 +97,11 @@ def profile_for(hardware: str, shape, *, device: str = "auto", link_gbps: float 
 
 
 def make_plan(shape, profile, *, device_memory, host_memory, prompt_len, gen_len, config, sequences=None,
-              longest_prompt=None, sizes=None, gen_lens=None, prompt_lens=None):
+              longest_prompt=None, sizes=None, gen_lens=None, prompt_lens=None, popularity=None):
     """Solve for (bs, n, prefill chunk, placement) under the budgets; what the user fixed stays
     fixed. Time is planned for `prompt_len` (the typical prompt: batches are formed by length,
-    so padding is small), memory for `longest_prompt`. A refusal names the budget to raise
+    so padding is small), memory for `longest_prompt`; routing as `popularity` says (the
+    experts' marginals, in expert order; None: uniform). A refusal names the budget to raise
     and the smallest value that is then accepted."""
     cost = _cost(profile, shape, config, sizes)
     budgets = Budgets.from_profile(profile, device=device_memory, host=host_memory)
@@ -113,7 +114,8 @@ def make_plan(shape, profile, *, device_memory, host_memory, prompt_len, gen_len
                      K=config.hot_experts, num_batches=1 if config.schedule == "simple" else config.num_batches,
                      chunk=config.prefill_chunk, gen_lens=gen_lens, prompt_lens=prompt_lens,
                      host_attention=config.host_attention, host_experts=config.host_experts,
-                     batching=config.batching, window=config.window, next_gate=config.prefetch == "next-gate")
+                     batching=config.batching, window=config.window, next_gate=config.prefetch == "next-gate",
+                     popularity=popularity)
     except Infeasible as e:
         raise BudgetRefused(e) from None
 
@@ -252,12 +254,13 @@ def plan_job(config, ckpt, dtype, device, budgets, seqs, pipeline_cost=None):
     return _plan_lengths(config, ckpt, dtype, device, budgets, *lengths, pipeline_cost)
 
 
-def replayed_plan(config, ckpt, setup, prompt_lens, gen_lens, pipeline_cost=None) -> Plan | None:
+def replayed_plan(config, ckpt, setup, prompt_lens, gen_lens, pipeline_cost=None, popularity=None) -> Plan | None:
     """The plan for the job as it ran: the same plan (bs, n, chunk, budgets), its cost model
-    replayed over the prompts and the lengths the answers actually had. Its tokens/s (and its
-    job's prefill and decode seconds) are what the planner would have said had it known where
-    each answer stops (EOS), so set beside the measured ones they tell the cost model's error
-    apart from the job's unknowns."""
+    replayed over the prompts and the lengths the answers actually had and, given its
+    `popularity` (planner.routing.marginals_from_counts of the run), the routing the job had.
+    Its tokens/s (and its job's prefill and decode seconds) are what the planner would have
+    said had it known where each answer stops (EOS) and which experts the tokens pick, so set
+    beside the measured ones they tell the cost model's error apart from the job's unknowns."""
     plan = setup.plan
     if plan is None or not gen_lens:
         return None
@@ -267,12 +270,12 @@ def replayed_plan(config, ckpt, setup, prompt_lens, gen_lens, pipeline_cost=None
     # (reuse: a replay is a report's figure; it never measures again mid-run, which on `klotski
     # serve` would hold the engine's thread, and online requests, for seconds)
     again = _plan_lengths(fixed, ckpt, setup.dtype, setup.device, setup.budgets, list(prompt_lens),
-                          [max(1, g) for g in gen_lens], plan.gen_len, pipeline_cost, reuse=True)
+                          [max(1, g) for g in gen_lens], plan.gen_len, pipeline_cost, reuse=True, popularity=popularity)
     return again
 
 
 def _plan_lengths(config, ckpt, dtype, device, budgets, prompt_lens, gen_lens, gen_len, pipeline_cost,
-                  memory_only: bool = False, reuse: bool = False):
+                  memory_only: bool = False, reuse: bool = False, popularity=None):
     """The plan for a job of these prompt and answer lengths (time planned for the answers'
     `gen_lens`, memory for `gen_len`); no lengths: one sequence of a one-token prompt. With
     `memory_only`, from a profile whose times mean nothing and nothing is measured: whether
@@ -285,7 +288,7 @@ def _plan_lengths(config, ckpt, dtype, device, budgets, prompt_lens, gen_lens, g
         shape, profile, _ = _measured(config, ckpt, dtype, device, pipeline_cost, reuse)
     kw = dict(device_memory=budgets.device, host_memory=budgets.host, prompt_len=-(-sum(lengths) // len(lengths)),
               longest_prompt=max(lengths), gen_len=gen_len, sequences=max(1, len(prompt_lens)),
-              gen_lens=gen_lens or None, prompt_lens=prompt_lens or None)
+              gen_lens=gen_lens or None, prompt_lens=prompt_lens or None, popularity=popularity)
     if config.quantize == "auto":  # under memory_only, refused only when no precision fits
         return weigh_plans(shape, profile, config, precision_options(shape, ckpt, dtype),
                            sizes_of=lambda cfg: ckpt.group_bytes(dtype, spec_for(cfg)), **kw)

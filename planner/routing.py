@@ -63,6 +63,19 @@ def marginals_from_sample(tokens: Sequence[Sequence[int]], num_experts: int) -> 
     return [c / n for c in counts]
 
 
+def marginals_from_counts(counts, top_k: int) -> list[float] | None:
+    """Marginals in expert order from picks counted per layer and expert ([layers, experts]: a
+    run's routing), each layer's as the share of its picks times top_k, averaged over the layers
+    that routed anything; None where none did. (One vector for every layer, as the solver takes
+    it: an expert's index is its place in the placement, so the order is kept.)"""
+    c = np.asarray(counts, dtype=np.float64)
+    c = c[c.sum(axis=1) > 0]
+    if not len(c):
+        return None
+    m = (c / c.sum(axis=1, keepdims=True) * top_k).mean(axis=0)
+    return np.minimum(m, 1.0).tolist()  # a token picks an expert once: at most 1 (but for rounding)
+
+
 class RoutingSample:
     """Per-layer routing for the simulator: `counts(step, layer, batch, tokens)` gives the
     number of tokens sent to each expert; `marginals(layer)` what a prefetcher would know."""

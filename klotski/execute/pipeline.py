@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from klotski.models import layers as L
@@ -87,6 +88,9 @@ class Pipeline:
         self.layouts: list = []   # this step's batches' shared segments (schedule/prefix.py)
         self.on_layer = None     # optional callback(layer, hidden states per batch), for tests
         self.kv_bytes_loaded = 0  # host->device KV bytes loads moved (a shared prefix's once per layer)
+        # (token, expert) picks per MoE layer and expert, as routed: the job's routing, for the replay
+        moe_layers = sum(spec.experts_in(j) > 0 for j in range(spec.num_layers))
+        self.routed = np.zeros((moe_layers, spec.num_experts), dtype=np.int64)
 
     # ---- one step -----------------------------------------------------------------------
     @torch.inference_mode()
@@ -280,6 +284,7 @@ class Pipeline:
         self.cache.release(("gate", layer))
         if self.spec.experts_in(layer):
             self.predictor.observe(self.spec.moe_index(layer), [moe.ids])
+            self.routed[self.spec.moe_index(layer)] += moe.counts
         if ahead is not None:
             self.predictor.speculate(self.spec.moe_index(layer + 1), [ahead.wait()])
         return moe, hot

@@ -131,7 +131,7 @@ def summary(report: dict, out_path: Path) -> str:
             f"speed     {report['tokens_per_s']:.1f} tok/s (prefill {report['prefill_s']:.2f} s, "
             f"decode {report['decode_s']:.2f} s)"
             + (f"; planner predicted {report['predicted_tokens_per_s']:.1f}" if report["predicted_tokens_per_s"] else "")
-            + (f" ({report['replayed_tokens_per_s']:.1f} for the answers' actual lengths: prefill "
+            + (f" ({report['replayed_tokens_per_s']:.1f} for the answers' actual lengths and routing: prefill "
                f"{report['replayed_prefill_s']:.2f} s, decode {report['replayed_decode_s']:.2f} s)"
                if report.get("replayed_tokens_per_s") else ""),
             f"plan      batch size {plan['batch_size']} x {plan['num_batches']} batches"
