@@ -20,7 +20,8 @@ pick instead, within one GPU call (about 5 minutes on an H100/H200).
   without patching it: it always runs at the native link (an advantage to it).
 * Prompts: labelling-like, --prompt-tokens (500) tokens each (an instruction and numbered
   passages from jobs/wikitext.jsonl, cut to the length by the model's tokenizer), 32 new tokens.
-* Rows, each system in its own process, in this order until --deadline (rows not started by
+* Rows, each system in its own process and from the same start (no expert-correlation table
+  learned by an earlier row: it steers prefetching and which experts stay resident), in this order until --deadline (rows not started by
   then are listed as not run; --row-timeout caps each): Mixtral dims: klotski (the planner's bs
   and n, or forced by --batch-size/--num-batches), simple and accelerate at klotski's batch size
   (one batch of prompts); Qwen3 dims: klotski (host compute auto), simple; Mixtral dims: klotski
@@ -181,6 +182,7 @@ class Shape:
         self.model = self.jobs = None
         self.bs = self.n = None  # klotski's, once its row ran (or the planner's, where it failed)
         self.klotski_failed = None  # its row's error: not run again for the rows that need its choices
+        self.table = None  # where klotski keeps the model's expert-correlation table
         self.build_s = None
 
     def ready(self) -> None:
@@ -201,6 +203,18 @@ class Shape:
         print(f"{self.name}: {self.a.layers} layers, {self.bytes / 2**30:.2f} GiB at {self.model} (ready in "
               f"{self.build_s} s); device budget {self.budget / 2**30:.3f} GiB"
               + (f", allocator cap {self.cap / 2**30:.3f} GiB" if self.cap else ""), flush=True)
+
+    def forget_routing(self) -> None:
+        """Every row starts as the first does: without the expert-correlation table an earlier
+        row learned (it steers prefetching and which experts stay resident: the rows would not
+        run alike)."""
+        from klotski.io.checkpoint import Checkpoint
+        from klotski.prefetch.correlate import table_path
+        if self.table is None:
+            ckpt = Checkpoint.open(str(self.model))
+            self.table = table_path(ckpt)
+            ckpt.close()
+        self.table.unlink(missing_ok=True)
 
 
 # --------------------------------------------------------------------------- running rows
@@ -328,6 +342,7 @@ def run_row(a, shapes: dict, key: str, timeout: float) -> dict:
         error = baseline_choices(a, shapes, shape, timeout)
         if error:
             return {"row": key, "ok": False, "error": error}
+    shape.forget_routing()
     row = (accelerate_row(a, shape, timeout) if tag == "accelerate" else kernels_row(a, shape, timeout)
            if tag == "kernels" else klotski_row(a, shape, tag, timeout))
     if tag == "klotski":

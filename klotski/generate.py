@@ -31,8 +31,7 @@ from klotski.io.dataset_files import is_dataset
 from klotski.io.output import OutputWriter, read_output
 from klotski.io.parquet_output import ParquetOutput, is_parquet
 from klotski.io.records import error_record
-from klotski.planning import replayed_plan
-from planner.routing import marginals_from_counts
+from klotski.planning import replayed_plan, routing_in_slot_order
 from klotski.schedule import sequences as S
 from klotski.schedule.report import build_report, replayed, save_report, summary
 from klotski.schedule.windows import Background, LineCount, drain, job_windows, read_ahead
@@ -257,7 +256,8 @@ class Job:
         return report
 
     def _replan(self, prompt_lens, gen_lens):
-        routing = marginals_from_counts(self.engine.pipeline.routed, self.ckpt.spec.top_k) if self.engine else None
+        routing = (routing_in_slot_order(self.engine.pipeline.routed, self.ckpt.spec, self.setup.expert_ranking)
+                   if self.engine else None)
         return replayed_plan(self.config, self.ckpt, self.setup, prompt_lens, gen_lens, pipeline_cost, routing)
 
     def save(self, report: dict) -> None:

@@ -416,7 +416,27 @@ def _held(config, ckpt, dtype, placement: Placement, *, bs, n, chunk, longest_pr
     return _Held(cost, resident, full, experts, slot, decode, schedule, hot, kw)
 
 
-def engine_placement(plan, spec) -> Placement:
+def engine_placement(plan, spec, ranking: dict | None = None) -> Placement:
+    """The plan's tiers for the engine's groups. The plan places expert slots (it prices every
+    expert alike); with a `ranking` (layer -> its experts, most picked first: a learned table's,
+    prefetch/correlate.learned_ranking) slot i of a layer is its i-th most picked expert, so
+    the experts the plan keeps resident are the ones the tokens pick most; else slot i is
+    expert i."""
     tiers, kv = plan.group_tiers(spec.num_layers, spec.num_experts)
+    for layer, order in (ranking or {}).items():
+        slots = [tiers["expert", layer, i] for i in range(len(order))]
+        for i, expert in enumerate(order):
+            tiers["expert", layer, expert] = slots[i]
     # a dense first layer has no experts to place
     return Placement({k: t for k, t in tiers.items() if k[0] != "expert" or k[2] < spec.experts_in(k[1])}, kv)
+
+
+def routing_in_slot_order(routed, spec, ranking: dict | None) -> list[float] | None:
+    """The run's routing (Pipeline.routed: picks per MoE layer and expert) as marginals over the
+    plan's expert slots (engine_placement: slot i of a ranked layer is its i-th most picked
+    expert), for the replay."""
+    from planner.routing import marginals_from_counts
+    counts = routed.copy()
+    for layer, order in (ranking or {}).items():
+        counts[spec.moe_index(layer)] = routed[spec.moe_index(layer)][order]
+    return marginals_from_counts(counts, spec.top_k)

@@ -229,3 +229,27 @@ def test_a_cooccurrence_file_of_the_wrong_size_is_refused(tmp_path):
     (tmp_path / "t.json").write_text(json.dumps(data))
     with pytest.raises(ValueError, match="co-occurrence counts of shape"):
         CooccurrenceTable.load(tmp_path / "t.json", SimpleNamespace(num_layers=2, num_experts=16, top_k=4))
+
+
+def test_a_learned_table_puts_the_most_picked_experts_on_the_device(tmp_path):
+    """The plan prices every expert alike and places expert slots; once the model's correlation
+    table has seen a job, slot i of each layer is that layer's i-th most picked expert, so the
+    experts the plan keeps resident are the ones the tokens pick most: fewer moved, the same
+    tokens (on the realdims Qwen3 shape, skewed: decode bytes over the link 106 -> 33 MB)."""
+    from klotski.builtin import tiny
+    from klotski.prefetch.correlate import learned_ranking
+    model = tiny.build_checkpoint(tmp_path / "skewed", "tiny", routing="skewed", num_local_experts=8,
+                                  num_experts_per_tok=2)
+    budget = int(3_614_976 * 0.6)  # of the model's bytes: one or two experts a layer resident, the rest streamed
+    first, engine = engine_tokens(model, device_memory=budget, max_new_tokens=8)
+    assert engine.setup.expert_ranking is None  # nothing learned yet: slot i is expert i
+    ranking = learned_ranking(engine.ckpt)
+    assert ranking
+    again, engine = engine_tokens(model, device_memory=budget, max_new_tokens=8)
+    assert again == first == reference_tokens(model, max_new_tokens=8)
+    assert engine.setup.expert_ranking == ranking
+    tiers = engine.setup.placement.tiers
+    for layer, order in ranking.items():
+        resident = {e for e in range(len(order)) if tiers["expert", layer, e] == "device"}
+        assert resident == set(order[:len(resident)]), f"layer {layer}: resident {resident}, most picked {order}"
+    assert any(0 < sum(tiers["expert", j, e] == "device" for e in range(8)) < 8 for j in ranking)

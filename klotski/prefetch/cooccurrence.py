@@ -40,6 +40,11 @@ class CooccurrenceTable(SavedTable):
         pairs = (previous[:, :, None] * E + experts[:, None, :]).flatten()  # every (i, j) of every token
         self.counts[layer] += torch.bincount(pairs, minlength=E * E).view(E, E)
 
+    def picks(self, layer: int) -> torch.Tensor:
+        """How often each expert of `layer` was picked (in proportion: a token's picks count once
+        for each of its picks at the layer before)."""
+        return (self.first if layer == 0 else self.counts[layer].sum(0)).double()
+
     def tendency(self, layer: int, previous: torch.Tensor | None) -> torch.Tensor:
         """Sum over tokens of each token's expected use of every expert at `layer`."""
         if layer == 0:

@@ -16,6 +16,8 @@ import sys
 from importlib import resources
 from pathlib import Path
 
+import torch
+
 from klotski.util import cachedir
 from klotski.prefetch.cooccurrence import CooccurrenceTable
 from klotski.prefetch.predictors import CorrelationPredictor, CorrelationTable, SavedTable
@@ -65,6 +67,22 @@ def load_table(ckpt) -> SavedTable | None:
         print(f"klotski: ignoring the expert-correlation table {path} ({e}); learning a new one",
               file=sys.stderr)
         return None
+
+
+def learned_ranking(ckpt) -> dict[int, list[int]] | None:
+    """Each MoE layer's experts, most picked first, from the saved table of `ckpt` (layers it
+    has seen nothing of are left out); None without a table. The placement keeps the first of
+    them resident (planning.engine_placement)."""
+    table = load_table(ckpt) if table_path(ckpt).exists() else None
+    if table is None:
+        return None
+    spec, ranking = ckpt.spec, {}
+    for layer in range(spec.num_layers):
+        if spec.experts_in(layer):
+            picks = table.picks(spec.moe_index(layer))
+            if picks.sum() > 0:
+                ranking[layer] = torch.argsort(-picks, stable=True).tolist()
+    return ranking or None
 
 
 def learning_predictor(ckpt) -> CorrelationPredictor:

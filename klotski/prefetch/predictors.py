@@ -198,6 +198,12 @@ class CorrelationTable(SavedTable):
             have = self.counts[layer].get(key)
             self.counts[layer][key] = row if have is None else have + row
 
+    def picks(self, layer: int) -> torch.Tensor:
+        """How often each expert of `layer` was picked."""
+        if layer == 0:
+            return self.first.double()
+        return sum(self.counts[layer].values(), torch.zeros(self.num_experts)).double()
+
     def tendency(self, layer: int, paths: torch.Tensor | None) -> torch.Tensor:
         """Sum over tokens of each token's normalised expert tendency at `layer`."""
         if layer == 0 or paths is None or paths.numel() == 0:
