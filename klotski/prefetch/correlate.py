@@ -73,7 +73,11 @@ def learned_ranking(ckpt) -> dict[int, list[int]] | None:
     """Each MoE layer's experts, most picked first, from the saved table of `ckpt` (layers it
     has seen nothing of are left out); None without a table. The placement keeps the first of
     them resident (planning.engine_placement)."""
-    table = load_table(ckpt) if table_path(ckpt).exists() else None
+    path = table_path(ckpt)
+    try:
+        table = table_class(ckpt.spec).load(path, ckpt.spec) if path.exists() else None
+    except (ValueError, KeyError, json.JSONDecodeError):
+        return None  # an unusable table: the run's predictor says so, once (load_table)
     if table is None:
         return None
     spec, ranking = ckpt.spec, {}
