@@ -240,7 +240,9 @@ def test_a_learned_table_puts_the_most_picked_experts_on_the_device(tmp_path):
     from klotski.prefetch.correlate import learned_ranking
     model = tiny.build_checkpoint(tmp_path / "skewed", "tiny", routing="skewed", num_local_experts=8,
                                   num_experts_per_tok=2)
-    budget = int(3_614_976 * 0.6)  # of the model's bytes: one or two experts a layer resident, the rest streamed
+    from klotski.io.checkpoint import Checkpoint
+    table_path(Checkpoint.open(str(model))).unlink(missing_ok=True)  # (tables are keyed by content)
+    budget = int(3_614_976 * 0.6)  # of the model's bytes: some experts resident, the rest streamed
     first, engine = engine_tokens(model, device_memory=budget, max_new_tokens=8)
     assert engine.setup.expert_ranking is None  # nothing learned yet: slot i is expert i
     ranking = learned_ranking(engine.ckpt)
@@ -252,4 +254,19 @@ def test_a_learned_table_puts_the_most_picked_experts_on_the_device(tmp_path):
     for layer, order in ranking.items():
         resident = {e for e in range(len(order)) if tiers["expert", layer, e] == "device"}
         assert resident == set(order[:len(resident)]), f"layer {layer}: resident {resident}, most picked {order}"
-    assert any(0 < sum(tiers["expert", j, e] == "device" for e in range(8)) < 8 for j in ranking)
+
+
+def test_the_plans_expert_slots_go_to_the_experts_a_ranking_names():
+    """engine_placement: the plan's slot i of a ranked layer is that layer's i-th expert of the
+    ranking (the plan keeps slots 0 and 1 resident: experts 2 and 0 here); unranked layers keep
+    slot i = expert i."""
+    from klotski.planning import engine_placement
+    tiers = {("embed",): "host", ("head",): "device"}
+    for j in range(2):
+        tiers.update({("attn", j): "device", ("gate", j): "device"})
+        tiers.update({("expert", j, e): "device" if e < 2 else "host" for e in range(4)})
+    plan = SimpleNamespace(group_tiers=lambda layers, experts: (dict(tiers), "device"))
+    spec = SimpleNamespace(num_layers=2, num_experts=4, experts_in=lambda j: 4)
+    placed = engine_placement(plan, spec, {0: [2, 0, 3, 1]}).tiers
+    assert [placed["expert", 0, e] for e in range(4)] == ["device", "host", "device", "host"]
+    assert [placed["expert", 1, e] for e in range(4)] == ["device", "device", "host", "host"]
