@@ -261,13 +261,20 @@ class PinnedRing:
         start = -(-self.head // self.ALIGN) * self.ALIGN
         if start + nbytes > len(self.bytes):
             start = 0
-        # every copy still in these bytes, not only the oldest: after a wrap the oldest may be a
-        # straggler at the ring's end while a newer one holds its start
-        while (hit := next((p for p in self.pending if p[0] < start + nbytes and start < p[1]), None)) is not None:
-            hit[2].synchronize()
-            self.pending.remove(hit)
+        # A ring's copies are queued on one stream, so they finish in the order they were taken:
+        # the bytes in use run from the oldest copy's start round to the newest copy's end, and
+        # the oldest is waited for until these bytes are clear of them (after a wrap the oldest
+        # may be a straggler at the ring's end while a newer one holds its start: both count)
+        while self.pending and self._in_use(start, start + nbytes):
+            self.pending.popleft()[2].synchronize()
         self.head = start + nbytes
         return start
+
+    def _in_use(self, start: int, end: int) -> bool:
+        first, last = self.pending[0][0], self.pending[-1][1]
+        if first < last:
+            return start < last and first < end
+        return start < last or first < end  # the copies in use wrap round the ring's end
 
     def busy(self, start: int, nbytes: int):
         """Bytes [start, start + nbytes) are in a copy queued on the current stream; its event."""

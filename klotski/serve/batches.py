@@ -309,8 +309,11 @@ class Worker(threading.Thread):
         self.inbox.notify()
 
     def run(self) -> None:
-        adopt_on_this_thread(self.engine)  # built on the server's thread, run on this one
         try:
+            try:
+                adopt_on_this_thread(self.engine)  # built on the server's thread, run on this one
+            except Exception as e:  # the runtime's bytes are then counted as the engine's: a report's figure
+                log(f"internal error in the worker ({type(e).__name__}: {e}); {self.store.save_crash(e)}")
             while not self.stopping:
                 try:
                     self.step()
