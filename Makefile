@@ -29,8 +29,9 @@ demo: venv
 	$(BIN)/klotski show out/labels.out.jsonl --jobs jobs/labels.jsonl --count 6
 	@echo "output: out/labels.out.jsonl   report: out/labels.report.json"
 
+# two workers (pytest-xdist), CI's two cores; a file stays on one worker (its fixtures are built once)
 test: venv
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest tests -n 2 --dist loadfile
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

@@ -245,36 +245,6 @@ def test_mask_costs_nothing_unconstrained_and_one_op_for_any_number_of_rows(chec
     assert kernels[0] == kernels[1] == 1, kernels
 
 
-def test_trained_model_labels_right_in_both_shapes(tmp_path):
-    """smollm2-moe (trained weights): a label choice and a JSON object with the label, on
-    a clearly positive and a clearly negative review; the answers are the right labels."""
-    from klotski.io import registry
-    reviews = {"What a wonderful, joyful book. I recommend it to everyone!": "positive",
-               "Terrible. Boring plot and awful acting; I walked out.": "negative"}
-    schema = {"type": "object", "properties": {"sentiment": {"enum": ["positive", "negative"]}},
-              "required": ["sentiment"], "additionalProperties": False}
-    lines = []
-    for i, review in enumerate(reviews):
-        messages = [{"role": "user", "content": f"Classify the sentiment of this review as positive or "
-                                                f"negative.\n\n{review}"}]
-        lines.append({"custom_id": f"c{i}", "body": {"messages": messages, "max_tokens": 4,
-                                                     "structured_outputs": {"choice": ["positive", "negative"]}}})
-        lines.append({"custom_id": f"j{i}", "body": {"messages": messages, "max_tokens": 16, "response_format": {
-            "type": "json_schema", "json_schema": {"name": "label", "schema": schema}}}})
-    requests, _ = read_jobs(write_jobs(tmp_path / "j.jsonl", lines))
-    model = registry.resolve("smollm2-moe")
-    engine, seqs, errors = open_engine(RunConfig(model=str(model), dtype="float32", progress=False), requests)
-    try:
-        done = {s.request.id: s for s in engine.run(seqs)}
-    finally:
-        engine.close()
-    for i, want in enumerate(reviews.values()):
-        assert (done[f"c{i}"].text, done[f"c{i}"].finish_reason) == (want, "stop")
-        answer = json.loads(done[f"j{i}"].text)
-        jsonschema.validate(answer, schema)
-        assert answer["sentiment"] == want
-
-
 def test_masks_follow_their_sequences_when_rows_move(checkpoints):
     """Continuous batching moves rows and brings in newcomers between a mask's start and its
     use: each mask lands on its own sequence's row, and a row that is not constrained now is

@@ -7,7 +7,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from conftest import PROMPTS, engine_tokens, reference_tokens
+from conftest import PROMPTS, engine_tokens
 from klotski.bench.op_count import build_model
 from klotski.execute import pipeline as P
 from klotski.execute.trace import Trace

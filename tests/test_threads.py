@@ -18,9 +18,12 @@ def test_threads_are_the_cores_other_processes_leave():
 
 def test_other_processes_spinning_are_seen():
     """Two busy processes beside this one: /proc says so (this process's own threads not counted)."""
-    spin = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    spin = [subprocess.Popen([sys.executable, "-c", "print(flush=True)\nwhile True: pass"], stdout=subprocess.PIPE)
+            for _ in range(2)]
     try:
-        time.sleep(0.5)
+        for p in spin:  # spinning (on a busy machine an interpreter takes a while to start)
+            p.stdout.readline()
+        time.sleep(0.2)
         others = T.others_runnable()
     finally:
         for p in spin:
