@@ -87,12 +87,13 @@ def _inputs(cost, bs, n, P, G, schedule, hot, marg, chunk, buffers, host_attenti
 
 
 def place_milp(cost, bs, n, P, G, budgets: Budgets, schedule, hot, marg, *, chunk: int,
-               buffers: str = "overlap", host_attention: bool = False) -> Layout | None:
+               buffers: str = "overlap", host_attention: bool = False, host_ring: int = 0) -> Layout | None:
     """Small MILP: how many layers' attention / gates, how many experts, how many layers' KV
     on each tier; embeddings and head as single groups. Objective: the busiest link's time
     per decode step (host→device, disk→host, device→host), plus a small weight on the total
     so that idle links are not filled for nothing. With `host_attention` the KV cache is on
-    the host (attention runs where it lives)."""
+    the host (attention runs where it lives); `host_ring`: host bytes host compute holds
+    (workingset.host_ring_bytes)."""
     s, L, E, ws, kv_layer, kv_load, used = _inputs(cost, bs, n, P, G, schedule, hot, marg, chunk, buffers,
                                                    host_attention)
     h2d, disk_bw, d2h = (cost.bandwidth(k) for k in ("host_to_device", "disk_to_host", "device_to_host"))
@@ -138,7 +139,8 @@ def place_milp(cost, bs, n, P, G, budgets: Budgets, schedule, hot, marg, *, chun
     else:
         dev = resident + ws["activations"] + ws["decoded"] + pulp.lpSum(buf.values())
     host = (cost.attention_bytes * A["host"] + cost.gate_bytes * Gt["host"] + cost.expert_bytes * X["host"]
-            + kv_layer * KV["host"] + head_b * HD["host"] + cost.embed_bytes * EMB["host"] + staging * anydisk)
+            + kv_layer * KV["host"] + head_b * HD["host"] + cost.embed_bytes * EMB["host"] + staging * anydisk
+            + host_ring)
     disk = (cost.attention_bytes * A["disk"] + cost.gate_bytes * Gt["disk"] + cost.expert_bytes * X["disk"]
             + head_b * HD["disk"] + cost.embed_bytes * EMB["disk"])
     prob += dev <= budgets.device
@@ -172,7 +174,7 @@ def place_milp(cost, bs, n, P, G, budgets: Budgets, schedule, hot, marg, *, chun
 
 
 def place_greedy(cost, bs, n, P, G, budgets: Budgets, schedule, hot, marg, *, chunk: int,
-                 buffers: str = "overlap", host_attention: bool = False) -> Layout | None:
+                 buffers: str = "overlap", host_attention: bool = False, host_ring: int = 0) -> Layout | None:
     """The MILP's problem solved by density: fill the device with the groups that save the
     most transfer seconds per byte, keep the rest on host (KV first: it cannot go to disk),
     spill to disk. Used to search (bs, n) quickly; the final placement is the MILP's."""
@@ -181,7 +183,7 @@ def place_greedy(cost, bs, n, P, G, budgets: Budgets, schedule, hot, marg, *, ch
     everything = (cost.weights_bytes() - cost.embed_bytes + L * kv_layer
                   + device_need(ws, buffers, {k: True for k in BUFFER_KINDS}))
     if everything <= budgets.device and not host_attention:  # all resident: no transfer buffers needed at all
-        embed = "host" if cost.embed_bytes <= budgets.host else "disk"
+        embed = "host" if cost.embed_bytes + host_ring <= budgets.host else "disk"
         return Layout(attn={"device": L, "host": 0, "disk": 0}, gate={"device": L, "host": 0, "disk": 0},
                        experts={"device": L * E, "host": 0, "disk": 0}, kv={"device": L, "host": 0},
                        embed=embed, head="device")
@@ -203,7 +205,7 @@ def place_greedy(cost, bs, n, P, G, budgets: Budgets, schedule, hot, marg, *, ch
             "experts": (L * E - on_dev["experts"], cost.expert_bytes),
             "head": ((1 if cost.head_bytes else 0) - on_dev["head"], cost.head_bytes)}
     off_bytes = sum(u * b for u, b in rest.values()) + cost.embed_bytes
-    host_room = budgets.host - kv_host
+    host_room = budgets.host - kv_host - host_ring
     staging = staging_bytes(cost) if off_bytes > host_room else 0.0
     host_room -= staging
     if host_room < 0:

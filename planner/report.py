@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from planner.decode_ops import decode_layer_ops
 from planner.layer import INEQUALITIES, NO_HOST, LayerIO, Phase, expert_slots, ineq_terms
 from planner.place import TIERS, Layout, resident_bytes, resident_kinds
-from planner.workingset import device_need, staging_bytes, working_set
+from planner.workingset import device_need, host_ring_bytes, staging_bytes, working_set
 from planner.units import format_bytes
 
 
@@ -159,6 +159,7 @@ def make_plan(cost, shape, budgets, pred, bs, n, layout, ios, binding, schedule,
     by_tier["device"] += device_need(ws, buffers, resident_kinds(layout, L, E))
     if layout.attn["disk"] or layout.gate["disk"] or layout.experts["disk"] or layout.head == "disk":
         by_tier["host"] += staging_bytes(cost)
+    by_tier["host"] += host_ring_bytes(cost, host)
     summary = {}
     for t in TIERS:
         groups = []

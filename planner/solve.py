@@ -22,8 +22,8 @@ from planner.layer import (FLEXGEN_INEQUALITIES, INEQUALITIES, NO_HOST, SCHEDULE
 from planner.occupancy import BATCHING
 from planner.place import Budgets, layer_ios, place_greedy, place_milp, resident_bytes, resident_kinds
 from planner.prediction import JobLengths, predict_group
-from planner.workingset import (chunk_candidates, device_need, newcomer_room, pool_slots_planned, prefill_chunk,
-                                working_set)
+from planner.workingset import (chunk_candidates, device_need, host_ring_bytes, newcomer_room, pool_slots_planned,
+                                prefill_chunk, working_set)
 from planner.report import Plan, format_plan, make_plan
 from planner.shapes import as_shape
 
@@ -248,12 +248,14 @@ class SearchContext:
         if (bs, n) not in self._placed:
             self._placed[bs, n] = place_greedy(self.cost, bs, n, self.P_mem, self.G, self.budgets, self.schedule,
                                                self.hot_n, self.marg, chunk=self.chunk(bs, n), buffers=self.buffers,
-                                               host_attention=self.host.attention)
+                                               host_attention=self.host.attention,
+                                               host_ring=host_ring_bytes(self.cost, self.host))
         return self._placed[bs, n]
 
     def milp(self, bs, n):
         return place_milp(self.cost, bs, n, self.P_mem, self.G, self.budgets, self.schedule, self.hot_n,
-                          self.marg, chunk=self.chunk(bs, n), buffers=self.buffers, host_attention=self.host.attention)
+                          self.marg, chunk=self.chunk(bs, n), buffers=self.buffers, host_attention=self.host.attention,
+                          host_ring=host_ring_bytes(self.cost, self.host))
 
     def ios(self, layout):
         s = self.cost.shape

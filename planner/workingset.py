@@ -190,6 +190,14 @@ def staging_bytes(cost) -> int:
     return (DISK_WINDOW_LAYERS + 1) * cost.layer_bytes() + rings
 
 
+def host_ring_bytes(cost, host) -> int:
+    """The page-locked ring host compute's results go up through (ACTIVATION_RING_BYTES), held
+    in host memory on a CUDA device wherever `host` (planner.layer.Host) may compute, as the
+    engine holds it (assemble.reserve_staging_rings)."""
+    may = host.attention or host.experts != "off"
+    return ACTIVATION_RING_BYTES if may and cost.profile.device == "cuda" else 0
+
+
 def kv_buffer_bytes(cost, bs: int, context: int) -> int:
     """Device buffers for a KV cache kept on the host: KV_BUFFERS batches of one layer."""
     return int(KV_BUFFERS * bs * context * cost.kv_bytes_per_token_layer)

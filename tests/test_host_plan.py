@@ -11,10 +11,11 @@ from planner.costmodel import CostModel
 from planner.layer import Host
 from planner.moegen import run
 from planner.occupancy import slot_utilisation
-from planner.profile import Profile, load_profile
+from planner.profile import load_profile
 from planner.shapes import ModelShape
 from planner.simulate import simulate
 from planner.solve import Budgets, solve
+from planner.workingset import ACTIVATION_RING_BYTES
 
 SMALL = ModelShape(hidden_size=256, intermediate_size=1024, num_layers=4, num_heads=8, num_kv_heads=2,
                    head_dim=32, num_experts=8, top_k=2, vocab_size=128, dtype="bfloat16")
@@ -94,3 +95,18 @@ def test_moegen_setting_host_attention_grows_batches_and_decode():
     assert auto["sim"].decode_tokens_per_s > 2 * off["sim"].decode_tokens_per_s
     assert auto["sim"].decode_tokens_per_s > 469
     assert any(m.startswith("attention on host: KV prefix") for m in pa.moves)
+
+
+def test_host_compute_on_a_gpu_leaves_host_memory_for_the_ring_its_results_go_up_through():
+    """On a CUDA device, where host compute may run, the engine holds a page-locked ring of
+    ACTIVATION_RING_BYTES in host memory (assemble.reserve_staging_rings): the plan counts it,
+    and under a host budget that fitted only without it, the plan places less on the host."""
+    cost = CostModel(load_profile("rtx3090-pcie4"), SMALL)
+    kw = dict(prompt_len=64, gen_len=16, batch_sizes=(8,), num_batches=2)
+    roomy = Budgets(device=20e6, host=64e9)
+    off = solve(SMALL, cost, roomy, **kw)
+    on = solve(SMALL, cost, roomy, host_experts="on", **kw)
+    assert on.peak_bytes["host"] == off.peak_bytes["host"] + ACTIVATION_RING_BYTES
+    tight = Budgets(device=roomy.device, host=off.peak_bytes["host"])
+    fits = solve(SMALL, cost, tight, host_experts="on", **kw)
+    assert fits.peak_bytes["host"] <= tight.host and fits.placement != off.placement
