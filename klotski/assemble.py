@@ -22,7 +22,7 @@ from klotski.io.checkpoint import Checkpoint
 from klotski.schedule.engine import Engine
 from klotski.execute.hostcompute import HostCompute
 from klotski.execute.pipeline import Pipeline
-from klotski.prefetch.correlate import learned_ranking
+from klotski.prefetch.correlate import learned_routing
 from klotski.prefetch.predictors import FrequencyPredictor, NextGatePredictor
 from klotski.schedule.sequences import prepare
 from klotski.execute.trace import Trace
@@ -59,6 +59,8 @@ class RunSetup:
     # layer -> its experts, most picked first, where the placement put the plan's expert slots so
     # (planning.engine_placement); None: slot i is expert i
     expert_ranking: dict | None = None
+    # the routing the plan priced: marginals over its expert slots (a learned table's); None: uniform
+    planned_routing: list | None = None
 
     def for_later_prompts(self) -> RunSetup:
         """Planned from the first prompts (a window, a shard, a batch): a longer prompt later is
@@ -93,15 +95,19 @@ def setup_run(config, ckpt: Checkpoint, seqs, *, placement: Placement | None = N
     budgets = detect_budgets(device.type, config.device_memory, config.host_memory)
     simple = config.schedule == "simple"
     bs, n, chunk, plan = config.batch_size or 8, 1 if simple else (config.num_batches or 1), config.prefill_chunk, None
-    ranking = None
+    ranking = popularity = None
     given = placement is not None  # by the caller (the Python API, tests, benchmarks): not the planner's
+    if not given and (learned := learned_routing(ckpt)):
+        # where a learned table says which experts the tokens pick most, the plan's resident slots
+        # are those (engine_placement) and it prices the routing the table saw
+        ranking, picks = learned
+        popularity = planning.routing_in_slot_order(picks.numpy(), ckpt.spec, ranking)
     if config.batch_size is None or (config.num_batches is None and not simple) or placement is None:
-        plan = planning.plan_job(config, ckpt, dtype, device, budgets, seqs, pipeline_cost)
+        plan = planning.plan_job(config, ckpt, dtype, device, budgets, seqs, pipeline_cost, popularity)
         bs = config.batch_size or plan.batch_size
         n = 1 if simple else (config.num_batches or plan.num_batches)
         chunk = plan.prefill_chunk if plan.prefill_chunk < plan.longest_prompt else None
-        if placement is None:  # the experts the tokens pick most where a learned table says which
-            ranking = learned_ranking(ckpt)
+        if placement is None:
             placement = planning.engine_placement(plan, ckpt.spec, ranking)
     if config.quantize == "auto":  # the planner weighed each precision and took one (none when it did not plan)
         config = config.replace(quantize=plan.precision["quantize"] if plan and plan.precision else "none")
@@ -125,7 +131,8 @@ def setup_run(config, ckpt: Checkpoint, seqs, *, placement: Placement | None = N
     reserve = planned_activations(ckpt.spec, dtype.itemsize, bs, n, chunk or longest, longest, gen,
                                   host_attention=modes[0] == "on")
     return RunSetup(bs, n, chunk, placement, budgets, device, dtype, plan, cost, modes, config.quantize,
-                    expert_slots=slots, activation_reserve=reserve, expert_ranking=ranking)
+                    expert_slots=slots, activation_reserve=reserve, expert_ranking=ranking,
+                    planned_routing=popularity)
 
 
 def make_predictor(config, ckpt: Checkpoint):

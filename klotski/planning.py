@@ -244,20 +244,22 @@ class BudgetRefused(UserError):
         self.budget, self.needed = e.budget, e.needed
 
 
-def plan_job(config, ckpt, dtype, device, budgets, seqs, pipeline_cost=None):
+def plan_job(config, ckpt, dtype, device, budgets, seqs, pipeline_cost=None, popularity=None):
     """The planner's answer for this job on this machine, from the checkpoint's exact group
-    sizes (quantized ones as they will be packed)."""
+    sizes (quantized ones as they will be packed); routing as `popularity` says (marginals over
+    the plan's expert slots; None: uniform)."""
     lengths = ([len(s.prompt_ids) for s in seqs], [s.max_new_tokens for s in seqs],
                max((s.max_new_tokens for s in seqs), default=config.max_new_tokens))
     # a budget that cannot work is refused before this machine is measured
     _plan_lengths(config, ckpt, dtype, device, budgets, *lengths, pipeline_cost, memory_only=True)
-    return _plan_lengths(config, ckpt, dtype, device, budgets, *lengths, pipeline_cost)
+    return _plan_lengths(config, ckpt, dtype, device, budgets, *lengths, pipeline_cost, popularity=popularity)
 
 
 def replayed_plan(config, ckpt, setup, prompt_lens, gen_lens, pipeline_cost=None, popularity=None) -> Plan | None:
     """The plan for the job as it ran: the same plan (bs, n, chunk, budgets), its cost model
     replayed over the prompts and the lengths the answers actually had and, given its
-    `popularity` (planner.routing.marginals_from_counts of the run), the routing the job had.
+    `popularity` (planner.routing.marginals_from_counts of the run), the routing the job had
+    (else the routing the plan priced).
     Its tokens/s (and its job's prefill and decode seconds) are what the planner would have
     said had it known where each answer stops (EOS) and which experts the tokens pick, so set
     beside the measured ones they tell the cost model's error apart from the job's unknowns."""
@@ -270,7 +272,8 @@ def replayed_plan(config, ckpt, setup, prompt_lens, gen_lens, pipeline_cost=None
     # (reuse: a replay is a report's figure; it never measures again mid-run, which on `klotski
     # serve` would hold the engine's thread, and online requests, for seconds)
     again = _plan_lengths(fixed, ckpt, setup.dtype, setup.device, setup.budgets, list(prompt_lens),
-                          [max(1, g) for g in gen_lens], plan.gen_len, pipeline_cost, reuse=True, popularity=popularity)
+                          [max(1, g) for g in gen_lens], plan.gen_len, pipeline_cost, reuse=True,
+                          popularity=setup.planned_routing if popularity is None else popularity)
     return again
 
 
@@ -419,7 +422,7 @@ def _held(config, ckpt, dtype, placement: Placement, *, bs, n, chunk, longest_pr
 def engine_placement(plan, spec, ranking: dict | None = None) -> Placement:
     """The plan's tiers for the engine's groups. The plan places expert slots (it prices every
     expert alike); with a `ranking` (layer -> its experts, most picked first: a learned table's,
-    prefetch/correlate.learned_ranking) slot i of a layer is its i-th most picked expert, so
+    prefetch/correlate.learned_routing) slot i of a layer is its i-th most picked expert, so
     the experts the plan keeps resident are the ones the tokens pick most; else slot i is
     expert i."""
     tiers, kv = plan.group_tiers(spec.num_layers, spec.num_experts)
@@ -432,9 +435,9 @@ def engine_placement(plan, spec, ranking: dict | None = None) -> Placement:
 
 
 def routing_in_slot_order(routed, spec, ranking: dict | None) -> list[float] | None:
-    """The run's routing (Pipeline.routed: picks per MoE layer and expert) as marginals over the
-    plan's expert slots (engine_placement: slot i of a ranked layer is its i-th most picked
-    expert), for the replay."""
+    """Routing counted per MoE layer and expert (a run's, Pipeline.routed, for the replay; a
+    learned table's, for the plan) as marginals over the plan's expert slots (engine_placement:
+    slot i of a ranked layer is its i-th most picked expert)."""
     from planner.routing import marginals_from_counts
     counts = routed.copy()
     for layer, order in (ranking or {}).items():

@@ -235,9 +235,10 @@ def test_a_learned_table_puts_the_most_picked_experts_on_the_device(tmp_path):
     """The plan prices every expert alike and places expert slots; once the model's correlation
     table has seen a job, slot i of each layer is that layer's i-th most picked expert, so the
     experts the plan keeps resident are the ones the tokens pick most: fewer moved, the same
-    tokens (on the realdims Qwen3 shape, skewed: decode bytes over the link 106 -> 33 MB)."""
+    tokens (on the realdims Qwen3 shape, skewed: decode bytes over the link 106 -> 33 MB); the
+    plan prices the routing the table saw."""
     from klotski.builtin import tiny
-    from klotski.prefetch.correlate import learned_ranking
+    from klotski.prefetch.correlate import learned_routing
     model = tiny.build_checkpoint(tmp_path / "skewed", "tiny", routing="skewed", num_local_experts=8,
                                   num_experts_per_tok=2)
     from klotski.io.checkpoint import Checkpoint
@@ -245,11 +246,14 @@ def test_a_learned_table_puts_the_most_picked_experts_on_the_device(tmp_path):
     budget = int(3_614_976 * 0.6)  # of the model's bytes: some experts resident, the rest streamed
     first, engine = engine_tokens(model, device_memory=budget, max_new_tokens=8)
     assert engine.setup.expert_ranking is None  # nothing learned yet: slot i is expert i
-    ranking = learned_ranking(engine.ckpt)
-    assert ranking
+    ranking, picks = learned_routing(engine.ckpt)
+    assert ranking and picks.shape == (engine.ckpt.spec.num_layers, 8)
     again, engine = engine_tokens(model, device_memory=budget, max_new_tokens=8)
     assert again == first == reference_tokens(model, max_new_tokens=8)
     assert engine.setup.expert_ranking == ranking
+    # the plan priced the table's routing over its slots: slot 0, each layer's most picked, first
+    routing = engine.setup.planned_routing
+    assert routing == sorted(routing, reverse=True) and routing[0] > 2 / 8, routing
     tiers = engine.setup.placement.tiers
     for layer, order in ranking.items():
         resident = {e for e in range(len(order)) if tiers["expert", layer, e] == "device"}

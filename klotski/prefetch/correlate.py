@@ -69,10 +69,12 @@ def load_table(ckpt) -> SavedTable | None:
         return None
 
 
-def learned_ranking(ckpt) -> dict[int, list[int]] | None:
-    """Each MoE layer's experts, most picked first, from the saved table of `ckpt` (layers it
-    has seen nothing of are left out); None without a table. The placement keeps the first of
-    them resident (planning.engine_placement)."""
+def learned_routing(ckpt) -> tuple[dict[int, list[int]], "torch.Tensor"] | None:
+    """What the saved table of `ckpt` knows of its routing: each MoE layer's experts, most picked
+    first (layers it has seen nothing of are left out), and the picks counted per MoE layer and
+    expert ([moe layers, experts], in proportion); None without a table or with an empty one.
+    The placement keeps the first of each ranking resident (planning.engine_placement) and the
+    planner prices the counts (planning.routing_in_slot_order)."""
     path = table_path(ckpt)
     try:
         table = table_class(ckpt.spec).load(path, ckpt.spec) if path.exists() else None
@@ -81,12 +83,12 @@ def learned_ranking(ckpt) -> dict[int, list[int]] | None:
     if table is None:
         return None
     spec, ranking = ckpt.spec, {}
+    counts = torch.stack([table.picks(spec.moe_index(layer)) for layer in range(spec.num_layers)
+                          if spec.experts_in(layer)])
     for layer in range(spec.num_layers):
-        if spec.experts_in(layer):
-            picks = table.picks(spec.moe_index(layer))
-            if picks.sum() > 0:
-                ranking[layer] = torch.argsort(-picks, stable=True).tolist()
-    return ranking or None
+        if spec.experts_in(layer) and (picks := counts[spec.moe_index(layer)]).sum() > 0:
+            ranking[layer] = torch.argsort(-picks, stable=True).tolist()
+    return (ranking, counts) if ranking else None
 
 
 def learning_predictor(ckpt) -> CorrelationPredictor:
