@@ -22,7 +22,6 @@ from klotski.io.checkpoint import Checkpoint
 from klotski.schedule.engine import Engine
 from klotski.execute.hostcompute import HostCompute
 from klotski.execute.pipeline import Pipeline
-from klotski.prefetch.correlate import learned_routing
 from klotski.prefetch.predictors import FrequencyPredictor, NextGatePredictor
 from klotski.schedule.sequences import prepare
 from klotski.execute.trace import Trace
@@ -95,13 +94,10 @@ def setup_run(config, ckpt: Checkpoint, seqs, *, placement: Placement | None = N
     budgets = detect_budgets(device.type, config.device_memory, config.host_memory)
     simple = config.schedule == "simple"
     bs, n, chunk, plan = config.batch_size or 8, 1 if simple else (config.num_batches or 1), config.prefill_chunk, None
-    ranking = popularity = None
     given = placement is not None  # by the caller (the Python API, tests, benchmarks): not the planner's
-    if not given and (learned := learned_routing(ckpt)):
-        # where a learned table says which experts the tokens pick most, the plan's resident slots
-        # are those (engine_placement) and it prices the routing the table saw
-        ranking, picks = learned
-        popularity = planning.routing_in_slot_order(picks.numpy(), ckpt.spec, ranking)
+    # where a learned table says which experts the tokens pick most, the plan's resident slots
+    # are those (engine_placement) and it prices the routing the table saw
+    ranking, popularity = planning.learned_plan_routing(ckpt) if not given else (None, None)
     if config.batch_size is None or (config.num_batches is None and not simple) or placement is None:
         plan = planning.plan_job(config, ckpt, dtype, device, budgets, seqs, pipeline_cost, popularity)
         bs = config.batch_size or plan.batch_size

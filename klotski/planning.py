@@ -149,10 +149,45 @@ def plan_from_flags(model: str, hardware: str, config, *, device_memory, host_me
                               f"({packed}); run without --quantize")
         return shape, profile, weigh_plans(shape, profile, config, options, sizes_of=sizes_of,
                                            device_memory=device_memory, host_memory=host_memory,
-                                           prompt_len=prompt_len, gen_len=gen_len)
+                                           prompt_len=prompt_len, gen_len=gen_len,
+                                           popularity=_learned_routing_of(model, ckpt))
     finally:
         if ckpt is not None:
             ckpt.close()
+
+
+def learned_plan_routing(ckpt) -> tuple[dict | None, list | None]:
+    """(ranking, routing): where the saved correlation table of `ckpt` has seen a job, each MoE
+    layer's experts, most picked first (the order engine_placement gives the plan's expert
+    slots), and the table's picks as marginals over those slots, which the plan prices; (None,
+    None) without one."""
+    from klotski.prefetch.correlate import learned_routing
+    learned = learned_routing(ckpt)
+    if not learned:
+        return None, None
+    ranking, picks = learned
+    return ranking, routing_in_slot_order(picks.numpy(), ckpt.spec, ranking)
+
+
+def _learned_routing_of(model: str, ckpt=None) -> list | None:
+    """The routing `generate` would plan `--model` with (learned_plan_routing): from `ckpt`, or
+    from the checkpoint in `model`'s folder; None for an alias, a folder without weights, or a
+    model no job has run on yet."""
+    if ckpt is not None:
+        return learned_plan_routing(ckpt)[1]
+    if model.lower() in KNOWN_MODELS:
+        return None
+    from klotski.io.checkpoint import Checkpoint
+    from klotski.io import registry
+    from placement.store import CheckpointError
+    try:
+        opened = Checkpoint.open(str(registry.resolve(model)), direct_io=False)
+    except (CheckpointError, OSError, ValueError, KeyError):
+        return None  # a shape alone (config.json): planned without weights, so without their routing
+    try:
+        return learned_plan_routing(opened)[1]
+    finally:
+        opened.close()
 
 
 # ---- precision: the planner weighs it (planner/precision.py) ---------------------------------

@@ -231,12 +231,21 @@ def test_a_cooccurrence_file_of_the_wrong_size_is_refused(tmp_path):
         CooccurrenceTable.load(tmp_path / "t.json", SimpleNamespace(num_layers=2, num_experts=16, top_k=4))
 
 
-def test_a_learned_table_puts_the_most_picked_experts_on_the_device(tmp_path):
+def _planned_distinct_experts(capsys, model) -> float:
+    """`klotski plan`'s expected distinct experts per decode layer step for `model` (a 3090)."""
+    from klotski.cli import main as cli
+    capsys.readouterr()
+    assert cli.main(["plan", "--model", str(model), "--hardware", "rtx3090-pcie4", "--batch-size", "4",
+                     "--num-batches", "1", "--json"]) == 0
+    return json.loads(capsys.readouterr().out)["per_layer"]["expected_distinct_experts"]
+
+
+def test_a_learned_table_puts_the_most_picked_experts_on_the_device(tmp_path, capsys):
     """The plan prices every expert alike and places expert slots; once the model's correlation
     table has seen a job, slot i of each layer is that layer's i-th most picked expert, so the
     experts the plan keeps resident are the ones the tokens pick most: fewer moved, the same
     tokens (on the realdims Qwen3 shape, skewed: decode bytes over the link 106 -> 33 MB); the
-    plan prices the routing the table saw."""
+    plan prices the routing the table saw, and `klotski plan` too."""
     from klotski.builtin import tiny
     from klotski.prefetch.correlate import learned_routing
     model = tiny.build_checkpoint(tmp_path / "skewed", "tiny", routing="skewed", num_local_experts=8,
@@ -244,6 +253,7 @@ def test_a_learned_table_puts_the_most_picked_experts_on_the_device(tmp_path):
     from klotski.io.checkpoint import Checkpoint
     table_path(Checkpoint.open(str(model))).unlink(missing_ok=True)  # (tables are keyed by content)
     budget = int(3_614_976 * 0.6)  # of the model's bytes: some experts resident, the rest streamed
+    uniform = _planned_distinct_experts(capsys, model)
     first, engine = engine_tokens(model, device_memory=budget, max_new_tokens=8)
     assert engine.setup.expert_ranking is None  # nothing learned yet: slot i is expert i
     ranking, picks = learned_routing(engine.ckpt)
@@ -254,6 +264,8 @@ def test_a_learned_table_puts_the_most_picked_experts_on_the_device(tmp_path):
     # the plan priced the table's routing over its slots: slot 0, each layer's most picked, first
     routing = engine.setup.planned_routing
     assert routing == sorted(routing, reverse=True) and routing[0] > 2 / 8, routing
+    # `klotski plan` prices the same routing: skewed, 4 sequences reach fewer distinct experts
+    assert _planned_distinct_experts(capsys, model) < uniform
     tiers = engine.setup.placement.tiers
     for layer, order in ranking.items():
         resident = {e for e in range(len(order)) if tiers["expert", layer, e] == "device"}
