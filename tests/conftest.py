@@ -24,6 +24,16 @@ VARIANTS = {
 }
 
 
+# `make test` runs a file per worker on two workers (pytest-xdist, --dist loadfile), in the order
+# collected: the longest files go first, so that neither worker is left alone with one at the end.
+LONGEST_FILES = ("test_smollm.py", "test_bench.py", "test_bench_gpu.py")  # longest first
+
+
+def pytest_collection_modifyitems(items):
+    first = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: each file stays in one piece
+
+
 @pytest.fixture(scope="session", autouse=True)
 def isolated_cache(tmp_path_factory):
     """Correlation tables, profiles and built-in models go to a fresh cache, not the user's."""
