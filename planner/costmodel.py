@@ -264,11 +264,14 @@ class CostModel:
         """(the call's fixed part, {pairs an expert: one expert's part}) from the profile's timed
         waves at this shape, or None. At each pairs an expert, waves over 1 and over g experts
         give the intercept (g·t₁ − t_g)/(g − 1); the median is the call's part, held between 0
-        and the fastest single-expert wave (noise where the weights' bytes dwarf it). A wave
-        OUTLIER times off the median ratio of the waves to their experts' `t_expert` was
-        disturbed, not measured, and is left out."""
+        and the fastest single-expert wave timed (noise where the weights' bytes dwarf it; a
+        disturbance only adds time, so the fastest is never one). A wave OUTLIER times off the
+        median ratio of the waves to their experts' `t_expert` was disturbed, not measured, and
+        is left out."""
         if "_wave" not in self.__dict__:
-            rows = [(g, p, t / (g * max(self.t_expert(p / g), 1e-12)), t) for g, p, t in self._samples.get("wave") or []]
+            timed = self._samples.get("wave") or []
+            fastest = min((t for g, _, t in timed if g == 1), default=math.inf)
+            rows = [(g, p, t / (g * max(self.t_expert(p / g), 1e-12)), t) for g, p, t in timed]
             median = sorted(r for _, _, r, _ in rows)[len(rows) // 2] if rows else 0.0
             rows = [(g, p, t) for g, p, r, t in rows if median / OUTLIER <= r <= median * OUTLIER]
             single = {p: t for g, p, t in rows if g == 1}
@@ -277,7 +280,7 @@ class CostModel:
             if not fits:
                 self._wave = None
             else:
-                call = min(max(0.0, sorted(fits)[len(fits) // 2]), min(single.values()))
+                call = max(0.0, min(sorted(fits)[len(fits) // 2], fastest))
                 self._wave = (call, {n: max(0.0, t - call) / g for n, (g, t) in many.items()})
         return self._wave
 

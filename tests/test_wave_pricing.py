@@ -118,6 +118,11 @@ def test_the_wave_terms_are_fitted_from_the_timed_waves():
     assert CostModel(fitted(30e-6, 5e-6, 50e-6, disturbed=40.0), FEW).t_wave_call() == pytest.approx(30e-6)
     # the call's part never goes below 0 nor above the cheapest wave of one (noise)
     assert CostModel(fitted(-10e-6, 5e-6, 50e-6), FEW).t_wave_call() == 0.0
+    # most waves disturbed (a busy machine): the undisturbed one is the odd one out, yet the
+    # call's part stays within it, the fastest wave of one timed (a disturbance only adds time)
+    busy = fitted(30e-6, 5e-6, 50e-6)
+    busy.samples["wave"] = [row[:2] + [row[2] * (40 if i else 1)] for i, row in enumerate(busy.samples["wave"])]
+    assert CostModel(busy, FEW).t_wave_call() <= busy.samples["wave"][0][2]
 
 
 @pytest.mark.parametrize("name", builtin_profiles())
