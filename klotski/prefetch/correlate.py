@@ -80,9 +80,9 @@ def learned_routing(ckpt) -> tuple[dict[int, list[int]], "torch.Tensor"] | None:
         table = table_class(ckpt.spec).load(path, ckpt.spec) if path.exists() else None
     except (ValueError, KeyError, json.JSONDecodeError):
         return None  # an unusable table: the run's predictor says so, once (load_table)
-    if table is None:
-        return None
     spec, ranking = ckpt.spec, {}
+    if table is None or not any(spec.experts_in(layer) for layer in range(spec.num_layers)):
+        return None
     counts = torch.stack([table.picks(spec.moe_index(layer)) for layer in range(spec.num_layers)
                           if spec.experts_in(layer)])
     for layer in range(spec.num_layers):
