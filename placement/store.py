@@ -5,9 +5,14 @@ bytes) instead of going through `safe_open`, because the pipeline needs byte off
 read one expert out of a fused `[E, 2I, H]` tensor, to read with O_DIRECT into aligned
 buffers so that a model bigger than RAM does not thrash the page cache, and to validate a
 truncated shard before generation starts rather than halfway through a night's run.
+
+Every read starts at a 64-byte boundary (`TENSOR_ALIGN`), wherever the tensor lies in its
+file: a CPU's matmul kernels give other last bits for a weight that starts elsewhere, and the
+same weights must give the same bits whichever tier they were read for.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import mmap
 import os
@@ -24,6 +29,7 @@ SAFETENSORS_DTYPES = {
     "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
 }
 _ALIGN = 4096  # O_DIRECT needs offset, length and buffer aligned to the logical block size
+TENSOR_ALIGN = 64  # where every read tensor starts (torch's own CPU allocations do too)
 
 
 class CheckpointError(Exception):
@@ -138,8 +144,7 @@ class TensorStore:
         """A fresh CPU tensor with the bytes of `name[index][rows]`."""
         entry = self._entry(name)
         offset, nbytes, shape = entry.span(index, rows)
-        buf = self._pread(entry.file, offset, nbytes)
-        return torch.frombuffer(buf, dtype=entry.dtype, count=_numel(shape)).view(shape)
+        return self._pread(entry.file, offset, nbytes).view(entry.dtype).view(shape)
 
     def read_ref(self, ref) -> torch.Tensor:
         """`read` of a ref (.name/.index/.rows); an FP8 weight with a `.scale` tensor comes back
@@ -154,8 +159,7 @@ class TensorStore:
         scanning a tensor of any shape in pieces of bounded size."""
         entry = self._entry(name)
         item = entry.dtype.itemsize
-        buf = self._pread(entry.file, entry.offset + start * item, count * item)
-        return torch.frombuffer(buf, dtype=entry.dtype, count=count)
+        return self._pread(entry.file, entry.offset + start * item, count * item).view(entry.dtype)
 
     def _entry(self, name: str) -> TensorEntry:
         try:
@@ -170,14 +174,15 @@ class TensorStore:
             self._fds[key] = os.open(file, flags)
         return self._fds[key]
 
-    def _pread(self, file: Path, offset: int, nbytes: int):
-        if self.direct and hasattr(os, "O_DIRECT"):
+    def _pread(self, file: Path, offset: int, nbytes: int) -> torch.Tensor:
+        """Bytes [offset, offset + nbytes) of `file`, as uint8 starting at a TENSOR_ALIGN boundary."""
+        if self.direct and nbytes and hasattr(os, "O_DIRECT"):
             try:
                 return self._pread_direct(file, offset, nbytes)
             except OSError:
                 self.direct = False  # filesystem refuses O_DIRECT (tmpfs, some overlays)
-        buf = bytearray(nbytes)
-        got = os.preadv(self._fd(file, False), [buf], offset)
+        buf = torch.empty(nbytes, dtype=torch.uint8)  # starts at a TENSOR_ALIGN boundary
+        got = os.preadv(self._fd(file, False), [buf.numpy()], offset)
         if got != nbytes:
             raise CheckpointError(f"{file}: short read at byte {offset}; the file changed or is truncated")
         return buf
@@ -193,7 +198,12 @@ class TensorStore:
         got = os.preadv(self._fd(file, True), [buf], start)
         if got < offset + nbytes - start:
             raise CheckpointError(f"{file}: short read at byte {offset}; the file changed or is truncated")
-        return memoryview(buf)[offset - start: offset - start + nbytes]
+        at = offset - start
+        if at % TENSOR_ALIGN:  # moved down to the boundary below, in place: no second buffer
+            base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+            ctypes.memmove(base + at - at % TENSOR_ALIGN, base + at, nbytes)
+            at -= at % TENSOR_ALIGN
+        return torch.frombuffer(memoryview(buf)[at: at + nbytes], dtype=torch.uint8)
 
     def close(self) -> None:
         for fd in self._fds.values():

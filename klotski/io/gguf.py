@@ -267,8 +267,7 @@ class GgufStore(TensorStore):
     def read_raw(self, name: str, index=None, rows=None) -> torch.Tensor:
         """The stored blocks of `name[index][rows]`: uint8 [rows..., row bytes]."""
         offset, nbytes, shape = self._entry(name).raw_span(index, rows)
-        return torch.frombuffer(self._pread(self._entry(name).file, offset, nbytes), dtype=torch.uint8,
-                                count=nbytes).view(shape)
+        return self._pread(self._entry(name).file, offset, nbytes).view(shape)
 
     def read(self, name: str, index=None, rows=None) -> torch.Tensor:
         """`name[index][rows]` dequantized on the host, fp32 (llama's q/k rows back in Hugging Face order)."""
