@@ -145,9 +145,12 @@ def placement_of(model_dir, kind):
 
 def placed_run(model_dir, kind="resident", *, device, sync=False, max_new_tokens=8, **config):
     """Tokens and per-layer hidden states (device copies, compared after the run) of one run
-    with the placement `kind` (PLACEMENTS), 3 x 2 batches of PROMPTS in fp32."""
+    with the placement `kind` (PLACEMENTS), 3 x 2 batches of PROMPTS in fp32. CPU compute on one
+    thread: a CPU matmul's bits depend on its thread count, which a run otherwise sizes to the
+    cores free at the time (util/threads.py; under make test's two workers, one run got two and
+    the other one)."""
     cfg = RunConfig(model=str(model_dir), progress=False, dtype="float32", device=device,
-                    batch_size=3, num_batches=2, **config)
+                    batch_size=3, num_batches=2, **{"threads": 1, **config})
     engine, seqs, errors = open_engine(cfg, requests(PROMPTS, max_new_tokens), placement=placement_of(model_dir, kind))
     assert not errors
     done, states = run_keeping_states(engine, seqs, sync)
