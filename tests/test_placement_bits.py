@@ -6,7 +6,12 @@ bit for bit: each expert is computed in the same pieces whatever wave it lands i
 call_rows). On an H200 the host placement differed in its last bits at layer-step 0 (commit
 b1fec43); this test fails there on this CPU with the same first difference. (On the grouped
 kernel's path, a wave's calls are cut every `step` rows and a CPU's bits may differ between
-placements in fp32 too; tokens are still held to transformers' by tests/test_exactness.py.)"""
+placements in fp32 too; tokens are still held to transformers' by tests/test_exactness.py.)
+
+Two other things change a CPU matmul's last bits, and are held fixed here: where a weight
+starts (the checkpoint's tensors lie 8 bytes past a 64-byte boundary, as a real header leaves
+them, and the store hands every read over at a boundary: before it did, the disk placement
+differed at layer-step 4 on this checkpoint), and the thread count (conftest.placed_run)."""
 import json
 import struct
 
