@@ -10,6 +10,8 @@ from klotski.assemble import open_engine
 from klotski.config import RunConfig
 from klotski.io.checkpoint import Checkpoint
 from klotski.io.requests import Request
+from klotski.execute import kvcache
+from klotski.execute.kvcache import BatchKV, Staging
 from klotski.schedule import prefix as X
 from placement.placement import Placement
 
@@ -96,6 +98,38 @@ def test_interleaved_instructions_prefill_each_once_and_equal_transformers(check
     assert report["prefix_prefills"] == 3 and report["lines"] == 12
     assert sorted((p["tokens"], p["lines"]) for p in report["prefixes"]) == sorted((n, 4) for n in lengths)
     assert report["prefill_tokens_saved"] == sum(n * 3 for n in lengths)
+
+
+def test_segments_sharing_a_cache_go_up_from_contiguous_locked_memory(checkpoints, interleaved_reference,
+                                                                       monkeypatch):
+    """The CUDA path's segment loads on a CPU: the three instructions are prefilled together, a
+    row each of one cache on the host, so each segment's slots are strided; they are gathered
+    through the staging ring (small: several chunks a load) and every copy up reads contiguous
+    memory (before, a strided one made a pageable copy on the way, synchronous on CUDA)."""
+    init, copies, gathered = BatchKV.__init__, [], []
+
+    def staged(self, *a, **kw):
+        init(self, *a, **kw)
+        self.staging = Staging("cpu", half_bytes=512)
+    gather = Staging.upload
+
+    def counted(self, dst, src, index=None):
+        gathered.append(src.is_contiguous())
+        return gather(self, dst, src, index)
+
+    def upload(dst, src):
+        copies.append(src.is_contiguous())
+        dst.copy_(src)
+    monkeypatch.setattr(BatchKV, "__init__", staged)
+    monkeypatch.setattr(Staging, "upload", counted)
+    monkeypatch.setattr(kvcache, "upload", upload)
+    monkeypatch.setattr(X, "upload", upload, raising=False)
+    ckpt = Checkpoint.open(str(checkpoints["gqa"]))
+    placement = Placement.by_kind(ckpt.spec.group_keys(), kv="host")
+    ckpt.close()
+    out, engine, _ = _run(checkpoints["gqa"], INTERLEAVED, MAX_NEW, placement, batching="static")
+    assert out == interleaved_reference and engine.stats.prefix_prefills == 3
+    assert False in gathered and copies and all(copies)
 
 
 def test_nested_prefixes_share_at_each_level(checkpoints):

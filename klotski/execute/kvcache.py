@@ -212,6 +212,13 @@ class BatchKV:
         for layer in self.stored:
             self.landed(layer)
 
+    def staging_to(self, device) -> Staging | None:
+        """The ring strided slots are gathered into on their way to `device`: this cache's own
+        if a test gave it one, the CUDA device's, or none (a CPU "device" copies straight)."""
+        if self.staging is None and torch.device(device).type == "cuda":
+            return staging_for(device)
+        return self.staging
+
     def landed(self, layer: int) -> None:
         """Block until the last store of `layer` has landed: its own event, not the device."""
         ticket = self.stored.get(layer)
@@ -376,9 +383,7 @@ class BatchKV:
         k, v = self.keys[layer][:, :self.rows], self.values[layer][:, :self.rows]
         keys = torch.empty((old + self.new, *k.shape[1:]), dtype=k.dtype, device=device)
         values = torch.empty((old + self.new, *v.shape[1:]), dtype=v.dtype, device=device)
-        staging = self.staging
-        if staging is None and torch.device(device).type == "cuda":
-            staging = staging_for(device)
+        staging = self.staging_to(device)
         for dst, src in ((keys[:old], k), (values[:old], v)):
             part = src[self.first:self.filled] if self.old_slots is None else None
             if staging is None:

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from klotski.execute.kvcache import upload
+
 MIN_TOKENS = 16  # a shorter shared prefix saves less than its own prefill pass costs
 # Each segment is a prefill pass of its own (under offloading, one more stream of the weights):
 # a window keeps the ones saving the most prompt tokens, never a child without its parent.
@@ -143,13 +145,18 @@ class Segment:
         return self.length * (k[0, 0].numel() + v[0, 0].numel()) * k.element_size()
 
     def load(self, layer: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """A device copy of `layer`'s keys and values (host tier), from page-locked memory: on
-        CUDA the copy is asynchronous on the channel's stream (strided when the segment shares
-        its cache with others)."""
-        out = []
+        """A device copy of `layer`'s keys and values (host tier). On CUDA every copy reads
+        page-locked memory, contiguous, and is asynchronous on the channel's stream: the slots
+        themselves when the segment has its cache to itself, else its row of them gathered into
+        the device's staging ring (kvcache.Staging), never a pageable copy made on the way."""
+        staging, out = self.kv.staging_to(device), []
         for src in (self.kv.keys[layer][self.slots, self.row], self.kv.values[layer][self.slots, self.row]):
             dst = torch.empty(src.shape, dtype=src.dtype, device=device)
-            dst.copy_(src, non_blocking=True)
+            if staging is None or src.is_contiguous():
+                upload(dst, src)
+            else:
+                self.kv.landed(layer)  # the host reads the slots now: their store must have landed
+                staging.upload(dst, src)
             out.append(dst.transpose(0, 1))
         return out[0], out[1]
 
