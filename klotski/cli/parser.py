@@ -85,7 +85,8 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-direct-io", action="store_true", help="read weights through the page cache")
     p.add_argument("--threads", type=int, metavar="N",
                    help="CPU compute threads (default: the cores no other process is using, looked at again "
-                        "every few seconds; a busy core stalls every op split over it)")
+                        "every few seconds; a busy core stalls every op split over it; a matmul's last bits depend "
+                        "on its thread count)")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="prefill every line whole, even the prompt prefix a window's lines share (by default "
                         "that prefix is prefilled once and every line starts from it)")
