@@ -292,11 +292,17 @@ def test_profile_cache_roundtrip(tmp_path):
     assert p3.samples != p1.samples                      # re-measured (timings never repeat exactly)
     emu = measure(TINY, link_gbps=2.0, **kw)
     assert emu.links["host_to_device"] == 2e9
-    # A cost model on the measured shape reproduces a measured point exactly.
+    # A cost model on the measured shape reproduces a measured point exactly: the one at the
+    # median of its kind's measured/roofline ratios (a sample far off it was disturbed by another
+    # process and is left out: under make test's two workers one was 250x off)
     cm = CostModel(p1, TINY)
-    bs, ctx, new, t = p1.samples["attention"][0]
+
+    def typical(kind, rows):
+        return sorted(rows, key=lambda r: r[-1] / cm.roofline(kind, r[:-1]))[len(rows) // 2]
+    bs, ctx, new, t = typical("attention", [r for r in p1.samples["attention"] if r[2] == 1])
     assert cm.t_attn(int(bs), int(ctx), int(new)) == pytest.approx(t, rel=1e-9)
-    assert cm.t_expert(8) == pytest.approx(dict((r[0], r[1]) for r in p1.samples["expert"])[8], rel=1e-9)
+    tokens, t = typical("expert", p1.samples["expert"])
+    assert cm.t_expert(tokens) == pytest.approx(t, rel=1e-9)
 
 
 def test_builtin_profiles_state_sources():
