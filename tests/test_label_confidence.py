@@ -12,13 +12,9 @@ import pytest
 import torch
 
 from klotski.cli import main as cli
+from test_constrained import write_jobs
 
 LABELS = ["positive", "negative", "very negative", "neutral"]  # one label of several tokens, one a prefix's kin
-
-
-def _write(path, lines):
-    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    return path
 
 
 def _masked_logprob(matcher, logits: torch.Tensor, token: int) -> float:
@@ -63,7 +59,7 @@ def test_every_output_shape_carries_the_options(checkpoints, tmp_path):
              {"custom_id": "oai", "body": {"prompt": "A quantum", "guided_choice": LABELS, "choice_logprobs": True}},
              {"id": "free", "prompt": "maybe", "max_tokens": 3},
              {"id": "bad", "prompt": "no", "guided_regex": "[a-z]+", "choice_logprobs": True}]
-    jobs = _write(tmp_path / "j.jsonl", lines)
+    jobs = write_jobs(tmp_path / "j.jsonl", lines)
     model = ["--model", str(checkpoints["gqa"]), "--no-progress", "--batch-size", "4"]
     assert cli.main(["generate", str(jobs), "-o", str(tmp_path / "o.jsonl"), *model]) == 1  # one line error
     records = {r.get("custom_id") or r["id"]: r for r in map(json.loads, (tmp_path / "o.jsonl").read_text().splitlines())}

@@ -137,15 +137,14 @@ def test_trained_model_label_logprobs_are_transformers_sums(model, tmp_path):
              for i, r in enumerate(reviews)]
     requests, errors = read_jobs(write_jobs(tmp_path / "j.jsonl", lines))
     assert errors == []
-    model_dir = model
-    engine, seqs, errors = open_engine(RunConfig(model=str(model_dir), dtype="float32", progress=False,
+    engine, seqs, errors = open_engine(RunConfig(model=str(model), dtype="float32", progress=False,
                                                  batch_size=4, num_batches=2), requests)
     try:
         done = {s.request.id: s for s in engine.run(seqs) if s.forced is None}
     finally:
         engine.close()
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(model)
+    reference = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     assert any(len(tok(label, add_special_tokens=False)["input_ids"]) > 1 for label in LABELS)
     for i in range(len(reviews)):
         s = done[f"r{i}"]
