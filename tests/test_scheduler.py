@@ -79,12 +79,12 @@ def test_online_requests_join_a_windows_rows_beside_its_shared_prefix(checkpoint
     online, heard = _online(engine)
     window = {}
     if batching == "static":  # (a static run takes in what waits at its start)
-        engine.waiting.put(online, ONLINE)
+        engine.add_request(online, ONLINE)
     for s in engine.run(seqs):
         window[s.request.id] = list(s.out)
         if len(window) == 1 and batching == "continuous":  # the window is running: they arrive now
-            engine.waiting.put(online[:2], ONLINE)
-            engine.waiting.put(online[2:], ONLINE)
+            engine.add_request(online[:2], ONLINE)
+            engine.add_request(online[2:], ONLINE)
     list(engine.run([]))  # (those still running when the window ended)
     engine.close()
     expected_window, expected_online = references
@@ -113,13 +113,14 @@ def test_a_source_that_leaves_frees_its_rows(checkpoints, references, batching):
     online, _ = _online(engine, ["The capital of France is", "Once upon a time there"], [200, 200])
     online[0].listener = lambda s: setattr(s, "leaving", len(s.out) >= 3)  # hangs up after 3 tokens
     online[1].leaving = True  # hangs up before it is admitted
-    engine.waiting.put(online, ONLINE)
+    engine.add_request(online, ONLINE)
     window = {s.request.id: list(s.out) for s in engine.run(seqs)}
+    list(engine.run([]))  # (static: the online requests, shorter, may wait for a group after the window's)
     engine.close()
     assert [window[f"w{i}"] for i in range(len(SHARED))] == references[0]
     assert online[0].finish_reason == "abort" and 3 <= len(online[0].out) <= 4
     assert online[1].finish_reason == "abort" and online[1].out == []
-    assert engine.continuous is None  # nothing left running: every cache went back
+    assert engine.scheduler is None  # nothing left running: every cache went back
 
 
 def test_a_request_longer_than_the_rows_waits_for_them_and_then_runs(checkpoints, references):
@@ -129,8 +130,8 @@ def test_a_request_longer_than_the_rows_waits_for_them_and_then_runs(checkpoints
     for s in engine.run(seqs):
         window[s.request.id] = list(s.out)
         if len(window) == 1:
-            engine.waiting.put(online, ONLINE)
-            assert not engine.continuous.fits(online[0])
+            engine.add_request(online, ONLINE)
+            assert not engine.scheduler.fits(online[0])
     assert not online[0].done  # the window's rows drained first; it waits for the next run
     list(engine.run([]))
     engine.close()
@@ -145,7 +146,7 @@ class Stop(KeyboardInterrupt):
 def test_a_stopped_source_withdraws_its_lines_and_the_others_carry_on(checkpoints, references):
     engine, seqs = _engine(checkpoints["gqa"])
     online, _ = _online(engine)
-    engine.waiting.put(online, ONLINE)
+    engine.add_request(online, ONLINE)
     steps = []
 
     def check():
@@ -163,4 +164,4 @@ def test_a_stopped_source_withdraws_its_lines_and_the_others_carry_on(checkpoint
     # its lines ended where they were: finished, left their rows, or never admitted
     assert all(s.finish_reason in ("abort", "stop", "length") or (s.finish_reason is None and not s.out)
                for s in seqs)
-    assert engine.continuous is None and not engine.waiting.pending()
+    assert engine.scheduler is None and not engine.waiting.pending()

@@ -37,6 +37,8 @@ import torch
 from klotski.schedule import sequences as S
 from klotski.execute.kvcache import BatchKV
 from klotski.execute.pipeline import StepInput
+from klotski.schedule import constrain
+from klotski.schedule.scheduler import ONLINE
 from klotski.schedule.stats import DecodeRows
 from placement.tiers import OverBudget
 from planner.workingset import continuous_step_limit, newcomer_chunks
@@ -57,7 +59,7 @@ class _Decode:
     online: bool = False  # online requests decoding in their own cache, beside the n batches
 
     def live(self) -> bool:
-        return bool(self.prompt) or any(s is not None for s in self.rows)
+        return bool(self.prompt) or any(s is not None and not s.done for s in self.rows)
 
     def free_rows(self) -> list[int]:
         return [] if self.prompt or self.online else [i for i, s in enumerate(self.rows) if s is None]
@@ -95,14 +97,23 @@ class _Newcomers:
                          self.whole.positions[:, a:self.done])
 
 
-class ContinuousRun:
-    """The engine's continuous run: rows of n decode batches that sequences from the waiting
-    queue (schedule/scheduler.py) flow through. `step()` is one engine step (admit, execute,
-    update) and returns the sequences it finished, whatever their source; the run lives as
-    long as rows are live or sequences wait, and `close()` gives its caches back."""
+class Scheduler:
+    """The engine's one step loop: rows of n decode batches that sequences from the waiting
+    queue (schedule/scheduler.py) flow through. `step()` is one engine step — schedule (what
+    arrived joins, leavers go, waiting prompts are admitted), execute (the pipeline's forward),
+    update (sample, finish, move rows) — and returns the sequences it finished, whatever their
+    source; the run lives as long as rows are live or sequences wait, and `close()` gives its
+    caches back.
 
-    def __init__(self, engine, waiting, floor: int = 0):
+    Two policies decide what it admits when. `continuous` (the default) refills a row as soon
+    as its sequence ends. `static` (--batching static, the ablation) admits a group of n
+    batches of bs, longest prompts first, only once every row is idle; each batch's cache is
+    sized for its own longest request, and a finished row keeps its place and is computed,
+    unread, until its batch ends."""
+
+    def __init__(self, engine, waiting, floor: int = 0, static: bool = False):
         self.e, self.spec, self.waiting = engine, engine.spec, waiting
+        self.static = static
         self.floor = floor  # KV slots every row gets at least (klotski serve: what the plan allows)
         self.space = engine.kv_space()  # caches on the run's KV tier, each charged to its budget
         self.decode: list[_Decode] = []
@@ -113,16 +124,16 @@ class ContinuousRun:
         self._ran_online = False
         self.ran = False  # whether the last step computed anything
 
-    @staticmethod
-    def order(s: S.Sequence):
-        """Batch lines wait longest `max_new_tokens` first, then longest prompt."""
-        return -s.max_new_tokens, -len(s.prompt_ids)
+    def order(self, s: S.Sequence):
+        """Batch lines wait longest `max_new_tokens` first, then longest prompt (static: longest
+        prompt first, so each batch pads little)."""
+        return (-len(s.prompt_ids),) if self.static else (-s.max_new_tokens, -len(s.prompt_ids))
 
-    def _size(self) -> None:
-        """Rows with room for the longest request waiting (what static batching gives its batch;
-        a cache holds a line's own tokens: a shared prefix's are the engine's, once), and at
-        least `floor` slots; what follows from that: the chunk and the step limits."""
-        waiting, own, e = self.waiting.everything(), self.e.own_len, self.e
+    def _size(self, waiting: list) -> None:
+        """Rows with room for the longest request of `waiting` (what static batching gives its
+        batch; a cache holds a line's own tokens: a shared prefix's are the engine's, once), and
+        at least `floor` slots; what follows from that: the chunk and the step limits."""
+        own, e = self.e.own_len, self.e
         self.capacity = max([self.floor] + [own(s) + s.max_new_tokens for s in waiting])
         self.longest_prompt = max([1] + [own(s) for s in waiting])  # a host newcomer cache's slots
         self.host_attention = e.attends_on_host()
@@ -147,38 +158,57 @@ class ContinuousRun:
         return self.e.own_len(s) + s.max_new_tokens <= self.capacity
 
     def step(self) -> list:
-        """One step: what arrived joins the queue, leavers go, waiting prompts are admitted,
-        the rows compute and sample. The sequences it finished ([] when nothing ran: the run
-        is idle)."""
-        # work already here when a request arrives: rows computing or sequences waiting for them
-        busy = self.live() or len(self.waiting) > 0
-        for s in self.waiting.collect(self.order):
-            self.e.join_prefix(s)
-            if s.priority == 0:
-                self.online += 1
-                self.waiting.stats.joined += busy
-            self.longest_prompt = max(self.longest_prompt, self.e.own_len(s))
+        """One engine step: schedule, execute, update. The sequences it finished ([] when
+        nothing ran: the run is idle)."""
+        finished, work = self.schedule()
+        self.ran = bool(work)
+        if work:
+            outs = self.execute(work)
+            finished += self.update(work, outs)
+        return finished
+
+    def schedule(self) -> tuple[list, list]:
+        """What arrived joins the queue, leavers go, waiting prompts are admitted: the sequences
+        that ended so (their source left) and this step's work, (batch, input, prefill?) each."""
+        self._arrive()
         finished = self._leave()
         while True:
-            self._admit()
-            self._consolidate()
+            if not self.static:
+                self._admit()
+                self._consolidate()
             work = [(d, *self._input(d)) for d in self.decode if d.live()]
             work += self._newcomer_inputs(sum(inp.ids.shape[0] for _, inp, _ in work))
             if work or not len(self.waiting):
-                break
+                return finished, work
             # every row idle and no newcomer fits beside the caches (or the next request needs
-            # longer rows): start afresh, sized for what waits
+            # longer rows; static: the group ended): start afresh, sized for what waits
             for kv in [d.kv for d in self.decode] + self.spare:
                 self._drop(kv)
             self.spare = []
-            self._size()
-            self.decode = self._fill(self.waiting.pop(self.e.batch_size * self.e.num_batches))
-        self.ran = bool(work)
-        if not work:
-            return finished
-        finished += self._step(work)
-        self._adopt_ready()
-        return finished
+            if self.static:  # the next group, each batch sized for its own
+                group = self.waiting.pop(self.e.batch_size * self.e.num_batches, key=self.order)
+                self._size(group)
+            else:
+                self._size(self.waiting.everything())
+                group = self.waiting.pop(self.e.batch_size * self.e.num_batches)
+            self.decode = self._fill(group)
+
+    def _arrive(self) -> None:
+        """What sources added since the last step joins the lanes: a batch's lines are grouped
+        by the prompt segments they share (prefilled now, once), an online request starts from
+        the longest segment held that it shares."""
+        # work already here when a request arrives: rows computing or sequences waiting for them
+        busy = self.live() or len(self.waiting) > 0
+        for arrival in self.waiting.collect(self.order):
+            if arrival.priority == ONLINE:
+                for s in arrival.seqs:
+                    self.e.join_prefix(s)
+                self.online += len(arrival.seqs)
+                self.waiting.stats.joined += busy * len(arrival.seqs)
+            else:
+                self.e.share_prefix(arrival.seqs)
+            for s in arrival.seqs:
+                self.longest_prompt = max(self.longest_prompt, self.e.own_len(s))
 
     def close(self, why: str | None = None) -> list:
         """Give every cache back; the sequences still in it (`why`: they fail with that)."""
@@ -209,8 +239,10 @@ class ContinuousRun:
             for i, s in enumerate(d.rows):
                 if s is not None and s.leaving and not s.done:
                     gone.append(s)
-                    d.rows[i] = None
-            self._close_ranks(d)
+                    if not self.static:  # (static: the row computes on, unread, until its batch ends)
+                        d.rows[i] = None
+            if not self.static:
+                self._close_ranks(d)
         for nc in list(self.newcomers):
             for j, t in [r for r in nc.ready if nc.seqs[r[0]].leaving]:
                 gone.append(nc.seqs[j])
@@ -234,9 +266,12 @@ class ContinuousRun:
 
     # ---- the first fill: prefilled in place, as static batching does ----------------------
     def _first_fill(self, batch) -> _Decode:
-        kv, _ = self.space.allocate(len(batch), self.capacity)
+        longest = max(map(self.e.own_len, batch))
+        # static: a batch's cache holds its own longest request; continuous: the run's
+        capacity = longest + max(s.max_new_tokens for s in batch) if self.static else self.capacity
+        kv, _ = self.space.allocate(len(batch), capacity)
         kv.mark_prefix(batch)
-        whole = S.prefill_input(batch, max(map(self.e.own_len, batch)), self.e._pad_id())
+        whole = S.prefill_input(batch, longest, self.e.pad_id)
         self.e.stats.record_prompts(batch)
         return _Decode(kv, list(batch), [0] * len(batch), whole.positions[:, -1] + 1,
                        torch.full((len(batch),), -1), S.chunks(whole, self.chunk))
@@ -253,13 +288,17 @@ class ContinuousRun:
         return StepInput(ids, torch.ones_like(ids, dtype=torch.bool), d.positions[:m, None].clone()), False
 
     # ---- one step -----------------------------------------------------------------------
-    def _step(self, work):
+    def execute(self, work) -> list:
+        """The step's forward through every layer: one output per batch of `work`."""
         e = self.e
         decoding = [w for w, _, prefill in work if not prefill]
+        if self.static and len(decoding) < len(work):
+            decoding = []  # static: a group's step counts as prefill while any batch of it prefills
         # a step that decodes counts as decode time; newcomers' prefill rides along
+        slots = sum(len(d.rows) for d in self.decode) if self.static else e.batch_size * e.num_batches
         decode = DecodeRows(computed=sum(d.kv.rows for d in decoding),
-                            useful=sum(s is not None for d in decoding for s in d.rows[:d.kv.rows]),
-                            slots=e.batch_size * e.num_batches,
+                            useful=sum(s is not None and not s.done for d in decoding for s in d.rows[:d.kv.rows]),
+                            slots=slots,
                             prompt_tokens=sum(int(inp.valid.sum()) for _, inp, prefill in work if prefill)
                             ) if decoding else None
         online = sum(s is not None and s.priority == 0 for w, _, _ in work
@@ -270,8 +309,16 @@ class ContinuousRun:
             self._ran_online = True
             stats.steps += 1
             stats.most_in_one_step = max(stats.most_in_one_step, online)
-        outs = e.step([w.kv for w, _, _ in work], [inp for _, inp, _ in work], prompt=len(decoding) < len(work),
+        return e.step([w.kv for w, _, _ in work], [inp for _, inp, _ in work], prompt=len(decoding) < len(work),
                       decode=decode)
+
+    def update(self, work, outs) -> list:
+        """Sample what the step computed; rows finish, free and take ready newcomers."""
+        finished = list(self._updated(work, outs))
+        self._adopt_ready()
+        return finished
+
+    def _updated(self, work, outs):
         for (w, _, prefill), out in zip(work, outs):
             m = len(out.broken_at)  # the rows computed
             w.broken[:m] = torch.where(w.broken[:m] < 0, out.broken_at, w.broken[:m])
@@ -284,8 +331,12 @@ class ContinuousRun:
         """Sample the batch's computed rows; `fed`: this step fed each row the token at its
         position. Finished rows free up, and the live ones close ranks in front."""
         m = d.kv.rows
-        tokens, finished = self.e._sample(d.rows[:m], out.logits, d.broken[:m])
+        tokens, finished = self._sample(d.rows[:m], out.logits, d.broken[:m])
         yield from finished
+        if self.static:  # every row computes on until its batch ends (done ones unread)
+            d.tokens[:m] = tokens
+            d.positions[:m] += fed
+            return
         for i, s in enumerate(d.rows[:m]):
             if s is not None and s.done:
                 d.rows[i] = None  # free for the next prompt
@@ -295,6 +346,32 @@ class ContinuousRun:
                 d.tokens[i] = tokens[i]
                 d.positions[i] += fed
         self._close_ranks(d)
+
+    def _sample(self, rows, logits, broken):
+        """Next token of every row (None = an empty row) and the sequences this finished: a
+        sequence whose numbers went non-finite fails alone; the batch carries on."""
+        e, finished = self.e, []
+        for s, finite, layer in zip(rows, torch.isfinite(logits).all(dim=-1).tolist(), broken.tolist()):
+            if s is not None and not finite and not s.done:
+                S.fail(s, _non_finite(layer, self.spec.shape.num_layers))
+                finished.append(s)
+                S.notify(s)
+            elif s is not None and s.leaving and not s.done:  # (a row still prefilling when its source left)
+                S.abandon(s)
+                finished.append(s)
+        live = [s for s in rows if s is not None]
+        # a constrained row's forbidden tokens go to -inf first (no op at all when none is)
+        picked = iter(S.pick(live, constrain.mask(live, logits[[i for i, s in enumerate(rows) if s is not None]])))
+        tokens = [next(picked) if s is not None else 0 for s in rows]
+        for s, t in zip(rows, tokens):
+            if s is not None and not s.done:
+                e.stats.generated_tokens += 1
+                S.append(s, t, e.tokenizer, e.eos)
+                if s.done:
+                    finished.append(s)
+                S.notify(s)
+        constrain.start(live)  # the next masks, computed while the next step's forward runs
+        return tokens, finished
 
     def _close_ranks(self, d: _Decode) -> None:
         """Each free row before the last live one takes that row (its slots and state)."""
@@ -319,7 +396,7 @@ class ContinuousRun:
     def _prefilled(self, nc: _Newcomers, out):
         if nc.left:  # more of their prompts to prefill
             return
-        tokens, finished = self.e._sample(nc.seqs, out.logits, nc.broken)
+        tokens, finished = self._sample(nc.seqs, out.logits, nc.broken)
         yield from finished
         nc.ready = [(j, t) for j, (s, t) in enumerate(zip(nc.seqs, tokens)) if not s.done]
         if nc.online:  # they decode on in this cache, beside the n batches
@@ -440,9 +517,8 @@ class ContinuousRun:
         is prefilled: a newcomer batch of at most bs prompts, no more than n such batches
         prefilling and 2n in all, each no bigger than the step limit and the KV budget allow."""
         n = self.e.num_batches
-        queue = self.waiting.lane()  # online requests first, whatever their length
-        online = queue is self.waiting.online and bool(queue)
-        if not self.decode or not queue or any(d.prompt for d in self.decode):
+        online = self.waiting.online_first()  # online requests first, whatever their length
+        if not self.decode or not len(self.waiting) or any(d.prompt for d in self.decode):
             return
         # Up to n batches prefilling and n more prefilled, waiting for rows: prefill is what
         # a job's short requests wait on, and a step's prompt tokens share its weights. Online
@@ -451,13 +527,11 @@ class ContinuousRun:
             return
         # A batch pads to its longest prompt: of the next few bs waiting, the longest go
         # together (the order by max_new_tokens holds at that grain)
-        head = sorted((queue.popleft() for _ in range(min(len(queue), LOOKAHEAD * self.e.batch_size))),
-                      key=lambda s: -len(s.prompt_ids))
-        queue.extendleft(reversed(head))
+        head, _ = self.waiting.front(LOOKAHEAD * self.e.batch_size, key=lambda s: -len(s.prompt_ids))
         # a request longer than the rows waits, and nothing passes it, until they drain
         fitting = next((j for j, s in enumerate(head) if not self.fits(s)), len(head))
         for take in range(min(fitting, self.e.batch_size), 0, -1):
-            longest = max(self.e.own_len(queue[j]) for j in range(take))
+            longest = max(self.e.own_len(head[j]) for j in range(take))
             # one token a row beside everyone else's at their least, decode rows at their most
             # (ready newcomers join them while this batch prefills): then every step has room;
             # online batches decoding in their own caches count as others at one token a row
@@ -468,16 +542,16 @@ class ContinuousRun:
             decode_rows = min(self.e.batch_size * n - sum(r for r, _, _ in others), live + ready)
             if not self.widest((take, 0, 1), decode_rows, others, self.e.shared):
                 continue
-            room = longest + max(queue[j].max_new_tokens for j in range(take)) if online else longest
+            room = longest + max(head[j].max_new_tokens for j in range(take)) if online else longest
             kv = self._newcomer_cache(take, room)
             if kv is not None:
                 break
         else:
             return  # nothing fits this step: the prompts wait for room
-        seqs = [queue.popleft() for _ in range(take)]
+        seqs = self.waiting.pop(take)
         self.e.stats.record_prompts(seqs)
         kv.mark_prefix(seqs)
-        whole = S.prefill_input(seqs, longest, self.e._pad_id())
+        whole = S.prefill_input(seqs, longest, self.e.pad_id)
         self.newcomers.append(_Newcomers(seqs, kv, whole, torch.full((take,), -1), online=online))
 
     def _newcomer_inputs(self, decode_rows: int) -> list:
@@ -490,3 +564,8 @@ class ContinuousRun:
             others = [(len(o.seqs), w, o.done) for j, (o, w) in enumerate(zip(prefilling, widths)) if j != i and w]
             widths[i] = self.widest((len(nc.seqs), nc.done, nc.left), decode_rows, others, self.e.shared)
         return [(nc, nc.take(w), True) for nc, w in zip(prefilling, widths) if w]
+
+
+def _non_finite(layer: int, num_layers: int) -> str:
+    where = f"at layer {layer} of {num_layers}" if layer >= 0 else "in the final norm or lm_head"
+    return f"non-finite values {where}; the checkpoint's weights or config may be corrupt (klotski check --model DIR)"

@@ -17,9 +17,8 @@ import time
 
 import torch
 
-from klotski.schedule import constrain
 from klotski.schedule import sequences as S
-from klotski.schedule.batching import ContinuousRun
+from klotski.schedule.batching import Scheduler
 from klotski.execute.kvcache import BatchKV
 from klotski.execute.pipeline import StepInput
 from klotski.schedule.prefix import Segment, SegmentCache, find_segments, refusal
@@ -44,7 +43,7 @@ class Engine:
         self.stats = Stats()
         self.segments: dict[tuple, Segment] = {}  # prompt segments groups of lines share (schedule/prefix.py)
         self.waiting = Waiting()  # the one queue every source feeds (schedule/scheduler.py)
-        self.continuous: ContinuousRun | None = None  # the rows running, while any are live or wait
+        self.scheduler: Scheduler | None = None  # the rows running, while any are live or wait
         self._in_group = 0  # sequences finished since the predictor's last group ended
         self.prefix_off = refusal(ckpt.spec, config)
 
@@ -61,12 +60,15 @@ class Engine:
     prefill_chunk = property(lambda self: self.setup.prefill_chunk)
 
     # ---- generation ---------------------------------------------------------------------
-    def groups(self, seqs: list[S.Sequence]) -> list[list[list[S.Sequence]]]:
-        """Longest prompts first, so each batch pads little; then n batches of bs per group."""
-        bs, n = self.batch_size, self.num_batches
-        order = sorted(seqs, key=lambda s: -len(s.prompt_ids))
-        batches = [order[i:i + bs] for i in range(0, len(order), bs)]
-        return [batches[i:i + n] for i in range(0, len(batches), n)]
+    def add_request(self, seqs: list[S.Sequence], priority: int = BATCH, listener=None) -> None:
+        """The one way any source hands work to the engine (any thread): a window's, a shard's
+        or a batch's lines at BATCH priority, an online request's samples at ONLINE. Each
+        finished sequence goes to its `listener` (if given, it replaces theirs) on the engine's
+        thread. scheduler.QueueFull past the waiting limit of online requests."""
+        if listener is not None:
+            for s in seqs:
+                s.listener = listener
+        self.waiting.put(seqs, priority)
 
     def run(self, seqs: list[S.Sequence], check=None):
         """Generate for `seqs` (a window, a shard, a batch's lines); yield each as soon as it
@@ -76,18 +78,12 @@ class Engine:
         before every step: what it raises ends this call, and this call's sequences not yet
         finished are withdrawn (those running leave at the next step), others carry on at the
         next call."""
-        if self.config.batching != "continuous":
-            yield from self._run_static(seqs)
-            return
-        self._share_prefix(seqs)
+        self.add_request(seqs, BATCH)
         mine = {id(s) for s in seqs}
-        for s in seqs:
-            s.priority = BATCH
-        self.waiting.collect(ContinuousRun.order)
-        self.waiting.batch = type(self.waiting.batch)(sorted([*self.waiting.batch, *seqs], key=ContinuousRun.order))
-        if self.continuous is None:
-            self.continuous = ContinuousRun(self, self.waiting, floor=self.setup.row_slots)
-        run, left = self.continuous, len(seqs)
+        if self.scheduler is None:
+            self.scheduler = Scheduler(self, self.waiting, floor=self.setup.row_slots,
+                                       static=self.config.batching == "static")
+        run, left = self.scheduler, len(seqs)
         try:
             while left or (not seqs and (self.waiting.pending() or run.live())):
                 if check is not None:
@@ -95,7 +91,7 @@ class Engine:
                 finished = run.step()
                 if not run.ran and not finished:
                     if run.live() or left:  # (never: a row or newcomer that nothing will compute)
-                        raise RuntimeError("the continuous run holds sequences it cannot compute")
+                        raise RuntimeError("the engine's run holds sequences it cannot compute")
                     break
                 for s in finished:
                     self._count_group()
@@ -110,19 +106,19 @@ class Engine:
                 self._close_run(f"the engine run stopped ({type(e).__name__})")
             raise
         finally:
-            if self.continuous is not None and not self.continuous.live() and not self.waiting.pending():
+            if self.scheduler is not None and not self.scheduler.live() and not self.waiting.pending():
                 self._close_run()
 
     def has_work(self) -> bool:
-        """Sequences wait, or a continuous run holds rows: `run([])` would compute."""
-        return self.waiting.pending() or self.continuous is not None
+        """Sequences wait, or the run holds rows: `run([])` would compute."""
+        return self.waiting.pending() or self.scheduler is not None
 
     def idle(self) -> bool:
         """No run is going: the next `run` starts one afresh."""
-        return self.continuous is None
+        return self.scheduler is None
 
     def _close_run(self, why: str | None = None) -> None:
-        run, self.continuous = self.continuous, None
+        run, self.scheduler = self.scheduler, None
         if run is not None:
             run.close(why)
         if self._in_group:
@@ -134,20 +130,6 @@ class Engine:
         self._in_group += 1
         if self._in_group == self.batch_size * self.num_batches:
             self.end_group()
-
-    def _run_static(self, seqs):
-        """Static groups (--batching static, for ablation): whatever waits joins at the start."""
-        others = self.waiting.take_all()
-        self._share_prefix(seqs)  # (first: it gives back the segments nothing running reads)
-        for s in others:
-            self.join_prefix(s)
-        mine = {id(s) for s in seqs}
-        for group in self.groups(others + list(seqs)):
-            for s in self._run_group(group):
-                if id(s) in mine:
-                    yield s
-            self.end_group()
-        self.trace.resolve(everything=True)
 
     def end_group(self) -> None:
         self._in_group = 0
@@ -169,7 +151,7 @@ class Engine:
         """Prompt tokens a line prefills itself: those after the segments it starts from."""
         return len(s.prompt_ids) - s.shared
 
-    def _share_prefix(self, seqs) -> None:
+    def share_prefix(self, seqs) -> None:
         """Group the window's lines by the prefixes they share and give each line its chain of
         segments: those held already are kept, the others prefilled once each (parents first,
         each attending to its own parent chain). Held segments nothing reads any more go."""
@@ -248,9 +230,9 @@ class Engine:
         if self.placement.kv == HOST:
             return 0
         rows = 0
-        if not (self.continuous and any(d.live() for d in self.continuous.decode)):
-            heads, key_dim, value_dim = self.spec.kv_cache_dims
-            rows = BatchKV.nbytes_for(self.spec.num_layers, self.batch_size * self.num_batches, heads, key_dim,
+        if not (self.scheduler and any(d.live() for d in self.scheduler.decode)):
+            heads, key_dim, value_dim = self.spec.shape.kv_cache_dims
+            rows = BatchKV.nbytes_for(self.spec.shape.num_layers, self.batch_size * self.num_batches, heads, key_dim,
                                       own, self.dtype, value_dim)
         return (self.setup.activation_reserve or 0) + self.cache.largest_use + rows
 
@@ -269,7 +251,7 @@ class Engine:
             return None
         try:
             kv.chains[:rows] = [p.chain if p else () for p in parents]
-            ids = torch.full((rows, width), self._pad_id(), dtype=torch.long)
+            ids = torch.full((rows, width), self.pad_id, dtype=torch.long)
             valid = torch.zeros((rows, width), dtype=torch.bool)
             positions = torch.zeros((rows, width), dtype=torch.long)
             for r, (k, a, n) in enumerate(zip(keys, starts, lengths)):
@@ -301,7 +283,7 @@ class Engine:
     def _drop_unused(self, keep: set) -> None:
         """Give back the held segments that neither `keep`, nor a sequence running or waiting,
         nor a segment kept (a child attends to its parents) reads."""
-        readers = [*(self.continuous.holding() if self.continuous else ()), *self.waiting.everything()]
+        readers = [*(self.scheduler.holding() if self.scheduler else ()), *self.waiting.everything()]
         held = [self.segments[k] for k in keep if k in self.segments] + [p for s in readers for p in s.chain]
         read = {id(p) for q in held for p in q.chain}
         for key in [k for k, p in self.segments.items() if id(p) not in read]:
@@ -311,19 +293,6 @@ class Engine:
         for p in self.segments.values():
             p.release()
         self.segments.clear()
-
-    def _run_group(self, group: list[list[S.Sequence]]):
-        prompt_len = [max(self.own_len(s) for s in b) for b in group]
-        space, kvs = self.kv_space(), []
-        try:
-            kvs = [space.allocate(len(b), p + max(s.max_new_tokens for s in b))[0] for b, p in zip(group, prompt_len)]
-            for kv, b in zip(kvs, group):
-                kv.mark_prefix(b)
-            yield from self._steps(group, kvs, prompt_len)
-        finally:
-            for kv in kvs:  # the tensors go before their accounts do
-                kv.release()
-            space.close()
 
     def attends_on_host(self) -> bool:
         """Every step's attention runs beside the host KV cache: the plan reserved no keys or scores."""
@@ -354,71 +323,9 @@ class Engine:
                                tokens=tokens, kv_bytes=self.pipeline.kv_bytes_loaded - kv0)
         return outs
 
-    def _steps(self, group, kvs, prompt_len):
-        """Prefill (in chunks of the planned size), then decode until every sequence is done;
-        a batch whose sequences are all done leaves the group's steps (its KV cache was sized
-        for its own longest request)."""
-        pad = self._pad_id()
-        # the rows also score the shared segments they start from (every one held: a bound)
-        context = max(prompt_len) + max(s.max_new_tokens for b in group for s in b) + self.shared
-        chunk = self.chunk_within(self.batch_size, len(group), self.prefill_chunk or max(prompt_len), context)
-        whole = {k: S.prefill_input(b, p, pad) for k, (b, p) in enumerate(zip(group, prompt_len))}
-        prompts = {k: S.chunks(inp, chunk) for k, inp in whole.items()}
-        next_pos = {k: inp.positions[:, -1] + 1 for k, inp in whole.items()}
-        inputs = {k: parts.pop(0) for k, parts in prompts.items()}
-        self.stats.record_prompts([s for b in group for s in b])
-        prefilling = set(inputs)
-        broken = {k: torch.full((len(b),), -1) for k, b in enumerate(group)}
-        while inputs:
-            active = list(inputs)
-            # a step with a batch still prefilling counts as prefill, its decoding batches too
-            decode = None if prefilling else DecodeRows(computed=sum(len(group[k]) for k in active),
-                                                        useful=sum(not s.done for k in active for s in group[k]),
-                                                        slots=sum(len(b) for b in group))
-            logits = self.step([kvs[k] for k in active], [inputs[k] for k in active], prompt=bool(prefilling),
-                               decode=decode)
-            inputs = {}
-            for k, out in zip(active, logits):
-                broken[k] = torch.where(broken[k] < 0, out.broken_at, broken[k])
-                if prompts[k]:  # more of the prompt to prefill: its logits mean nothing yet
-                    inputs[k] = prompts[k].pop(0)
-                    continue
-                prefilling.discard(k)
-                batch = group[k]
-                tokens, finished = self._sample(batch, out.logits, broken[k])
-                yield from finished
-                if not all(s.done for s in batch):
-                    ids = torch.tensor(tokens, dtype=torch.long)[:, None]
-                    inputs[k] = StepInput(ids, torch.ones_like(ids, dtype=torch.bool), next_pos[k][:, None].clone())
-                    next_pos[k] += 1
-
-    def _sample(self, rows, logits, broken):
-        """Next token of every row (None = an empty row) and the sequences this finished: a
-        sequence whose numbers went non-finite fails alone; the batch carries on."""
-        finished = []
-        for s, finite, layer in zip(rows, torch.isfinite(logits).all(dim=-1).tolist(), broken.tolist()):
-            if s is not None and not finite and not s.done:
-                S.fail(s, _non_finite(layer, self.spec.num_layers))
-                finished.append(s)
-                S.notify(s)
-            elif s is not None and s.leaving and not s.done:  # (a static batch's row: it computes on, unread)
-                S.abandon(s)
-                finished.append(s)
-        live = [s for s in rows if s is not None]
-        # a constrained row's forbidden tokens go to -inf first (no op at all when none is)
-        picked = iter(S.pick(live, constrain.mask(live, logits[[i for i, s in enumerate(rows) if s is not None]])))
-        tokens = [next(picked) if s is not None else 0 for s in rows]
-        for s, t in zip(rows, tokens):
-            if s is not None and not s.done:
-                self.stats.generated_tokens += 1
-                S.append(s, t, self.tokenizer, self.eos)
-                if s.done:
-                    finished.append(s)
-                S.notify(s)
-        constrain.start(live)  # the next masks, computed while the next step's forward runs
-        return tokens, finished
-
-    def _pad_id(self) -> int:
+    @property
+    def pad_id(self) -> int:
+        """The token a batch's shorter prompts are left-padded with (masked out: any id works)."""
         pad = self.tokenizer.pad_token_id
         return pad if pad is not None else next(iter(self.eos), 0)
 
@@ -433,11 +340,6 @@ class Engine:
         self.ckpt.close()
         if self.threads is not None:
             self.threads.restore()
-
-
-def _non_finite(layer: int, num_layers: int) -> str:
-    where = f"at layer {layer} of {num_layers}" if layer >= 0 else "in the final norm or lm_head"
-    return f"non-finite values {where}; the checkpoint's weights or config may be corrupt (klotski check --model DIR)"
 
 
 class KVSpace:
@@ -455,12 +357,12 @@ class KVSpace:
         """A cache for `rows` sequences of `capacity` slots; raises OverBudget if it does not
         fit with `keep_free` device bytes still free beside it (what the steps need)."""
         e, spec = self.e, self.e.spec
-        heads, key_dim, value_dim = spec.kv_cache_dims  # MLA: its latent and rotary key
-        shape = (spec.num_layers, rows, heads, key_dim, capacity)
+        heads, key_dim, value_dim = spec.shape.kv_cache_dims  # MLA: its latent and rotary key
+        shape = (spec.shape.num_layers, rows, heads, key_dim, capacity)
         nbytes = BatchKV.nbytes_for(*shape, e.dtype, value_dim)
         blocks = PinnedBlocks(pinned=True) if self.on_host and e.device.type == "cuda" else None
         if blocks:  # one locked block per layer's keys and one per its values, each charged what it takes
-            nbytes = spec.num_layers * sum(map(pinned.charge, BatchKV.tensor_nbytes(*shape[1:], e.dtype, value_dim)))
+            nbytes = spec.shape.num_layers * sum(map(pinned.charge, BatchKV.tensor_nbytes(*shape[1:], e.dtype, value_dim)))
         if not self.on_host:
             e.pipeline.make_room(nbytes + keep_free, "KV cache")
         self.account.reserve(nbytes, "KV cache")
