@@ -20,14 +20,14 @@ from pathlib import Path
 
 import torch
 
-from klotski.bench.op_count import COARSE, FINE, build_fine_and_coarse, job_ops
+from klotski.assemble import open_engine
+from klotski.measure.op_count import COARSE, FINE, build_fine_and_coarse, job_ops
 
 REGIMES = {"resident": dict(experts_on_host=False), "streamed 12 MiB": dict(experts_on_host=True, device_memory=12 << 20)}
 
 
 def _decode_s(model, repeats: int, **kw) -> float:
     """Median decode seconds of `repeats` runs (the op counter off: it slows every op)."""
-    from klotski.assemble import open_engine
     from klotski.config import RunConfig
     from klotski.io.checkpoint import Checkpoint
     from klotski.io.requests import Request
@@ -62,7 +62,7 @@ def main() -> None:
         models = build_fine_and_coarse(Path(tmp))
         for regime, kw in REGIMES.items():
             for e, model in models.items():
-                ops = job_ops(model, **kw)
+                ops = job_ops(open_engine, model, **kw)
                 rows[f"{regime}, {e} experts"] = {"ops": ops["ops"], "kernels": ops["kernels"],
                                                   "decode_s": _decode_s(model, args.repeats, **kw)[0]}
         if args.load:

@@ -112,11 +112,12 @@ def capped_cli(cap: int, args: list[str]) -> int:
 
 def kernels_child(spec_path: Path) -> int:
     """Kernels per decode layer step of the klotski schedule at the spec's bs and n, on its device."""
-    from klotski.bench.op_count import layer_ops
+    from klotski.assemble import open_engine
+    from klotski.measure.op_count import layer_ops
     s = json.loads(spec_path.read_text())
     if s["device"] == "cuda":
         gpu.cap_allocator(s.get("cap"))
-    ops = layer_ops(s["model"], s["n"], s["bs"], dtype="bfloat16", device=s["device"],
+    ops = layer_ops(open_engine, s["model"], s["n"], s["bs"], dtype="bfloat16", device=s["device"],
                     device_memory=s["budget"], emulate_link_gbps=s["link_gbps"])
     Path(s["report"]).write_text(json.dumps({"kernels_per_layer": ops}))
     return 0

@@ -5,14 +5,15 @@ and one group of 32 sequences as 1 batch of 32 against 8 batches of 4 (issue 37)
     python benchmarks/op_count.py [--out benchmarks/results/op_count.json]
 
 Counts, not seconds: the same on any machine. Model: a tiny Mixtral with 32 experts, top-8,
-3 layers, fp32; A forced by a router that picks (t·k + j) mod A (klotski/bench/op_count.py).
+3 layers, fp32; A forced by a router that picks (t·k + j) mod A (klotski/measure/op_count.py).
 """
 import argparse
 import json
 import tempfile
 from pathlib import Path
 
-from klotski.bench.op_count import build_model, fit, layer_ops
+from klotski.assemble import open_engine
+from klotski.measure.op_count import build_model, fit, layer_ops
 
 
 def main() -> None:
@@ -22,9 +23,9 @@ def main() -> None:
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = build_model(Path(tmp) / "m32", experts=32, top_k=8, layers=3)
-        rows = [(n, a, layer_ops(model, n, args.bs, active=a)) for n in (1, 2, 4, 8) for a in (8, 16, 24, 32)]
-        one, split = layer_ops(model, 1, 32), layer_ops(model, 8, 4)
-        total_one, total_split = layer_ops(model, 1, 32, kernels=False), layer_ops(model, 8, 4, kernels=False)
+        rows = [(n, a, layer_ops(open_engine, model, n, args.bs, active=a)) for n in (1, 2, 4, 8) for a in (8, 16, 24, 32)]
+        one, split = layer_ops(open_engine, model, 1, 32), layer_ops(open_engine, model, 8, 4)
+        total_one, total_split = layer_ops(open_engine, model, 1, 32, kernels=False), layer_ops(open_engine, model, 8, 4, kernels=False)
     f = fit(rows)
     print(f"ops per decode layer step (kernels: ATen ops that are not views), bs={args.bs}")
     print("| n \\ A | " + " | ".join(str(a) for a in (8, 16, 24, 32)) + " |")

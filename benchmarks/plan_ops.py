@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from klotski.bench.op_count import counted_profile, decode_layer_counts
+from klotski.assemble import open_engine
+from klotski.measure.op_count import counted_profile, decode_layer_counts
 from klotski.builtin.families import build_family
 from klotski.config import RunConfig
 from klotski.io.checkpoint import Checkpoint
@@ -28,7 +29,7 @@ def main() -> None:
         model = build_family(Path(tmp) / "q32", "qwen3_moe", num_experts=32, num_experts_per_tok=8,
                              moe_intermediate_size=64, num_hidden_layers=3)
         spec = Checkpoint.open(str(model)).spec
-        profile = counted_profile(model)
+        profile = counted_profile(open_engine, model)
         print("| regime | device budget | kernels predicted | counted | submissions predicted | counted |")
         print("|---|---|---|---|---|---|")
         for name, budget in REGIMES:
@@ -38,7 +39,7 @@ def main() -> None:
                              longest_prompt=40, gen_len=8, config=cfg)
             reqs = [Request(id=f"r{i}", line=i + 1, prompt=f"item {i} of the list, a passage", messages=None,
                             max_new_tokens=6) for i in range(8)]
-            kernels, submissions = decode_layer_counts(cfg, reqs, engine_placement(plan, spec))
+            kernels, submissions = decode_layer_counts(open_engine, cfg, reqs, engine_placement(plan, spec))
             want = plan.per_layer
             print(f"| {name} | {budget:,} B | {want['kernels']['decode']:.1f} | {kernels:.1f} "
                   f"({kernels / want['kernels']['decode'] - 1:+.1%}) | {want['submissions']['decode']:.2f} "

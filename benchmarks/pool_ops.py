@@ -18,14 +18,15 @@ from pathlib import Path
 
 import torch
 
-from klotski.bench.op_count import build_fine_and_coarse, job_ops
+from klotski.assemble import open_engine
+from klotski.measure.op_count import build_fine_and_coarse, job_ops
 
 PROMPT = "item {i} of the list, a passage about things"
 
 
 def minimum_budget(model) -> int:
     """The least device budget whose planned working set holds one expert slot (KiB steps)."""
-    from klotski.bench.op_count import pool_minimum_budget
+    from klotski.bench.pool_budget import pool_minimum_budget
     from klotski.config import RunConfig
     from klotski.io.checkpoint import Checkpoint
     from klotski.io.requests import Request
@@ -59,7 +60,7 @@ def main() -> None:
             for b in budgets:
                 packed = {} if args.quantize == "none" else {"quantize": args.quantize,
                                                               "offload_dir": str(Path(tmp) / f"q{e}")}
-                ops = job_ops(model, experts_on_host=True, device_memory=b, lines=args.lines, tokens=args.tokens,
+                ops = job_ops(open_engine, model, experts_on_host=True, device_memory=b, lines=args.lines, tokens=args.tokens,
                               **packed)
                 rows[f"{e} experts, {b} bytes"] = {"ops": ops["ops"], "kernels": ops["kernels"],
                                                    "outputs_sha256": tokens_digest(ops["outputs"])}

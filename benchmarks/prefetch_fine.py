@@ -58,7 +58,7 @@ def make_predictor(name: str, spec, learned: dict, found: list):
     for next-gate and none, which the engine builds from the config."""
     from klotski.prefetch.cooccurrence import CooccurrenceTable
     from klotski.prefetch.predictors import CorrelationPredictor, CorrelationTable, FrequencyPredictor
-    shape = (spec.num_layers, spec.num_experts, spec.top_k)
+    shape = (spec.shape.num_layers, spec.shape.num_experts, spec.shape.top_k)
     if name == "exact-path":
         table = copy.deepcopy(learned.get(name)) or CorrelationTable(*shape)
         _counting(table, found)
@@ -66,7 +66,7 @@ def make_predictor(name: str, spec, learned: dict, found: list):
     if name == "co-occurrence":
         return CorrelationPredictor(copy.deepcopy(learned.get(name)) or CooccurrenceTable(*shape))
     if name == "frequency":
-        p = FrequencyPredictor(spec.num_layers, spec.num_experts)
+        p = FrequencyPredictor(spec.shape.num_layers, spec.shape.num_experts)
         if name in learned:
             p.counts = learned[name].clone()
         return p

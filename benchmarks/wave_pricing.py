@@ -1,7 +1,7 @@
 """The planner's predicted prefill and decode seconds against a run's, for 8 and 128 experts at
 equal FLOPs (issue: the planner prices the expert phase as the engine runs it, in waves). The
 two Qwen3-shaped models of benchmarks/fine_grained.py (128 experts top-8 and 8 experts top-8,
-each 128 wide; klotski.bench.op_count.build_fine_and_coarse) run the same 32-line job, 24 new
+each 128 wide; klotski.measure.op_count.build_fine_and_coarse) run the same 32-line job, 24 new
 tokens a line, 4 batches of 8, in fp32 (the engine's thread count), every expert resident and every expert
 streamed through a 12 MiB device budget. Each row is the median of --repeats runs of
 `klotski generate`; "predicted" is the report's replay of its own plan over the lengths the
@@ -26,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from klotski.bench.op_count import COARSE, FINE, build_fine_and_coarse
+from klotski.measure.op_count import COARSE, FINE, build_fine_and_coarse
 
 REGIMES = {"resident": [], "streamed 12 MiB": ["--device-memory", "12MiB"]}
 FIELDS = ("replayed_prefill_s", "prefill_s", "replayed_decode_s", "decode_s")

@@ -29,7 +29,7 @@ from klotski.util.threads import ThreadGovernor
 from placement.cache import WeightCache
 from placement.pinned import PinnedBlocks
 from placement.placement import Placement
-from placement.tiers import DISK, Budgets, Memory, detect_budgets
+from placement.tiers import DISK, HOST, Budgets, Memory, detect_budgets
 from planner.workingset import decode_workspace, planned_activations
 
 
@@ -70,9 +70,9 @@ class RunSetup:
 
 
 def pipeline_cost(device: str, emulated_link: bool = False, announce=None) -> dict:
-    """The pipeline's own cost per call on `device` (klotski/schedule/overhead.py), for measured profiles:
+    """The pipeline's own cost per call on `device` (klotski/measure/overhead.py), for measured profiles:
     with an emulated link the CPU channels copy on their threads, without one inline."""
-    from klotski.schedule.overhead import pipeline_overhead
+    from klotski.measure.overhead import pipeline_overhead
     return pipeline_overhead(device, open_engine, emulated_link=emulated_link, announce=announce)
 
 
@@ -109,7 +109,7 @@ def setup_run(config, ckpt: Checkpoint, seqs, *, placement: Placement | None = N
         config = config.replace(quantize=plan.precision["quantize"] if plan and plan.precision else "none")
         if plan and plan.precision:
             planning.announce(plan.precision["why"])
-    if config.quantize == "hqq4" and ckpt.spec.expert_format == "mxfp4":
+    if config.quantize == "hqq4" and ckpt.spec.shape.expert_format == "mxfp4":
         from klotski.errors import ConfigError
         raise ConfigError(f"--quantize hqq4: {ckpt.directory} ships its experts in MXFP4 already (4.25 bits a "
                           "weight, kept packed on every tier); run without --quantize")
@@ -137,8 +137,8 @@ def make_predictor(config, ckpt: Checkpoint):
         from klotski.prefetch.correlate import learning_predictor
         return learning_predictor(ckpt)
     if how == "next-gate":
-        return NextGatePredictor(spec.num_layers, spec.num_experts)
-    return FrequencyPredictor(spec.num_layers, spec.num_experts, name="none")  # K = 0: nothing is predicted
+        return NextGatePredictor(spec.shape.num_layers, spec.shape.num_experts)
+    return FrequencyPredictor(spec.shape.num_layers, spec.shape.num_experts, name="none")  # K = 0: nothing is predicted
 
 
 def build_engine(config, ckpt: Checkpoint, setup: RunSetup, *, predictor=None) -> Engine:
@@ -180,15 +180,18 @@ def build_engine(config, ckpt: Checkpoint, setup: RunSetup, *, predictor=None) -
 
 
 def reserve_staging_rings(host_memory: Memory, channels: dict, setup: RunSetup) -> None:
-    """The page-locked rings pageable host tensors cross a CUDA link through, made on first use,
-    charged now: one per channel carrying disk-tier groups up (as the planner charged them), and
-    the activations channel's where host compute may run (its results go up through it)."""
+    """The page-locked rings host data crosses a CUDA link through (channels.StagedCopies, the
+    run's own), made on first use, charged now and given back when the channels close: one per
+    channel carrying disk-tier groups up (as the planner charged them), the activations
+    channel's where host compute may run (its results go up through it), and the kv_load
+    channel's where the KV cache is on the host (strided slots are gathered into it)."""
     if setup.device.type != "cuda":
         return  # no ring: on a CPU the "device" is host memory
     names = [*(DISK_CARRIERS if DISK in setup.placement.tiers.values() else ()),
-             *(("activations",) if setup.host_modes != ("off", "off") else ())]
+             *(("activations",) if setup.host_modes != ("off", "off") else ()),
+             *(("kv_load",) if setup.placement.kv == HOST else ())]
     for name in names:
-        host_memory.reserve(channels[name].staged.nbytes, f"the {name} channel's page-locked staging ring")
+        channels[name].staged.charge(host_memory, f"the {name} channel's page-locked staging ring")
 
 
 def adopt_on_this_thread(engine: Engine) -> None:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from klotski.compress.hqq import spec_for
 from klotski.errors import UserError
-from klotski.schedule.overhead import LAUNCHES
-from klotski.execute.profile_ops import EngineOps
+from klotski.measure.overhead import LAUNCHES
+from klotski.measure.profile_ops import EngineOps
 from placement.placement import Placement
 from planner.costmodel import LINKS, CostModel
 from planner.precision import (Precision, QualityBound, Weighed, choose, default_options, link_bytes_per_step,
@@ -67,7 +67,7 @@ def measure_here(shape, *, device: str = "auto", link_gbps: float | None = None,
         profile = measure(shape, ops=EngineOps(), device=compute_device(device), link_gbps=link_gbps,
                           refresh=refresh, cache_dir=cachedir.profiles(), announce=_say,
                           busy=None if reuse else machine_busy)
-        if pipeline_cost:  # what the pipeline adds around the ops (klotski/schedule/overhead.py, via assemble)
+        if pipeline_cost:  # what the pipeline adds around the ops (klotski/measure/overhead.py, via assemble)
             found = pipeline_cost(compute_device(device), emulated_link=bool(link_gbps), announce=_say)
             profile.overhead_s.update({k: v for k, v in found.items() if not k.startswith(LAUNCHES)})
             profile.launches = {k[len(LAUNCHES):]: v for k, v in found.items() if k.startswith(LAUNCHES)}
@@ -390,7 +390,7 @@ def expert_pool_slots(config, ckpt, dtype, budgets, placement: Placement, *, bs:
     for buffers in ((plan.buffers,) if plan else ("overlap", "minimum")):
         ws = working_set(held.cost, buffers=buffers, **held.kw)
         slots = slots_for(ws, buffers, held.full, budgets.device - held.resident, held.slot, held.schedule,
-                          ckpt.spec.num_experts, held.hot, held.decode)
+                          ckpt.spec.shape.num_experts, held.hot, held.decode)
         if slots:
             return slots
     return 0
@@ -442,13 +442,14 @@ def _held(config, ckpt, dtype, placement: Placement, *, bs, n, chunk, longest_pr
     decode = decoded + cost.expert_workspace if decoded else 0
     resident = sum(ckpt.group_nbytes(k, dtype, quant)[0] for k, t in placement.tiers.items() if t == "device")
     if placement.kv == "device":
-        resident += (ckpt.spec.num_layers * n * bs * cost.kv_context(longest_prompt + gen_len)
+        resident += (ckpt.spec.shape.num_layers * n * bs * cost.kv_context(longest_prompt + gen_len)
                      * cost.kv_bytes_per_token_layer)
     kinds = {"attention": "attn", "gate": "gate", "expert": "expert", "head": "head"}
     full = {kind: all(t == "device" for k, t in placement.tiers.items() if k[0] == key) for kind, key in kinds.items()}
     full["kv"] = placement.kv == "device"
     schedule = plan.schedule if plan else config.schedule
-    hot = plan.hot_experts if plan else (0 if config.prefetch == "none" else config.hot_experts or ckpt.spec.top_k)
+    hot = plan.hot_experts if plan else (0 if config.prefetch == "none"
+                                         else config.hot_experts or ckpt.spec.shape.top_k)
     kw = dict(bs=bs, n=n, prompt_len=longest_prompt, gen_len=gen_len, chunk=chunk or longest_prompt,
               schedule=schedule, hot=hot, host_attention=host_attention)
     return _Held(cost, resident, full, experts, slot, decode, schedule, hot, kw)
@@ -460,13 +461,13 @@ def engine_placement(plan, spec, ranking: dict | None = None) -> Placement:
     prefetch/correlate.learned_routing) slot i of a layer is its i-th most picked expert, so
     the experts the plan keeps resident are the ones the tokens pick most; else slot i is
     expert i."""
-    tiers, kv = plan.group_tiers(spec.num_layers, spec.num_experts)
+    tiers, kv = plan.group_tiers(spec.shape.num_layers, spec.shape.num_experts)
     for layer, order in (ranking or {}).items():
         slots = [tiers["expert", layer, i] for i in range(len(order))]
         for i, expert in enumerate(order):
             tiers["expert", layer, expert] = slots[i]
     # a dense first layer has no experts to place
-    return Placement({k: t for k, t in tiers.items() if k[0] != "expert" or k[2] < spec.experts_in(k[1])}, kv)
+    return Placement({k: t for k, t in tiers.items() if k[0] != "expert" or k[2] < spec.shape.experts_in(k[1])}, kv)
 
 
 def routing_in_slot_order(routed, spec, ranking: dict | None) -> list[float] | None:
@@ -476,5 +477,5 @@ def routing_in_slot_order(routed, spec, ranking: dict | None) -> list[float] | N
     from planner.routing import marginals_from_counts
     counts = routed.copy()
     for layer, order in (ranking or {}).items():
-        counts[spec.moe_index(layer)] = routed[spec.moe_index(layer)][order]
-    return marginals_from_counts(counts, spec.top_k)
+        counts[spec.shape.moe_index(layer)] = routed[spec.shape.moe_index(layer)][order]
+    return marginals_from_counts(counts, spec.shape.top_k)

@@ -399,7 +399,8 @@ class Generator:
     (a `messages` column for chat, optional per-row `max_new_tokens`, `temperature`, `top_p`,
     `stop`, `seed`); give an id column for sampling that does not depend on batching."""
 
-    OUTPUTS = ("completion", "finish_reason", "prompt_tokens", "completion_tokens", "error")
+    FIELDS = ("completion", "finish_reason", "prompt_tokens", "completion_tokens")  # a klotski record's
+    OUTPUTS = (*FIELDS, "error")
 
     def __init__(self, config: dict, prompt_field: str = "prompt", messages_field: str = "messages",
                  id_field: str = "id"):
@@ -411,7 +412,7 @@ class Generator:
 
     def __call__(self, batch: dict) -> dict:
         from klotski.io.requests import InvalidLine, Request, line_fields
-        from klotski.schedule.sequences import prepare
+        from klotski.schedule.sequences import line_record, prepare
         columns = {k: _py(v) for k, v in batch.items()}
         rows = len(next(iter(columns.values()), []))
         out = {k: [None] * rows for k in self.OUTPUTS}
@@ -437,12 +438,15 @@ class Generator:
         if seqs and self.engine is None:
             self.engine = _build(self.config, self.ckpt, seqs)
         for seq in self.engine.run(seqs) if seqs else ():
-            i = seq.request.line - 1
-            if seq.error:
-                out["error"][i] = seq.error
+            # the line's klotski record (one sample: its fields are the columns), as every writer's
+            if (done := line_record(seq, fmt="klotski", model=self.config.model)) is None:
                 continue
-            out["completion"][i], out["finish_reason"][i] = seq.text, seq.finish_reason
-            out["prompt_tokens"][i], out["completion_tokens"][i] = len(seq.prompt_ids), len(seq.out)
+            (record, failed), i = done, seq.request.line - 1
+            if failed is not None:
+                out["error"][i] = failed.message
+                continue
+            for k in self.FIELDS:
+                out[k][i] = record[k]
         return {**batch, **out}
 
 

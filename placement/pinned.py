@@ -5,7 +5,8 @@ to a power of two, so a host tier of pinned copies could hold up to twice the by
 budget counted. Here each group (or KV tensor) gets one block of its own size, an anonymous
 mapping (whole pages of its own, so no page is registered twice, and the tensor's storage
 starts where the locked range does), page-locked with `cudaHostRegister`; the host budget is
-charged exactly what the block takes (`charge`: its bytes rounded up to whole pages).
+charged exactly what the block takes (`charge`: its bytes rounded up to whole pages). A
+channel's staging ring (execute/channels.StagedCopies) is such a block too (`buffer`).
 Blocks are unregistered by `close`, after every copy that reads them has finished.
 
 With `pinned=False` the blocks are plain memory of the same layout (what the CPU tests
@@ -62,6 +63,10 @@ class PinnedBlocks:
             out[name].copy_(t)
             at += _up(n, _SLOT)
         return out
+
+    def buffer(self, nbytes: int) -> torch.Tensor:
+        """`nbytes` bytes of a block of their own (a channel's staging ring), charged `charge(nbytes)`."""
+        return self._block(nbytes)[:nbytes]
 
     def zeros(self, shape, dtype: torch.dtype) -> torch.Tensor:
         n = _numel(shape) * dtype.itemsize

@@ -87,15 +87,20 @@ class TensorStore:
     """All tensors of a checkpoint directory, read on demand.
 
     `direct=True` reads with O_DIRECT where the filesystem allows it (falls back to buffered
-    reads otherwise, e.g. on tmpfs)."""
+    reads otherwise, e.g. on tmpfs). `entries`: the tensors by name, where a store of another
+    format (klotski/io/gguf.py) indexed its files itself; else the safetensors shards of
+    `directory` are indexed here."""
 
-    def __init__(self, directory: str | Path, *, direct: bool = False):
+    def __init__(self, directory: str | Path, *, direct: bool = False, entries: dict | None = None):
         self.directory = Path(directory)
         self.direct = direct
+        self._fds: dict[tuple[Path, bool], int] = {}
         self.entries: dict[str, TensorEntry] = {}
+        if entries is not None:
+            self.entries.update(entries)
+            return
         for file in self._shard_files():
             self._index_file(file)
-        self._fds: dict[tuple[Path, bool], int] = {}
 
     def _shard_files(self) -> list[Path]:
         index = self.directory / "model.safetensors.index.json"

@@ -173,13 +173,13 @@ class CostModel:
     def t_attn(self, bs: int, ctx: int, new_tokens: int = 1) -> float:
         """One attention layer for one batch: q/k/v/o projections, rotary, softmax attention
         of `new_tokens` queries per sequence over `ctx` positions (decode: 1; prefill: ctx)."""
-        return self._time("attention", (bs, self.kv_context(ctx), new_tokens))
+        return self.t_op("attention", (bs, self.kv_context(ctx), new_tokens))
 
     def t_attn_proj(self, bs: int, new_tokens: int = 1) -> float:
         """One attention layer for one batch whose core runs elsewhere (on the host, next to
         its KV): the projections, rotary and norms on the device. Measured profiles time
         whole layers only, so this is the roofline (and the profile's 'project' overhead)."""
-        return self._time("project", (bs, new_tokens))
+        return self.t_op("project", (bs, new_tokens))
 
     def t_host_attend(self, bs: int, ctx: int, new_tokens: int = 1) -> float:
         """The attention core of one batch computed by the host over its host-resident KV,
@@ -197,11 +197,11 @@ class CostModel:
 
     def t_gate(self, tokens: int) -> float:
         """Router for `tokens` tokens: linear, softmax, top-k."""
-        return self._time("gate", (max(1, tokens),))
+        return self.t_op("gate", (max(1, tokens),))
 
     def t_expert(self, tokens: float) -> float:
         """One expert FFN over `tokens` tokens; 0 for none (the expert is not run)."""
-        return 0.0 if tokens <= 0 else self._time("expert", (max(1.0, tokens),))
+        return 0.0 if tokens <= 0 else self.t_op("expert", (max(1.0, tokens),))
 
     # ---- waves: many experts in one grouped call, as the engine computes them -----------
     def t_wave(self, experts: float, pairs: float, calls: float = 1.0) -> float:
@@ -290,7 +290,7 @@ class CostModel:
         residency cache, submitting and awaiting transfers), per batch-layer, expert call,
         transfer, step, batch-layer whose KV cache comes from the host and token-layer beyond
         one a row (`tokens`: a prefill's), as a measured profile records it (`overhead_s`;
-        klotski/schedule/overhead.py), each term at least its counted launches times the
+        klotski/measure/overhead.py), each term at least its counted launches times the
         device's per-launch cost. Noise on a big model, most of a step on a tiny one; 0 where
         the profile has none."""
         o, n, launch = self.profile.overhead_s, self.profile.launches, self.profile.launch_s
@@ -315,7 +315,7 @@ class CostModel:
 
     def t_head(self, tokens: int) -> float:
         """Final norm + LM head logits for `tokens` tokens (one per sequence per step)."""
-        return self._time("head", (max(1, tokens),))
+        return self.t_op("head", (max(1, tokens),))
 
     def t_dequant(self, kind: str) -> float:
         """Dequantizing one group ('attention' or 'expert') before use; HQQ weights stay
@@ -323,7 +323,7 @@ class CostModel:
         s = self.shape
         if self.quant_bits is None and not (kind == "expert" and s.expert_format == "mxfp4"):
             return 0.0
-        return self._time("dequant", (s.expert_params if kind == "expert" else s.attention_params,))
+        return self.t_op("dequant", (s.expert_params if kind == "expert" else s.attention_params,))
 
     # ---- host compute: attention where the KV lives, experts where they live ------------
     def t_host(self, kind: str, point: Sequence[float]) -> float:
@@ -331,7 +331,7 @@ class CostModel:
         CPU-only machine the host is the device (same cores, same measured samples); a
         profile without host rates gets infinity, so host compute is never chosen."""
         if self.profile.device == "cpu":
-            return self._time(kind, point)
+            return self.t_op(kind, point)
         host_flops, host_bw = getattr(self.profile, "host_flops", 0.0), getattr(self.profile, "host_mem_bw", 0.0)
         if not host_flops or not host_bw:
             return math.inf
@@ -353,7 +353,7 @@ class CostModel:
         point = (bs, self.kv_context(ctx), new_tokens)
         moved = self.attend_link_bytes(bs, ctx, new_tokens)
         t = {where: sum(self.t_io(n, link) for link, n in moved[where].items()) for where in moved}
-        return t["host"] + self.t_host("attend", point) < t["device"] + self._time("attend", point)
+        return t["host"] + self.t_host("attend", point) < t["device"] + self.t_op("attend", point)
 
     def expert_on_host(self, tokens: float, tier: str = "host") -> bool:
         """Whether one expert that is not on the device, with `tokens` tokens this step,
@@ -402,7 +402,10 @@ class CostModel:
         flops, byts = self.work(kind, point)
         return max(flops / self.profile.flops, byts / self.profile.mem_bw)
 
-    def _time(self, kind: str, point: Sequence[float]) -> float:
+    def t_op(self, kind: str, point: Sequence[float]) -> float:
+        """One call of op `kind` (see `work`) at `point` on the device: its roofline scaled by
+        the profile's samples measured nearest (`_correction`), or plus the profile's fixed
+        overhead for the kind where it measured none."""
         base = self.roofline(kind, point)
         samples = self._samples.get(kind)
         if not samples:

@@ -6,7 +6,7 @@ against a real run's counts (tests/test_plan_ops.py).
 Kernels per decode layer, averaged over the layers, are the sum of
 
   * the pipeline's own ops (the profile's `launches`, counted by the engine with the model
-    math stubbed out: klotski/schedule/overhead.py): one `layer` (routing bookkeeping, the
+    math stubbed out: klotski/measure/overhead.py): one `layer` (routing bookkeeping, the
     sort, the top-k slots, their sum), n `batch_layer`s, an `expert_call` per expected
     distinct expert, a `transfer` per group moved to the device (submitting it, the copies
     on a CPU, where they run on the compute thread, the wave over what landed), a `kv_layer`

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import pulp
 
 from planner.layer import LayerIO
-from planner.workingset import BUFFER_KINDS, device_need, staging_bytes, working_set
+from planner.workingset import BUFFER_KINDS, device_need, kv_staging_bytes, staging_bytes, working_set
 
 TIERS = ("device", "host", "disk")
 
@@ -140,7 +140,7 @@ def place_milp(cost, bs, n, P, G, budgets: Budgets, schedule, hot, marg, *, chun
         dev = resident + ws["activations"] + ws["decoded"] + pulp.lpSum(buf.values())
     host = (cost.attention_bytes * A["host"] + cost.gate_bytes * Gt["host"] + cost.expert_bytes * X["host"]
             + kv_layer * KV["host"] + head_b * HD["host"] + cost.embed_bytes * EMB["host"] + staging * anydisk
-            + host_ring)
+            + host_ring + kv_staging_bytes(cost) * (1 - full["kv"]))
     disk = (cost.attention_bytes * A["disk"] + cost.gate_bytes * Gt["disk"] + cost.expert_bytes * X["disk"]
             + head_b * HD["disk"] + cost.embed_bytes * EMB["disk"])
     prob += dev <= budgets.device
@@ -205,7 +205,7 @@ def place_greedy(cost, bs, n, P, G, budgets: Budgets, schedule, hot, marg, *, ch
             "experts": (L * E - on_dev["experts"], cost.expert_bytes),
             "head": ((1 if cost.head_bytes else 0) - on_dev["head"], cost.head_bytes)}
     off_bytes = sum(u * b for u, b in rest.values()) + cost.embed_bytes
-    host_room = budgets.host - kv_host - host_ring
+    host_room = budgets.host - kv_host - host_ring - (kv_staging_bytes(cost) if on_dev["kv"] < L else 0)
     staging = staging_bytes(cost) if off_bytes > host_room else 0.0
     host_room -= staging
     if host_room < 0:

@@ -83,12 +83,12 @@ class Profile:
     host_mem_bw: float = 0.0          # effective host-memory bytes/s read by host compute
     # The host's cost of one op launched on the device (CUDA: launch plus a small kernel's
     # latency; CPU: per-op dispatch), and the ops the engine's pipeline issues around the
-    # timed ops, per term of `overhead_s` (counted by the engine: klotski/schedule/overhead.py).
+    # timed ops, per term of `overhead_s` (counted by the engine: klotski/measure/overhead.py).
     # The cost model never prices a term below its launches: a GPU waits on them.
     launch_s: float = 0.0
     launches: dict[str, float] = field(default_factory=dict)
     # ATen ops of one call of each piece of the model's own math, counted by the ops factory
-    # when it can (`ops.kernels()`: klotski/execute/profile_ops.py says which): with `launches`,
+    # when it can (`ops.kernels()`: klotski/measure/profile_ops.py says which): with `launches`,
     # the kernels a decode layer issues (planner/decode_ops.py). Empty: not counted (a built-in
     # profile, or one measured before they were), and nothing is predicted from them.
     kernels: dict[str, float] = field(default_factory=dict)

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from planner.decode_ops import decode_layer_ops
 from planner.layer import INEQUALITIES, NO_HOST, LayerIO, Phase, expert_slots, ineq_terms
 from planner.place import TIERS, Layout, resident_bytes, resident_kinds
-from planner.workingset import device_need, host_ring_bytes, staging_bytes, working_set
+from planner.workingset import device_need, host_ring_bytes, kv_staging_bytes, staging_bytes, working_set
 from planner.units import format_bytes
 
 
@@ -126,7 +126,7 @@ def host_moves(cost, bs, n, P, G, host, batching=None, utilisation=None) -> list
     core = cost.t_host("attend", (1, ctx, 1))
     if core != float("inf"):
         kv = cost.attend_link_bytes(bs, ctx)["device"]["host_to_device"] * n * L
-        dev = n * L * (cost.t_io(kv / (n * L)) + cost._time("attend", (bs, ctx, 1)))
+        dev = n * L * (cost.t_io(kv / (n * L)) + cost.t_op("attend", (bs, ctx, 1)))
         here = n * L * cost.t_host_attend(bs, ctx)
         where = "on host" if host.attention else "on device"
         out.append(f"attention {where}: KV prefix {format_bytes(kv)}/decode step over the link ({_ms(dev)}) "
@@ -160,6 +160,8 @@ def make_plan(cost, shape, budgets, pred, bs, n, layout, ios, binding, schedule,
     if layout.attn["disk"] or layout.gate["disk"] or layout.experts["disk"] or layout.head == "disk":
         by_tier["host"] += staging_bytes(cost)
     by_tier["host"] += host_ring_bytes(cost, host)
+    if layout.kv["host"]:
+        by_tier["host"] += kv_staging_bytes(cost)
     summary = {}
     for t in TIERS:
         groups = []

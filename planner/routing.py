@@ -4,7 +4,7 @@ Two views of the same thing. *Marginals* m_e = P(a token selects expert e), summ
 top_k, are all the solver needs (expected tokens per expert, expected distinct experts).
 The simulator needs *samples*: for one layer and one batch, how many tokens went to each
 expert — drawn from a popularity distribution (Zipf-like, the hot-expert skew of the
-paper's Figure 5) or cut from a recorded trace.
+paper's Figure 5).
 """
 from __future__ import annotations
 
@@ -84,17 +84,10 @@ class RoutingSample:
     # proportional; larger requests are scaled from a draw of this size.
     MAX_DRAW = 2048
 
-    def __init__(self, num_experts: int, top_k: int, *, weights: list[list[float]] | None = None,
-                 tokens: list[list[Sequence[int]]] | None = None, seed: int = 0):
-        if (weights is None) == (tokens is None):
-            raise ValueError("give either per-layer weights or per-layer token samples")
+    def __init__(self, num_experts: int, top_k: int, *, weights: list[list[float]], seed: int = 0):
         self.num_experts, self.top_k, self.seed = num_experts, top_k, seed
         self._weights = weights
-        self._tokens = tokens
-        if tokens is not None:
-            self._marg = [marginals_from_sample(t, num_experts) for t in tokens]
-        else:
-            self._marg = [marginals_from_weights(w, top_k) for w in weights]
+        self._marg = [marginals_from_weights(w, top_k) for w in weights]
 
     @classmethod
     def synthetic(cls, num_layers: int, num_experts: int, top_k: int, *, skew: float = 0.0,
@@ -102,13 +95,6 @@ class RoutingSample:
         """Zipf-like popularity per layer (skew 0 = uniform), a different hot set per layer."""
         weights = [zipf_weights(num_experts, skew, seed=seed * 100_003 + layer) for layer in range(num_layers)]
         return cls(num_experts, top_k, weights=weights, seed=seed)
-
-    @classmethod
-    def from_tokens(cls, per_layer: list[list[Sequence[int]]], num_experts: int, top_k: int) -> "RoutingSample":
-        """A recorded trace: per layer, the experts chosen by each token (cycled as needed)."""
-        if not per_layer or any(len(t) == 0 for t in per_layer):
-            raise ValueError("routing sample needs at least one token per layer")
-        return cls(num_experts, top_k, tokens=per_layer)
 
     @property
     def num_layers(self) -> int:
@@ -121,14 +107,6 @@ class RoutingSample:
         E = self.num_experts
         if tokens <= 0:
             return [0] * E
-        if self._tokens is not None:
-            sample = self._tokens[layer % len(self._tokens)]
-            start = ((step * 7919 + batch) * tokens) % len(sample)
-            out = [0] * E
-            for i in range(tokens):
-                for e in set(sample[(start + i) % len(sample)]):
-                    out[e] += 1
-            return out
         draw = min(tokens, self.MAX_DRAW)
         rng = np.random.default_rng((self.seed, step, layer, batch))
         w = np.asarray(self._weights[layer % len(self._weights)])

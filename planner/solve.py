@@ -190,7 +190,7 @@ def _best_chunk(ctx: "SearchContext", bs: int, n: int) -> "SearchContext":
     for c in chunk_candidates(ctx.P_mem):
         if c <= ctx.chunk(bs, n):
             continue
-        other = ctx._like(chunk=c)
+        other = ctx.with_chunk(c)
         layout = other.greedy(bs, n)
         if layout is not None and (tps := other.predict(bs, n, layout)["tokens_per_s"]) > best_tps * (1 + 1e-9):
             best, best_tps = other, tps
@@ -218,6 +218,10 @@ class SearchContext:
 
     def with_budgets(self, budgets) -> "SearchContext":
         return self._like(budgets=budgets)
+
+    def with_chunk(self, chunk: int) -> "SearchContext":
+        """The same problem with its prefill chunk fixed at `chunk`."""
+        return self._like(chunk=chunk)
 
     def lean(self) -> "SearchContext":
         """The same problem with transfer buffers at their minimum."""

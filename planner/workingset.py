@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from planner.shapes import as_shape
 from planner.waves import PREFILL_EXPERT_CHUNK  # tokens per expert call (bounds the FFN intermediate)
 
 DISK_WINDOW_LAYERS = 2          # layers staged in host memory ahead of the disk-resident ones
@@ -26,6 +27,8 @@ STAGED_RING_BYTES = 32 << 20   # a channel's page-locked ring that pageable disk
 STAGED_RINGS = 2               # one per channel that carries disk-tier groups up: weights, experts
 ACTIVATION_RING_BYTES = 4 << 20  # host compute's results going up (in pieces of half of it): the
                                  # engine's host account holds it where host compute may run on a GPU
+KV_STAGING_BYTES = 16 << 20     # the kv_load channel's page-locked ring a host KV cache's strided slots
+                                # are gathered into on their way up (held on a GPU when the KV is on the host)
 KV_BUFFERS = 3                  # host-KV batches on the device at once: storing, computing, loading
 ATTENTION_SCORE_CHUNK = 1 << 24  # attention scores alive at once (queries are chunked past it)
 PREFILL_SHARE = 0.25            # a prefill chunk's activations may take this much of the device
@@ -81,8 +84,9 @@ def activation_bytes(shape, itemsize: int, step: Step, host_attention: bool = Fa
     chunks; the top-k slots of weighted outputs in fp32; a shared expert's output and its
     intermediates over the largest batch), and the fp32 logits of every sequence. With
     `host_attention` the keys, values and scores live on the host: the device holds only
-    the projections of one batch."""
-    s, t = shape, step
+    the projections of one batch. `shape`: a ModelShape or what as_shape takes (the engine's
+    ModelSpec), here and in the functions below that price steps with this one."""
+    s, t = as_shape(shape), step
     q, kv = s.attention_widths
     # keys/values over every head, as grouped queries once expanded them (layers.attend no
     # longer does: kept as a bound, not yet measured down), or (MLA) kv_b's output from the
@@ -196,6 +200,12 @@ def host_ring_bytes(cost, host) -> int:
     engine holds it (assemble.reserve_staging_rings)."""
     may = host.attention or host.experts != "off"
     return ACTIVATION_RING_BYTES if may and cost.profile.device == "cuda" else 0
+
+
+def kv_staging_bytes(cost) -> int:
+    """Host bytes the kv_load channel's staging ring takes where the KV cache is on the host of
+    a CUDA device (assemble.reserve_staging_rings charges it)."""
+    return KV_STAGING_BYTES if cost.profile.device == "cuda" else 0
 
 
 def kv_buffer_bytes(cost, bs: int, context: int) -> int:

@@ -20,7 +20,7 @@ from klotski.config import RunConfig
 from klotski.io.jobs import read_jobs
 from klotski.io.records import is_error, record_key
 from klotski.schedule import constrain
-from klotski.util.opcount import OpCounter
+from klotski.measure.opcounter import OpCounter
 
 CHOICES = ["positive", "negative", "neutral", "not sure at all"]
 SCHEMA = {"type": "object", "properties": {"label": {"enum": ["cat", "dog"]}, "ok": {"type": "boolean"},
@@ -222,7 +222,7 @@ def test_mask_costs_nothing_unconstrained_and_one_op_for_any_number_of_rows(chec
     from klotski.io.checkpoint import Checkpoint
     ckpt = Checkpoint.open(str(checkpoints["gqa"]))
     tokenizer, spec = ckpt.tokenizer, ckpt.spec
-    logits = torch.randn(8, spec.vocab_size)
+    logits = torch.randn(8, spec.shape.vocab_size)
     free = [_Row(None) for _ in range(8)]
     with OpCounter() as ops:
         constrain.mask(free, logits)
@@ -255,14 +255,14 @@ def test_masks_follow_their_sequences_when_rows_move(checkpoints):
     digits = _Row(constrain.compile_grammar(("f", "regex", "[0-9]+"), tokenizer, spec))
     words = _Row(constrain.compile_grammar(("f", "choice", json.dumps(["yes", "no"])), tokenizer, spec))
     constrain.start([digits, words, _Row(None)])
-    logits = torch.zeros(3, spec.vocab_size)
+    logits = torch.zeros(3, spec.shape.vocab_size)
     constrain.mask([words, _Row(None), digits], logits)  # rows moved; a newcomer in the middle
     allowed = [{tokenizer.decode([t]) for t in torch.isfinite(row).nonzero()[:, 0].tolist()} for row in logits]
     # exactly the tokens that begin "yes" or "no" (not a subset: a row with every token masked
     # would pass that); llguidance also lets a token end the answer, so each must be a prefix
-    texts = {tokenizer.decode([t]) for t in range(spec.vocab_size)}
+    texts = {tokenizer.decode([t]) for t in range(spec.shape.vocab_size)}
     assert allowed[0] == {x for x in texts if x and ("yes".startswith(x) or "no".startswith(x))}, allowed[0]
-    assert allowed[1] == {tokenizer.decode([t]) for t in range(spec.vocab_size)}  # untouched
+    assert allowed[1] == {tokenizer.decode([t]) for t in range(spec.shape.vocab_size)}  # untouched
     assert allowed[2] and all(text.isdigit() for text in allowed[2])
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import PROMPTS, engine_tokens
-from klotski.bench.op_count import build_model
+from klotski.measure.op_count import build_model
 from klotski.execute import pipeline as P
 from klotski.execute.trace import Trace
 from placement.placement import Placement
@@ -147,7 +147,7 @@ def test_closing_host_kv_caches_waits_for_loads_still_reading_them():
     import types
 
     from klotski.execute.channels import Channel
-    from klotski.schedule.engine import KVSpace
+    from klotski.execute.caches import KVSpace
 
     channel = Channel("kv_load", torch.device("cpu"), Trace(), link=None)
     channel.inline = False  # on its worker thread, as on CUDA
@@ -159,8 +159,8 @@ def test_closing_host_kv_caches_waits_for_loads_still_reading_them():
             order.append("blocks closed")
 
     host = types.SimpleNamespace(free=lambda n: None)
-    space = KVSpace(types.SimpleNamespace(channels={"kv_load": channel}, placement=types.SimpleNamespace(kv="host"),
-                                          host_memory=host, memory=None))
+    space = KVSpace(None, torch.float32, torch.device("cpu"), on_host=True, account=host, make_room=None,
+                    drain=channel.drain)
     space.held = {1: (64, Blocks(), types.SimpleNamespace(settle=lambda: None))}
     threading.Thread(target=lambda: (time.sleep(0.2), release.set())).start()
     space.close()

@@ -38,7 +38,7 @@ def test_v2_q_lora_group_limited_yarn_two_dense_layers_equals_transformers(v2_lo
     path, ref = v2_lora
     ours, engine = engine_tokens(path, batch_size=len(PROMPTS))
     assert ours == ref
-    assert engine.spec.dense_layers == 2 and engine.spec.q_lora_rank == 24
+    assert engine.spec.shape.dense_layers == 2 and engine.spec.shape.q_lora_rank == 24
     assert ("expert", 1, 0) not in engine.cache.full and ("expert", 2, 0) in engine.cache.full
 
 
@@ -78,7 +78,7 @@ def test_latent_kv_cache_holds_576_of_v2_lite_shape_and_is_exact_on_the_host(v2_
         mp.setattr(kvcache.BatchKV, "__init__", spy)
         ours, engine = engine_tokens(path, placement=placement, batch_size=2, num_batches=3)
     assert ours == ref
-    s = engine.spec
+    s = engine.spec.shape
     assert all(k[-2:] == (1, s.kv_lora_rank) and v[-2:] == (1, s.head_dim) and host for k, v, host in seen)
     assert s.kv_width == 32 + 8  # kv_lora_rank + qk_rope_head_dim, against 2 * 4 heads * (24 + 12) full
 

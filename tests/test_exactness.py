@@ -35,12 +35,12 @@ def test_hidden_states_match_per_layer(checkpoints, variant):
     from klotski.execute.kvcache import BatchKV
     batch = sorted(seqs, key=lambda s: PROMPTS.index(s.request.prompt))
     length = max(len(s.prompt_ids) for s in batch)
-    kv = BatchKV(engine.spec.num_layers, 3, engine.spec.num_kv_heads, engine.spec.head_dim, length, torch.float32)
+    kv = BatchKV(engine.spec.shape.num_layers, 3, engine.spec.shape.num_kv_heads, engine.spec.shape.head_dim, length, torch.float32)
     inp = prefill_input(batch, length, 0)
     assert torch.equal(inp.ids[inp.valid], enc["input_ids"][enc["attention_mask"].bool()])
     engine.pipeline.forward([kv], [inp])
     mask = enc["attention_mask"].bool()
-    for layer in range(engine.spec.num_layers - 1):  # transformers' last entry is after the final norm
+    for layer in range(engine.spec.shape.num_layers - 1):  # transformers' last entry is after the final norm
         torch.testing.assert_close(ours[layer][mask], ref[layer + 1][mask], atol=1e-5, rtol=1e-5)
 
 

@@ -28,7 +28,7 @@ def _streamed(model):
 
 
 def _minimum(model, schedule):
-    from klotski.bench.op_count import pool_minimum_budget
+    from klotski.bench.pool_budget import pool_minimum_budget
     from klotski.config import RunConfig
     from tests.conftest import PROMPTS, requests
     n = 1 if schedule == "simple" else 2
@@ -87,31 +87,49 @@ def test_streamed_experts_compute_over_the_pool_token_for_token(model, ref, sche
 
 
 def test_the_pool_is_the_plans_expert_buffers_and_is_charged_once(model):
-    """With a plan in its overlapping mode the pool holds the working set's expert buffers
-    (planner.layer.expert_slots for its schedule and hot experts), and its bytes are in the
-    device account from the engine's start: the resident groups' exact sizes plus the pool's."""
+    """With a plan in its overlapping mode the pool holds the working set's expert buffers, and
+    its bytes are in the device account from the engine's start beside the resident groups'.
+    Every expected size is worked by hand here from the checkpoint's config.json, not by the
+    functions the engine sizes them with: an expert is its gate, up and down projections,
+    3 x hidden x moe_intermediate fp32 values (3 x 64 x 128 x 4 = 98,304 bytes); klotski's
+    working set holds its K hot experts, one computing and one arriving (K + 2 slots, at most
+    every expert); what is resident is every weight but the experts (embedding, untied head,
+    final norm; per layer two norms, q/k/v/o, Qwen3's q and k norms and the router: 584,192
+    bytes), and the account holds exactly that plus the pool's slots."""
+    import json
     from klotski.assemble import build_engine, setup_run
     from klotski.config import RunConfig
     from klotski.io.checkpoint import Checkpoint
     from klotski.schedule.sequences import prepare
-    from planner.layer import expert_slots
     from tests.conftest import PROMPTS, requests
+    c = json.loads((model / "config.json").read_text())
+    hidden, inter, experts = c["hidden_size"], c["moe_intermediate_size"], c["num_local_experts"]
+    heads, kv_heads, head_dim = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    vocab, layers, fp32 = c["vocab_size"], c["num_hidden_layers"], 4
+    assert not c["tie_word_embeddings"]
+    expert_bytes = 3 * hidden * inter * fp32
+    per_layer = (2 * hidden  # input and post-attention norms
+                 + heads * head_dim * hidden + 2 * kv_heads * head_dim * hidden + hidden * heads * head_dim  # q k v o
+                 + 2 * head_dim  # q_norm, k_norm
+                 + experts * hidden)  # the router
+    resident = (layers * per_layer + 2 * vocab * hidden + hidden) * fp32
+    assert (expert_bytes, resident) == (98_304, 584_192)  # the family's shapes, as worked out above
     cfg = RunConfig(model=str(model), progress=False, dtype="float32", batch_size=3, device_memory=64 << 20)
     ckpt = Checkpoint.open(str(model))
     seqs, _ = prepare(requests(PROMPTS, 10), ckpt.tokenizer, ckpt.spec, cfg)
     setup = setup_run(cfg, ckpt, seqs, placement=_streamed(model))
     plan = setup.plan
-    assert plan.buffers == "overlap"
-    assert setup.expert_slots == expert_slots(plan.schedule, ckpt.spec.num_experts, plan.hot_experts)
+    assert plan.buffers == "overlap" and plan.schedule == "klotski" and 0 < plan.hot_experts
+    slots = min(experts, plan.hot_experts + 2)  # (64 MiB holds them all: no slot is cut for room)
     engine = build_engine(cfg, ckpt, setup)
     try:
         pool = engine.cache.pool
-        expert = next(k for k, t in setup.placement.tiers.items() if k[0] == "expert")
-        resident = sum(ckpt.group_nbytes(k, torch.float32)[0] for k, t in setup.placement.tiers.items()
-                       if t == "device")
-        assert pool.slots == setup.expert_slots
-        assert pool.nbytes == pool.slots * ckpt.group_nbytes(expert, torch.float32)[0]
-        assert engine.memory.used == resident + pool.nbytes
+        assert pool.slots == setup.expert_slots == slots
+        assert {n: tuple(t.shape) for n, t in pool.tensors.items()} == {
+            "w1": (slots, inter, hidden), "w3": (slots, inter, hidden), "w2": (slots, hidden, inter)}
+        made = sum(t.numel() * t.element_size() for t in pool.tensors.values())  # the bytes really allocated
+        assert pool.nbytes == made == slots * expert_bytes
+        assert engine.memory.used == resident + slots * expert_bytes
     finally:
         engine.close()
 

@@ -140,7 +140,7 @@ def test_a_decode_layer_step_issues_no_host_sync_but_the_routing_reads(tmp_path)
     import collections
     import traceback
 
-    from klotski.bench.op_count import build_model
+    from klotski.measure.op_count import build_model
     from klotski.assemble import open_engine
     from klotski.config import RunConfig
     from klotski.io.checkpoint import Checkpoint
@@ -201,7 +201,7 @@ def test_a_decode_layer_step_issues_no_host_sync_but_the_routing_reads(tmp_path)
             return call
 
         def on_layer(layer, hs):  # from the end of a decode step's layer to the end of the next
-            on[0] = hs[0].shape[1] == 1 and layer + 1 < engine.spec.num_layers
+            on[0] = hs[0].shape[1] == 1 and layer + 1 < engine.spec.shape.num_layers
             layer_now[0] = layer + 1
             if on[0]:
                 log.append(("layer", layer + 1))
@@ -234,7 +234,7 @@ def test_a_decode_layer_step_issues_no_host_sync_but_the_routing_reads(tmp_path)
         # the plan's figure (klotski plan prints it) against the waits counted, layer by layer:
         # the last layer has no next gate to speculate on
         for at, steps in layers.items():
-            predicted = plan.per_layer["host_syncs"]["decode"] - (prefetch == "next-gate" and at + 1 == spec.num_layers)
+            predicted = plan.per_layer["host_syncs"]["decode"] - (prefetch == "next-gate" and at + 1 == spec.shape.num_layers)
             assert waits[at] == predicted * steps, (kind, prefetch, at, waits[at], predicted, steps)
         if kind == "device":  # in every layer step the resident wave is queued before the host waits for the ids
             runs, current = [], []
@@ -368,8 +368,8 @@ def test_host_computes_results_go_up_through_a_small_ring_the_host_account_holds
 
     def charged(device, tiers, modes):
         memory = Memory(1 << 30, "host")
-        setup = types.SimpleNamespace(device=torch.device(device), placement=types.SimpleNamespace(tiers=tiers),
-                                      host_modes=modes)
+        placement = types.SimpleNamespace(tiers=tiers, kv="device")
+        setup = types.SimpleNamespace(device=torch.device(device), placement=placement, host_modes=modes)
         reserve_staging_rings(memory, channels, setup)
         return memory.used
     disk, host = {("expert", 0, 0): "disk"}, {("expert", 0, 0): "host"}

@@ -23,7 +23,7 @@ def family_refs(family_models):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_equals_transformers(family_models, family_refs, family):
     ours, engine = engine_tokens(family_models[family], batch_size=len(PROMPTS))
-    assert engine.spec.model_type == family
+    assert engine.spec.shape.model_type == family
     assert ours == family_refs[family]
     assert sum(len(set(t)) for t in ours) > 2 * len(PROMPTS)  # real, varied generations
 

@@ -172,7 +172,7 @@ def test_mixtral_llama_gguf(tmp_path, qtype, merged):
     ref = reference_tokens(gm.write_reference(hf, path, tmp_path / "ref"))
     assert sum(len(set(t)) for t in ref) > 2 * len(PROMPTS)
     ours, engine = engine_tokens(path, batch_size=len(PROMPTS))
-    assert engine.spec.model_type == "mixtral" and ours == ref
+    assert engine.spec.shape.model_type == "mixtral" and ours == ref
     assert tight_run(path, engine) == ref
 
 
@@ -207,5 +207,5 @@ def test_gpt_oss_gguf(tmp_path):
         {f"{m}.MXFP4": torch.uint8 for m in ("gate", "up", "down")}
     assert ckpt.group_bytes(torch.float32).expert == 3 * H * I // 32 * 17 + (2 * I + H) * 4  # blocks + fp32 biases
     ours, engine = engine_tokens(path, batch_size=len(PROMPTS))
-    assert engine.spec.model_type == "gpt_oss" and ours == ref
+    assert engine.spec.shape.model_type == "gpt_oss" and ours == ref
     assert tight_run(path, engine) == ref

@@ -50,7 +50,7 @@ def test_mxfp4_experts_decode_to_what_transformers_loads(models):
     model = AutoModelForCausalLM.from_pretrained(models["mxfp4"], dtype=torch.float32)
     for j, layer in enumerate(model.model.layers):
         experts = layer.mlp.experts
-        for e in range(ckpt.spec.num_experts):
+        for e in range(ckpt.spec.shape.num_experts):
             parts = codec.read(("expert", j, e))
             assert parts["gate_up_blocks"].dtype == torch.uint8  # read packed
             w = codec.decode(parts)
@@ -98,7 +98,7 @@ def test_mxfp4_bytes_are_counted_packed(models):
     from klotski.io.checkpoint import Checkpoint
     mx, full = Checkpoint.open(str(models["mxfp4"])), Checkpoint.open(str(models["fp32"]))
     spec = mx.spec
-    H, I = spec.hidden_size, spec.intermediate_size
+    H, I = spec.shape.hidden_size, spec.shape.intermediate_size
     packed = 3 * H * I // 2 + 3 * H * I // 32 + (2 * I + H) * 4
     assert mx.group_nbytes(("expert", 1, 5), torch.float32) == (packed, (3 * H * I + 2 * I + H) * 4)
     sizes, plain = mx.group_bytes(torch.float32), full.group_bytes(torch.float32)

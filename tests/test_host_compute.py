@@ -145,7 +145,7 @@ def test_host_rates_are_measured_with_the_engines_ops():
     """What a GPU machine's profile records for its host: the engine's expert and attention
     core timed on the CPU (here the CPU is all there is, so the path is run directly)."""
     from klotski.builtin import tiny
-    from klotski.execute.profile_ops import EngineOps
+    from klotski.measure.profile_ops import EngineOps
     from planner.profile import host_rates
     from planner.shapes import ModelShape
     shape = ModelShape.from_config(tiny.PRESETS["tiny"])

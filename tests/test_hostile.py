@@ -98,7 +98,7 @@ def test_one_poisoned_prompt_fails_alone_and_the_others_are_unchanged(good, tmp_
     shutil.copytree(good, model)
     hostile.poison_row(model, "model.embed_tokens.weight", token)
     poisoned, _ = _run(model, PROMPTS)
-    assert poisoned[victim].error.startswith(f"non-finite values at layer 0 of {engine.spec.num_layers}")
+    assert poisoned[victim].error.startswith(f"non-finite values at layer 0 of {engine.spec.shape.num_layers}")
     for p in PROMPTS:
         if p != victim:
             assert poisoned[p].error is None
@@ -121,17 +121,22 @@ def test_check_passes_a_good_checkpoint_reading_in_bounded_pieces(good, capsys, 
 
 def test_a_prompt_using_a_token_beyond_the_vocabulary_fails_alone(good, tmp_path, capsys):
     """A tokenizer with more tokens than embedding rows (a few added special tokens, or another
-    model's tokenizer): the prompts that use them become error records, the others run."""
+    model's tokenizer): the prompts that use them become error records, the others run, and
+    run right: their tokens are transformers' greedy fp32 ones on the good checkpoint."""
+    from conftest import reference_tokens
     model = tmp_path / "model"
     shutil.copytree(good, model)
     hostile.add_tokens(3)(model)
     jobs = tmp_path / "jobs.jsonl"
     jobs.write_text('{"id": "a", "prompt": "Paris <extra_1>"}\n{"id": "b", "prompt": "Paris"}\n')
     out = tmp_path / "out.jsonl"
-    assert cli.main(["generate", str(jobs), "--model", str(model), "-o", str(out), "--no-progress"]) == 1
+    assert cli.main(["generate", str(jobs), "--model", str(model), "-o", str(out), "--no-progress", "--dtype",
+                     "float32", "--max-new-tokens", "8", "--include-token-ids"]) == 1
     records = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert "outside the model's vocabulary (vocab_size 512" in records["a"]["error"]["message"]
-    assert records["b"]["completion_tokens"] > 0
+    (expected,) = reference_tokens(good, ["Paris"], max_new_tokens=8)
+    assert expected and records["b"]["token_ids"] == expected
+    assert records["b"]["completion_tokens"] == len(expected)
     capsys.readouterr()
     assert cli.main(["check", "--model", str(model), "--no-progress"]) == 1
     assert "the tokenizer has 515 tokens" in capsys.readouterr().out

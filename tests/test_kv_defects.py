@@ -24,8 +24,10 @@ from klotski.io.checkpoint import Checkpoint
 from klotski.io.requests import Request
 from klotski.execute import kvcache
 from klotski.schedule import batching
-from klotski.schedule.engine import Engine, KVSpace
-from klotski.execute.kvcache import BatchKV, Staging
+from klotski.execute.caches import KVSpace
+from klotski.schedule.engine import Engine
+from klotski.execute.channels import StagedCopies
+from klotski.execute.kvcache import BatchKV
 from placement.placement import Placement
 from test_batching import PROMPTS as BATCHING_PROMPTS
 
@@ -62,8 +64,9 @@ def _filled_cache(rows):
     kv.valid[:, 5:30] = True
     kv.filled = 30
     kv.use_rows(rows)
-    # half a keys slot of 4 rows: chunks of one slot, and the values' wider slots grow it once
-    kv.staging = Staging("cpu", half_bytes=100)
+    # half of it holds a keys slot of 4 rows (96 bytes): chunks of one slot; the values' wider
+    # slots (160 bytes) go up in pieces of their bytes: the ring never grows past its charge
+    kv.staging = StagedCopies.on_host(200)
     return kv
 
 
@@ -74,7 +77,8 @@ def test_every_load_copies_a_contiguous_view_of_the_pinned_pool(monkeypatch, row
     copies = []
 
     def spy(dst, src):
-        pool = kv.keys + kv.values + kv.staging.halves  # the staging ring as it is at this copy
+        ring = [kv.staging.ring.bytes] if kv.staging.ring is not None else []  # made on first use
+        pool = kv.keys + kv.values + ring
         shared = any(src.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in pool)
         copies.append((dst, src.is_contiguous(), shared, src.untyped_storage().data_ptr()))
         dst.copy_(src)
@@ -92,15 +96,16 @@ def test_every_load_copies_a_contiguous_view_of_the_pinned_pool(monkeypatch, row
             assert torch.equal(values[:offset], kv.values[layer][old, :rows])
             assert copies and all(contiguous and shared for _, contiguous, shared, _ in copies), \
                 [(contiguous, shared) for _, contiguous, shared, _ in copies]
-            # every slot of both buffers arrived through those copies
-            assert sum(d.shape[0] for d, *_ in copies) == 2 * offset
-            halves = {t.untyped_storage().data_ptr() for t in kv.staging.halves}
-            staged |= {p for *_, p in copies if p in halves}
+            # every byte of both buffers' old slots arrived through those copies
+            assert sum(d.numel() * d.element_size() for d, *_ in copies) == \
+                (keys[:offset].numel() + values[:offset].numel()) * keys.element_size()
+            ring = {kv.staging.ring.bytes.untyped_storage().data_ptr()} if kv.staging.ring is not None else set()
+            staged |= {p for *_, p in copies if p in ring}
             if rows == 4 and not sparse:  # one block of the host cache itself: no staging
                 assert len(copies) == 2 and not staged
         kv.end_step()
     if rows < 4 or sparse:
-        assert 0 < len(staged) <= 2  # the two halves of one ring, across layers and steps
+        assert len(staged) == 1  # one ring, across layers and steps: never made anew
 
 
 def test_a_continuous_run_through_the_staging_ring_is_exact(checkpoints, monkeypatch):
@@ -111,7 +116,7 @@ def test_a_continuous_run_through_the_staging_ring_is_exact(checkpoints, monkeyp
 
     def staged(self, *a, **kw):
         init(self, *a, **kw)
-        self.staging = Staging("cpu", half_bytes=4096)
+        self.staging = StagedCopies.on_host(8192)
     load = BatchKV.load
 
     def counted(self, layer, device):
@@ -145,8 +150,8 @@ def test_a_load_waits_for_the_last_store_of_its_layer_before_the_host_gathers(mo
                 order.append("store landed")
         event = None
     kv.stored[0] = Ticket()
-    gather = Staging.upload
-    monkeypatch.setattr(Staging, "upload", lambda *a: (order.append("gather"), gather(*a)))
+    gather = StagedCopies.gather
+    monkeypatch.setattr(StagedCopies, "gather", lambda *a, **kw: (order.append("gather"), gather(*a, **kw)))
     kv.begin_step(torch.ones(2, 1, dtype=torch.bool))
     kv.load(0, "cpu")
     assert order[:2] == ["store landed", "gather"]
@@ -265,7 +270,7 @@ def test_live_kv_bytes_never_exceed_their_accounts_through_refills_and_realigns(
 def test_newcomer_caches_on_the_host_are_made_once_and_kept(checkpoints, monkeypatch):
     """Host-tier KV: a newcomer cache whose prompts all have rows is used again by the next
     newcomer batch. On CUDA every cache made is a cudaHostRegister per layer's keys and
-    values, and every cache freed a device synchronise (engine.KVSpace), so: few made, none
+    values, and every cache freed a device synchronise (caches.KVSpace), so: few made, none
     freed before the run ends, however many newcomer batches pass."""
     calls = {"allocate": 0, "free": 0, "newcomers": 0}
     allocate, free, newcomers = KVSpace.allocate, KVSpace.free, batching._Newcomers.__init__

@@ -159,25 +159,28 @@ def test_an_experts_decode_stays_within_what_the_codec_declares(tmp_path):
     assert live.now == codec.decoded_nbytes(key) - biases == sum(w[m].numel() * 4 for m in mxfp4.MATRICES)
     assert live.now < live.peak <= live.now + codec.workspace_nbytes(key)
     spec = ckpt.spec
-    assert codec.workspace_nbytes(key) == mxfp4.workspace_nbytes(2 * spec.intermediate_size, spec.hidden_size,
+    assert codec.workspace_nbytes(key) == mxfp4.workspace_nbytes(2 * spec.shape.intermediate_size, spec.shape.hidden_size,
                                                                   torch.float32)
     ckpt.close()
 
 
 def test_a_decode_runs_inside_its_reserved_workspace(tmp_path, monkeypatch):
     """The weight cache reserves the codec's temporaries for the length of a decode: the
-    device account during every MXFP4 decode covers what was in use before plus them."""
+    device account during every MXFP4 decode covers what was in use before plus them. Each
+    codec decode is matched to the cache decode it runs inside (a decode that took another
+    path, or ran outside one, fails here rather than leave nothing to compare)."""
     from conftest import requests
     from klotski.assemble import open_engine
     from klotski.builtin.families import build_family, pack_mxfp4
     from klotski.compress.mxfp4 import Mxfp4Codec
     from klotski.config import RunConfig
     mx = pack_mxfp4(build_family(tmp_path / "fp32", "gpt_oss"), tmp_path / "mxfp4")
-    during = []
+    before, during = [], []  # (account, workspace) as each cache decode starts; (its index, account) in each codec one
     decode = Mxfp4Codec.decode
-    monkeypatch.setattr(Mxfp4Codec, "decode", lambda self, parts: during.append(engine.memory.used) or decode(self, parts))
+    monkeypatch.setattr(Mxfp4Codec, "decode",
+                        lambda self, parts: during.append((len(before) - 1, engine.memory.used)) or decode(self, parts))
     engine, seqs, _ = open_engine(RunConfig(model=str(mx), progress=False, dtype="float32"), requests(["x"], 1))
-    before, cache_decode = [], engine.cache.decode
+    cache_decode = engine.cache.decode
 
     def watched(key):
         before.append((engine.memory.used, engine.cache.workspace[key]))
@@ -186,4 +189,7 @@ def test_a_decode_runs_inside_its_reserved_workspace(tmp_path, monkeypatch):
     list(engine.run(seqs))
     engine.close()
     assert before and all(w > 0 for _, w in before)
-    assert all(used >= b + w for (b, w), used in zip(before, during))
+    assert [i for i, _ in during] == list(range(len(before))), "codec decodes and the cache's do not pair up"
+    for i, used in during:
+        b, w = before[i]
+        assert used >= b + w, (i, used, b, w)

@@ -31,7 +31,7 @@ def _tight(engine):
     spec, n = engine.spec, len(PROMPTS)
     act = activation_bytes(spec, 4, Step(tokens=n * longest, sequences=n, batch=n, queries=longest,
                                          keys=longest + 10))
-    kv = KV_BUFFERS * n * (longest + 10) * 2 * spec.num_kv_heads * spec.head_dim * 4
+    kv = KV_BUFFERS * n * (longest + 10) * 2 * spec.shape.num_kv_heads * spec.shape.head_dim * 4
     return size(("head",)) + size(("attn", 0)) + size(("gate", 0)) + 4 * size(("expert", 0, 0)) + act + kv
 
 
@@ -95,7 +95,7 @@ def test_first_batchs_kv_comes_up_during_the_layer_before(checkpoints, ref, monk
     load = Pipeline._kv_load
 
     def spy(self, kv, layer):
-        issued.append((layer, self.layer))
+        issued.append((layer, self.res.layer))  # the layer the step is in
         return load(self, kv, layer)
     monkeypatch.setattr(Pipeline, "_kv_load", spy)
     _, probe = engine_tokens(checkpoints["gqa"], prompts=["x"], max_new_tokens=1)
@@ -104,7 +104,7 @@ def test_first_batchs_kv_comes_up_during_the_layer_before(checkpoints, ref, monk
     ours, engine = engine_tokens(checkpoints["gqa"], placement=placement, batch_size=3, num_batches=2)
     assert ours == ref
     ahead = [layer for layer, now in issued if layer == now + 1]
-    assert ahead and set(ahead) == set(range(1, engine.spec.num_layers))
+    assert ahead and set(ahead) == set(range(1, engine.spec.shape.num_layers))
 
 
 @pytest.mark.parametrize("schedule", ["klotski", "multibatch"])
@@ -218,14 +218,14 @@ def test_the_replay_takes_the_routing_the_job_had(checkpoints):
     tok = AutoTokenizer.from_pretrained(model)
     tokens = sum(len(tok(p)["input_ids"]) for p in PROMPTS) + sum(len(o) - 1 for o in out)
     spec = engine.spec
-    assert engine.pipeline.routed.sum(axis=1).tolist() == [spec.top_k * tokens] * engine.pipeline.routed.shape[0]
-    measured = marginals_from_counts(engine.pipeline.routed, spec.top_k)
-    assert sum(measured) == pytest.approx(spec.top_k) and max(measured) <= 1.0
+    assert engine.pipeline.routed.sum(axis=1).tolist() == [spec.shape.top_k * tokens] * engine.pipeline.routed.shape[0]
+    measured = marginals_from_counts(engine.pipeline.routed, spec.shape.top_k)
+    assert sum(measured) == pytest.approx(spec.shape.top_k) and max(measured) <= 1.0
     prompts, lens = [len(tok(p)["input_ids"]) for p in PROMPTS], [len(o) for o in out]
 
     def replay(popularity):
         return replayed_plan(engine.config, engine.ckpt, engine.setup, prompts, lens, pipeline_cost, popularity)
-    few = [1.0] * spec.top_k + [0.0] * (spec.num_experts - spec.top_k)  # every token picks the same experts
+    few = [1.0] * spec.shape.top_k + [0.0] * (spec.shape.num_experts - spec.shape.top_k)  # every token picks the same experts
     assert replay(few).job_prefill_s < replay(None).job_prefill_s
     assert replay(measured).job_prefill_s > 0
 

@@ -1,10 +1,11 @@
 """`klotski plan`'s kernels and channel submissions per decode layer (planner/decode_ops.py)
 against a real run of the plan (issue 45, item 4): the ATen ops that compute or copy, counted
-on the compute thread (util/opcount.OpCounter) over the job's decode steps, and every transfer
+on the compute thread (measure/opcounter.OpCounter) over the job's decode steps, and every transfer
 submitted to a channel. Counting, not timing: the same on any CPU."""
 import pytest
 
-from klotski.bench.op_count import counted_profile, decode_layer_counts
+from klotski.assemble import open_engine
+from klotski.measure.op_count import counted_profile, decode_layer_counts
 from klotski.builtin.families import build_family
 from klotski.config import RunConfig
 from klotski.io.checkpoint import Checkpoint
@@ -30,8 +31,8 @@ def model(tmp_path_factory):
 def profile(model):
     """A built-in profile's times (they only steer the plan's choices) with the counts a
     profile measured here carries: the model math's ops and the pipeline's own, both counted
-    by the engine (klotski/bench/op_count.py: counted_profile), never by the code under test."""
-    return counted_profile(model)
+    by the engine (klotski/measure/op_count.py: counted_profile), never by the code under test."""
+    return counted_profile(open_engine, model)
 
 
 def plan_for(model, profile, device_memory: int):
@@ -44,10 +45,10 @@ def plan_for(model, profile, device_memory: int):
 
 
 def counted(cfg, spec, plan) -> tuple[float, float]:
-    """(kernels, submissions) per decode layer of a real run of `plan` (klotski/bench/op_count.py)."""
+    """(kernels, submissions) per decode layer of a real run of `plan` (klotski/measure/op_count.py)."""
     reqs = [Request(id=f"r{i}", line=i + 1, prompt=f"item {i} of the list, a passage", messages=None,
                     max_new_tokens=NEW) for i in range(BS * N)]
-    return decode_layer_counts(cfg, reqs, engine_placement(plan, spec))
+    return decode_layer_counts(open_engine, cfg, reqs, engine_placement(plan, spec))
 
 
 @pytest.mark.parametrize("regime,device_memory", [("resident", 1 << 30), ("streamed", 4_000_000),
@@ -56,7 +57,7 @@ def test_plan_predicts_a_decode_layers_kernels_and_submissions(model, profile, r
     """Every expert resident; most experts streamed from host memory; the KV cache on the host
     too (a load and a store per batch and layer). The plan's placement is run as planned."""
     cfg, spec, plan = plan_for(model, profile, device_memory)
-    L, E = spec.num_layers, spec.num_experts
+    L, E = spec.shape.num_layers, spec.shape.num_experts
     on_host = sum(plan.tier(j, "experts", e) == "host" for j in range(L) for e in range(E))
     if regime == "resident":
         assert on_host == 0 and plan.tier(0, "kv") == "device"

@@ -278,7 +278,7 @@ def test_simulator_agrees_with_solver_prediction():
 
 # ---- profile ---------------------------------------------------------------------------------
 def test_profile_cache_roundtrip(tmp_path):
-    from klotski.execute.profile_ops import EngineOps
+    from klotski.measure.profile_ops import EngineOps
     kw = dict(batch_sizes=(1, 4), context_lengths=(16, 32), token_counts=(1, 8), reps=2, io_bytes=4 << 20,
               cache_dir=tmp_path / "profiles", ops=EngineOps())
     p1 = measure(TINY, **kw)

@@ -20,7 +20,7 @@ def test_every_predictor_gives_identical_tokens(checkpoints, prefetch):
         assert report["precision"] is None
     else:
         assert 0 < report["precision"] <= 1 and 0 <= report["served_share"] <= 1
-        assert len(report["per_layer"]) == engine.spec.num_layers
+        assert len(report["per_layer"]) == engine.spec.shape.num_layers
 
 
 def test_table_counts_paths_and_predicts_the_followers():
@@ -49,9 +49,9 @@ def test_table_is_learned_from_the_job_and_saved_for_the_next_run(checkpoints):
     engine = run()
     data = json.loads(path.read_text())
     assert data["version"] == 2 and data["kind"] == "exact-path" and data["path"] == 1
-    assert data["num_experts"] == engine.spec.num_experts
+    assert data["num_experts"] == engine.spec.shape.num_experts
     first = sum(data["first_layer"])  # every token's top-k at layer 0, over every step of the job
-    assert first >= engine.spec.top_k * (engine.stats.prompt_tokens + engine.stats.generated_tokens - 6)
+    assert first >= engine.spec.shape.top_k * (engine.stats.prompt_tokens + engine.stats.generated_tokens - 6)
     run()
     assert sum(json.loads(path.read_text())["first_layer"]) == 2 * first
     assert not list(path.parent.glob(".*.tmp"))  # saved atomically, nothing half-written left
@@ -190,10 +190,10 @@ def test_an_old_version_table_is_ignored_with_a_warning_and_replaced(checkpoints
     ckpt = Checkpoint.open(checkpoints["gqa"])
     path = table_path(ckpt)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"version": 1, "model": ckpt.key, "num_layers": ckpt.spec.num_layers,
-                                "num_experts": ckpt.spec.num_experts, "top_k": ckpt.spec.top_k, "path": 1,
-                                "first_layer": [5.0] * ckpt.spec.num_experts,
-                                "layers": [{"27": [1.0] * ckpt.spec.num_experts}] * ckpt.spec.num_layers}))
+    path.write_text(json.dumps({"version": 1, "model": ckpt.key, "num_layers": ckpt.spec.shape.num_layers,
+                                "num_experts": ckpt.spec.shape.num_experts, "top_k": ckpt.spec.shape.top_k, "path": 1,
+                                "first_layer": [5.0] * ckpt.spec.shape.num_experts,
+                                "layers": [{"27": [1.0] * ckpt.spec.shape.num_experts}] * ckpt.spec.shape.num_layers}))
     _, engine = engine_tokens(checkpoints["gqa"], prefetch="correlation", batch_size=3, num_batches=1)
     err = capsys.readouterr().err
     assert "ignoring the expert-correlation table" in err and "version 1, expected 2" in err
@@ -257,7 +257,7 @@ def test_a_learned_table_puts_the_most_picked_experts_on_the_device(tmp_path, ca
     first, engine = engine_tokens(model, device_memory=budget, max_new_tokens=8)
     assert engine.setup.expert_ranking is None  # nothing learned yet: slot i is expert i
     ranking, picks = learned_routing(engine.ckpt)
-    assert ranking and picks.shape == (engine.ckpt.spec.num_layers, 8)
+    assert ranking and picks.shape == (engine.ckpt.spec.shape.num_layers, 8)
     again, engine = engine_tokens(model, device_memory=budget, max_new_tokens=8)
     assert again == first == reference_tokens(model, max_new_tokens=8)
     assert engine.setup.expert_ranking == ranking
@@ -282,7 +282,7 @@ def test_the_plans_expert_slots_go_to_the_experts_a_ranking_names():
         tiers.update({("attn", j): "device", ("gate", j): "device"})
         tiers.update({("expert", j, e): "device" if e < 2 else "host" for e in range(4)})
     plan = SimpleNamespace(group_tiers=lambda layers, experts: (dict(tiers), "device"))
-    spec = SimpleNamespace(num_layers=2, num_experts=4, experts_in=lambda j: 4)
+    spec = SimpleNamespace(shape=SimpleNamespace(num_layers=2, num_experts=4, experts_in=lambda j: 4))
     placed = engine_placement(plan, spec, {0: [2, 0, 3, 1]}).tiers
     assert [placed["expert", 0, e] for e in range(4)] == ["device", "host", "device", "host"]
     assert [placed["expert", 1, e] for e in range(4)] == ["device", "device", "host", "host"]

@@ -85,8 +85,8 @@ def test_host_kv_loads_the_prefix_once_per_layer_not_per_row(checkpoints, refere
     assert per_step[0] < per_step[1] / 3
     # the exact count of one decode step: one prefix load per layer and each batch's own slots
     spec = on.spec
-    slot = spec.num_kv_heads * spec.head_dim * 2 * 4  # keys and values, fp32
-    assert on.pipeline.kv_bytes_loaded > 0 and on.stats.prefix_tokens * slot * spec.num_layers < per_step[1]
+    slot = spec.shape.num_kv_heads * spec.shape.head_dim * 2 * 4  # keys and values, fp32
+    assert on.pipeline.kv_bytes_loaded > 0 and on.stats.prefix_tokens * slot * spec.shape.num_layers < per_step[1]
 
 
 def test_host_kv_under_a_tight_budget_and_host_attention_stay_exact(checkpoints, reference):
@@ -103,15 +103,15 @@ def test_prefix_kv_is_charged_to_the_kv_tier_and_given_back(checkpoints):
     cfg = RunConfig(model=str(checkpoints["gqa"]), progress=False, dtype="float32", batch_size=2, num_batches=2)
     engine, seqs, _ = open_engine(cfg, _requests(SHARED))
     before = engine.memory.used
-    engine._share_prefix(seqs)
-    kv = engine.prefix.kv
+    engine.prefixes.share(seqs)
+    kv = engine.prefixes.longest.kv
     charged = engine.memory.used - before
-    assert charged == kv.nbytes_for(engine.spec.num_layers, 1, engine.spec.num_kv_heads, engine.spec.head_dim,
-                                    engine.prefix.length, torch.float32) > 0
+    assert charged == kv.nbytes_for(engine.spec.shape.num_layers, 1, engine.spec.shape.num_kv_heads, engine.spec.shape.head_dim,
+                                    engine.prefixes.longest.length, torch.float32) > 0
     done = list(engine.run(seqs))  # the window is served by the held prefix: no second prefill
     assert len(done) == len(SHARED) and engine.stats.prefix_prefills == 1
     engine.close()
-    assert engine.prefix is None and engine.memory.used == before
+    assert engine.prefixes.longest is None and engine.memory.used == before
 
 
 def test_windows_keep_the_prefix_they_share_and_compute_their_own(checkpoints):

@@ -11,7 +11,8 @@ from klotski.config import RunConfig
 from klotski.io.checkpoint import Checkpoint
 from klotski.io.requests import Request
 from klotski.execute import kvcache
-from klotski.execute.kvcache import BatchKV, Staging
+from klotski.execute.channels import StagedCopies
+from klotski.execute.kvcache import BatchKV
 from klotski.schedule import prefix as X
 from placement.placement import Placement
 
@@ -110,18 +111,18 @@ def test_segments_sharing_a_cache_go_up_from_contiguous_locked_memory(checkpoint
 
     def staged(self, *a, **kw):
         init(self, *a, **kw)
-        self.staging = Staging("cpu", half_bytes=512)
-    gather = Staging.upload
+        self.staging = StagedCopies.on_host(1024)
+    gather = StagedCopies.gather
 
-    def counted(self, dst, src, index=None):
+    def counted(self, dst, src, index=None, send=None):
         gathered.append(src.is_contiguous())
-        return gather(self, dst, src, index)
+        return gather(self, dst, src, index, send)
 
     def upload(dst, src):
         copies.append(src.is_contiguous())
         dst.copy_(src)
     monkeypatch.setattr(BatchKV, "__init__", staged)
-    monkeypatch.setattr(Staging, "upload", counted)
+    monkeypatch.setattr(StagedCopies, "gather", counted)
     monkeypatch.setattr(kvcache, "upload", upload)
     monkeypatch.setattr(X, "upload", upload, raising=False)
     ckpt = Checkpoint.open(str(checkpoints["gqa"]))
@@ -168,7 +169,7 @@ def test_a_prefix_held_from_an_earlier_window_never_prevents_a_longer_one(checkp
     assert [s.shared for s in seqs] == [short] * 4 + [long] * 4  # the second window's own, longer prefix
     reference = reference_tokens(checkpoints["gqa"], prompts, max_new_tokens=4)
     assert out == [t[:m] for t, m in zip(reference, max_new)]
-    assert not engine.segments  # every segment given back at close
+    assert not engine.prefixes.segments  # every segment given back at close
 
 
 def test_a_window_keeps_the_segments_saving_most(monkeypatch):

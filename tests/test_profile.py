@@ -1,5 +1,5 @@
 """The measured hardware profile: it times the engine's own ops (planner/profile.py gets them
-from klotski/execute/profile_ops.py: EngineOps), its cache key changes with what is timed, and
+from klotski/measure/profile_ops.py: EngineOps), its cache key changes with what is timed, and
 `--hardware auto` measures the GPU where there is one."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from klotski.cli import main as cli
 from klotski import planning
-from klotski.execute.profile_ops import EngineOps
+from klotski.measure.profile_ops import EngineOps
 from klotski.compress import hqq as quant
 from klotski.models import layers
 from planner import profile as P
@@ -137,7 +137,7 @@ def test_the_key_hashes_the_engine_code_the_ops_run():
     import importlib
 
     from klotski.models.spec import FAMILIES
-    from klotski.execute import profile_ops
+    from klotski.measure import profile_ops
     modules = [importlib.import_module(name) for name in profile_ops.TIMED_MODULES]
     assert {m.__name__ for m in FAMILIES.values()} | {"klotski.models.defaults", "klotski.execute.experts",
                                                      "klotski.models.layers"} <= {m.__name__ for m in modules}
@@ -152,7 +152,7 @@ def measured(monkeypatch):
         calls.append({"device": device, "ops": ops})
         return load_profile("rtx3090-pcie4")
     monkeypatch.setattr(planning, "measure", fake)
-    monkeypatch.setattr("klotski.schedule.overhead.pipeline_overhead", lambda device, open_engine, **kw: {})
+    monkeypatch.setattr("klotski.measure.overhead.pipeline_overhead", lambda device, open_engine, **kw: {})
     return calls
 
 
@@ -182,11 +182,11 @@ def test_a_builtin_profile_measures_nothing(measured, capsys):
 
 
 def test_pipeline_overhead_is_measured_once_and_priced_per_call(tmp_path, monkeypatch):
-    """The pipeline's own cost around the ops (klotski/schedule/overhead.py): the engine's pipeline with
+    """The pipeline's own cost around the ops (klotski/measure/overhead.py): the engine's pipeline with
     the math stubbed out, cached per machine and pipeline source; the cost model adds it per
     batch-layer, expert call, transfer, step, batch-layer with its KV cache on the host and
     token beyond one a row."""
-    from klotski.schedule import overhead
+    from klotski.measure import overhead
     from klotski.assemble import open_engine
     from planner.costmodel import CostModel
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
@@ -214,7 +214,7 @@ def test_pipeline_overhead_is_measured_once_and_priced_per_call(tmp_path, monkey
 
 def test_pipeline_overhead_stubs_reach_every_expert():
     """The measure divides by every expert of a layer: its batch routes a token to each."""
-    from klotski.schedule import overhead
+    from klotski.measure import overhead
     for experts, top_k in ((8, 2), (128, 8), (4, 4), (64, 6)):
         rows = overhead._rows(experts, top_k)
         _, idx = overhead._Stubs(experts, top_k).route(torch.zeros(rows, 4), None, None)
@@ -225,7 +225,7 @@ def test_pipeline_overhead_stubs_reach_every_expert():
 def test_pipeline_cost_is_measured_in_the_runs_channel_mode(monkeypatch, tmp_path):
     """A run with an emulated link copies on the channels' threads, one without copies
     inline: each is priced by its own measure, cached apart."""
-    from klotski.schedule import overhead
+    from klotski.measure import overhead
     from klotski.assemble import open_engine
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     links = []

@@ -293,7 +293,8 @@ def _header_len(out: Path) -> int:
 
 
 def test_leftovers_of_killed_runs_are_removed_live_ones_kept(source, tmp_path):
-    dead, live = tmp_path / ".q.tmp-999999999", tmp_path / ".q.old-1"  # no pid 999999999; pid 1 lives
+    # util.writes.replacing's names: no pid 999999999; pid 1 lives
+    dead, live = tmp_path / ".q.999999999.0a1b2c3d.tmp", tmp_path / ".q.1.0a1b2c3d.old"
     for d in (dead, live):
         d.mkdir()
         (d / WEIGHTS_FILE).write_bytes(b"half")

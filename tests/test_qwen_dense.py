@@ -21,8 +21,8 @@ def test_dense_layers_follow_transformers_rule(dense_model):
     from klotski.io.checkpoint import Checkpoint
     _, path, _ = dense_model
     spec = Checkpoint.open(path).spec
-    assert [spec.experts_in(j) for j in range(4)] == [0, spec.num_experts, 0, spec.num_experts]
-    assert [spec.moe_index(j) for j in (1, 3)] == [0, 1]  # predictors count MoE layers only
+    assert [spec.shape.experts_in(j) for j in range(4)] == [0, spec.shape.num_experts, 0, spec.shape.num_experts]
+    assert [spec.shape.moe_index(j) for j in (1, 3)] == [0, 1]  # predictors count MoE layers only
     gate0, gate1 = spec.group_refs(("gate", 0)), spec.group_refs(("gate", 1))
     assert {"dense_w1", "dense_w2", "dense_w3"} <= set(gate0) and "router" not in gate0
     assert "router" in gate1 and "dense_w1" not in gate1
@@ -33,7 +33,7 @@ def test_dense_layers_follow_transformers_rule(dense_model):
 def test_greedy_equals_transformers_default_budget(dense_model):
     family, path, ref = dense_model
     ours, engine = engine_tokens(path, batch_size=len(PROMPTS))
-    assert engine.spec.model_type == family
+    assert engine.spec.shape.model_type == family
     assert ours == ref
     assert sum(len(set(t)) for t in ours) > 2 * len(PROMPTS)  # real, varied generations
 

@@ -165,3 +165,18 @@ def test_a_stopped_source_withdraws_its_lines_and_the_others_carry_on(checkpoint
     assert all(s.finish_reason in ("abort", "stop", "length") or (s.finish_reason is None and not s.out)
                for s in seqs)
     assert engine.scheduler is None and not engine.waiting.pending()
+
+
+def test_online_requests_that_arrive_together_share_their_instruction(checkpoints, references):
+    """Online requests form and share segments as a window's lines do: eight requests with one
+    long instruction, added together while nothing runs, prefill it once."""
+    engine, _ = _engine(checkpoints["gqa"])
+    online, heard = _online(engine, SHARED, MAX_NEW)
+    for s in online:  # one request each, as the server's threads add them
+        engine.add_request([s], ONLINE)
+    list(engine.run([]))
+    engine.close()
+    assert [s.out for s in online] == references[0]
+    stats = engine.stats
+    assert stats.prefix_prefills == 1 and stats.prefix_lines == len(SHARED)
+    assert all(s.shared == stats.prefix_tokens > 0 for s in online)

@@ -236,24 +236,81 @@ def test_health_answers_quickly_while_the_server_is_busy(api, tmp_path):
     assert statistics.quantiles(times, n=20)[-1] < 0.1, sorted(times)[-5:]
 
 
+def _lines_written(path: Path) -> int:
+    return sum(1 for x in path.read_text().splitlines() if x.strip()) if path.exists() else 0
+
+
 def test_a_batch_keeps_its_shared_prefix_while_online_requests_join(api, tmp_path):
     """The scheduler issue: the server no longer drops a batch's shared prefix so that online
-    requests can join; they sit beside its rows, the prefix masked for them."""
+    requests can join; they sit beside its rows, the prefix masked for them. The overlap is
+    shown, not assumed: the request is sent once the batch has written its first answers and
+    answered while most of them are still to come (its run file short of its lines, the batch
+    in_progress), /health counts it as having joined a run already going, and its answer is
+    the one the same request gets from the idle server afterwards (which joins nothing)."""
     client = api.client()
     instruction = ("You are a careful labeller. Read the item below and answer with one word: positive, negative "
                    "or neutral. Think about the tone of the whole item before you answer.")
-    lines = [_line(f"p{i}", model=ALIAS, max_tokens=6, messages=[{"role": "system", "content": instruction},
-                                                               {"role": "user", "content": f"item number {i}"}])
+    lines = [_line(f"p{i}", model=ALIAS, max_tokens=8, messages=[{"role": "system", "content": instruction},
+                                                                {"role": "user", "content": f"item number {i}"}])
              for i in range(24)]
     f = client.files.create(file=_write(tmp_path / "prefix.jsonl", lines).open("rb"), purpose="batch")
     b = client.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
-    _wait(client, b.id, until=("in_progress", "completed"))
-    alone = client.chat.completions.create(model=ALIAS, messages=_chat("the sea"), max_tokens=3)
-    assert alone.choices[0].message.content is not None
+    run = api.data / "batches" / b.id / "run.jsonl"
+    deadline = time.time() + 120
+    while not _lines_written(run):  # the batch is stepping: its first answers are written
+        assert time.time() < deadline and client.batches.retrieve(b.id).status in ("validating", "in_progress")
+        time.sleep(0.02)
+    before = _raw(api.url + "/health")[1]["online"]
+    ask = dict(model=ALIAS, messages=_chat("the sea"), max_tokens=3)
+    joined = client.chat.completions.create(**ask)
+    written, status = _lines_written(run), client.batches.retrieve(b.id).status
+    after = _raw(api.url + "/health")[1]["online"]
+    assert written < 24 and status == "in_progress", f"the batch ended ({written} lines, {status}) before the answer"
+    assert (after["requests"] - before["requests"], after["joined"] - before["joined"]) == (1, 1), (before, after)
     done = _wait(client, b.id)
     assert done.status == "completed" and done.request_counts.completed == 24
     prefix = json.loads((api.data / "batches" / b.id / "report.json").read_text())["prefix_cache"]
     assert prefix["status"] == "shared" and prefix["lines"] == 24 and prefix["prefix_tokens"] >= 16
+    alone = client.chat.completions.create(**ask)  # the server idle now: it runs by itself
+    assert _raw(api.url + "/health")[1]["online"]["joined"] == after["joined"]
+    assert joined.choices[0].message.content and joined.usage.completion_tokens > 0
+    assert (joined.choices[0].message.content, joined.choices[0].finish_reason, joined.usage) == (
+        alone.choices[0].message.content, alone.choices[0].finish_reason, alone.usage)
+
+
+def test_sixty_four_concurrent_online_requests_during_a_batch_are_all_answered(api, tmp_path):
+    """The engine-core issue: 64 online requests sent at once from 64 threads while a batch is
+    stepping (its first answers written, most still to come) are all answered, none refused
+    or failed, each with the answer the idle server gives the same request afterwards."""
+    import concurrent.futures
+
+    client = api.client()
+    lines = [_line(f"c{i}", model=ALIAS, max_tokens=8, messages=_chat(f"item {i}")) for i in range(24)]
+    f = client.files.create(file=_write(tmp_path / "busy.jsonl", lines).open("rb"), purpose="batch")
+    b = client.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
+    run = api.data / "batches" / b.id / "run.jsonl"
+    deadline = time.time() + 120
+    while not _lines_written(run):
+        assert time.time() < deadline and client.batches.retrieve(b.id).status in ("validating", "in_progress")
+        time.sleep(0.02)
+    before = _raw(api.url + "/health")[1]["online"]
+    topics = ["the sea", "a cat", "the moon", "bread"]
+    asks = [dict(model=ALIAS, messages=_chat(topics[i % len(topics)]), max_tokens=3) for i in range(64)]
+    with concurrent.futures.ThreadPoolExecutor(64) as pool:
+        answers = list(pool.map(lambda ask: api.client().chat.completions.create(**ask), asks))
+    written = _lines_written(run)
+    after = _raw(api.url + "/health")[1]["online"]
+    assert after["requests"] - before["requests"] == 64
+    assert after["joined"] > before["joined"]  # (some joined the batch's run while it went: written = {written})
+    done = _wait(client, b.id)
+    assert done.status == "completed" and done.request_counts.completed == 24
+    alone = {t: client.chat.completions.create(model=ALIAS, messages=_chat(t), max_tokens=3) for t in topics}
+    for ask, got in zip(asks, answers):
+        want = alone[ask["messages"][0]["content"][len("Tell me about "):]]
+        assert (got.choices[0].message.content, got.choices[0].finish_reason, got.usage) == (
+            want.choices[0].message.content, want.choices[0].finish_reason, want.usage)
+    health = _raw(api.url + "/health")
+    assert health[0] == 200 and health[1]["online"]["waiting"] == 0
 
 
 def test_a_batch_interleaving_three_instructions_shares_each(api, tmp_path):

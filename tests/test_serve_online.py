@@ -1,12 +1,15 @@
 """`klotski serve`'s online endpoints (issue 48 parts 2 and 3), on a real uvicorn server driven
 by the official `openai` client: streamed answers arrive token by token, usage last, and join
 to the answer not streamed; a stop string split across tokens never reaches the client; a
-client that leaves (streaming or not) frees its row at once; a full inbox is a 429 with
-Retry-After."""
+client that leaves (streaming or not) frees its row at once (on the server and, in process,
+on the engine's own step loop, the others' answers transformers' own); a full inbox is a 429
+with Retry-After."""
+import functools
 import json
 import socket
 import threading
 import time
+import types
 
 import openai
 import pytest
@@ -131,13 +134,12 @@ def test_a_full_inbox_answers_429_with_retry_after(server, model):
     assert client.chat.completions.create(model=model, messages=_chat("x"), max_tokens=2).choices[0].message
 
 
-def test_the_inbox_bounds_requests_and_lets_leavers_go():
-    """Without a server: `--max-waiting` counts requests (a request's n samples once); a
-    request whose client left leaves the engine's queue at its next step, answered as ended."""
-    from klotski.schedule import sequences as S
+def test_the_inbox_bounds_requests_counting_a_requests_samples_once():
+    """Without a server: `--max-waiting` counts requests (a request's n samples once)."""
+    from klotski.schedule.scheduler import QueueFull as Full
     from klotski.schedule.scheduler import Waiting
     from klotski.schedule.sequences import Sequence
-    from klotski.schedule.scheduler import QueueFull as Full
+    from klotski.schedule.engine import Engine
     from klotski.serve.worker import Inbox
 
     def request(n):
@@ -145,19 +147,66 @@ def test_the_inbox_bounds_requests_and_lets_leavers_go():
         for s in seqs:
             s.samples = seqs
         return seqs
-    waiting = Waiting()
-    inbox = Inbox(waiting, max_waiting=2)
-    gone = request(3)
-    first, second = inbox.put(gone), inbox.put(request(1))
+    engine = types.SimpleNamespace(waiting=Waiting())  # the engine's queue and its one way in, alone
+    engine.add_request = functools.partial(Engine.add_request, engine)
+    inbox = Inbox(engine, max_waiting=2)
+    inbox.put(request(3))
+    inbox.put(request(1))
     with pytest.raises(Full):
         inbox.put(request(1))
     assert inbox.counts() == {"waiting": 2, "in_engine": 0, "left": 0}
-    for s in gone:
-        s.leaving = True
-    waiting.collect(lambda s: 0)  # what the engine's next step does (ContinuousRun.step, _leave)
-    for s in waiting.leaving():
-        S.abandon(s)
-    assert not second.done() and first.done()
-    assert [s.finish_reason for s in first.result()] == ["abort"] * 3
-    assert inbox.counts() == {"waiting": 1, "in_engine": 0, "left": 3}
-    inbox.put(request(2))  # room again
+
+
+def test_a_leaver_frees_its_row_while_the_engine_steps_and_the_others_finish(checkpoints):
+    """In process, on the engine's own step loop (what the server's worker runs: `run([])`
+    while anything waits or runs), requests put through the Inbox as the endpoints put them:
+    one asks for 200 tokens and its client leaves after its third (`leaving` set from its
+    listener, between two steps, as an HTTP thread sets it); a request of three samples leaves
+    while still in the queue; two others run beside them. The leaver is answered at once with
+    `abort` and transformers' first three tokens, and its row is computed no more: no later step
+    computes as many rows as before, and the run ends with the others, far short of 200 steps;
+    the queue's leaver is answered `abort` without a token; the others' tokens are
+    transformers' own; /health's counts end at nothing waiting or held and four left."""
+    import dataclasses
+    from conftest import PROMPTS, reference_tokens, requests
+    from klotski.assemble import open_engine
+    from klotski.config import RunConfig
+    from klotski.serve.worker import Inbox
+    model, long, short = checkpoints["gqa"], 200, 8
+    reqs = requests(PROMPTS[:3], short)
+    reqs[0] = dataclasses.replace(reqs[0], max_new_tokens=long)
+    reqs.append(dataclasses.replace(requests(PROMPTS[3:4], short)[0], id="queued", n=3))
+    ref = reference_tokens(model, PROMPTS[:3], short)
+    assert len(ref[0]) > 3  # (the leaver would run on past its third token)
+    cfg = RunConfig(model=str(model), progress=False, dtype="float32", device="cpu", batch_size=3, num_batches=1)
+    engine, seqs, errors = open_engine(cfg, reqs)
+    assert not errors
+    by_id = {}
+    for s in seqs:
+        by_id.setdefault(s.request.id, []).append(s)
+    rows, left_at = [], []  # rows computed by each step (at its first layer); the step the client left after
+
+    def leave_after_three(s):
+        if len(s.out) == 3 and not s.leaving:
+            s.leaving = True
+            left_at.append(len(rows))
+    engine.pipeline.on_layer = lambda layer, hs: rows.append(sum(h.shape[0] for h in hs)) if layer == 0 else None
+    by_id["r0"][0].listener = leave_after_three
+    inbox = Inbox(engine, max_waiting=8)
+    futures = {rid: inbox.put(samples) for rid, samples in by_id.items()}
+    for s in by_id["queued"]:
+        s.leaving = True  # its client left before the engine took it in
+    try:
+        list(engine.run([]))
+    finally:
+        engine.close()
+    assert all(f.done() for f in futures.values()), "a request was never answered"
+    answered = {rid: f.result() for rid, f in futures.items()}
+    assert [(s.finish_reason, s.out) for s in answered["queued"]] == [("abort", [])] * 3
+    (leaver,) = answered["r0"]
+    assert (leaver.finish_reason, leaver.out) == ("abort", ref[0][:3])
+    assert [answered[rid][0].out for rid in ("r1", "r2")] == ref[1:]
+    assert inbox.counts() == {"waiting": 0, "in_engine": 0, "left": 4}
+    (k,) = left_at
+    assert max(rows[:k]) == 3 and max(rows[k:], default=0) < 3, (k, rows)  # its row freed at the next step
+    assert len(rows) < long // 4  # the run ended with the others, long before the leaver's 200

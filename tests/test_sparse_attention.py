@@ -57,7 +57,7 @@ def test_query_chunking_bounds_scores_and_keeps_results():
     from klotski.models import layers as M
     from klotski.models.mixtral import attention_block
     torch.manual_seed(0)
-    spec = SimpleNamespace(rms_norm_eps=1e-5, num_heads=4, num_kv_heads=2, head_dim=16)
+    spec = SimpleNamespace(rms_norm_eps=1e-5, shape=SimpleNamespace(num_heads=4, num_kv_heads=2, head_dim=16))
     H = 64
     w = {"input_norm": torch.ones(H), "q": torch.randn(64, H) / 8, "k": torch.randn(32, H) / 8,
          "v": torch.randn(32, H) / 8, "o": torch.randn(H, 64) / 8}

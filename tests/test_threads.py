@@ -63,7 +63,7 @@ def test_a_governor_keeps_a_fixed_count_and_otherwise_follows_the_machine(monkey
 
 def test_a_profile_measured_while_busy_is_not_cached(tmp_path):
     """planner.profile.measure with a `busy` probe that reports load: used, not saved; free: saved."""
-    from klotski.execute.profile_ops import EngineOps
+    from klotski.measure.profile_ops import EngineOps
     from planner.profile import measure
     from planner.shapes import ModelShape
     shape = ModelShape(hidden_size=32, intermediate_size=64, num_layers=2, num_experts=4, top_k=2, num_heads=2,

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from klotski.execute.profile_ops import EngineOps
+from klotski.measure.profile_ops import EngineOps
 from planner import profile as P
 from planner.costmodel import CostModel
 from planner.layer import LayerIO, Phase, ineq_terms, layer_time

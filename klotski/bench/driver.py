@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import shlex
 import shutil
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 
 from klotski.bench import gpu_preset
 from klotski.util import cachedir
+from klotski.util.writes import replacing
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout (benchmarks/ beside klotski/)
 SYSTEMS = ("accelerate", "simple", "multibatch", "hot-prefetch", "klotski")
@@ -185,14 +185,8 @@ def ensure_model(preset: str, routing: str, dtype: str) -> Path:
                          f"{need / 1e9:.0f} GB (model + accelerate's offload folder); free some space "
                          "or set XDG_CACHE_HOME to a larger disk")
     print(f"bench: building {final.name} into {final.parent}", file=sys.stderr, flush=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.building-", dir=final.parent))
-    try:
+    with replacing(final) as tmp:
         tiny.build_checkpoint(tmp, preset, routing=routing, dtype=dtype, num_shards=SHARDS.get(preset, 1))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 
@@ -211,19 +205,21 @@ def ensure_disk_model(sizing: dict, routing: str) -> Path:
             return final
     except (OSError, ValueError):
         pass
-    for old in cache.glob("disk-*"):
+    for old in _disk_models(cache):
         print(f"bench: removing {old.name} (another size of the disk model)", file=sys.stderr, flush=True)
         shutil.rmtree(old, ignore_errors=True)
     print(f"bench: building {final.name} ({sizing['model_bytes'] / 1e9:.2f} GB) into {cache}", file=sys.stderr,
           flush=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f"disk-.{final.name}.building-", dir=cache))
-    try:
+    with replacing(final) as tmp:
         tiny.build_checkpoint(tmp, base, routing=routing, dtype=sizing["dtype"],
                               num_shards=max(1, round(sizing["model_bytes"] / 2e9)), **sizing["config_fields"])
-        os.replace(tmp, final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def _disk_models(cache: Path) -> list[Path]:
+    """Every disk model in the cache, and what a killed build of one left (util.writes'
+    temporaries are hidden: a dot, then the model's name)."""
+    return [*cache.glob("disk-*"), *cache.glob(".disk-*")]
 
 
 def _engine_compute(rung: str, threads: int):
@@ -253,7 +249,7 @@ def disk_settings(a) -> dict:
     from klotski.config import parse_size
     cache = cachedir.models()
     cache.mkdir(parents=True, exist_ok=True)
-    old = sum(f.stat().st_size for d in cache.glob("disk-*") for f in d.rglob("*") if f.is_file())
+    old = sum(f.stat().st_size for d in _disk_models(cache) for f in d.rglob("*") if f.is_file())
     why = common.regime_controls()
     if why:
         raise common.DiskRegimeRefused(f"the disk regime needs {why}")

@@ -98,7 +98,7 @@ def correlate(a) -> int:
     ckpt = Checkpoint.open(config.model)
     out = Path(a.output) if a.output else table_path(ckpt)
     spec = ckpt.spec
-    table = new_table(spec, path=a.path_length)
+    table = new_table(spec.shape, path=a.path_length)
     seqs, _ = prepare(requests, ckpt.tokenizer, spec, config)
     engine = build_engine(config, ckpt, setup_run(config, ckpt, seqs),
                           predictor=CorrelationPredictor(table, save_to=(out, ckpt.key)))

@@ -39,9 +39,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import re
-import shutil
 import struct
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
@@ -51,7 +49,7 @@ from typing import Iterable
 import torch
 
 from klotski.util.safetensors import SafetensorsWriter
-from klotski.util.writes import alive
+from klotski.util.writes import replacing
 
 FORMAT = 1
 WEIGHTS_FILE = "quantized.safetensors"
@@ -302,12 +300,8 @@ def quantize_checkpoint(src_dir: str | Path, out_dir: str | Path, spec: QuantSpe
     directory and renamed into place: a crash never leaves a checkpoint that looks whole."""
     out = Path(out_dir)
     digest = source_hash(src_dir)  # before the long part: a missing source fails at once
-    out.parent.mkdir(parents=True, exist_ok=True)
-    _remove_abandoned(out)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with replacing(out) as tmp:  # (a killed run's temporary is removed there first: as big as the checkpoint)
+        tmp.mkdir()
         labels = set()
         with SafetensorsWriter(tmp / WEIGHTS_FILE, {"klotski_format": str(FORMAT), "tag": spec.tag()}) as writer:
             for label, group in groups:
@@ -322,26 +316,8 @@ def quantize_checkpoint(src_dir: str | Path, out_dir: str | Path, spec: QuantSpe
                     "optimize": spec.optimize, "source": str(Path(src_dir).resolve()),
                     "source_hash": digest, "hqq_version": _hqq_version(),
                     "groups": len(labels), "bytes": nbytes, "dtype": dtype}
-        _write_synced(tmp / MANIFEST_FILE, json.dumps(manifest, indent=1).encode())
-        _fsync_dir(tmp)
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        if out.exists():
-            out.rename(old)  # two renames: os.replace cannot swap non-empty directories
-        tmp.rename(out)
-        _fsync_dir(out.parent)
-        shutil.rmtree(old, ignore_errors=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / MANIFEST_FILE).write_bytes(json.dumps(manifest, indent=1).encode())
     return out
-
-
-def _remove_abandoned(out: Path) -> None:
-    """Delete temp/old directories left by killed runs (their pid is gone): each can be
-    as big as the checkpoint, and a user who kills a long quantization never sees them."""
-    for p in out.parent.glob(f".{out.name}.*-*"):
-        kind, _, pid = p.name[len(out.name) + 2:].rpartition("-")
-        if kind in ("tmp", "old") and pid.isdigit() and not alive(int(pid)):
-            shutil.rmtree(p, ignore_errors=True)
 
 
 def load_quantized(out_dir: str | Path, label: str) -> dict[str, torch.Tensor]:
@@ -385,18 +361,3 @@ def _hqq_version() -> str:
         return version("hqq")
     except PackageNotFoundError:
         return "unknown"
-
-
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -102,7 +102,7 @@ def group_nbytes(spec, store, key, dtype: torch.dtype) -> tuple[int, int]:
                 numel *= d
             packed += numel * dtype.itemsize
             decoded += numel * dtype.itemsize
-    H, I = spec.hidden_size, spec.intermediate_size
+    H, I = spec.shape.hidden_size, spec.shape.intermediate_size
     return packed, decoded + 3 * H * I * dtype.itemsize
 
 

@@ -32,6 +32,13 @@ and its ticket is held until the emulated link would have delivered it (cudacopi
 full duplex: device->host transfers (KV stores, the activations host compute takes down)
 occupy a second link of the same rate, so host compute is never charged nothing for them. The `disk`
 channel reads files into host memory: it is a worker thread on both paths.
+
+Host data crosses a CUDA link only from page-locked memory, through rings (`PinnedRing`: bytes
+reused once the copy that last read them is done). Each channel's staging ring (`StagedCopies`)
+takes up what is pageable or strided: disk reads, host compute's results, a host KV cache's
+slots (on kv_load, `staging_here` from the work running on it). The run owns them (not the
+process), the composition root charges those it will use to the host account, and `close`
+gives them back. A step's small uploads and the routing ids' reads have small rings of their own.
 """
 from __future__ import annotations
 
@@ -43,12 +50,40 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 import torch
 
 from klotski.execute import cudacopies
-from planner.workingset import ACTIVATION_RING_BYTES, STAGED_RING_BYTES
+from placement import pinned
+from planner.workingset import ACTIVATION_RING_BYTES, KV_STAGING_BYTES, STAGED_RING_BYTES
 
 # the channels disk-tier groups go up on, each through its ring (planner.workingset.STAGED_RINGS)
 DISK_CARRIERS = ("weights", "experts")
+# the kv_load channel's ring (planner.workingset.KV_STAGING_BYTES): a host KV cache's strided
+# slots (fewer rows than the batch, a sparse cache's kept slots, a shared segment's row) are
+# gathered into it on their way up, in pieces of half of it; held (and charged to the host
+# account) where the KV cache is on the host of a CUDA device (assemble.reserve_staging_rings)
 HOST_TO_DEVICE = "host_to_device"  # the links --emulate-link throttles, one per direction
 DEVICE_TO_HOST = "device_to_host"
+
+_RUNNING = threading.local()  # .channel: the channel whose submitted work runs on this thread
+
+
+def _run_as(channel: "Channel", fn):
+    """`fn()` as `channel`'s work: a copy it makes through a staging ring takes the channel's
+    (`staging_here`), on whichever thread the work runs (its worker, inline, the sanitizer's)."""
+    outer = getattr(_RUNNING, "channel", None)
+    _RUNNING.channel = channel
+    try:
+        return fn()
+    finally:
+        _RUNNING.channel = outer
+
+
+def staging_here() -> "StagedCopies":
+    """The staging ring of the channel whose submitted work is running on this thread: a host
+    KV load (on kv_load) gathers its strided slots through it. The run owns it, not the process."""
+    channel = getattr(_RUNNING, "channel", None)
+    if channel is None:
+        raise RuntimeError("a copy through a staging ring runs as a channel's submitted work "
+                           "(Channel.submit): the ring is that channel's")
+    return channel.staged
 
 
 class Ticket:
@@ -126,7 +161,8 @@ class Channel:
         self.on_caller = self.cuda and cudacopies.sanitizer_on()
         self._queued: Future | None = None  # the last work handed to the worker thread
         self.stream = torch.cuda.Stream(device) if self.cuda else None
-        # pageable sources (disk reads, host compute's results) cross the link from locked memory
+        # pageable sources (disk reads, host compute's results) and, on kv_load, a host KV cache's
+        # strided slots cross the link from locked memory: the channel's staging ring, the run's own
         self.staged = StagedCopies(staged_bytes)
         # On CPU a copy on a worker would start its own OpenMP team as wide as the machine,
         # whose threads spin on the cores compute runs on: one thread per channel (measured on
@@ -149,7 +185,7 @@ class Channel:
                 start = time.perf_counter()
                 emulated = self.links.get(link)
                 done_at = emulated.occupy(nbytes, start) if emulated else None
-                result = fn()
+                result = _run_as(self, fn)
                 ahead = done_at - time.perf_counter() if done_at is not None else 0.0
                 if ahead > SLEEP_GRAIN:
                     time.sleep(ahead)
@@ -182,7 +218,7 @@ class Channel:
                 for t in reads:
                     t.record_stream(self.stream)
                 with self.trace.gpu_span(self.name, name, nbytes, link):
-                    result = fn()
+                    result = _run_as(self, fn)
                 event.record(self.stream)
             cudacopies.hold(self.links.get(link), nbytes, start)  # --emulate-link: arrival at the link's rate
             return result
@@ -222,7 +258,10 @@ class Channel:
             dst.copy_(src, non_blocking=self.cuda)
 
     def close(self) -> None:
+        """After the channel's last work: its staging ring (if made) is unlocked and its charge
+        given back once the copies out of it are done."""
         self._pool.shutdown(wait=True)
+        self.staged.release()
 
 
 def make_channels(device: torch.device, trace, link_gbps: float | None) -> dict[str, Channel]:
@@ -231,8 +270,9 @@ def make_channels(device: torch.device, trace, link_gbps: float | None) -> dict[
     # host compute's results come up on their own channel: behind the KV loads they would
     # wait for transfers they do not depend on
     names = ("weights", "experts", "kv_load", "kv_store", "activations", "disk")
+    rings = {"activations": ACTIVATION_RING_BYTES, "kv_load": KV_STAGING_BYTES}
     return {n: Channel(n, device, trace, *((None, None) if n == "disk" else (up, down)),
-                       staged_bytes=ACTIVATION_RING_BYTES if n == "activations" else STAGED_RING_BYTES)
+                       staged_bytes=rings.get(n, STAGED_RING_BYTES))
             for n in names}
 
 
@@ -355,37 +395,124 @@ class Read:
         return self.value.clone()  # the ring's bytes are reused from now on
 
 
-class StagedCopies:
-    """Host->device copies of pageable tensors (a disk-tier group as read from the file) through a
-    channel's own page-locked ring: each piece of at most half the ring is copied into it on the
-    channel's thread, then sent up non-blocking on the channel's stream, so the link never reads
-    pageable memory (which a CUDA copy does synchronously, through the driver's own bounce
-    buffer) and the next piece is staged while the last one moves. Made on first use: a run with
-    no disk tier never allocates it."""
+class Landed:
+    """The event of a copy that is complete when it returns (on a CPU "device"): never waited for."""
 
-    def __init__(self, nbytes: int = STAGED_RING_BYTES, *, buffer=None, event=None):
-        self.nbytes, self.buffer, self.event = nbytes, buffer, event
+    def record(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+def _send(dst: torch.Tensor, staged: torch.Tensor) -> None:
+    dst.copy_(staged, non_blocking=True)  # on the current stream: the channel's
+
+
+class StagedCopies:
+    """A channel's staging ring: host data crosses the link from it, never from pageable or
+    strided memory (which a CUDA copy reads synchronously, through the driver's own bounce
+    buffer). Pageable tensors (a disk-tier group as read from the file, host compute's results)
+    go up piece by piece (`copy`); a host KV cache's strided slots are gathered into it, as many
+    whole slots a piece as fit (`gather`, on kv_load). A piece is at most half the ring, so the
+    next is staged while the last one moves, and bytes are refilled only once the copy that last
+    read them has completed (its event: PinnedRing). Made on first use (a run with no disk tier
+    never allocates the carriers' rings), in one exactly sized page-locked block
+    (placement/pinned.py); the composition root charges it to the run's host account where it
+    will be used (`charge`) and the channel's close gives both back (`release`). `buffer` and
+    `event` replace the block and the CUDA events (tests); `on_host` is the same ring in plain
+    memory with copies complete when they return (the CUDA path's bookkeeping on a CPU)."""
+
+    def __init__(self, nbytes: int = STAGED_RING_BYTES, *, buffer=None, event=None, locked: bool = True):
+        self.nbytes, self.buffer, self.event, self.locked = nbytes, buffer, event, locked
         self.ring: PinnedRing | None = None
+        self._blocks: pinned.PinnedBlocks | None = None
+        self._charges: list = []  # (account, bytes) this ring holds there
+        self._lock = threading.Lock()  # one copy at a time through the ring
+
+    @classmethod
+    def on_host(cls, nbytes: int) -> "StagedCopies":
+        return cls(nbytes, locked=False)
+
+    def charge(self, account, what: str) -> int:
+        """Hold the bytes the ring takes in `account` (a placement.tiers.Memory; raises OverBudget
+        when they do not fit) until `release`; the bytes charged."""
+        nbytes = pinned.charge(len(self.buffer) if self.buffer is not None else self.nbytes)
+        account.reserve(nbytes, what)
+        self._charges.append((account, nbytes))
+        return nbytes
+
+    def _ring(self) -> PinnedRing:
+        if self.ring is None:
+            buffer = self.buffer
+            if buffer is None:
+                self._blocks = pinned.PinnedBlocks(pinned=self.locked)
+                buffer = self._blocks.buffer(self.nbytes)
+            event = self.event or (None if self.locked else Landed)
+            self.ring = PinnedRing(len(buffer), buffer=buffer, event=event)
+        return self.ring
 
     def copy(self, t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """`t`'s bytes into device tensor `out` (same shape and dtype), piece by piece; `out`."""
-        if self.ring is None:
-            self.ring = PinnedRing(self.nbytes, buffer=self.buffer, event=self.event)
-        src = t.contiguous().reshape(-1).view(torch.uint8)
-        dst = out.view(-1).view(torch.uint8)
-        piece = len(self.ring) // 2
-        for a in range(0, len(src), piece):
-            n = min(piece, len(src) - a)
-            start = self.ring.take(n)
-            staged = self.ring.bytes[start:start + n]
-            staged.copy_(src[a:a + n])
-            dst[a:a + n].copy_(staged, non_blocking=True)
-            self.ring.busy(start, n)
+        with self._lock:
+            self._pieces(self._ring(), t, out, _send)
         return out
 
+    def gather(self, dst: torch.Tensor, src: torch.Tensor, index: torch.Tensor | None = None, send=None) -> None:
+        """dst[i] = src[i], or src[index[i]], for every slot i of the contiguous device buffer
+        `dst` (slots along dim 0 of the host tensor `src`, each contiguous, the slots strided):
+        as many whole slots as half the ring holds are gathered into it and sent up at once
+        (`send(dst_piece, staged)`, a non-blocking copy unless given); a slot larger than half
+        the ring goes up in pieces of its bytes, so the ring never grows past what it was charged."""
+        count = dst.shape[0]
+        if not count:
+            return
+        send = send or _send
+        slot = dst[0].numel() * dst.element_size()
+        with self._lock:
+            ring = self._ring()
+            step = (len(ring) // 2) // slot
+            if not step:
+                for i in range(count):
+                    self._pieces(ring, src[i] if index is None else src[int(index[i])], dst[i], send)
+                return
+            for a in range(0, count, step):
+                b = min(count, a + step)
+                n = (b - a) * slot
+                start = ring.take(n)
+                staged = ring.bytes[start:start + n].view(dst.dtype).view(b - a, *dst.shape[1:])
+                if index is None:
+                    staged.copy_(src[a:b])
+                else:
+                    torch.index_select(src, 0, index[a:b], out=staged)
+                send(dst[a:b], staged)
+                ring.busy(start, n)  # behind the copy on the current stream (the channel's)
 
-def pinned_staging(nbytes: int, device: torch.device) -> torch.Tensor:
-    """A host byte buffer that strided host data is gathered into on its way to `device`:
-    page-locked for a CUDA device (so the copy out of it is asynchronous), plain memory
-    otherwise. Made once and reused by its owner (kvcache.Staging), never per copy."""
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.device(device).type == "cuda")
+    @staticmethod
+    def _pieces(ring: PinnedRing, t: torch.Tensor, out: torch.Tensor, send) -> None:
+        src = t.contiguous().reshape(-1).view(torch.uint8)
+        dst = out.view(-1).view(torch.uint8)
+        piece = len(ring) // 2
+        for a in range(0, len(src), piece):
+            n = min(piece, len(src) - a)
+            start = ring.take(n)
+            staged = ring.bytes[start:start + n]
+            staged.copy_(src[a:a + n])
+            send(dst[a:a + n], staged)
+            ring.busy(start, n)
+
+    def release(self) -> None:
+        """Wait for the copies still reading the ring, unlock its memory, give back its charges."""
+        with self._lock:
+            if self.ring is not None:
+                self.ring.drain()
+                self.ring = None
+            if self._blocks is not None:
+                self._blocks.close()
+                self._blocks = None
+            for account, nbytes in self._charges:
+                account.free(nbytes)
+            self._charges.clear()

@@ -16,88 +16,25 @@ pipeline asks for `load(layer)` (on `kv_load`: a device buffer holding the prefi
 for this step) ahead of the batch's attention, and `store(layer, buf)` (on `kv_store`:
 only this step's new slots go back) after it. `stored[layer]` is the last store's ticket,
 which the next load of that layer waits for. A load's host->device copies read page-locked
-memory only, contiguous: the host cache's own slots when they are one block, else a
-device's staging ring (`Staging`) that the kv_load channel gathers them into, chunk by chunk.
+memory only, contiguous: the host cache's own slots when they are one block, else the
+staging ring of the channel the load runs on (kv_load's `channels.StagedCopies`: the run's,
+charged to its host account) that they are gathered into, chunk by chunk.
 """
 from __future__ import annotations
 
-import threading
 from contextlib import nullcontext
 
 import torch
 
-from klotski.execute.channels import pinned_staging
+from klotski.execute.channels import StagedCopies, staging_here
 
-STAGING_BYTES = 8 << 20        # each half of a device's staging ring (grown to one slot if that is more)
 REALIGN_BLOCK_BYTES = 16 << 20  # the most a realign's scratch block takes (at least one slot)
 
 
 def upload(dst: torch.Tensor, src: torch.Tensor) -> None:
     """A KV load's host->device copy: `src` is a contiguous view of page-locked memory (the
-    host cache or a staging ring), so the copy is asynchronous on the channel's stream."""
+    host cache or a channel's staging ring), so the copy is asynchronous on the channel's stream."""
     dst.copy_(src, non_blocking=True)
-
-
-class Staging:
-    """A persistent page-locked host buffer in two halves, one per device, that loads gather
-    strided host slots into (fewer rows than the batch, a sparse cache's kept slots) on their
-    way to the device: one half fills while the other's copy runs, and a half is refilled
-    only once the copy that last read it has completed (its event), never per copy. A run's
-    loads are serial on its kv_load channel; the lock serialises runs sharing a device."""
-
-    def __init__(self, device, half_bytes: int = STAGING_BYTES):
-        self.device = torch.device(device)
-        self.half_bytes = half_bytes
-        self.halves = [pinned_staging(half_bytes, self.device) for _ in range(2)]
-        self.events = [None, None]
-        self.turn = 0
-        self.lock = threading.Lock()
-
-    def upload(self, dst: torch.Tensor, src: torch.Tensor, index: torch.Tensor | None = None) -> None:
-        """dst[i] = src[i] (or src[index[i]]) for every slot i of the contiguous buffer `dst`."""
-        count = dst.shape[0]
-        if not count:
-            return
-        slot = dst[0].numel() * dst.element_size()
-        with self.lock:
-            if slot > self.half_bytes:  # one slot must fit: grow once the copies out of it are done
-                for i in range(2):
-                    self._free_half(i)
-                self.half_bytes = slot
-                self.halves = [pinned_staging(slot, self.device) for _ in range(2)]
-            step = self.half_bytes // slot
-            for a in range(0, count, step):
-                b = min(count, a + step)
-                i = self.turn
-                self._free_half(i)
-                buf = self.halves[i][:(b - a) * slot].view(dst.dtype).view(b - a, *dst.shape[1:])
-                if index is None:
-                    buf.copy_(src[a:b])
-                else:
-                    torch.index_select(src, 0, index[a:b], out=buf)
-                upload(dst[a:b], buf)
-                if self.device.type == "cuda":
-                    self.events[i] = torch.cuda.Event()
-                    self.events[i].record()  # on the current stream: the channel's, behind the copy
-                self.turn ^= 1
-
-    def _free_half(self, i: int) -> None:
-        if self.events[i] is not None:
-            self.events[i].synchronize()  # that copy alone, not the device
-            self.events[i] = None
-
-
-_STAGING: dict[str, Staging] = {}
-_STAGING_LOCK = threading.Lock()
-
-
-def staging_for(device) -> Staging:
-    """The staging ring of a CUDA device, made on first use and kept for the process."""
-    key = str(torch.device(device))
-    with _STAGING_LOCK:
-        if key not in _STAGING:
-            _STAGING[key] = Staging(device)
-        return _STAGING[key]
 
 
 def _heads(slot_major: torch.Tensor) -> torch.Tensor:
@@ -127,7 +64,7 @@ class BatchKV:
         self.first = 0  # the oldest slot a step loads: before it, no computed row has a token
         self._columns = {}  # device -> this step's columns there
         self.stored: dict = {}
-        self.staging: Staging | None = None  # loads gather through this (default: the CUDA device's ring)
+        self.staging: StagedCopies | None = None  # loads gather through this (default: the load's channel's ring)
         # per row, the shared prompt segments its sequence starts from (schedule/prefix.py),
         # outermost first: not in this cache's slots, attended before them (positions here
         # count after them); () for a row that starts from none
@@ -212,11 +149,12 @@ class BatchKV:
         for layer in self.stored:
             self.landed(layer)
 
-    def staging_to(self, device) -> Staging | None:
+    def staging_to(self, device) -> StagedCopies | None:
         """The ring strided slots are gathered into on their way to `device`: this cache's own
-        if a test gave it one, the CUDA device's, or none (a CPU "device" copies straight)."""
+        if a test gave it one; on CUDA the ring of the channel the load runs on (kv_load's, the
+        run's own); none on a CPU "device", which copies straight."""
         if self.staging is None and torch.device(device).type == "cuda":
-            return staging_for(device)
+            return staging_here()
         return self.staging
 
     def landed(self, layer: int) -> None:
@@ -292,9 +230,9 @@ class BatchKV:
         self.valid[row, dst] = src.valid[src_row, frm]
         self.chains[row] = src.chains[src_row]
 
-    def mark_prefix(self, seqs) -> None:
-        """Which shared segments each row starts from: its sequence's chain."""
-        self.chains[:len(seqs)] = [s.chain for s in seqs]
+    def mark_prefix(self, chains: list) -> None:
+        """Which shared segments each row starts from (its sequence's chain)."""
+        self.chains[:len(chains)] = list(chains)
 
     def segments(self) -> list:
         """The segments the computed rows read, each once, in the order first met."""
@@ -395,7 +333,7 @@ class BatchKV:
                 upload(dst, part)  # stream-ordered behind the last store (the channel waits on it)
             else:
                 self.landed(layer)  # the host reads these slots now: the last store must have landed
-                staging.upload(dst, src if part is None else part, self.old_slots)
+                staging.gather(dst, src if part is None else part, self.old_slots, send=upload)
         return keys, values, old
 
     def store(self, layer: int, buf) -> None:

@@ -80,7 +80,7 @@ class Pipeline:
         self.host_work = HostWork(self.host, channels, trace, self.res.wait)
         self.schedule = config.schedule
         self.whole_layer = self.schedule in ("simple", "multibatch")
-        self.K = 0 if config.prefetch == "none" else spec.top_k if config.hot_experts is None else config.hot_experts
+        self.K = 0 if config.prefetch == "none" else spec.shape.top_k if config.hot_experts is None else config.hot_experts
         self.next_gate = hasattr(predictor, "speculate")
         self.window = DISK_WINDOW_LAYERS  # disk->host staging, layers ahead (paper §6.1's L)
         self.kv_ahead = None      # (layer, load) of batch 0's host KV, issued during the layer before
@@ -89,8 +89,8 @@ class Pipeline:
         self.on_layer = None     # optional callback(layer, hidden states per batch), for tests
         self.kv_bytes_loaded = 0  # host->device KV bytes loads moved (a shared prefix's once per layer)
         # (token, expert) picks per MoE layer and expert, as routed: the job's routing, for the replay
-        moe_layers = sum(spec.experts_in(j) > 0 for j in range(spec.num_layers))
-        self.routed = np.zeros((moe_layers, spec.num_experts), dtype=np.int64)
+        moe_layers = sum(spec.shape.experts_in(j) > 0 for j in range(spec.shape.num_layers))
+        self.routed = np.zeros((moe_layers, spec.shape.num_experts), dtype=np.int64)
 
     # ---- one step -----------------------------------------------------------------------
     @torch.inference_mode()
@@ -109,7 +109,7 @@ class Pipeline:
         self.res.make_room(act, "activations")
         self.memory.reserve(act, "activations")
         hs, ctx, keeps = [], [], []
-        windows = {spec.window(j) for j in range(spec.num_layers)}  # one mask per distinct window
+        windows = {spec.window(j) for j in range(spec.shape.num_layers)}  # one mask per distinct window
         for kv, inp in zip(kvs, inputs):
             with self.trace.span("compute", "embed"):
                 # gathered where the table lives; only the rows travel
@@ -130,11 +130,11 @@ class Pipeline:
         broken = [torch.full((h.shape[0],), -1, device=h.device) for h in hs]
         for layer in range(self.window):  # already staged by the previous step, except on the first
             self.cache.stage(self._layer_keys(layer))
-        for layer in range(spec.num_layers):
+        for layer in range(spec.shape.num_layers):
             self.res.layer, self.res.upcoming = layer, {}
             # Wraps to the next step's first layers, so the disk never idles between steps (on the
             # last step of a run that is one window read for nothing).
-            self.cache.stage(self._layer_keys((layer + self.window) % spec.num_layers))
+            self.cache.stage(self._layer_keys((layer + self.window) % spec.shape.num_layers))
             self._attention(layer, hs, ctx, kvs)
             moe, hot = self._gates(layer, hs, keeps)
             self._load_kv_ahead(layer + 1, kvs)
@@ -158,11 +158,11 @@ class Pipeline:
     def _attention(self, layer, hs, ctx, kvs):
         if self.whole_layer:
             self.res.want([("gate", layer)] + self._expert_keys(layer), "weights")
-            last = layer + 1 == self.spec.num_layers
+            last = layer + 1 == self.spec.shape.num_layers
             self.res.want([("head",)] if last else self._layer_keys(layer + 1), "weights")
         else:
             hot = self._predict(layer)
-            ahead = [("gate", layer + 1)] if self.next_gate and layer + 1 < self.spec.num_layers else []
+            ahead = [("gate", layer + 1)] if self.next_gate and layer + 1 < self.spec.shape.num_layers else []
             self.res.want([("gate", layer)] + [("expert", layer, e) for e in hot] + ahead, "weights")
         w = self.res.get(("attn", layer))
         loads, stores = {}, []
@@ -247,7 +247,7 @@ class Pipeline:
         # only into free room, evicting nothing (this layer's experts cost more than it hides),
         # and leaving room for one expert's use (fetched, decoded, its codec's temporaries): the
         # planner's minimum holds this KV or an expert, never both, and neither can be evicted
-        if (layer < self.spec.num_layers and kv.on_host and not self.at_host[0]
+        if (layer < self.spec.shape.num_layers and kv.on_host and not self.at_host[0]
                 and self.memory.fits(kv.step_nbytes() + self.cache.largest_use)):
             self.kv_ahead = (layer, self._kv_load(kv, layer))
 
@@ -275,18 +275,18 @@ class Pipeline:
         read = self._read(routed.experts)
         ahead = self._speculate(layer + 1, hs, keeps)
         stack = self.cache.stacks.get(layer)
-        moe = LayerExperts(routed, self.spec.top_k, self._keys(layer, stack))
+        moe = LayerExperts(routed, self.spec.shape.top_k, self._keys(layer, stack))
         if stack is not None and runs_grouped(self.device.type, self.cache.dtype):
             self._resident_wave(layer, moe, stack)
-        moe.count(read.wait(), self.spec.num_experts)  # the layer's one wait for routing
+        moe.count(read.wait(), self.spec.shape.num_experts)  # the layer's one wait for routing
         self.host_experts = self._experts_on_host(layer, moe)
         self.res.want([("expert", layer, e) for e in moe.chosen if e not in self.host_experts], "experts", front=True)
         self.cache.release(("gate", layer))
-        if self.spec.experts_in(layer):
-            self.predictor.observe(self.spec.moe_index(layer), [moe.ids])
-            self.routed[self.spec.moe_index(layer)] += moe.counts
+        if self.spec.shape.experts_in(layer):
+            self.predictor.observe(self.spec.shape.moe_index(layer), [moe.ids])
+            self.routed[self.spec.shape.moe_index(layer)] += moe.counts
         if ahead is not None:
-            self.predictor.speculate(self.spec.moe_index(layer + 1), [ahead.wait()])
+            self.predictor.speculate(self.spec.shape.moe_index(layer + 1), [ahead.wait()])
         return moe, hot
 
     def _keys(self, layer, stack) -> SortKeys | None:
@@ -294,7 +294,7 @@ class Pipeline:
         if stack is None:
             return None
         if layer not in self._sort_keys:
-            self._sort_keys[layer] = SortKeys.of(stack.experts, self.spec.experts_in(layer), self._upload)
+            self._sort_keys[layer] = SortKeys.of(stack.experts, self.spec.shape.experts_in(layer), self._upload)
         return self._sort_keys[layer]
 
     def _resident_wave(self, layer, moe: LayerExperts, stack) -> None:
@@ -325,7 +325,7 @@ class Pipeline:
         if not self.next_gate:
             return None
         key = ("gate", layer)
-        if layer >= self.spec.num_layers or not self.spec.experts_in(layer) or not self.cache.ready(key):
+        if layer >= self.spec.shape.num_layers or not self.spec.shape.experts_in(layer) or not self.cache.ready(key):
             return None
         gate = self.cache.get(key)
         with self.trace.span("compute", f"speculate.{layer}"):
@@ -429,7 +429,7 @@ class Pipeline:
         during the next attention; starting them here keeps the link busy through the
         expert phase instead of idling once the attention weights have landed."""
         nxt = layer + 1
-        if nxt == self.spec.num_layers:
+        if nxt == self.spec.shape.num_layers:
             return [("head",), ("attn", 0)]  # then the next step's layer 0; its routing is unknown yet
         return [("attn", nxt), ("gate", nxt)] + [("expert", nxt, e) for e in self._predict(nxt)]
 
@@ -454,11 +454,6 @@ class Pipeline:
         self.res.make_room(nbytes, what)
 
     @property
-    def layer(self) -> int:
-        """The layer the step is in."""
-        return self.res.layer
-
-    @property
     def experts_loaded(self) -> int:
         """Expert transfers started so far."""
         return self.res.experts_loaded
@@ -468,14 +463,14 @@ class Pipeline:
         return [("attn", layer), ("gate", layer)] + self._expert_keys(layer)
 
     def _expert_keys(self, layer: int) -> list:
-        return [("expert", layer, e) for e in range(self.spec.experts_in(layer))]
+        return [("expert", layer, e) for e in range(self.spec.shape.experts_in(layer))]
 
     def _predict(self, layer: int) -> list[int]:
         """Hot experts of a layer. Predictors count MoE layers only: a dense layer
         (DeepSeek's first layers, Qwen's `mlp_only_layers`) has no experts and no routing to learn from."""
-        if not self.spec.experts_in(layer):
+        if not self.spec.shape.experts_in(layer):
             return []
-        return self.predictor.predict(self.spec.moe_index(layer), self.K)
+        return self.predictor.predict(self.spec.shape.moe_index(layer), self.K)
 
     def _activation_bytes(self, kvs, inputs) -> int:
         """This step's activation reserve, by the planner's own formula (workingset.py)."""
@@ -486,3 +481,22 @@ class Pipeline:
         # as the plan reserved it when every batch attends beside its host cache
         return activation_bytes(self.spec, self.cache.dtype.itemsize, step, host_attention=all(self.at_host))
 
+    # ---- measuring ------------------------------------------------------------------------
+    def instrumented(self, *, hooks=None, on_layer=None, predictor=None):
+        """A context manager for measuring the pipeline (klotski/measure/): the steps run inside
+        compute with `hooks` in place of the family's (stubs, a forced router), call
+        `on_layer(layer, hidden states per batch)` after each layer and ask `predictor`; each
+        left as it is when not given, and all put back on exit."""
+        from contextlib import contextmanager
+
+        @contextmanager
+        def swapped():
+            saved = self.M, self.on_layer, self.predictor, self.next_gate
+            self.M, self.on_layer = hooks or self.M, on_layer or self.on_layer
+            if predictor is not None:
+                self.predictor, self.next_gate = predictor, hasattr(predictor, "speculate")
+            try:
+                yield self
+            finally:
+                self.M, self.on_layer, self.predictor, self.next_gate = saved
+        return swapped()

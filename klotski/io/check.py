@@ -36,9 +36,9 @@ def scan(model: str, *, host_memory: int | None = None, progress: bool = False):
             spec = ModelSpec.from_dir(directory, store.names())
             store.validate(spec.expected_shapes())
             tokenizer = load_tokenizer(directory, spec)
-            if len(tokenizer) > spec.vocab_size:
+            if len(tokenizer) > spec.shape.vocab_size:
                 yield (f"{directory}: the tokenizer has {len(tokenizer)} tokens but config.json's vocab_size is "
-                       f"{spec.vocab_size}; prompts that use the extra tokens will fail")
+                       f"{spec.shape.vocab_size}; prompts that use the extra tokens will fail")
         except CheckpointError as e:
             yield str(e)
         yield from _non_finite(store, piece, progress)

@@ -50,7 +50,7 @@ class Checkpoint:
     def group_nbytes(self, key, dtype: torch.dtype, quant=None) -> tuple[int, int]:
         """(bytes of `key` in a tier and on a link, bytes of its dequantized copy or 0) in the
         compute dtype; `quant` (a klotski.compress.hqq.QuantSpec) packs attention and experts."""
-        if key[0] == "expert" and self.spec.expert_format == "mxfp4":  # packed as shipped
+        if key[0] == "expert" and self.spec.shape.expert_format == "mxfp4":  # packed as shipped
             from klotski.compress import mxfp4
             return mxfp4.group_nbytes(self.spec, self.store, key, dtype)
         if key[0] == "expert" and self.is_gguf:  # GGUF blocks as stored
@@ -84,14 +84,14 @@ class Checkpoint:
             sizes[kind] = max(sizes.get(kind, 0), moved)
             if decoded:
                 sizes[f"{kind}_decoded"] = max(sizes.get(f"{kind}_decoded", 0), decoded)
-            if key[0] == "expert" and self.spec.expert_format == "mxfp4":  # decode temporaries, one at a time
+            if key[0] == "expert" and self.spec.shape.expert_format == "mxfp4":  # decode temporaries, one at a time
                 from klotski.compress import mxfp4
                 work = mxfp4.group_workspace_nbytes(self.spec, self.store, key, dtype)
                 sizes["expert_workspace"] = max(sizes.get("expert_workspace", 0), work)
             if key[0] == "expert" and self.is_gguf:
                 work = self.expert_codec(dtype).workspace_nbytes(key)
                 sizes["expert_workspace"] = max(sizes.get("expert_workspace", 0), work)
-            elif decoded and quant is not None and not (key[0] == "expert" and self.spec.expert_format == "mxfp4"):
+            elif decoded and quant is not None and not (key[0] == "expert" and self.spec.shape.expert_format == "mxfp4"):
                 # HQQ's decode temporaries, one group at a time
                 work = self.hqq_workspace_nbytes(key, dtype, quant)
                 sizes[f"{kind}_workspace"] = max(sizes.get(f"{kind}_workspace", 0), work)
@@ -106,7 +106,7 @@ class Checkpoint:
         if self.is_gguf:
             from klotski.compress.ggml import GgufCodec
             return GgufCodec(self.store, self.spec, dtype)
-        if self.spec.expert_format == "mxfp4":
+        if self.spec.shape.expert_format == "mxfp4":
             from klotski.compress.mxfp4 import Mxfp4Codec
             return Mxfp4Codec(self.store, self.spec, dtype)
         return None

@@ -231,15 +231,16 @@ class GgufStore(TensorStore):
 
     def __init__(self, paths: list[Path], model_type: str = "qwen3_moe", heads: tuple = (0, 0), *,
                  direct: bool = False):
-        self.directory, self.direct, self.files = paths[0], direct, paths
+        self.files = paths
         self.model_type, self.heads = model_type, (heads[0], heads[1] or heads[0])
-        self.entries: dict[str, GgufEntry] = {}
-        self._fds: dict = {}
+        entries: dict[str, GgufEntry] = {}
         for file in paths:
             for t in _reader(file).tensors:
-                self._index(file, t)
+                entries.update(self._index(file, t))
+        super().__init__(paths[0], direct=direct, entries=entries)
 
-    def _index(self, file: Path, t) -> None:
+    def _index(self, file: Path, t) -> dict[str, GgufEntry]:
+        """The entries of GGUF tensor `t` of `file`, by Hugging Face name."""
         tid = int(t.tensor_type)
         if tid not in ggml.TYPES:
             raise CheckpointError(f"{file}: tensor {t.name} is stored as {t.tensor_type.name}, which Klotski does "
@@ -255,8 +256,8 @@ class GgufStore(TensorStore):
                                   f"{have}; re-download it")
         permuted = self.model_type == "mixtral" and re.search(r"\.attn_[qk]\.weight$", t.name)
         heads = (self.heads[0] if ".attn_q." in t.name else self.heads[1]) if permuted else 0
-        for name, sub_shape, offset in hf_names(t.name, shape, qtype, self.model_type):
-            self.entries[name] = GgufEntry(file, sub_shape, t.data_offset + offset, qtype, t.name, heads)
+        return {name: GgufEntry(file, sub_shape, t.data_offset + offset, qtype, t.name, heads)
+                for name, sub_shape, offset in hf_names(t.name, shape, qtype, self.model_type)}
 
     def qtype(self, name: str) -> str:
         return self._entry(name).qtype
@@ -352,8 +353,8 @@ def scan(path: Path, piece_bytes: int):
         yield str(e)
         return
     try:
-        if len(tokenizer) > spec.vocab_size:
-            yield (f"{path}: the tokenizer has {len(tokenizer)} tokens but the model has {spec.vocab_size} "
+        if len(tokenizer) > spec.shape.vocab_size:
+            yield (f"{path}: the tokenizer has {len(tokenizer)} tokens but the model has {spec.shape.vocab_size} "
                    "embedding rows; prompts that use the extra tokens will fail")
         for name, entry in sorted(store.entries.items(), key=lambda kv: (str(kv[1].file), kv[1].offset)):
             bad = 0

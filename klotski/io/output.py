@@ -46,7 +46,7 @@ except ImportError:  # not on Windows; the lock is a safety net, not a requireme
 from klotski.errors import JobFileError
 from klotski.io.idset import IdSet
 from klotski.io.records import Scan, file_identity, record_key, scan_file
-from klotski.util.writes import fsync_dir
+from klotski.util.writes import replacing
 
 
 # ---------------------------------------------------------------- reading
@@ -211,24 +211,19 @@ class OutputWriter:
 
     def _rewrite(self, drop, end: int) -> None:
         """Copy the file up to `end` without the byte spans in `drop` (start, end pairs)."""
-        tmp = self.path + ".klotski-tmp"
         keep, at = [], 0
         for i in range(0, len(drop), 2):
             keep.append((at, drop[i]))
             at = drop[i + 1]
         keep.append((at, end))
-        with open(self._fd, "rb", closefd=False) as src, open(tmp, "wb") as dst:
+        with replacing(self.path) as tmp, open(self._fd, "rb", closefd=False) as src, open(tmp, "wb") as dst:
+            os.fchmod(dst.fileno(), os.fstat(self._fd).st_mode & 0o7777)
             for start, stop in keep:
                 src.seek(start)
                 while start < stop:
                     piece = src.read(min(stop - start, 1 << 20))
                     dst.write(piece)
                     start += len(piece)
-            dst.flush()
-            os.fsync(dst.fileno())
-        os.chmod(tmp, os.fstat(self._fd).st_mode & 0o7777)
-        os.replace(tmp, self.path)
-        fsync_dir(os.path.dirname(os.path.abspath(self.path)))
         # Lock the new file before letting go of the old one, so no other run slips in.
         old, self._fd = self._fd, self._open_locked()
         os.close(old)

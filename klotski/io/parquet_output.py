@@ -33,7 +33,7 @@ except ImportError:
 
 from klotski.errors import JobFileError, require
 from klotski.io.idset import IdSet
-from klotski.util.writes import fsync_dir
+from klotski.util.writes import replacing
 
 RESULT = ("id", "completion", "finish_reason", "prompt_tokens", "completion_tokens", "error")
 PARTS_KEY = b"klotski_parts"
@@ -255,18 +255,9 @@ def _write_atomically(path: Path, tables, schema, metadata=None) -> None:
     import pyarrow.parquet as pq
     if metadata:
         schema = schema.with_metadata({**(schema.metadata or {}), **metadata})
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with pq.ParquetWriter(tmp, schema) as w:
-            for table in tables:
-                w.write_table(_conform(table, schema))
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+    with replacing(path) as tmp, pq.ParquetWriter(tmp, schema) as w:
+        for table in tables:
+            w.write_table(_conform(table, schema))
 
 
 def _need_pyarrow(path) -> None:

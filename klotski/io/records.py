@@ -32,7 +32,7 @@ from array import array
 from dataclasses import dataclass
 
 from klotski.io.idset import IdSet
-from klotski.io.requests import CHAT_URL, COMPLETIONS_URL
+from klotski.io.requests import CHAT_URL, COMPLETIONS_URL, model_error
 
 
 # ---------------------------------------------------------------- writing a record
@@ -43,6 +43,17 @@ def record_form(fmt: str, openai_endpoint: str | None) -> str:
     if fmt == "auto":
         return "openai" if openai_endpoint else "klotski"
     return fmt
+
+
+def finished_record(samples: list, *, fmt: str, model: str, include_token_ids: bool = False) -> tuple:
+    """THE record of a finished line, from its n samples (all done): (its result record, None),
+    or (its error record, the LineError) when a sample failed. Every answer is this: a job's
+    output and a Ray worker's shard (klotski.schedule.sequences.line_record, which gathers the
+    samples), Ray Data's columns (klotski/ray.py) and klotski serve's online answers."""
+    if failed := next((x for x in samples if x.error), None):
+        err = model_error(failed)
+        return error_record(err, fmt=fmt), err
+    return result_record(samples, fmt=fmt, model=model, include_token_ids=include_token_ids), None
 
 
 def result_record(seq, *, fmt: str, model: str, include_token_ids: bool = False) -> dict:

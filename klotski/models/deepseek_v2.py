@@ -74,14 +74,14 @@ def attention_names(spec, layer: int) -> dict[str, str]:
     p = f"model.layers.{layer}."
     a = p + "self_attn."
     q = {"q_a": a + "q_a_proj.weight", "q_a_norm": a + "q_a_layernorm.weight", "q_b": a + "q_b_proj.weight"} \
-        if spec.q_lora_rank else {"q": a + "q_proj.weight"}
+        if spec.shape.q_lora_rank else {"q": a + "q_proj.weight"}
     return {"input_norm": p + "input_layernorm.weight", **q, "kv_a": a + "kv_a_proj_with_mqa.weight",
             "kv_a_norm": a + "kv_a_layernorm.weight", "kv_b": a + "kv_b_proj.weight", "o": a + "o_proj.weight"}
 
 
 def gate_names(spec, layer: int) -> dict[str, str]:
     p = f"model.layers.{layer}."
-    if layer < spec.dense_layers:
+    if layer < spec.shape.dense_layers:
         mlp = {f"dense_{w}": p + f"mlp.{n}_proj.weight" for w, n in _MLP}
     else:
         mlp = {"router": p + "mlp.gate.weight", **{f"shared_{w}": p + f"mlp.shared_experts.{n}_proj.weight"
@@ -136,7 +136,7 @@ def local_shapes(spec) -> dict[str, tuple[int, ...]]:
 def softmax_scale(spec) -> float:
     """(nope + rope)^-1/2, times yarn's mscale(factor, mscale_all_dim)^2 where the config
     scales its RoPE (as transformers' `yarn_apply_mscale`)."""
-    scale = (spec.qk_nope_head_dim + spec.head_dim) ** -0.5
+    scale = (spec.shape.qk_nope_head_dim + spec.shape.head_dim) ** -0.5
     rope = spec.config.get("rope_parameters") or spec.config.get("rope_scaling") or {}  # checked by spec
     all_dim = rope.get("mscale_all_dim", 0)
     if rope.get("rope_type", rope.get("type", "default")) != "default" and all_dim and rope["factor"] > 1:
@@ -234,16 +234,9 @@ def route(x, gate: dict, spec):
     if cfg.get("topk_method") == "group_limited_greedy":
         groups = cfg["n_group"]
         best = scores.view(len(x), groups, -1).max(dim=-1).values
-        scores = scores.masked_fill(~_group_mask(best, cfg["topk_group"], scores.shape[-1]), 0.0)
-    weights, experts = torch.topk(scores, k=spec.top_k, dim=-1, sorted=False)
+        scores = scores.masked_fill(~L.group_mask(best, cfg["topk_group"], scores.shape[-1]), 0.0)
+    weights, experts = torch.topk(scores, k=spec.shape.top_k, dim=-1, sorted=False)
     return weights * cfg.get("routed_scaling_factor", 1.0), experts
-
-
-def _group_mask(group_scores, keep: int, num_experts: int):
-    """[N, E] bool: the experts of each token's `keep` best groups."""
-    idx = torch.topk(group_scores, k=keep, dim=-1, sorted=False)[1]
-    mask = torch.zeros_like(group_scores).scatter_(1, idx, 1)
-    return mask.unsqueeze(-1).expand(-1, -1, num_experts // group_scores.shape[1]).reshape(-1, num_experts).bool()
 
 
 expert_ffn = L.swiglu

@@ -59,7 +59,7 @@ def check_quantization(quant) -> None:
 
 def gate_names(spec, layer: int) -> dict[str, str]:
     names = V2.gate_names(spec, layer)
-    if layer >= spec.dense_layers:
+    if layer >= spec.shape.dense_layers:
         names["router_bias"] = f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
     return names
 
@@ -93,9 +93,9 @@ def route(x, gate: dict, spec):
     choice = scores + gate["router_bias"]
     groups = cfg.get("n_group", 1)
     best_two = choice.view(len(x), groups, -1).topk(2, dim=-1)[0].sum(dim=-1)
-    choice = choice.masked_fill(~V2._group_mask(best_two, cfg.get("topk_group", groups), choice.shape[-1]),
+    choice = choice.masked_fill(~L.group_mask(best_two, cfg.get("topk_group", groups), choice.shape[-1]),
                                 float("-inf"))
-    experts = torch.topk(choice, k=spec.top_k, dim=-1, sorted=False)[1]
+    experts = torch.topk(choice, k=spec.shape.top_k, dim=-1, sorted=False)[1]
     weights = scores.gather(1, experts)
     if cfg.get("norm_topk_prob", True):
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)

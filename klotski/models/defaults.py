@@ -34,7 +34,7 @@ def expert_refs(spec, layer: int, expert: int) -> dict[str, TensorRef]:
     transformers v5 may save (`mlp.experts.gate_up_proj` = cat(gate, up), `mlp.experts.down_proj`,
     named alike in every family)."""
     if spec.fused_experts:
-        p, inter = f"model.layers.{layer}.mlp.experts.", spec.intermediate_size
+        p, inter = f"model.layers.{layer}.mlp.experts.", spec.shape.intermediate_size
         return {
             "w1": TensorRef(p + "gate_up_proj", expert, (0, inter)),
             "w3": TensorRef(p + "gate_up_proj", expert, (inter, 2 * inter)),

@@ -49,12 +49,6 @@ def options(cfg: dict) -> dict:
     return {"norm_topk_prob": False, "router_weights_fp32": False}
 
 
-def layer_sliding(cfg: dict, layer: int) -> bool:
-    """Whether `layer` attends through the window; transformers' default alternates, sliding first."""
-    types = cfg.get("layer_types")
-    return types[layer] == "sliding_attention" if types else layer % 2 == 0
-
-
 # ---- tensor names (the published layouts)
 group_refs = defaults.group_refs
 
@@ -77,7 +71,7 @@ def expert_names(spec, layer: int, expert: int) -> dict[str, str]:
     if spec.config.get("gguf_experts"):
         q = f"{p}{expert}."
         return {**{m: f"{q}{m}_proj.weight" for m in GGUF_PARTS}, **{f"{m}_bias": f"{q}{m}_proj.bias" for m in GGUF_PARTS}}
-    parts = ("gate_up_blocks", "gate_up_scales", "down_blocks", "down_scales") if spec.expert_format == "mxfp4" \
+    parts = ("gate_up_blocks", "gate_up_scales", "down_blocks", "down_scales") if spec.shape.expert_format == "mxfp4" \
         else ("gate_up", "down")
     names = {n: p + n.replace("gate_up", "gate_up_proj").replace("down", "down_proj") for n in parts}
     names.update(gate_up_bias=p + "gate_up_proj_bias", down_bias=p + "down_proj_bias")
@@ -106,9 +100,9 @@ def join_gguf_expert(w: dict) -> dict:
 
 
 def local_shapes(spec) -> dict[str, tuple[int, ...]]:
-    H, I = spec.hidden_size, spec.intermediate_size
+    H, I = spec.shape.hidden_size, spec.shape.intermediate_size
     gguf = spec.config.get("gguf_experts")  # GGUF's down is [out, in]
-    return {"sinks": (spec.num_heads,), "router_bias": (spec.num_experts,),
+    return {"sinks": (spec.shape.num_heads,), "router_bias": (spec.shape.num_experts,),
             "gate_up": (H, 2 * I), "down": (H, I) if gguf else (I, H), "gate_up_bias": (2 * I,), "down_bias": (H,),
             "gate_up_blocks": (2 * I, H // 32, 16), "gate_up_scales": (2 * I, H // 32),
             "down_blocks": (H, I // 32, 16), "down_scales": (H, I // 32),
@@ -155,7 +149,7 @@ def attention_block(h, w, cos, sin, mask, cache_write, spec, max_scores=None, at
 def route(x, gate: dict, spec):
     """Top-k of the raw logits (bias included), softmax over those k, in the activation dtype."""
     logits = torch.nn.functional.linear(x, gate["router"], gate["router_bias"])
-    top, experts = torch.topk(logits, spec.top_k, dim=-1)
+    top, experts = torch.topk(logits, spec.shape.top_k, dim=-1)
     return torch.softmax(top, dim=1, dtype=top.dtype), experts
 
 

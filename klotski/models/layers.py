@@ -126,6 +126,14 @@ def route(x: torch.Tensor, router: torch.Tensor, top_k: int, *, renormalise: boo
     return (weights.to(scores.dtype) if cast else weights), experts
 
 
+def group_mask(group_scores: torch.Tensor, keep: int, num_experts: int) -> torch.Tensor:
+    """[N, E] bool: the experts of each token's `keep` best groups, the E experts split into
+    equal groups scored by `group_scores` [N, groups] (DeepSeek's group-limited routing)."""
+    idx = torch.topk(group_scores, k=keep, dim=-1, sorted=False)[1]
+    mask = torch.zeros_like(group_scores).scatter_(1, idx, 1)
+    return mask.unsqueeze(-1).expand(-1, -1, num_experts // group_scores.shape[1]).reshape(-1, num_experts).bool()
+
+
 def swiglu(x: torch.Tensor, w: dict, prefix: str = "") -> torch.Tensor:
     """SwiGLU FFN over tokens x [N, H]: w2(silu(w1 x) * w3 x), weights named prefix + w1/w2/w3."""
     return F.linear(F.silu(F.linear(x, w[prefix + "w1"])) * F.linear(x, w[prefix + "w3"]), w[prefix + "w2"])
@@ -136,11 +144,6 @@ def slots(tokens: int, top_k: int, x: torch.Tensor, weights: torch.Tensor) -> to
     product of an output and its router weight promotes to."""
     dtype = torch.promote_types(x.dtype, weights.dtype)
     return torch.zeros(tokens, top_k, x.shape[-1], dtype=dtype, device=x.device)
-
-
-def put_weighted(buffer: torch.Tensor, tokens, slot, y: torch.Tensor, weights: torch.Tensor) -> None:
-    """Expert outputs y [n, H] of `tokens` at their top-k `slot`, times their router weight."""
-    buffer.index_put_((tokens, slot), y * weights[tokens, slot][:, None])
 
 
 def combine(buffer: torch.Tensor, dtype: torch.dtype, shared: torch.Tensor | None = None) -> torch.Tensor:

@@ -45,9 +45,9 @@ def expert_names(spec, layer: int, expert: int) -> dict[str, str]:
 
 # ---- math ------------------------------------------------------------------------------
 def qkv(x, w: dict, spec):
-    return (L.split_heads(L.linear(x, w, "q"), spec.num_heads, spec.head_dim),
-            L.split_heads(L.linear(x, w, "k"), spec.num_kv_heads, spec.head_dim),
-            L.split_heads(L.linear(x, w, "v"), spec.num_kv_heads, spec.head_dim))
+    return (L.split_heads(L.linear(x, w, "q"), spec.shape.num_heads, spec.shape.head_dim),
+            L.split_heads(L.linear(x, w, "k"), spec.shape.num_kv_heads, spec.shape.head_dim),
+            L.split_heads(L.linear(x, w, "v"), spec.shape.num_kv_heads, spec.shape.head_dim))
 
 
 HOST_ATTENTION = True  # attention_block takes `attend_at` (attention beside a host KV cache)
@@ -62,7 +62,7 @@ def attention_block(h, w, cos, sin, mask, cache_write, spec, max_scores=None, at
 
 
 def route(x, gate: dict, spec):
-    return L.route(x, gate["router"], spec.top_k, renormalise=True, cast=False)
+    return L.route(x, gate["router"], spec.shape.top_k, renormalise=True, cast=False)
 
 
 expert_ffn = L.swiglu

@@ -41,8 +41,9 @@ def qkv(x, w: dict, spec):
         L.linear(x, w, "v")
     if clip is not None:
         q, k, v = (t.clamp(-clip, clip) for t in (q, k, v))
-    return (L.split_heads(q, spec.num_heads, spec.head_dim), L.split_heads(k, spec.num_kv_heads, spec.head_dim),
-            L.split_heads(v, spec.num_kv_heads, spec.head_dim))
+    s = spec.shape
+    return (L.split_heads(q, s.num_heads, s.head_dim), L.split_heads(k, s.num_kv_heads, s.head_dim),
+            L.split_heads(v, s.num_kv_heads, s.head_dim))
 
 
 HOST_ATTENTION = True  # attention_block takes `attend_at` (attention beside a host KV cache)

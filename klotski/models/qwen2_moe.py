@@ -36,7 +36,7 @@ def check_config(cfg: dict) -> None:
 def gate_names(spec, layer: int) -> dict[str, str]:
     # The shared expert is used by every token, like the router: it travels with it.
     p = f"model.layers.{layer}.mlp."
-    if spec.is_dense(layer):
+    if spec.shape.is_dense(layer):
         return qwen3_moe.gate_names(spec, layer)
     return {**qwen3_moe.gate_names(spec, layer), "shared_gate": p + "shared_expert_gate.weight",
             "shared_w1": p + "shared_expert.gate_proj.weight", "shared_w3": p + "shared_expert.up_proj.weight",

@@ -60,7 +60,7 @@ def attention_names(spec, layer: int) -> dict[str, str]:
 
 def gate_names(spec, layer: int) -> dict[str, str]:
     p = f"model.layers.{layer}."
-    if spec.is_dense(layer):
+    if spec.shape.is_dense(layer):
         return {"post_norm": p + "post_attention_layernorm.weight", **dense_names(layer)}
     return {"post_norm": p + "post_attention_layernorm.weight", "router": p + "mlp.gate.weight"}
 
@@ -79,9 +79,9 @@ def expert_names(spec, layer: int, expert: int) -> dict[str, str]:
 # ---- math ------------------------------------------------------------------------------
 def qkv(x, w: dict, spec):
     eps = spec.rms_norm_eps
-    q = L.rms_norm(L.split_heads(L.linear(x, w, "q"), spec.num_heads, spec.head_dim), w["q_norm"], eps)
-    k = L.rms_norm(L.split_heads(L.linear(x, w, "k"), spec.num_kv_heads, spec.head_dim), w["k_norm"], eps)
-    return q, k, L.split_heads(L.linear(x, w, "v"), spec.num_kv_heads, spec.head_dim)
+    q = L.rms_norm(L.split_heads(L.linear(x, w, "q"), spec.shape.num_heads, spec.shape.head_dim), w["q_norm"], eps)
+    k = L.rms_norm(L.split_heads(L.linear(x, w, "k"), spec.shape.num_kv_heads, spec.shape.head_dim), w["k_norm"], eps)
+    return q, k, L.split_heads(L.linear(x, w, "v"), spec.shape.num_kv_heads, spec.shape.head_dim)
 
 
 HOST_ATTENTION = True  # attention_block takes `attend_at` (attention beside a host KV cache)
@@ -98,7 +98,7 @@ def attention_block(h, w, cos, sin, mask, cache_write, spec, max_scores=None, at
 def route(x, gate: dict, spec):
     if "router" not in gate:  # a dense layer
         return defaults.no_experts(x)
-    return L.route(x, gate["router"], spec.top_k, renormalise=spec.norm_topk_prob, cast=True)
+    return L.route(x, gate["router"], spec.shape.top_k, renormalise=spec.norm_topk_prob, cast=True)
 
 
 expert_ffn = L.swiglu

@@ -37,8 +37,8 @@ assert set(FAMILIES) == set(FAMILY_FIELDS)
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """The shape (its public names read through, as properties made below: spec.hidden_size
-    is spec.shape.hidden_size) plus what the engine computes with."""
+    """The shape (`spec.shape`: sizes, layers, experts; the planner's one shape type) plus what
+    the engine computes with: dtype, options, the family, tensor names and groups."""
     shape: ModelShape
     dtype: torch.dtype
     rms_norm_eps: float
@@ -104,7 +104,7 @@ class ModelSpec:
     def attention_refs(self, layer: int) -> dict[str, TensorRef]:
         names = self.family.attention_names(self, layer)
         # every family names its projections self_attn.{q,k,v,o}_proj; biases where configured
-        names.update({f"{n}_bias": f"model.layers.{layer}.self_attn.{n}_proj.bias" for n in self.attention_bias})
+        names.update({f"{n}_bias": f"model.layers.{layer}.self_attn.{n}_proj.bias" for n in self.shape.attention_bias})
         return {k: TensorRef(v) for k, v in names.items()}
 
     def gate_refs(self, layer: int) -> dict[str, TensorRef]:
@@ -113,10 +113,10 @@ class ModelSpec:
     def window(self, layer: int) -> int | None:
         """The attention window of `layer`: the config's on every layer, or on those its
         `layer_types` marks "sliding_attention" (gpt-oss alternates)."""
-        types = self.config.get("layer_types")
-        if self.sliding_window is None or not types:
-            return self.sliding_window
-        return self.sliding_window if types[layer] == "sliding_attention" else None
+        window, types = self.shape.sliding_window, self.config.get("layer_types")
+        if window is None or not types:
+            return window
+        return window if types[layer] == "sliding_attention" else None
 
     def expert_refs(self, layer: int, expert: int) -> dict[str, TensorRef]:
         return self.family.expert_refs(self, layer, expert)
@@ -126,15 +126,15 @@ class ModelSpec:
 
     def head_refs(self) -> dict[str, TensorRef]:
         # A tied head reads the embedding tensor: on the device it is a copy of its own.
-        head = "model.embed_tokens.weight" if self.tie_word_embeddings else "lm_head.weight"
+        head = "model.embed_tokens.weight" if self.shape.tie_word_embeddings else "lm_head.weight"
         return {"norm": TensorRef("model.norm.weight"), "lm_head": TensorRef(head)}
 
     # ---- tensor groups: the unit that placement assigns to a tier and channels move -----
     def group_keys(self) -> list[tuple]:
         """('embed',), ('head',), then per layer ('attn', j), ('gate', j), ('expert', j, e)."""
         keys: list[tuple] = [("embed",), ("head",)]
-        for j in range(self.num_layers):
-            keys += [("attn", j), ("gate", j)] + [("expert", j, e) for e in range(self.experts_in(j))]
+        for j in range(self.shape.num_layers):
+            keys += [("attn", j), ("gate", j)] + [("expert", j, e) for e in range(self.shape.experts_in(j))]
         return keys
 
     def group_refs(self, key: tuple) -> dict[str, TensorRef]:
@@ -142,34 +142,25 @@ class ModelSpec:
 
     def local_shapes(self) -> dict[str, tuple[int, ...]]:
         """Shape of every group-local weight name any family uses."""
-        H, I, Is, D = self.hidden_size, self.intermediate_size, self.shared_intermediate_size, self.head_dim
-        Dn = self.dense_intermediate_size
-        q, kv = self.num_heads * D, self.num_kv_heads * D
-        per_head = self.qk_norm == "head"
+        s = self.shape
+        H, I, Is, D = s.hidden_size, s.intermediate_size, s.shared_intermediate_size, s.head_dim
+        Dn = s.dense_intermediate_size
+        q, kv = s.num_heads * D, s.num_kv_heads * D
+        per_head = s.qk_norm == "head"
         return {"input_norm": (H,), "q": (q, H), "k": (kv, H), "v": (kv, H), "o": (H, q),
                 "q_bias": (q,), "k_bias": (kv,), "v_bias": (kv,), "o_bias": (H,),
                 "q_norm": (D,) if per_head else (q,), "k_norm": (D,) if per_head else (kv,),
-                "post_norm": (H,), "router": (self.num_experts, H),
+                "post_norm": (H,), "router": (s.num_experts, H),
                 "shared_w1": (Is, H), "shared_w3": (Is, H), "shared_w2": (H, Is), "shared_gate": (1, H),
                 "w1": (I, H), "w3": (I, H), "w2": (H, I),
                 "dense_w1": (Dn, H), "dense_w3": (Dn, H), "dense_w2": (H, Dn),  # a dense layer's MLP
-                "embed": (self.vocab_size, H), "norm": (H,), "lm_head": (self.vocab_size, H),
+                "embed": (s.vocab_size, H), "norm": (H,), "lm_head": (s.vocab_size, H),
                 **self.family.local_shapes(self)}
 
     def expected_shapes(self) -> dict[TensorRef, tuple[int, ...]]:
         """Shape of every logical weight, for validating a checkpoint before generation."""
         local = self.local_shapes()
         return {ref: local[name] for key in self.group_keys() for name, ref in self.group_refs(key).items()}
-
-
-def _read_through(name: str) -> property:
-    return property(lambda self: getattr(self.shape, name), doc=f"this checkpoint's shape.{name}")
-
-
-# the shape's public names on the spec too, each a property (not a catch-all __getattr__)
-for _name in [*ModelShape.__dataclass_fields__, *dir(ModelShape)]:
-    if not _name.startswith("_") and not hasattr(ModelSpec, _name) and _name not in ModelSpec.__dataclass_fields__:
-        setattr(ModelSpec, _name, _read_through(_name))
 
 
 def check_config(cfg: dict) -> None:

@@ -37,18 +37,18 @@ from klotski.prefetch.predictors import CorrelationPredictor, CorrelationTable, 
 EXACT_PATH_MAX_SETS = 4096
 
 
-def table_class(spec) -> type[SavedTable]:
+def table_class(shape) -> type[SavedTable]:
     """Exact paths for coarse MoE (Mixtral's 8 experts top-2: 28 sets), per-expert
-    co-occurrence for fine-grained MoE (64-128 experts top-6/8)."""
-    fine = math.comb(spec.num_experts, spec.top_k) > EXACT_PATH_MAX_SETS
+    co-occurrence for fine-grained MoE (64-128 experts top-6/8), by the model's `shape`."""
+    fine = math.comb(shape.num_experts, shape.top_k) > EXACT_PATH_MAX_SETS
     return CooccurrenceTable if fine else CorrelationTable
 
 
-def new_table(spec, path: int = 1) -> SavedTable:
-    """An empty table of the kind this model uses; `path` applies to exact-path tables only."""
-    cls = table_class(spec)
-    shape = (spec.num_layers, spec.num_experts, spec.top_k)
-    return CorrelationTable(*shape, path=path) if cls is CorrelationTable else cls(*shape)
+def new_table(shape, path: int = 1) -> SavedTable:
+    """An empty table of the kind a model of `shape` uses; `path` applies to exact-path tables only."""
+    cls = table_class(shape)
+    sizes = (shape.num_layers, shape.num_experts, shape.top_k)
+    return CorrelationTable(*sizes, path=path) if cls is CorrelationTable else cls(*sizes)
 
 
 def table_path(ckpt) -> Path:
@@ -62,7 +62,7 @@ def load_table(ckpt) -> SavedTable | None:
     if not path.exists():
         return None
     try:
-        return table_class(ckpt.spec).load(path, ckpt.spec)
+        return table_class(ckpt.spec.shape).load(path, ckpt.spec.shape)
     except (ValueError, KeyError, json.JSONDecodeError) as e:
         print(f"klotski: ignoring the expert-correlation table {path} ({e}); learning a new one",
               file=sys.stderr)
@@ -77,16 +77,16 @@ def learned_routing(ckpt) -> tuple[dict[int, list[int]], "torch.Tensor"] | None:
     planner prices the counts (planning.routing_in_slot_order)."""
     path = table_path(ckpt)
     try:
-        table = table_class(ckpt.spec).load(path, ckpt.spec) if path.exists() else None
+        table = table_class(ckpt.spec.shape).load(path, ckpt.spec.shape) if path.exists() else None
     except (ValueError, KeyError, json.JSONDecodeError):
         return None  # an unusable table: the run's predictor says so, once (load_table)
     spec, ranking = ckpt.spec, {}
-    if table is None or not any(spec.experts_in(layer) for layer in range(spec.num_layers)):
+    if table is None or not any(spec.shape.experts_in(layer) for layer in range(spec.shape.num_layers)):
         return None
-    counts = torch.stack([table.picks(spec.moe_index(layer)) for layer in range(spec.num_layers)
-                          if spec.experts_in(layer)])
-    for layer in range(spec.num_layers):
-        if spec.experts_in(layer) and (picks := counts[spec.moe_index(layer)]).sum() > 0:
+    counts = torch.stack([table.picks(spec.shape.moe_index(layer)) for layer in range(spec.shape.num_layers)
+                          if spec.shape.experts_in(layer)])
+    for layer in range(spec.shape.num_layers):
+        if spec.shape.experts_in(layer) and (picks := counts[spec.shape.moe_index(layer)]).sum() > 0:
             ranking[layer] = torch.argsort(-picks, stable=True).tolist()
     return (ranking, counts) if ranking else None
 
@@ -97,7 +97,7 @@ def learning_predictor(ckpt) -> CorrelationPredictor:
     existed = table_path(ckpt).exists()  # an unusable one was already reported by load_table
     table = load_table(ckpt)
     if table is None:
-        table = new_table(ckpt.spec)
+        table = new_table(ckpt.spec.shape)
         if not existed:
             print(f"klotski: no expert-correlation table for this model yet; learning it from this job "
                   f"(saved to {table_path(ckpt)})", file=sys.stderr)

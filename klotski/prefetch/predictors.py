@@ -141,17 +141,19 @@ class SavedTable:
         replace_atomically(path, json.dumps(self.to_json(model_key)).encode())
 
     @classmethod
-    def load(cls, path: Path, spec) -> "SavedTable":
-        """The table saved at `path`; ValueError when it is of another version, kind or shape."""
+    def load(cls, path: Path, model) -> "SavedTable":
+        """The table saved at `path` for a model of shape `model` (its num_layers, num_experts
+        and top_k); ValueError when it is of another version, kind or shape."""
         data = json.loads(Path(path).read_text())
         if data.get("version") != TABLE_VERSION:
             raise ValueError(f"{path}: correlation table version {data.get('version')}, expected {TABLE_VERSION}")
         if data.get("kind") != cls.kind:
             raise ValueError(f"{path}: table kind {data.get('kind')!r}, this model uses {cls.kind!r}")
         shape = (data["num_layers"], data["num_experts"], data["top_k"])
-        if shape != (spec.num_layers, spec.num_experts, spec.top_k):
+        if shape != (model.num_layers, model.num_experts, model.top_k):
             raise ValueError(f"{path}: table is for layers/experts/top-k {shape}, the model has "
-                             f"{(spec.num_layers, spec.num_experts, spec.top_k)}; rebuild it with `klotski correlate`")
+                             f"{(model.num_layers, model.num_experts, model.top_k)}; "
+                             "rebuild it with `klotski correlate`")
         return cls._from_body(shape, data)
 
 

@@ -133,18 +133,18 @@ class Scheduler:
         """Rows with room for the longest request of `waiting` (what static batching gives its
         batch; a cache holds a line's own tokens: a shared prefix's are the engine's, once), and
         at least `floor` slots; what follows from that: the chunk and the step limits."""
-        own, e = self.e.own_len, self.e
+        own, e = self.e.prefixes.own_len, self.e
         self.capacity = max([self.floor] + [own(s) + s.max_new_tokens for s in waiting])
         self.longest_prompt = max([1] + [own(s) for s in waiting])  # a host newcomer cache's slots
         self.host_attention = e.attends_on_host()
         self.chunk = e.chunk_within(e.batch_size, e.num_batches, e.prefill_chunk or self.longest_prompt,
-                                    self.capacity + e.shared, self.host_attention)
+                                    self.capacity + e.prefixes.shared, self.host_attention)
         # rows also attend over the shared segments (at most every one held): their keys count,
         # in the limit as held now and in each newcomer's chunk as held then (windows add some)
         args = (self.spec, e.dtype.itemsize, e.batch_size, e.num_batches, self.chunk, self.capacity)
-        self.step_limit = continuous_step_limit(*args[:-1], self.capacity + e.shared, self.host_attention)
+        self.step_limit = continuous_step_limit(*args[:-1], self.capacity + e.prefixes.shared, self.host_attention)
         # a newcomer batch's chunk, as the planner replays it
-        self.widest = newcomer_chunks(*args, self.host_attention, e.shared)
+        self.widest = newcomer_chunks(*args, self.host_attention, e.prefixes.shared)
         # a newcomer's cache beyond the planned ones is taken only if a step can still run
         # beside it: its activations at their limit and the largest group it fetches
         self.headroom = self.step_limit + e.cache.largest_use
@@ -155,7 +155,7 @@ class Scheduler:
 
     def fits(self, s: S.Sequence) -> bool:
         """Whether `s` fits the rows as they are sized (else it waits for them to drain)."""
-        return self.e.own_len(s) + s.max_new_tokens <= self.capacity
+        return self.e.prefixes.own_len(s) + s.max_new_tokens <= self.capacity
 
     def step(self) -> list:
         """One engine step: schedule, execute, update. The sequences it finished ([] when
@@ -194,21 +194,27 @@ class Scheduler:
             self.decode = self._fill(group)
 
     def _arrive(self) -> None:
-        """What sources added since the last step joins the lanes: a batch's lines are grouped
-        by the prompt segments they share (prefilled now, once), an online request starts from
-        the longest segment held that it shares."""
+        """What sources added since the last step joins the lanes, grouped by the prompt
+        segments they share (prefilled now, once): a batch's lines together, the online
+        requests that arrived since the last step together; an online request that shares none
+        with them starts from the longest segment held that it shares."""
         # work already here when a request arrives: rows computing or sequences waiting for them
         busy = self.live() or len(self.waiting) > 0
-        for arrival in self.waiting.collect(self.order):
-            if arrival.priority == ONLINE:
-                for s in arrival.seqs:
-                    self.e.join_prefix(s)
-                self.online += len(arrival.seqs)
-                self.waiting.stats.joined += busy * len(arrival.seqs)
-            else:
-                self.e.share_prefix(arrival.seqs)
-            for s in arrival.seqs:
-                self.longest_prompt = max(self.longest_prompt, self.e.own_len(s))
+        arrivals = self.waiting.collect(self.order)
+        online = [s for a in arrivals if a.priority == ONLINE for s in a.seqs]
+        staying = lambda seqs: [s for s in seqs if not s.leaving]  # (those leaving go at `_leave`)
+        for a in arrivals:
+            if a.priority != ONLINE:
+                self.e.prefixes.share(staying(a.seqs))
+        if online:  # the requests that came together share segments as a window's lines do
+            self.e.prefixes.share(staying(online))
+            for s in staying(online):
+                if not s.chain:  # else the longest segment held that it shares
+                    self.e.prefixes.join(s)
+            self.online += len(online)
+            self.waiting.stats.joined += busy * len(online)
+        for s in (s for a in arrivals for s in a.seqs):
+            self.longest_prompt = max(self.longest_prompt, self.e.prefixes.own_len(s))
 
     def close(self, why: str | None = None) -> list:
         """Give every cache back; the sequences still in it (`why`: they fail with that)."""
@@ -266,11 +272,10 @@ class Scheduler:
 
     # ---- the first fill: prefilled in place, as static batching does ----------------------
     def _first_fill(self, batch) -> _Decode:
-        longest = max(map(self.e.own_len, batch))
+        longest = max(map(self.e.prefixes.own_len, batch))
         # static: a batch's cache holds its own longest request; continuous: the run's
         capacity = longest + max(s.max_new_tokens for s in batch) if self.static else self.capacity
-        kv, _ = self.space.allocate(len(batch), capacity)
-        kv.mark_prefix(batch)
+        kv, _ = self.space.allocate(len(batch), capacity, chains=[s.chain for s in batch])
         whole = S.prefill_input(batch, longest, self.e.pad_id)
         self.e.stats.record_prompts(batch)
         return _Decode(kv, list(batch), [0] * len(batch), whole.positions[:, -1] + 1,
@@ -418,7 +423,7 @@ class Scheduler:
             free = [(d, i) for d in self.decode for i in d.free_rows()]
             for (d, i), (j, token) in zip(free, list(nc.ready)):
                 s = nc.seqs[j]  # its own slots move; its next position counts the shared prefix too
-                self._move(nc.kv, j, d, i, self.e.own_len(s))
+                self._move(nc.kv, j, d, i, self.e.prefixes.own_len(s))
                 d.rows[i], d.tokens[i], d.positions[i], d.broken[i] = s, token, len(s.prompt_ids), nc.broken[j]
                 nc.ready.remove((j, token))
                 self.e.stats.refills += 1
@@ -485,7 +490,7 @@ class Scheduler:
         """`nbytes` more of the caches' budget while a block lives beside them (a realign's
         scratch): room is made on the device as for a cache, or the run stops over budget."""
         if not self.space.on_host:
-            self.e.pipeline.make_room(nbytes, "KV realign")
+            self.space.make_room(nbytes, "KV realign")
         self.space.account.reserve(nbytes, "KV realign")
         try:
             yield
@@ -531,7 +536,7 @@ class Scheduler:
         # a request longer than the rows waits, and nothing passes it, until they drain
         fitting = next((j for j, s in enumerate(head) if not self.fits(s)), len(head))
         for take in range(min(fitting, self.e.batch_size), 0, -1):
-            longest = max(self.e.own_len(head[j]) for j in range(take))
+            longest = max(self.e.prefixes.own_len(head[j]) for j in range(take))
             # one token a row beside everyone else's at their least, decode rows at their most
             # (ready newcomers join them while this batch prefills): then every step has room;
             # online batches decoding in their own caches count as others at one token a row
@@ -540,7 +545,7 @@ class Scheduler:
             live = sum(d.computed() for d in self.decode if d.live() and not d.online)
             ready = sum(len(nc.seqs) for nc in self.newcomers if not nc.left)
             decode_rows = min(self.e.batch_size * n - sum(r for r, _, _ in others), live + ready)
-            if not self.widest((take, 0, 1), decode_rows, others, self.e.shared):
+            if not self.widest((take, 0, 1), decode_rows, others, self.e.prefixes.shared):
                 continue
             room = longest + max(head[j].max_new_tokens for j in range(take)) if online else longest
             kv = self._newcomer_cache(take, room)
@@ -550,7 +555,7 @@ class Scheduler:
             return  # nothing fits this step: the prompts wait for room
         seqs = self.waiting.pop(take)
         self.e.stats.record_prompts(seqs)
-        kv.mark_prefix(seqs)
+        kv.mark_prefix([s.chain for s in seqs])
         whole = S.prefill_input(seqs, longest, self.e.pad_id)
         self.newcomers.append(_Newcomers(seqs, kv, whole, torch.full((take,), -1), online=online))
 
@@ -562,7 +567,7 @@ class Scheduler:
         widths = [1] * len(prefilling)
         for i, nc in enumerate(prefilling):
             others = [(len(o.seqs), w, o.done) for j, (o, w) in enumerate(zip(prefilling, widths)) if j != i and w]
-            widths[i] = self.widest((len(nc.seqs), nc.done, nc.left), decode_rows, others, self.e.shared)
+            widths[i] = self.widest((len(nc.seqs), nc.done, nc.left), decode_rows, others, self.e.prefixes.shared)
         return [(nc, nc.take(w), True) for nc, w in zip(prefilling, widths) if w]
 
 

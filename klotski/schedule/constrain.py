@@ -79,7 +79,7 @@ def compile_grammar(constraint: tuple[str, str, str], tokenizer, spec) -> Gramma
         raise BadGrammar(f"{field} is not a usable {KINDS[kind]}: {hit}")
     with _LOCK:  # (prepare may run on several threads: the read-ahead, a server's)
         matcher: LLMatcher = hit.deep_copy()
-    return Grammar(matcher, field, spec.vocab_size, (tok.vocab_size + 31) // 32)
+    return Grammar(matcher, field, spec.shape.vocab_size, (tok.vocab_size + 31) // 32)
 
 
 def mask(rows: list, logits: torch.Tensor) -> torch.Tensor:
@@ -170,12 +170,12 @@ def _lltokenizer(tokenizer, spec):
     kept per tokenizer): as wide as the logits, ending at any of the model's EOS tokens."""
     import llguidance.hf
     eos = sorted(set(spec.eos_token_ids) | ({tokenizer.eos_token_id} - {None}))
-    key = (spec.vocab_size, tuple(eos))
+    key = (spec.shape.vocab_size, tuple(eos))
     with _LOCK:
         known = _TOKENIZERS.setdefault(tokenizer, {})
         if key not in known:
             try:
-                known[key] = llguidance.hf.from_tokenizer(tokenizer, n_vocab=max(spec.vocab_size, len(tokenizer)),
+                known[key] = llguidance.hf.from_tokenizer(tokenizer, n_vocab=max(spec.shape.vocab_size, len(tokenizer)),
                                                            eos_token=eos or None)
             except ValueError as e:  # a slow (Python) tokenizer
                 raise BadGrammar(f"constrained answers need a fast tokenizer (tokenizer.json): {e}") from None

@@ -33,9 +33,9 @@ def refusal(spec, config) -> str | None:
     if not config.prefix_cache:
         return "off: --no-prefix-cache"
     if not spec.family.SHARED_PREFIX:
-        return (f"off: {spec.model_type} attention is not plain attention over cached keys (MLA's latent "
+        return (f"off: {spec.shape.model_type} attention is not plain attention over cached keys (MLA's latent "
                 "cache, gpt-oss's sinks): a shared prefix cannot be read once for every row")
-    if any(spec.window(j) is not None for j in range(spec.num_layers)):
+    if any(spec.window(j) is not None for j in range(spec.shape.num_layers)):
         return "off: sliding-window layers would see a different part of the prefix from each line"
     if config.attention != "full":
         return "off: --attention sink/window keeps each line's own first tokens, which the prefix holds"
@@ -148,7 +148,7 @@ class Segment:
         """A device copy of `layer`'s keys and values (host tier). On CUDA every copy reads
         page-locked memory, contiguous, and is asynchronous on the channel's stream: the slots
         themselves when the segment has its cache to itself, else its row of them gathered into
-        the device's staging ring (kvcache.Staging), never a pageable copy made on the way."""
+        the kv_load channel's staging ring (BatchKV.staging_to), never a pageable copy made on the way."""
         staging, out = self.kv.staging_to(device), []
         for src in (self.kv.keys[layer][self.slots, self.row], self.kv.values[layer][self.slots, self.row]):
             dst = torch.empty(src.shape, dtype=src.dtype, device=device)
@@ -156,7 +156,7 @@ class Segment:
                 upload(dst, src)
             else:
                 self.kv.landed(layer)  # the host reads the slots now: their store must have landed
-                staging.upload(dst, src)
+                staging.gather(dst, src, send=upload)
             out.append(dst.transpose(0, 1))
         return out[0], out[1]
 
@@ -174,7 +174,7 @@ def report(engine) -> dict:
                  "prefill_tokens_saved": tokens * (lines - prefills)}
                 for start, tokens, lines, prefills in s.prefixes.values()]
     return {"enabled": engine.config.prefix_cache,
-            "status": engine.prefix_off or ("shared" if s.prefix_lines else "on: no window's lines shared "
+            "status": engine.prefixes.off or ("shared" if s.prefix_lines else "on: no window's lines shared "
                                             f"a prefix of {MIN_TOKENS} tokens or more"),
             "prefix_tokens": s.prefix_tokens, "prefix_prefills": s.prefix_prefills, "lines": s.prefix_lines,
             "prefill_tokens_saved": s.prefix_tokens_saved,

@@ -77,9 +77,9 @@ def prepare(requests, tokenizer, spec, config):
             errors.append(LineError(req.id, req.line, "prompt is empty after tokenization",
                                     openai=req.openai, row=req.row))
             continue
-        if (top := max(ids)) >= spec.vocab_size:
+        if (top := max(ids)) >= spec.shape.vocab_size:
             errors.append(LineError(req.id, req.line, f"the prompt has token id {top}, outside the model's "
-                                    f"vocabulary (vocab_size {spec.vocab_size} in config.json): the tokenizer "
+                                    f"vocabulary (vocab_size {spec.shape.vocab_size} in config.json): the tokenizer "
                                     "does not match the checkpoint", openai=req.openai, row=req.row))
             continue
         try:  # a schema, regex or grammar llguidance rejects is this line's error; each sample has its own matcher
@@ -151,15 +151,11 @@ def line_record(s: Sequence, *, fmt: str, model: str, include_token_ids: bool = 
     """The one record of `s`'s line once all its samples are done, else None: (record, None),
     or (error record, its LineError) if a sample failed. Every writer (a job's output, a Ray
     worker's shard, klotski serve) gathers a line's samples through this."""
-    from klotski.io.records import error_record, result_record
-    from klotski.io.requests import model_error
+    from klotski.io.records import finished_record
     samples = gather(s)
     if samples is None:
         return None
-    if failed := next((x for x in samples if x.error), None):
-        err = model_error(failed)
-        return error_record(err, fmt=fmt), err
-    return result_record(samples, fmt=fmt, model=model, include_token_ids=include_token_ids), None
+    return finished_record(samples, fmt=fmt, model=model, include_token_ids=include_token_ids)
 
 
 def pick(batch: list[Sequence], logits: torch.Tensor) -> list[int]:

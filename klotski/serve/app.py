@@ -14,6 +14,7 @@ klotski/serve/online.py), and the one shape of every error.
 from __future__ import annotations
 
 from fastapi import FastAPI
+from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
@@ -68,7 +69,8 @@ class Guard:
                 await p.reply(scope, receive, send)
         except Exception as e:  # our bug: one line in the log and the reply; the server goes on
             where = f"{scope.get('method')} {scope['path']}"
-            log(f"internal error on {where}: {type(e).__name__}: {e}; {self.served.store.save_crash(e)}")
+            saved = await run_in_threadpool(self.served.store.save_crash, e)  # (a disk write: off the event loop)
+            log(f"internal error on {where}: {type(e).__name__}: {e}; {saved}")
             if not started:
                 await error(500, f"internal error ({type(e).__name__}: {e}); retry, or tell the server's operator",
                             "internal_error")(scope, receive, send)

@@ -33,9 +33,10 @@ from klotski.assemble import adopt_on_this_thread
 from klotski.errors import RunStopped, UserError
 from klotski.generate import Job
 from klotski.schedule.stats import Stats
+from klotski.serve.deps import not_served
 from klotski.serve.store import RETRY_S, Store
 from klotski.serve.worker import GATHER_S, Halt, config_for_batch, log, now
-from klotski.util.writes import WriteFailed, reason, writing
+from klotski.util.writes import WriteFailed, reason, replacing, writing
 
 PROGRESS_EVERY_S = 1.0  # request_counts are saved at most this often while a batch runs
 
@@ -72,17 +73,15 @@ def _copy_input(store: Store, batch: dict, names: tuple[str, ...]) -> tuple[list
     the number of requests returned."""
     d = store.batch_dir(batch["id"])
     bad, rejected, total, seen = [], [], 0, {}
-    with open(store.content_path(batch["input_file_id"]), "rb") as f, open(d / "jobs.jsonl.tmp", "wb") as jobs:
+    with open(store.content_path(batch["input_file_id"]), "rb") as f, replacing(d / "jobs.jsonl") as tmp, \
+            open(tmp, "wb") as jobs:
         for line, raw in enumerate(f, start=1):
             runs = _screen(raw, line, batch, names, seen, bad, rejected)
             total += bool(raw.strip())
             # a line that does not run is a blank line in the run's copy: line numbers stay right
             data = raw if runs and raw.endswith(b"\n") else raw + b"\n" if runs else b"\n"
-            store.faults.check(jobs.name, len(data))
+            store.faults.check(d / "jobs.jsonl.tmp", len(data))  # (the seam's name for the temporary)
             jobs.write(data)
-        jobs.flush()
-        os.fsync(jobs.fileno())
-    os.replace(d / "jobs.jsonl.tmp", d / "jobs.jsonl")
     _write_lines(store, d / "rejected.jsonl", [json.dumps(r, ensure_ascii=False).encode() + b"\n" for r in rejected])
     return bad, rejected, total
 
@@ -127,8 +126,7 @@ def _refused(obj: dict, endpoint: str, names: tuple[str, ...]) -> tuple[str, str
         return "invalid_url", f"url is {json.dumps(obj.get('url'))} but this batch's endpoint is {endpoint}"
     body = obj.get("body")
     if isinstance(body, dict) and body.get("model") not in (None, *names):
-        return "model_not_found", (f"body.model is {json.dumps(body.get('model'))}; this server serves "
-                                   f"{' or '.join(map(repr, names))}")
+        return "model_not_found", not_served(body.get("model"), names, "body.model")
     return None
 
 

@@ -33,7 +33,7 @@ class Served:
     batch_window_s: int
     started: int = field(default_factory=lambda: int(time.time()))
     tok_lock: threading.Lock = field(default_factory=threading.Lock)  # the HTTP threads' one tokenizer
-    detokenizer: object = None   # a tokenizer of the event loop's own: streams decode their tokens with it
+    detokenizer: object = None   # the streams' own tokenizer (decoding, in the thread pool, only reads it)
 
 
 def error(status: int, message: str, code: str | None = None, param: str | None = None,
@@ -41,6 +41,11 @@ def error(status: int, message: str, code: str | None = None, param: str | None 
     kind = "server_error" if status >= 500 else "invalid_request_error"  # (OpenAI's, a 401 and a 429 too)
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
                         status_code=status, headers=headers)
+
+
+def not_served(model, names: tuple[str, ...], field: str = "model") -> str:
+    """Why a request naming `model` in `field` is refused: every route and a batch's lines say it so."""
+    return f"{field} {model!r} is not served here; this server serves {' or '.join(map(repr, names))}"
 
 
 class Problem(Exception):

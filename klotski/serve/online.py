@@ -12,7 +12,8 @@ thread pool, then waits in the worker's inbox for the engine (klotski/serve/work
   request (stopping, its engine's thread gone) a 503 at once.
 * Nothing heavier than a dict is built on the event loop: checking the line, tokenizing,
   compiling grammars, building the answer and checking it against the `openai` package's
-  ChatCompletion or Completion run in the thread pool.
+  ChatCompletion or Completion, and a stream's chunks (detokenizing, JSON) run in the thread
+  pool.
 """
 from __future__ import annotations
 
@@ -27,10 +28,10 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
 from klotski.io.jobs import claim_items
-from klotski.io.records import result_record
+from klotski.io.records import finished_record
 from klotski.io.requests import CHAT_URL, COMPLETIONS_URL, LineError
 from klotski.schedule.sequences import prepare
-from klotski.serve.deps import Problem, Served, authorized, json_body, served
+from klotski.serve.deps import Problem, Served, authorized, json_body, not_served, served
 from klotski.serve.stream import DONE, Chunks, error_event, event
 from klotski.schedule.scheduler import QueueFull
 
@@ -53,8 +54,7 @@ async def completions(request: Request, s: Served = Depends(served)):
 async def online(request: Request, s: Served, url: str):
     body = await json_body(request)
     if body.get("model") not in (None, *s.names):
-        raise Problem(404, f"model {body.get('model')!r} is not served here; this server serves "
-                           f"{' or '.join(map(repr, s.names))}", "model_not_found", "model")
+        raise Problem(404, not_served(body.get("model"), s.names), "model_not_found", "model")
     stream, usage = streaming(body)
     seqs = await run_in_threadpool(_prepare, s, url, body, stream)
     if not stream:
@@ -139,9 +139,10 @@ async def _answered(request: Request, seqs: list, future) -> list:
 
 def _answer(s: Served, url: str, samples: list) -> dict:
     """The whole answer, checked against the `openai` package's type (in the thread pool)."""
-    if failed := next((x for x in samples if x.error), None):
-        raise Problem(500, f"the model could not answer: {failed.error}", "model_error")
-    answer = result_record(samples, fmt="openai", model=s.names[0])["response"]["body"]
+    record, failed = finished_record(samples, fmt="openai", model=s.names[0])
+    if failed is not None:
+        raise Problem(500, f"the model could not answer: {failed.message}", "model_error")
+    answer = record["response"]["body"]
     (ChatCompletion if url == CHAT_URL else Completion).model_validate(answer)
     return answer
 
@@ -169,40 +170,54 @@ def _listener(loop, heard: asyncio.Queue, sample: int):
 
 async def _events(seqs: list, chunks: Chunks, heard: asyncio.Queue):
     """The stream: each sample's chunks as its tokens come, then usage, then [DONE]. Closed or
-    cancelled before the end (the client left), its sequences are set `leaving`."""
+    cancelled before the end (the client left), its sequences are set `leaving`. The event
+    loop only waits and passes text on: the chunks (detokenizing, JSON) are made in the
+    thread pool."""
     try:
-        for chunk in chunks.opening():
-            yield event(chunk)
+        if opening := await run_in_threadpool(lambda: "".join(map(event, chunks.opening()))):
+            yield opening
         going = set(range(len(seqs)))
         while going:
-            news = [await heard.get()]
+            heard_now, news = [await heard.get()], []
             while not heard.empty():  # what came meanwhile goes out together
-                news.append(heard.get_nowait())
-            for news_item in news:
-                if isinstance(news_item, asyncio.Future):  # the inbox's answer: all done, or failed
-                    if news_item.exception() is not None:
-                        yield error_event(f"the request could not be run: {news_item.exception()}; retry",
-                                          "unavailable", 503)
-                        return
-                    # (every sample's last news came before it; should one not have, its end is read now)
-                    news.extend((i, len(s.out), s.finish_reason, s.text, s.error) for i, s in enumerate(seqs)
-                                if i in going)
-                    continue
-                sample, made, finish, text, error = news_item
-                if sample not in going:
-                    continue
-                if finish == "error":
-                    yield error_event(f"the model could not answer: {error}", "model_error")
-                    return
-                for chunk in chunks.progress(sample, made, finish, text):
-                    yield event(chunk)
-                if finish is not None:
-                    going.discard(sample)
-        for chunk in chunks.closing():
-            yield event(chunk)
-        yield DONE
+                heard_now.append(heard.get_nowait())
+            for item in heard_now:
+                if not isinstance(item, asyncio.Future):
+                    news.append(item)
+                elif item.exception() is not None:  # the inbox's answer: failed
+                    news.append(error_event(f"the request could not be run: {item.exception()}; retry",
+                                            "unavailable", 503))
+                    break
+                else:  # all done: every sample's last news came before it; should one not have, it is read now
+                    news.extend((i, len(s.out), s.finish_reason, s.text, s.error) for i, s in enumerate(seqs))
+            said, ended = await run_in_threadpool(_said, chunks, news, going)
+            if said:
+                yield said
+            if ended:
+                return
     finally:
         _leave(seqs)
+
+
+def _said(chunks: Chunks, news: list, going: set) -> tuple[str, bool]:
+    """The events `news` make (each sample's progress, in order; an error event is the last
+    word), the usage and [DONE] once no sample is `going`; and whether the stream has ended.
+    In the thread pool."""
+    out = []
+    for item in news:
+        if isinstance(item, str):  # (an error event)
+            return "".join([*out, item]), True
+        sample, made, finish, text, error = item
+        if sample not in going:
+            continue
+        if finish == "error":
+            return "".join([*out, error_event(f"the model could not answer: {error}", "model_error")]), True
+        out.extend(map(event, chunks.progress(sample, made, finish, text)))
+        if finish is not None:
+            going.discard(sample)
+    if not going:
+        out.extend([*map(event, chunks.closing()), DONE])
+    return "".join(out), not going
 
 
 def _leave(seqs: list) -> None:

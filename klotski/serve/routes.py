@@ -15,7 +15,7 @@ from openai.types import Batch, FileObject
 
 from klotski.io.requests import CHAT_URL, COMPLETIONS_URL
 from klotski.serve.batches import validate
-from klotski.serve.deps import Problem, Served, authorized, json_body, served
+from klotski.serve.deps import Problem, Served, authorized, json_body, not_served, served
 from klotski.serve.store import StoreFailed
 from klotski.serve.upload import BadUpload, receive_upload
 from klotski.util.writes import reason
@@ -52,8 +52,7 @@ async def models(s: Served = Depends(served)):
 @router.get("/v1/models/{model:path}")
 async def model(model: str, s: Served = Depends(served)):
     if model not in s.names:
-        raise Problem(404, f"model {model!r} is not served here; this server serves "
-                           f"{' or '.join(map(repr, s.names))}", "model_not_found", "model")
+        raise Problem(404, not_served(model, s.names), "model_not_found", "model")
     return _model(s, model)
 
 

@@ -67,7 +67,7 @@ def serve(config, options: ServeOptions) -> int:
                                     row_slots=len(planned[0].prompt_ids) + planned[0].max_new_tokens)
         engine = build_engine(config, ckpt, setup)
         names = o.served_names or (config.model,)
-        inbox = Inbox(engine.waiting, o.max_waiting)
+        inbox = Inbox(engine, o.max_waiting)
         worker = Worker(store, config, engine, setup, inbox, names)
         state = Served(store=store, names=names, config=config, tokenizer=copy.deepcopy(ckpt.tokenizer),
                        detokenizer=copy.deepcopy(ckpt.tokenizer), spec=ckpt.spec, inbox=inbox,

@@ -65,11 +65,12 @@ def write_json(path: Path, obj: dict, faults: Faults) -> None:
     data = json.dumps(obj).encode()
     faults.check(path.with_name(path.name + ".tmp"), len(data))
     replace_atomically(path, data)
-    fsync_dir(str(path.parent))
 
 
 class Store:
-    """Files and batches in memory, each change written through to disk before it is visible."""
+    """Files and batches in memory, each change written through to disk before its caller
+    hears it is done. `lock` guards the dicts and is never held across a write to the disk:
+    a request that only reads them (DELETE's in-use check, /health) never waits on an fsync."""
 
     def __init__(self, root: Path, faults: Faults | None = None):
         self.root = Path(root)
@@ -86,6 +87,7 @@ class Store:
             raise UserError(f"--data-dir {self.root}: cannot create it ({e.strerror}); choose another directory")
         self._lock_fd = self._take_lock()
         self.lock = threading.RLock()  # the HTTP threads and the worker share these dicts
+        self.saving = threading.Lock()  # batch states are saved one at a time: the newest is written last
         self.files = {p.stem: json.loads(p.read_text()) for p in self.files_dir.glob("file-*.json")}
         self.batches = {}
         for p in self.batches_dir.glob("batch_*/batch.json"):
@@ -123,16 +125,17 @@ class Store:
         """Take `src` (already fsynced) as a new file's content (under `file_id`, else a new id);
         OSError if its metadata cannot be written (the content goes back to `src`)."""
         fid = file_id or new_id("file-")
+        # a move, not a write: `src` is whole and fsynced, the metadata written next is the commit
         os.replace(src, self.content_path(fid))
         meta = {"id": fid, "object": "file", "bytes": self.content_path(fid).stat().st_size,
                 "created_at": int(time.time()), "filename": filename, "purpose": purpose, "status": "processed"}
+        try:
+            write_json(self.files_dir / f"{fid}.json", meta, self.faults)
+        except OSError as e:
+            os.replace(self.content_path(fid), src)  # (a move back)
+            self.fault(e, "a file")
+            raise
         with self.lock:
-            try:
-                write_json(self.files_dir / f"{fid}.json", meta, self.faults)
-            except OSError as e:
-                os.replace(self.content_path(fid), src)
-                self.fault(e, "a file")
-                raise
             self.files[fid] = meta
         return meta
 
@@ -146,11 +149,12 @@ class Store:
         return None
 
     def delete_file(self, file_id: str) -> None:
-        with self.lock:  # (the object first: a crash between the two leaves no file without content)
-            (self.files_dir / f"{file_id}.json").unlink(missing_ok=True)
-            self.content_path(file_id).unlink(missing_ok=True)
-            fsync_dir(str(self.files_dir))
+        with self.lock:
             self.files.pop(file_id, None)
+        # (the object first: a crash between the two leaves no file without content)
+        (self.files_dir / f"{file_id}.json").unlink(missing_ok=True)
+        self.content_path(file_id).unlink(missing_ok=True)
+        fsync_dir(str(self.files_dir))
 
     # ---- batches -----------------------------------------------------------------------
     def batch_dir(self, batch_id: str) -> Path:
@@ -166,12 +170,12 @@ class Store:
                  "request_counts": {"total": 0, "completed": 0, "failed": 0}, **fields}
         try:
             self.batch_dir(bid).mkdir()
-            with self.lock:
-                write_json(self.batch_dir(bid) / "batch.json", batch, self.faults)
-                self.batches[bid] = batch
+            write_json(self.batch_dir(bid) / "batch.json", batch, self.faults)
         except OSError as e:
             self.fault(e, "a batch")
             raise StoreFailed(f"the server could not store the batch: {reason(e)}; retry later", e) from None
+        with self.lock:
+            self.batches[bid] = batch
         return batch
 
     def update(self, batch_id: str, only_if: tuple = (), **fields) -> dict | None:
@@ -185,18 +189,26 @@ class Store:
             batch = {**self.batches[batch_id], **fields}
             self.batches[batch_id] = batch
             self.unsaved.add(batch_id)
-            self._save_unsaved()
-            return batch
+        self._save_unsaved()
+        return batch
 
     def _save_unsaved(self) -> bool:
-        with self.lock:
-            for bid in sorted(self.unsaved):
+        """Write every batch whose state is not on disk, each as it is when written (`lock` taken
+        only to read it: never across the write)."""
+        with self.saving:
+            with self.lock:
+                pending = sorted(self.unsaved)
+            for bid in pending:
+                with self.lock:
+                    batch = self.batches[bid]
                 try:
-                    write_json(self.batch_dir(bid) / "batch.json", self.batches[bid], self.faults)
+                    write_json(self.batch_dir(bid) / "batch.json", batch, self.faults)
                 except OSError as e:
                     self.fault(e, f"batch {bid}'s state")
                     return False
-                self.unsaved.discard(bid)
+                with self.lock:
+                    if self.batches[bid] is batch:  # (else changed meanwhile: its saver waits for `saving`)
+                        self.unsaved.discard(bid)
         return True
 
     # ---- faults ------------------------------------------------------------------------

@@ -3,8 +3,8 @@ sends them as server-sent events. Nothing here waits or touches the engine: it i
 sample had made at some step (its tokens so far; its text and finish reason once done) and
 says what to send.
 
-* `TextStream`, one sample's text: detokenized incrementally (a few tokens decoded again per
-  step, as vLLM does, never the whole answer), with two things held back: a partial UTF-8
+* `TextStream`, one sample's text: detokenized incrementally (one decode of a few tokens per
+  update, never the whole answer), with two things held back: a partial UTF-8
   character (a decode ending in U+FFFD waits for the token that completes it), and text that
   could still become one of the request's stop strings (the engine cuts a stop string and what
   follows it from the answer: no character of it may have been sent). The last delta is cut
@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections import deque
 
 from klotski.io.records import chat_logprobs, completion_logprobs
 from klotski.io.requests import CHAT_URL
@@ -54,47 +55,65 @@ def releasable(text: str, stops: tuple[str, ...]) -> int:
 
 
 class TextStream:
-    """One sample's text as its tokens come (see the module doc)."""
+    """One sample's text as its tokens come (see the module doc). One decode per update, of a
+    window of a few tokens: text is read from `start` on, the window's text so far (`window`)
+    kept, so what a decode adds is the new tokens' text; the window moves on every few tokens,
+    keeping CONTEXT tokens before the new ones. Linear in the answer's length, whatever comes."""
+
+    WINDOW = 8    # tokens a decode window holds (besides those still waiting) before it moves on
+    CONTEXT = 2   # tokens it keeps when it moves: a token's text can depend on the one before it
+    PATIENCE = 8  # tokens a partial character may wait before each new one is first checked alone
+    PROBE = 4     # ...with the last this many (at least a character's 4 bytes): bytes that never
+                  # make a character (stray bytes) then cost no decode of the whole run each token
 
     def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
         self.tokenizer, self.stop = tokenizer, tuple(stop)
-        self.prefix = self.read = 0  # tokens: where the decode window starts, and how many are in `text`
-        self.text = ""               # the text of the first `read` tokens
-        self.sent = 0                # characters of `text` sent
+        self.start = self.read = 0   # tokens: where the window starts, and how many are read
+        self.window = ""             # the text of tokens [start, read)
+        self.unsent = ""             # text read and not sent (what may yet begin a stop string)
+        self.chars = self.sent = 0   # characters read, and sent
         self.tokens_sent = 0         # tokens whose text is all sent
-        self.marks: list[tuple[int, int]] = []  # (tokens read, characters of text then), not yet sent
+        self.marks: deque[tuple[int, int]] = deque()  # (tokens read, characters read then), not yet sent
 
     def _decode(self, ids) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _read(self, ids: list[int]) -> None:
-        """Take in the tokens after `read`: their text joins `text` unless it ends in a partial
-        character (or adds nothing: a special token), when they wait for the next."""
-        if self.read >= len(ids):
+    def _read(self, ids: list[int], n: int) -> None:
+        """Take in tokens [read, n): their text is read unless it ends in a partial character,
+        when they wait for the next (a special token adds no text and waits for nothing)."""
+        if n <= self.read:
             return
-        # decoded from a few tokens back: a token's text can depend on the one before it
-        # (SentencePiece's leading space, bytes of one character split over two tokens)
-        before = self._decode(ids[self.prefix:self.read])
-        after = self._decode(ids[self.prefix:])
-        if len(after) > len(before) and not after.endswith(PARTIAL):
-            self.text += after[len(before):]
-            self.prefix, self.read = self.read, len(ids)
-            self.marks.append((self.read, len(self.text)))
+        if n - self.read > self.PATIENCE and self._decode(ids[n - self.PROBE:n]).endswith(PARTIAL):
+            return  # its end still partial: the whole window would be too
+        text = self._decode(ids[self.start:n])
+        if text.endswith(PARTIAL) or not text.startswith(self.window):
+            return
+        if new := text[len(self.window):]:
+            self.unsent += new
+            self.chars += len(new)
+            self.marks.append((n, self.chars))
+        self.read, self.window = n, text
+        if n - self.start >= self.WINDOW:
+            self.start = n - self.CONTEXT
+            self.window = self._decode(ids[self.start:n])
 
-    def next(self, ids: list[int], final: str | None = None) -> tuple[str, int, int]:
+    def next(self, ids: list[int], final: str | None = None, made: int | None = None) -> tuple[str, int, int]:
         """(the text to send now, and the range [a, b) of the tokens it completes), given the
-        sample's tokens so far and, once it is done, its whole text (`final`, the engine's)."""
-        a = self.tokens_sent
+        sample's tokens (its first `made`: all of them by default) and, once it is done, its
+        whole text (`final`, the engine's)."""
+        n, a = len(ids) if made is None else made, self.tokens_sent
         if final is not None:
             # the engine's text decides the end: what was sent is its beginning (held back as above)
             delta = final[self.sent:]
-            self.text, self.sent, self.read, self.tokens_sent, self.marks = final, len(final), len(ids), len(ids), []
-            return delta, a, len(ids)
-        self._read(ids)
-        upto = max(self.sent, releasable(self.text, self.stop))
-        delta, self.sent = self.text[self.sent:upto], upto
+            self.sent, self.read, self.tokens_sent, self.unsent = len(final), n, n, ""
+            self.marks.clear()
+            return delta, a, n
+        self._read(ids, n)
+        upto = releasable(self.unsent, self.stop)  # (sent text never begins a stop string)
+        delta, self.unsent = self.unsent[:upto], self.unsent[upto:]
+        self.sent += upto
         while self.marks and self.marks[0][1] <= self.sent:
-            self.tokens_sent = self.marks.pop(0)[0]
+            self.tokens_sent = self.marks.popleft()[0]
         return delta, a, self.tokens_sent
 
 
@@ -137,7 +156,7 @@ class Chunks:
         done (its finish reason and whole text, as they were when it ended)."""
         s = self.samples[i]
         self.made[i] = made
-        delta, a, b = self.texts[i].next(s.out[:made], text if finish is not None else None)
+        delta, a, b = self.texts[i].next(s.out, text if finish is not None else None, made)
         logprobs = self._logprobs(i, s.logprobs[a:b]) if self.asked and b > a else None
         out = [self._chunk([self._choice(i, delta, None, logprobs)])] if delta or logprobs else []
         if finish is not None:

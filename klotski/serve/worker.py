@@ -37,9 +37,10 @@ class Inbox:
     """Online requests, put into the engine's waiting queue, each with the future its HTTP
     request awaits (answered from the engine's thread once all its samples are done)."""
 
-    def __init__(self, waiting, max_waiting: int = MAX_WAITING):
-        self.waiting = waiting  # the engine's (schedule/scheduler.Waiting)
-        waiting.limit = max_waiting  # (a request's n samples count once)
+    def __init__(self, engine, max_waiting: int = MAX_WAITING):
+        self.add_request = engine.add_request  # the engine's one way in
+        self.waiting = engine.waiting  # (schedule/scheduler.Waiting: counted for /health)
+        self.waiting.limit = max_waiting  # (a request's n samples count once)
         self.lock = threading.Lock()
         self.replies: dict[int, concurrent.futures.Future] = {}  # id(seq) -> future, until answered
         self.closed: str | None = None  # why no engine will take requests any more
@@ -60,7 +61,7 @@ class Inbox:
                 self.replies[id(seq)] = future
                 seq.listener = _chain(seq.listener, self._answer)
         try:
-            self.waiting.put(seqs, ONLINE)
+            self.add_request(seqs, ONLINE)
         except BaseException:
             with self.lock:
                 for seq in seqs:

@@ -6,11 +6,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Callable
+
+from klotski.util.writes import replacing, require_space, writing
 
 
 def root() -> Path:
@@ -57,38 +57,26 @@ def build_once(name: str, current: Callable[[Path], bool], build: Callable[[Path
                need: int | None = None) -> Path:
     """models()/`name`, made by `build(directory)` unless `current(path)` says it is there.
 
-    The build goes to a temporary sibling directory that is renamed into place, so an
-    interrupted build never leaves a half-written model behind, and two processes racing to
-    build simply keep whichever finished first."""
+    The build goes to a temporary sibling directory that is renamed into place
+    (util.writes.replacing), so an interrupted build never leaves a half-written model
+    behind, and two processes racing to build simply keep whichever finished first."""
     root = models()
     final = root / name
     if current(final):
         return final
-    from klotski.util.writes import require_space, writing
     what = f"the built-in model {name}"
     if need:
         require_space(root, need, what, "free some space or point XDG_CACHE_HOME at a bigger disk")
     with writing(root, what, need=need, then="the partial build was removed; free some space or point "
                  "XDG_CACHE_HOME at a bigger disk, then rerun the same command"):
         root.mkdir(parents=True, exist_ok=True)
-        _build(name, root, final, current, build)
+        _build(name, final, current, build)
     return final
 
 
-def _build(name: str, root: Path, final: Path, current, build) -> None:
+def _build(name: str, final: Path, current, build) -> None:
     why = "out of date" if final.exists() else "first use"
     print(f"building {name} into {final} ({why})", file=sys.stderr, flush=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.building-", dir=root))
-    try:
+    with replacing(final, keep=current) as tmp:  # (a current one another process built meanwhile is kept)
+        tmp.mkdir()
         build(tmp)
-        if final.exists() and not current(final):
-            old = Path(tempfile.mkdtemp(prefix=f".{name}.old-", dir=root))
-            os.replace(final, old / name)
-            shutil.rmtree(old, ignore_errors=True)
-        try:
-            os.replace(tmp, final)
-        except OSError:
-            if not current(final):  # not a lost race: a real failure
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)

@@ -6,10 +6,13 @@ the same command, and it resumes."""
 from __future__ import annotations
 
 import errno
+import glob
 import os
+import secrets
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable, Iterator
 
 from klotski.errors import RunStopped, UserError
 
@@ -97,24 +100,88 @@ def alive(pid: int) -> bool:
 
 
 def replace_atomically(path: Path, data: bytes) -> None:
-    """Write `data` to a temporary sibling and rename it over `path`: a reader, or a run
-    killed midway, sees the old file or the new one, never a part. A temporary left by a
-    killed run (its pid gone) is removed by the next write of the same file."""
+    """`data` as the file `path`, through `replacing`."""
+    with replacing(path) as tmp:
+        tmp.write_bytes(data)
+
+
+@contextmanager
+def replacing(path, *, keep: Callable[[Path], bool] | None = None) -> Iterator[Path]:
+    """THE atomic write: a temporary sibling of `path` for the block to write (a file, or a
+    directory it makes there), renamed over `path` once the block ends: a reader, or a run
+    killed midway, sees the old `path` or the new one, never a part. Before the rename the new
+    file (a directory: it and every file in it) is fsynced, after it `path`'s directory.
+
+    A directory cannot be renamed over a non-empty one: the one there goes aside first and is
+    removed after, unless `keep(path)` says it will do (another process built it meanwhile:
+    ours is dropped). The block failing removes the temporary. Temporaries (and set-aside
+    directories) of killed runs (their pid gone) are removed here first."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    for stale in path.parent.glob(f".{path.name}.*.tmp"):
-        pid = stale.name[len(path.name) + 2:-len(".tmp")]
-        if pid.isdigit() and not alive(int(pid)):
-            stale.unlink(missing_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    _remove_abandoned(path)
+    # the pid says whose it is; the token tells apart two threads of one process
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        yield tmp
+        _sync_tree(tmp)
+        _rename_over(tmp, path, keep)
+    finally:
+        _remove(tmp)
+    fsync_dir(path.parent)
+
+
+def _remove_abandoned(path: Path) -> None:
+    """The temporaries of `path` whose writer's pid is gone (a killed run's: as big as what it wrote)."""
+    for stale in path.parent.glob(f".{glob.escape(path.name)}.*"):
+        pid, _, rest = stale.name[len(path.name) + 2:].partition(".")
+        if rest.endswith(("tmp", "old")) and pid.isdigit() and not alive(int(pid)):
+            _remove(stale)
+
+
+def _remove(p: Path) -> None:
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p, ignore_errors=True)
+    else:
+        p.unlink(missing_ok=True)
+
+
+def _sync_tree(p: Path) -> None:
+    """fsync a file, or a directory and everything in it (the files first)."""
+    if p.is_dir():
+        for sub in sorted(p.rglob("*"), key=lambda x: -len(x.parts)):  # (deepest first)
+            if sub.is_symlink():
+                continue
+            if sub.is_dir():
+                fsync_dir(sub)
+            else:
+                _sync_tree(sub)
+        fsync_dir(p)
+        return
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _rename_over(tmp: Path, path: Path, keep) -> None:
+    try:
         os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+        return
+    except OSError as e:  # a directory over a non-empty one
+        if not tmp.is_dir() or e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.EISDIR):
+            raise
+    if keep is not None and keep(path):
+        return  # (the caller's `finally` drops ours)
+    old = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.old")
+    os.replace(path, old)
+    try:
+        os.replace(tmp, path)
+    except OSError:
+        if keep is None or not keep(path):  # (else another process's, put there in between, will do)
+            raise
+    finally:
+        _remove(old)
 
 
 def fsync_dir(path) -> None:

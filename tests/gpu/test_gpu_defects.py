@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from conftest import PROMPTS, engine_tokens, reference_tokens
-from klotski.bench.op_count import build_model, layer_ops
+from klotski.assemble import open_engine
+from klotski.measure.op_count import build_model, layer_ops
 from klotski.execute import pipeline as P
 from placement.placement import Placement
 
@@ -59,5 +60,5 @@ def test_host_compute_is_bubble_not_compute(model, tmp_path):
 
 def test_launches_do_not_grow_with_batches_times_experts(model):
     """On the GPU as on the CPU: ops(n, A) − ops(1, A) does not depend on A."""
-    ops = {(n, a): layer_ops(model, n, 4, active=a, device="cuda") for n in (1, 4) for a in (8, 32)}
+    ops = {(n, a): layer_ops(open_engine, model, n, 4, active=a, device="cuda") for n in (1, 4) for a in (8, 32)}
     assert abs((ops[4, 32] - ops[1, 32]) - (ops[4, 8] - ops[1, 8])) <= 4

@@ -20,7 +20,8 @@ from klotski.config import RunConfig
 from klotski.io.checkpoint import Checkpoint
 from klotski.io.requests import Request
 from klotski.execute import kvcache
-from klotski.execute.kvcache import BatchKV, Staging
+from klotski.execute.channels import StagedCopies
+from klotski.execute.kvcache import BatchKV
 from placement.placement import Placement
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -82,17 +83,17 @@ def resident(model):
 def test_refills_load_only_pinned_contiguous_memory_and_stay_exact(model, resident, monkeypatch, sparse):
     from torch.profiler import ProfilerActivity, profile
     sources, staged = [], [0]
-    upload, gather = kvcache.upload, Staging.upload
+    upload, gather = kvcache.upload, StagedCopies.gather
 
     def spy(dst, src):  # on the kv_load channel's thread
         sources.append((src.is_pinned(), src.is_contiguous()))
         upload(dst, src)
 
-    def counted(self, *a):
+    def counted(self, *a, **kw):
         staged[0] += 1
-        gather(self, *a)
+        gather(self, *a, **kw)
     monkeypatch.setattr(kvcache, "upload", spy)
-    monkeypatch.setattr(Staging, "upload", counted)
+    monkeypatch.setattr(StagedCopies, "gather", counted)
     knobs = (("attention", "sink:2,window:6"),) if sparse else ()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         got = run(model, True, **dict(knobs))
@@ -149,7 +150,7 @@ def test_retiring_newcomers_never_synchronises_and_pins_each_cache_once(model, r
     monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
     engine.close()
     assert [tokens[f"r{i}"] for i in range(len(LIMITS))] == resident[()][0]
-    layers, n = engine.spec.num_layers, engine.num_batches
+    layers, n = engine.spec.shape.num_layers, engine.num_batches
     made = (registered[0] - weights) // (2 * layers)  # a cache is one block per layer's keys and values
     assert newcomers[0] > 2 * n and made <= n + 2 * n + 1 < n + newcomers[0], (made, newcomers[0])
     assert set(syncs) <= {"close"}, syncs  # KVSpace.close, once the window is done; never KVSpace.free

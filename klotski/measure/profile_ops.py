@@ -109,9 +109,9 @@ class LayerOps:
         from klotski.models import layers as L
         from planner.workingset import ATTENTION_SCORE_CHUNK
         past = ctx - new
-        heads, key_dim, value_dim = s.kv_cache_dims
+        heads, key_dim, value_dim = s.shape.kv_cache_dims
         # masks and RoPE tables are built on the host and moved, as the pipeline does
-        mask = L.attention_mask(torch.ones(bs, ctx, dtype=torch.bool), new, s.sliding_window).to(self.device)
+        mask = L.attention_mask(torch.ones(bs, ctx, dtype=torch.bool), new, s.shape.sliding_window).to(self.device)
         positions = torch.arange(past, ctx).expand(bs, new)
         cos, sin = (t.to(self.device) for t in
                     L.rope_tables(positions, s.rope_inv_freq, s.rope_attention_scaling, self.dtype))
@@ -123,7 +123,7 @@ class LayerOps:
                 kv.begin_step(torch.ones(bs, past, dtype=torch.bool))
                 kv.end_step()
             kv.begin_step(torch.ones(bs, new, dtype=torch.bool))
-            h = self._x(bs, new, s.hidden_size)
+            h = self._x(bs, new, s.shape.hidden_size)
             runs.append(lambda h=h, w=w, kv=kv: self.M.attention_block(
                 h, w, cos, sin, mask, lambda k, v: kv.write(0, k, v), s, max_scores=ATTENTION_SCORE_CHUNK))
         return self._cycle(runs)
@@ -132,11 +132,11 @@ class LayerOps:
         """The attention core alone (what host attention runs beside a host KV cache)."""
         from klotski.models import layers as L
         s, torch = self.spec, self.torch
-        heads, key_dim, _ = s.kv_cache_dims
+        heads, key_dim, _ = s.shape.kv_cache_dims
         mask = L.attention_mask(torch.ones(bs, ctx, dtype=torch.bool), new, None).to(self.device)
         runs = []
         for _ in range(self._count(2 * bs * heads * ctx * key_dim * self.dtype.itemsize)):
-            q = self._x(bs, s.num_heads, new, key_dim)
+            q = self._x(bs, s.shape.num_heads, new, key_dim)
             keys, values = self._x(bs, heads, ctx, key_dim), self._x(bs, heads, ctx, key_dim)
             runs.append(lambda q=q, keys=keys, values=values: L.attend(q, keys, values, mask))
         return self._cycle(runs)
@@ -144,7 +144,7 @@ class LayerOps:
     def gate(self, n: int):
         from klotski.models import layers as L
         s = self.spec
-        h = self._x(n, s.hidden_size)
+        h = self._x(n, s.shape.hidden_size)
 
         def run(g):
             x = L.rms_norm(h, g["post_norm"], s.rms_norm_eps)
@@ -153,7 +153,7 @@ class LayerOps:
 
     def expert(self, n: int):
         from klotski.execute.experts import run_expert
-        x, ffn = self._x(n, self.spec.hidden_size), self.M.bind_expert_ffn(self.spec)
+        x, ffn = self._x(n, self.spec.shape.hidden_size), self.M.bind_expert_ffn(self.spec)
         return self._cycle([lambda w=w: run_expert(ffn, x, w) for w in self.expert_w])
 
     def wave(self, groups: int, pairs: int, spread: bool = True):
@@ -171,12 +171,12 @@ class LayerOps:
         rows = [pairs // groups + (g < pairs % groups) for g in range(groups)] if spread else \
             [pairs] + [0] * (groups - 1)
         ends = torch.tensor(rows, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(self.device)
-        x = self._x(pairs, self.spec.hidden_size)
+        x = self._x(pairs, self.spec.shape.hidden_size)
         return self._cycle([lambda w=w: ffn(x, w, Groups(rows, ends)) for w in stacks])
 
     def kernels(self, bs: int = 4, ctx: int = 64) -> dict[str, float]:
         """ATen ops (views excluded) of one call of each piece of the model's own math as the
-        pipeline calls it: exactly the family hooks klotski/schedule/overhead.py stubs out, so
+        pipeline calls it: exactly the family hooks klotski/measure/overhead.py stubs out, so
         its counted launches and these add up to a layer's ops. `attention`: one batch's
         attention block at decode (bs rows over ctx slots); `router`: a group's routing;
         `shared`: one batch's shared expert (0 without one); `wave`: one grouped expert call
@@ -185,7 +185,7 @@ class LayerOps:
         and dtype, once."""
         from klotski.models import layers as L
         from klotski.models.grouped import Groups
-        from klotski.util.opcount import OpCounter
+        from klotski.measure.opcounter import OpCounter
         s, torch = self.spec, self.torch
 
         def count(fn) -> float:
@@ -194,7 +194,7 @@ class LayerOps:
                 fn()
             return float(ops.kernels)
         g = self.gate_w[0]
-        x = L.rms_norm(self._x(8, s.hidden_size), g["post_norm"], s.rms_norm_eps)
+        x = L.rms_norm(self._x(8, s.shape.hidden_size), g["post_norm"], s.rms_norm_eps)
         ffn, w = self.M.bind_grouped_expert_ffn(s), self.expert_w[0]
 
         def wave(groups: int) -> float:
@@ -213,7 +213,7 @@ class LayerOps:
         from klotski.models import layers as L
         if self._head is None:
             self._head = self._copies(("head",))
-        x = self._x(n, self.spec.hidden_size)
+        x = self._x(n, self.spec.shape.hidden_size)
         return self._cycle([lambda w=w: L.logits(x, w["norm"], w["lm_head"], self.spec.rms_norm_eps)
                             for w in self._head])
 

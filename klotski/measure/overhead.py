@@ -42,7 +42,7 @@ import time
 
 import torch
 
-from klotski.util.opcount import OpCounter
+from klotski.measure.opcounter import OpCounter
 
 KINDS = ("batch_layer", "expert_call", "transfer", "kv_layer", "token", "step")
 LAUNCH_KINDS = KINDS + ("layer",)  # counted ops only: a layer's own, whatever its batches and experts
@@ -87,7 +87,8 @@ def _rows(experts: int, top_k: int) -> int:
 
 def _source_key(device: str) -> str:
     from klotski.execute import channels, experts, hostwork, pipeline, residency
-    from klotski.schedule import batching, overhead
+    from klotski.measure import overhead
+    from klotski.schedule import batching
     from placement import cache, pool
     from planner.profile import machine_fingerprint
     h = hashlib.sha256(json.dumps(machine_fingerprint(device), sort_keys=True).encode())
@@ -145,27 +146,27 @@ def _measure(device: str, steps: int, rounds: int, open_engine, link_gbps: float
     request = [Request(id="x", line=1, prompt="x", messages=None, max_new_tokens=1)]
     spec = ModelSpec.from_dir(ensure_builtin(cfg.model))
     keys = spec.group_keys()  # bs, n and placement given: nothing is planned (no profile asked for)
-    bs = _rows(spec.num_experts, spec.top_k)
+    bs = _rows(spec.shape.num_experts, spec.shape.top_k)
 
-    def per_step(engine, n: int, chosen: int, new: int = 1, counter: OpCounter | None = None):
+    def per_step(engine, n: int, chosen: int, new: int = 1, counter: OpCounter | None = None, predictor=None):
         """Median seconds of a step; with `counter`, the ops of one step (after a warm-up) and
         the median ops of its layers after the first."""
-        engine.pipeline.M = _Stubs(chosen, engine.spec.top_k)
         marks = []
-        engine.pipeline.on_layer = None if counter is None else lambda layer, hs: marks.append(counter.kernels)
+        on_layer = None if counter is None else lambda layer, hs: marks.append(counter.kernels)
         space = engine.kv_space()
         kvs = [space.allocate(bs, (steps + 2) * new)[0] for _ in range(n)]
         ids = torch.zeros(bs, new, dtype=torch.long)
         times = []
-        for t in range(2 if counter else steps + 1):
-            at = torch.arange(t * new, (t + 1) * new).expand(bs, new)
-            inputs = [StepInput(ids, torch.ones_like(ids, dtype=torch.bool), at) for _ in kvs]
-            start = time.perf_counter()
-            with counter if counter and t else contextlib.nullcontext():
-                engine.pipeline.forward(kvs, inputs)
-            times.append(time.perf_counter() - start)
+        with engine.pipeline.instrumented(hooks=_Stubs(chosen, engine.spec.shape.top_k), on_layer=on_layer,
+                                          predictor=predictor) as pipeline:
+            for t in range(2 if counter else steps + 1):
+                at = torch.arange(t * new, (t + 1) * new).expand(bs, new)
+                inputs = [StepInput(ids, torch.ones_like(ids, dtype=torch.bool), at) for _ in kvs]
+                start = time.perf_counter()
+                with counter if counter and t else contextlib.nullcontext():
+                    pipeline.forward(kvs, inputs)
+                times.append(time.perf_counter() - start)
         space.close()
-        engine.pipeline.on_layer = None
         if counter:
             layers = [b - a for a, b in zip(marks[-L:], marks[-L + 1:])] or [float(counter.kernels) / L]
             return float(counter.kernels), statistics.median(layers)
@@ -182,10 +183,10 @@ def _measure(device: str, steps: int, rounds: int, open_engine, link_gbps: float
     try:
         for name, where in layouts.items():
             # a predictor of its own: it learns nothing worth keeping about a stub model
-            quiet = CorrelationPredictor(new_table(spec))
+            quiet = CorrelationPredictor(new_table(spec.shape))
             engines[name] = open_engine(cfg, request, placement=Placement.by_kind(keys, **where), predictor=quiet)[0]
         spec = engines["device"].spec
-        L, E, k = spec.num_layers, spec.num_experts, spec.top_k
+        L, E, k = spec.shape.num_layers, spec.shape.num_experts, spec.shape.top_k
         terms = []
         def run() -> dict:
             one, three, few = (per_step(engines["device"], 1, E), per_step(engines["device"], 3, E),
@@ -204,9 +205,8 @@ def _measure(device: str, steps: int, rounds: int, open_engine, link_gbps: float
         # counts, whose ops are the same whatever the stub's tokens choose: an exact-path
         # table's look-ups grow with the distinct expert sets, which in these runs grow with
         # the experts chosen (4 ops an "expert call" on tiny-mixtral, where the waves issue none).
-        for engine in engines.values():
-            engine.pipeline.predictor = FrequencyPredictor(L, E)
-        runs = {name: per_step(engines[engine], n, chosen, new, counter=OpCounter())
+        counting = {name: FrequencyPredictor(L, E) for name in engines}
+        runs = {name: per_step(engines[engine], n, chosen, new, counter=OpCounter(), predictor=counting[engine])
                 for name, engine, n, chosen, new in (("one", "device", 1, E, 1), ("three", "device", 3, E, 1),
                                                      ("few", "device", 1, k, 1), ("moved", "host", 1, E, 1),
                                                      ("kv", "kv", 1, E, 1), ("wide", "device", 1, E, WIDE))}

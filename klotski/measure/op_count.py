@@ -3,7 +3,8 @@ rows with A experts active: the host's share of a GPU step (each op not a view i
 Used by `benchmarks/op_count.py` (the table and its fit) and by the gate test that keeps the
 expert phase's launches independent of the number of batches; and the counts of a real run a
 plan's predicted kernels and submissions per decode layer are checked against
-(`tests/test_plan_ops.py`, `benchmarks/plan_ops.py`)."""
+(`tests/test_plan_ops.py`, `benchmarks/plan_ops.py`). Engines are opened with the composition
+root's `open_engine` (klotski.assemble), handed in: this room sits below it."""
 from __future__ import annotations
 
 import statistics
@@ -13,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from klotski.util.opcount import OpCounter
+from klotski.measure.opcounter import OpCounter
 
 
 def forced_routing(family, active: int):
@@ -37,11 +38,10 @@ def build_model(root: Path, experts: int = 32, top_k: int = 8, layers: int = 3) 
                                  num_hidden_layers=layers)
 
 
-def layer_ops(model_dir, n: int, bs: int, active: int | None = None, schedule: str = "klotski",
+def layer_ops(open_engine, model_dir, n: int, bs: int, active: int | None = None, schedule: str = "klotski",
               kernels: bool = True, dtype: str = "float32", **config) -> float:
     """Median ops per decode layer step (layers after the first, so embedding is not counted),
     for a group of n batches of bs rows; `active` forces A (forced_routing)."""
-    from klotski.assemble import open_engine
     from klotski.config import RunConfig
     from klotski.io.requests import Request
 
@@ -51,9 +51,7 @@ def layer_ops(model_dir, n: int, bs: int, active: int | None = None, schedule: s
             for i in range(n * bs)]
     engine, seqs, errors = open_engine(cfg, reqs)
     assert not errors, errors
-    pipe = engine.pipeline
-    if active is not None:
-        pipe.M = forced_routing(pipe.M, active)
+    hooks = None if active is None else forced_routing(engine.spec.family, active)
     counts, seen = [], {"last": 0}
     counter = OpCounter()
 
@@ -63,9 +61,8 @@ def layer_ops(model_dir, n: int, bs: int, active: int | None = None, schedule: s
             counts.append(now - seen["last"])
         seen["last"] = now
 
-    pipe.on_layer = on_layer
     try:
-        with counter:
+        with engine.pipeline.instrumented(hooks=hooks, on_layer=on_layer), counter:
             list(engine.run(seqs))
     finally:
         engine.close()
@@ -93,13 +90,12 @@ def build_fine_and_coarse(root: Path, layers: int = 3) -> dict[int, Path]:
                             moe_intermediate_size=128, num_hidden_layers=layers) for e in (FINE, COARSE)}
 
 
-def job_ops(model_dir, *, experts_on_host: bool, device_memory: int | None = None, lines: int = 32,
+def job_ops(open_engine, model_dir, *, experts_on_host: bool, device_memory: int | None = None, lines: int = 32,
             tokens: int = 24, bs: int = 8, n: int = 4, **options) -> dict:
     """ATen ops (all, and kernels: not views) the compute thread issues for a whole job of
     `lines` prompts, `tokens` new tokens each, and its decode seconds (one run): every expert
     resident, or every expert streamed from host memory through `device_memory`. `options`:
     more RunConfig fields (`quantize="hqq4", offload_dir=...`)."""
-    from klotski.assemble import open_engine
     from klotski.config import RunConfig
     from klotski.io.checkpoint import Checkpoint
     from klotski.io.requests import Request
@@ -124,14 +120,13 @@ def job_ops(model_dir, *, experts_on_host: bool, device_memory: int | None = Non
 
 
 # ---- a plan's predicted kernels and submissions against a real run (issue 45, item 4) -------
-def counted_profile(model_dir, hardware: str = "rtx3090-pcie4"):
+def counted_profile(open_engine, model_dir, hardware: str = "rtx3090-pcie4"):
     """`hardware`'s built-in profile (its times only steer a plan's choices) with the counts a
     profile measured here carries: the model math's ops (EngineOps.kernels) and the pipeline's
-    own (schedule/overhead.py, one round), both counted by the engine on this CPU in fp32."""
-    from klotski.assemble import open_engine
-    from klotski.execute.profile_ops import EngineOps
+    own (overhead.py, one round), both counted by the engine on this CPU in fp32."""
     from klotski.io.checkpoint import Checkpoint
-    from klotski.schedule.overhead import LAUNCHES, pipeline_overhead
+    from klotski.measure.overhead import LAUNCHES, pipeline_overhead
+    from klotski.measure.profile_ops import EngineOps
     from planner.profile import load_profile
     from planner.shapes import as_shape
     shape = as_shape(Checkpoint.open(str(model_dir)).spec)
@@ -142,12 +137,11 @@ def counted_profile(model_dir, hardware: str = "rtx3090-pcie4"):
     return profile
 
 
-def decode_layer_counts(config, requests, placement) -> tuple[float, float]:
+def decode_layer_counts(open_engine, config, requests, placement) -> tuple[float, float]:
     """(kernels, channel submissions) per decode layer of a real run of `requests`: every
     decode step's ATen ops that compute or copy on the compute thread (embedding and LM head
     included: a plan spreads them over the layers) and every transfer submitted to a channel
     during those steps, each over the decode steps times the layers."""
-    from klotski.assemble import open_engine
     from klotski.execute.channels import Channel
     engine, seqs, errors = open_engine(config, requests, placement=placement)
     assert not errors, errors
@@ -174,36 +168,6 @@ def decode_layer_counts(config, requests, placement) -> tuple[float, float]:
     finally:
         Channel.submit = submit
         engine.close()
-    layers = max(1, len(kernels)) * engine.spec.num_layers
+    layers = max(1, len(kernels)) * engine.spec.shape.num_layers
     return sum(kernels) / layers, submitted[0] / layers
 
-
-def pool_minimum_budget(config, requests, placement) -> int:
-    """The least device budget (to a KiB) whose planned working set in its "minimum" mode, beside
-    the exact resident bytes of `placement`, holds one slot of the expert pool
-    (planning.expert_pool_slots), for `requests` run as `config` fixes them (bs and n given)."""
-    import dataclasses
-
-    from klotski import planning
-    from klotski.io.checkpoint import Checkpoint
-    from klotski.schedule.sequences import prepare
-    from placement.tiers import detect_budgets
-
-    ckpt = Checkpoint.open(config.model)
-    seqs, _ = prepare(requests, ckpt.tokenizer, ckpt.spec, config)
-    budgets = detect_budgets("cpu", None, None)
-    dtype = ckpt.compute_dtype(config.dtype)
-    kw = dict(bs=config.batch_size, n=config.num_batches, chunk=config.prefill_chunk,
-              longest_prompt=max(len(s.prompt_ids) for s in seqs), gen_len=max(s.max_new_tokens for s in seqs))
-
-    def holds_a_slot(b: int) -> bool:
-        return planning.expert_pool_slots(config, ckpt, dtype, dataclasses.replace(budgets, device=b), placement,
-                                          **kw) > 0
-    lo, hi = 0, 1 << 20
-    while not holds_a_slot(hi):
-        lo, hi = hi, 2 * hi
-    while hi - lo > 1024:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if holds_a_slot(mid) else (mid, hi)
-    ckpt.close()
-    return -(-hi // 1024) * 1024
