@@ -1,9 +1,70 @@
-"""One layer's shared prompt segments (klotski/schedule/prefix.py) for a step: each segment's
-keys and values read once for the whole group (on the host tier, loaded once on `kv_load`),
-joined side by side for each batch that reads them."""
+"""Shared prompt segments as the executor holds them (the scheduler finds and keeps them:
+klotski/schedule/prefix.py): a segment's keys and values are a row of a cache prefilled for a
+group of segments (`SegmentKV`, `SegmentGroup`); for a step, one layer's segments are read once
+for the whole group of batches (on the host tier, loaded once on `kv_load`) and joined side by
+side for each batch that reads them (`SharedLayer`)."""
 from __future__ import annotations
 
 import torch
+
+from klotski.execute.kvcache import upload
+
+
+class SegmentGroup:
+    """The cache of segments prefilled together, a row each (made in `space`: its budget
+    account), given back with the last of them."""
+
+    def __init__(self, kv, space, users: int):
+        self.kv, self.space, self.users = kv, space, users
+
+    def release(self) -> None:
+        self.users -= 1
+        if not self.users:  # the tensors go before their account does
+            self.kv.release()
+            self.space.close()
+
+
+class SegmentKV:
+    """One segment's keys and values: row `row` of its group's cache, the newest `length` slots
+    (left-padded beside longer ones)."""
+
+    def __init__(self, group: SegmentGroup, row: int, length: int):
+        self.group, self.row, self.length = group, row, length
+        self.kv = group.kv
+        self.slots = slice(self.kv.filled - length, self.kv.filled)
+
+    @property
+    def on_host(self) -> bool:
+        return self.kv.on_host
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of `layer` where they live, as [kv_heads, length, dim] views."""
+        return (self.kv.keys[layer][self.slots, self.row].transpose(0, 1),
+                self.kv.values[layer][self.slots, self.row].transpose(0, 1))
+
+    def nbytes(self) -> int:
+        """One layer's keys and values: what a load moves."""
+        k, v = self.kv.keys[0], self.kv.values[0]
+        return self.length * (k[0, 0].numel() + v[0, 0].numel()) * k.element_size()
+
+    def load(self, layer: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """A device copy of `layer`'s keys and values (host tier). On CUDA every copy reads
+        page-locked memory, contiguous, and is asynchronous on the channel's stream: the slots
+        themselves when the segment has its cache to itself, else its row of them gathered into
+        the kv_load channel's staging ring (BatchKV.staging_to), never a pageable copy made on the way."""
+        staging, out = self.kv.staging_to(device), []
+        for src in (self.kv.keys[layer][self.slots, self.row], self.kv.values[layer][self.slots, self.row]):
+            dst = torch.empty(src.shape, dtype=src.dtype, device=device)
+            if staging is None or src.is_contiguous():
+                upload(dst, src)
+            else:
+                self.kv.landed(layer)  # the host reads the slots now: their store must have landed
+                staging.gather(dst, src, send=upload)
+            out.append(dst.transpose(0, 1))
+        return out[0], out[1]
+
+    def release(self) -> None:
+        self.group.release()
 
 
 def joined(parts: list) -> tuple:

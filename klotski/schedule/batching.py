@@ -38,6 +38,7 @@ from klotski.schedule import sequences as S
 from klotski.execute.kvcache import BatchKV
 from klotski.execute.pipeline import StepInput
 from klotski.schedule import constrain
+from klotski.schedule.prefix import cache_chain
 from klotski.schedule.scheduler import ONLINE
 from klotski.schedule.stats import DecodeRows
 from placement.tiers import OverBudget
@@ -275,7 +276,7 @@ class Scheduler:
         longest = max(map(self.e.prefixes.own_len, batch))
         # static: a batch's cache holds its own longest request; continuous: the run's
         capacity = longest + max(s.max_new_tokens for s in batch) if self.static else self.capacity
-        kv, _ = self.space.allocate(len(batch), capacity, chains=[s.chain for s in batch])
+        kv, _ = self.space.allocate(len(batch), capacity, chains=[cache_chain(s.chain) for s in batch])
         whole = S.prefill_input(batch, longest, self.e.pad_id)
         self.e.stats.record_prompts(batch)
         return _Decode(kv, list(batch), [0] * len(batch), whole.positions[:, -1] + 1,
@@ -555,7 +556,7 @@ class Scheduler:
             return  # nothing fits this step: the prompts wait for room
         seqs = self.waiting.pop(take)
         self.e.stats.record_prompts(seqs)
-        kv.mark_prefix([s.chain for s in seqs])
+        kv.mark_prefix([cache_chain(s.chain) for s in seqs])
         whole = S.prefill_input(seqs, longest, self.e.pad_id)
         self.newcomers.append(_Newcomers(seqs, kv, whole, torch.full((take,), -1), online=online))
 

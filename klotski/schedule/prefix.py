@@ -18,10 +18,6 @@ stands in for a longer one. A rerun (resume) computes them again.
 """
 from __future__ import annotations
 
-import torch
-
-from klotski.execute.kvcache import upload
-
 MIN_TOKENS = 16  # a shorter shared prefix saves less than its own prefill pass costs
 # Each segment is a prefill pass of its own (under offloading, one more stream of the weights):
 # a window keeps the ones saving the most prompt tokens, never a child without its parent.
@@ -92,33 +88,17 @@ def _worth_a_pass(found: list) -> list:
     return sorted((found[i] for i in kept), key=lambda f: f[0])
 
 
-class SegmentCache:
-    """The cache of segments prefilled together, a row each (in `space`: its budget account),
-    given back with the last of them."""
-
-    def __init__(self, kv, space, users: int):
-        self.kv, self.space, self.users = kv, space, users
-
-    def release(self) -> None:
-        self.users -= 1
-        if not self.users:  # the tensors go before their account does
-            self.kv.release()
-            self.space.close()
-
-
 class Segment:
-    """A shared prompt segment: tokens [start, end) of the prompts that start with `ids`
-    (all `end` of them), after its parent chain; its keys and values are row `row` of
-    `cache`'s cache, the newest `length` slots. `chain` is the parents and itself: what a
-    line starting from it attends."""
+    """A shared prompt segment: tokens [start, end) of the prompts that start with `ids` (all
+    `end` of them), after its parent chain; its keys and values are the executor's `cache`
+    (execute/segments.SegmentKV). `chain` is the parents and itself: what a line starting from
+    it attends."""
 
-    def __init__(self, key: tuple, parent: "Segment | None", cache: SegmentCache, row: int = 0):
-        self.key, self.ids, self.parent, self.cache, self.row = key, list(key[1]), parent, cache, row
-        self.kv = cache.kv
+    def __init__(self, key: tuple, parent: "Segment | None", cache):
+        self.key, self.ids, self.parent, self.cache = key, list(key[1]), parent, cache
         self.start = parent.end if parent else 0
         self.end = len(self.ids)
         self.length = self.end - self.start
-        self.slots = slice(self.kv.filled - self.length, self.kv.filled)  # (left-padded beside longer ones)
         self.chain = (parent.chain if parent else ()) + (self,)
 
     @staticmethod
@@ -126,42 +106,17 @@ class Segment:
         """Its identity: the tokens and where its chain splits them (the KV depends on both)."""
         return tuple(bounds), tuple(ids)
 
-    @property
-    def on_host(self) -> bool:
-        return self.kv.on_host
-
     def serves(self, s) -> bool:
         """`s` starts with this segment's tokens and has one beyond them."""
         return len(s.prompt_ids) > self.end and s.prompt_ids[:self.end] == self.ids
 
-    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of `layer` where they live, as [kv_heads, length, dim] views."""
-        return (self.kv.keys[layer][self.slots, self.row].transpose(0, 1),
-                self.kv.values[layer][self.slots, self.row].transpose(0, 1))
-
-    def nbytes(self) -> int:
-        """One layer's keys and values: what a load moves."""
-        k, v = self.kv.keys[0], self.kv.values[0]
-        return self.length * (k[0, 0].numel() + v[0, 0].numel()) * k.element_size()
-
-    def load(self, layer: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """A device copy of `layer`'s keys and values (host tier). On CUDA every copy reads
-        page-locked memory, contiguous, and is asynchronous on the channel's stream: the slots
-        themselves when the segment has its cache to itself, else its row of them gathered into
-        the kv_load channel's staging ring (BatchKV.staging_to), never a pageable copy made on the way."""
-        staging, out = self.kv.staging_to(device), []
-        for src in (self.kv.keys[layer][self.slots, self.row], self.kv.values[layer][self.slots, self.row]):
-            dst = torch.empty(src.shape, dtype=src.dtype, device=device)
-            if staging is None or src.is_contiguous():
-                upload(dst, src)
-            else:
-                self.kv.landed(layer)  # the host reads the slots now: their store must have landed
-                staging.gather(dst, src, send=upload)
-            out.append(dst.transpose(0, 1))
-        return out[0], out[1]
-
     def release(self) -> None:
         self.cache.release()
+
+
+def cache_chain(chain: tuple) -> tuple:
+    """A chain of segments as the executor reads it: their caches, outermost first."""
+    return tuple(p.cache for p in chain)
 
 
 def report(engine) -> dict:

@@ -10,7 +10,8 @@ import torch
 from klotski.execute.kvcache import BatchKV
 from klotski.execute.pipeline import StepInput
 from klotski.schedule import sequences as S
-from klotski.schedule.prefix import Segment, SegmentCache, find_segments, refusal
+from klotski.execute.segments import SegmentGroup, SegmentKV
+from klotski.schedule.prefix import Segment, cache_chain, find_segments, refusal
 from planner.workingset import Step, activation_bytes
 from placement.tiers import HOST, OverBudget
 
@@ -131,7 +132,7 @@ class PrefixCache:
         width, rows = max(lengths), len(keys)
         space, kv = self.e.kv_space(), None
         try:
-            kv, _ = space.allocate(rows, width, keep_free=keep_free, chains=[p.chain if p else () for p in parents])
+            kv, _ = space.allocate(rows, width, keep_free=keep_free, chains=[cache_chain(p.chain) if p else () for p in parents])
         except OverBudget:
             space.close()
             return None
@@ -151,8 +152,8 @@ class PrefixCache:
                 kv.release()  # the tensors before their account
             space.close()
             raise
-        cache = SegmentCache(kv, space, rows)
-        made = [Segment(k, p, cache, r) for r, (k, p) in enumerate(zip(keys, parents))]
+        group = SegmentGroup(kv, space, rows)
+        made = [Segment(k, p, SegmentKV(group, r, n)) for r, (k, p, n) in enumerate(zip(keys, parents, lengths))]
         for segment in made:
             self.segments[segment.key] = segment
             self._count_prefix(segment, prefills=1)

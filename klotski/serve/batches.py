@@ -33,9 +33,8 @@ from klotski.assemble import adopt_on_this_thread
 from klotski.errors import RunStopped, UserError
 from klotski.generate import Job
 from klotski.schedule.stats import Stats
-from klotski.serve.deps import not_served
 from klotski.serve.store import RETRY_S, Store
-from klotski.serve.worker import GATHER_S, Halt, config_for_batch, log, now
+from klotski.serve.worker import GATHER_S, Halt, config_for_batch, log, not_served, now
 from klotski.util.writes import WriteFailed, reason, replacing, writing
 
 PROGRESS_EVERY_S = 1.0  # request_counts are saved at most this often while a batch runs

@@ -43,11 +43,6 @@ def error(status: int, message: str, code: str | None = None, param: str | None 
                         status_code=status, headers=headers)
 
 
-def not_served(model, names: tuple[str, ...], field: str = "model") -> str:
-    """Why a request naming `model` in `field` is refused: every route and a batch's lines say it so."""
-    return f"{field} {model!r} is not served here; this server serves {' or '.join(map(repr, names))}"
-
-
 class Problem(Exception):
     """An error reply raised from inside a route."""
 

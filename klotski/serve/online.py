@@ -31,7 +31,8 @@ from klotski.io.jobs import claim_items
 from klotski.io.records import finished_record
 from klotski.io.requests import CHAT_URL, COMPLETIONS_URL, LineError
 from klotski.schedule.sequences import prepare
-from klotski.serve.deps import Problem, Served, authorized, json_body, not_served, served
+from klotski.serve.deps import Problem, Served, authorized, json_body, served
+from klotski.serve.worker import not_served
 from klotski.serve.stream import DONE, Chunks, error_event, event
 from klotski.schedule.scheduler import QueueFull
 

@@ -15,7 +15,8 @@ from openai.types import Batch, FileObject
 
 from klotski.io.requests import CHAT_URL, COMPLETIONS_URL
 from klotski.serve.batches import validate
-from klotski.serve.deps import Problem, Served, authorized, json_body, not_served, served
+from klotski.serve.deps import Problem, Served, authorized, json_body, served
+from klotski.serve.worker import not_served
 from klotski.serve.store import StoreFailed
 from klotski.serve.upload import BadUpload, receive_upload
 from klotski.util.writes import reason

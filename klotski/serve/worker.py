@@ -131,6 +131,11 @@ def config_for_batch(config, report: str, model: str):
                                report=report, trace=None, ray=None)
 
 
+def not_served(model, names: tuple[str, ...], field: str = "model") -> str:
+    """Why a request naming `model` in `field` is refused: every route and a batch's lines say it so."""
+    return f"{field} {model!r} is not served here; this server serves {' or '.join(map(repr, names))}"
+
+
 def log(message: str) -> None:
     try:
         print(f"klotski serve: {message}", file=sys.stderr, flush=True)
