@@ -102,7 +102,7 @@ def test_online_requests_join_a_windows_rows_beside_its_shared_prefix(checkpoint
     if batching == "static":
         assert any(mixed_rows)  # some step ran prefix rows and online rows in one batch
     else:
-        assert engine.waiting.stats.joined == len(OTHERS)
+        assert engine.waiting.online_stats().joined == len(OTHERS)
 
 
 @pytest.mark.parametrize("batching", ["continuous", "static"])

@@ -20,8 +20,8 @@ from klotski.assemble import open_engine, reserve_staging_rings
 from klotski.builtin import tiny
 from klotski.config import RunConfig
 from klotski.execute import kvcache
-from klotski.execute.channels import KV_STAGING_BYTES, StagedCopies, make_channels, staging_here
-from klotski.execute.kvcache import BatchKV
+from klotski.execute.channels import KV_STAGING_BYTES, StagedCopies, make_channels
+from klotski.schedule.engine import Engine
 from klotski.execute.trace import Trace
 from klotski.io.checkpoint import Checkpoint
 from klotski.io.requests import Request
@@ -90,8 +90,8 @@ def test_the_ring_never_grows_past_its_charge_and_release_gives_everything_back(
 
 
 def test_two_engines_do_not_share_a_ring(model):
-    """Each run's KV loads gather through its own kv_load channel's ring, found from the
-    channel the load runs on; nothing is kept for the process."""
+    """Each run's host KV caches gather through its own kv_load channel's ring, handed to them
+    when they are made (on CUDA; a CPU "device" copies straight); nothing is kept for the process."""
     assert not hasattr(kvcache, "staging_for") and not hasattr(kvcache, "_STAGING")
     ckpt = Checkpoint.open(str(model))
     placement = Placement.by_kind(ckpt.spec.group_keys(), kv="host")
@@ -100,15 +100,15 @@ def test_two_engines_do_not_share_a_ring(model):
     engines = [open_engine(cfg, [Request(id="r", line=1, prompt="hi", messages=None, max_new_tokens=1)],
                            placement=placement)[0] for _ in range(2)]
     try:
-        kv = BatchKV(1, 2, 1, 4, 8, torch.float32, on_host=True)
-        rings = [e.channels["kv_load"].submit(lambda: kv.staging_to("cuda"), name="probe", link=None).wait()
-                 for e in engines]
+        assert all(e.kv_space().staging is None for e in engines)  # a CPU "device" copies straight
+        rings = []
+        for e in engines:  # the spaces a CUDA run makes (nothing allocated: this machine has no GPU)
+            e.device = torch.device("cuda")
+            rings.append(e.kv_space().staging)
+            e.device = torch.device("cpu")
         assert rings[0] is engines[0].channels["kv_load"].staged
         assert rings[1] is engines[1].channels["kv_load"].staged
         assert rings[0] is not rings[1]
-        with pytest.raises(RuntimeError, match="channel's submitted work"):
-            kv.staging_to("cuda")  # outside a channel: no ring of the process to fall back on
-        assert kv.staging_to("cpu") is None  # a CPU "device" copies straight
     finally:
         for e in engines:
             e.close()
@@ -138,7 +138,13 @@ def test_a_host_kv_run_gathers_through_its_kv_load_ring_within_the_host_budget(m
         channels["kv_load"].staged = StagedCopies.on_host(4096)
         real(host_memory, channels, dataclasses.replace(setup, device=torch.device("cuda")))
     monkeypatch.setattr(assemble, "reserve_staging_rings", as_on_cuda)
-    monkeypatch.setattr(BatchKV, "staging_to", lambda self, device: staging_here())  # as on CUDA
+    kv_space = Engine.kv_space
+
+    def kv_space_as_on_cuda(self):  # the kv_load channel's ring handed to each host cache, as on CUDA
+        space = kv_space(self)
+        space.staging = self.channels["kv_load"].staged
+        return space
+    monkeypatch.setattr(Engine, "kv_space", kv_space_as_on_cuda)
     gathers = []
     gather = StagedCopies.gather
     monkeypatch.setattr(StagedCopies, "gather", lambda self, *a, **kw: (gathers.append(self), gather(self, *a, **kw)))
@@ -147,7 +153,7 @@ def test_a_host_kv_run_gathers_through_its_kv_load_ring_within_the_host_budget(m
         engine, seqs, errors = open_engine(RunConfig(**base, host_memory=host_memory), requests, placement=placement)
         assert not errors
         ring = engine.channels["kv_load"].staged
-        charged = sum(n for account, n in ring._charges if account is engine.host_memory)
+        charged = ring.charged(engine.host_memory)
         assert charged == pinned.charge(4096)
         gathers.clear()
         got = {s.request.id: list(s.out) for s in engine.run(seqs)}
@@ -156,7 +162,7 @@ def test_a_host_kv_run_gathers_through_its_kv_load_ring_within_the_host_budget(m
         assert engine.stats.refills > 0
         used = engine.host_memory.used
         engine.close()
-        assert engine.host_memory.used <= used - charged and not ring._charges and ring.ring is None
+        assert engine.host_memory.used <= used - charged and not ring.charged(engine.host_memory) and ring.ring is None
         return engine.host_memory
 
     roomy = run()

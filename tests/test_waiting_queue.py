@@ -7,7 +7,6 @@ import sys
 import threading
 from dataclasses import dataclass
 
-import pytest
 
 from conftest import reference_tokens
 from klotski.assemble import open_engine
@@ -94,7 +93,7 @@ def _hammer():
     assert {id(s) for s in out} - {id(s) for s in made} == set()  # nothing appeared from nowhere
     assert kept <= {id(s) for s in out}  # every sequence not withdrawn was taken out or still waits
     assert not {id(s) for s in refused} & {id(s) for s in out}  # a refused request never waits
-    assert waiting.stats.requests == len({(s.n) for s in made})
+    assert waiting.online_stats().requests == len({(s.n) for s in made})
 
 
 PROMPTS = ["The capital of France is", "Once upon a time there", "Numbers: one two three", "Hello, my name"]

@@ -18,12 +18,13 @@ from placement.pinned import PinnedBlocks
 class KVSpace:
     """Caches on one tier (`on_host`), charged to `account`; `make_room(nbytes, what)` frees
     device bytes first (the pipeline's transient weights), `drain()` waits for the KV loads
-    issued ahead (the kv_load channel)."""
+    issued ahead (the kv_load channel); `staging`: the ring a host cache's strided slots are
+    gathered into on their way up (the kv_load channel's, on CUDA)."""
 
-    def __init__(self, shape, dtype, device, *, on_host: bool, account, make_room, drain):
+    def __init__(self, shape, dtype, device, *, on_host: bool, account, make_room, drain, staging=None):
         self.shape, self.dtype, self.device = shape, dtype, device
         self.on_host, self.account = on_host, account
-        self.make_room, self.drain = make_room, drain
+        self.make_room, self.drain, self.staging = make_room, drain, staging
         self.held: dict[int, tuple[int, PinnedBlocks | None, BatchKV]] = {}  # id(kv) -> (bytes charged, blocks, kv)
 
     def allocate(self, rows: int, capacity: int, keep_free: int = 0, chains=None) -> tuple[BatchKV, int]:
@@ -42,6 +43,8 @@ class KVSpace:
         self.account.reserve(nbytes, "KV cache")
         kv = BatchKV(*dims, self.dtype, device=self.device, on_host=self.on_host,
                      host_zeros=blocks.zeros if blocks else None, value_dim=value_dim)
+        if self.on_host and self.staging is not None:
+            kv.staging = self.staging
         if chains is not None:
             kv.mark_prefix(chains)
         self.held[id(kv)] = (nbytes, blocks, kv)

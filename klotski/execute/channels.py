@@ -36,8 +36,8 @@ channel reads files into host memory: it is a worker thread on both paths.
 Host data crosses a CUDA link only from page-locked memory, through rings (`PinnedRing`: bytes
 reused once the copy that last read them is done). Each channel's staging ring (`StagedCopies`)
 takes up what is pageable or strided: disk reads, host compute's results, a host KV cache's
-slots (on kv_load, `staging_here` from the work running on it). The run owns them (not the
-process), the composition root charges those it will use to the host account, and `close`
+slots (kv_load's, handed to each host cache by `execute/caches.KVSpace`). The run owns them (not
+the process), the composition root charges those it will use to the host account, and `close`
 gives them back. A step's small uploads and the routing ids' reads have small rings of their own.
 """
 from __future__ import annotations
@@ -61,30 +61,6 @@ DISK_CARRIERS = ("weights", "experts")
 # account) where the KV cache is on the host of a CUDA device (assemble.reserve_staging_rings)
 HOST_TO_DEVICE = "host_to_device"  # the links --emulate-link throttles, one per direction
 DEVICE_TO_HOST = "device_to_host"
-
-_RUNNING = threading.local()  # .channel: the channel whose submitted work runs on this thread
-
-
-def _run_as(channel: "Channel", fn):
-    """`fn()` as `channel`'s work: a copy it makes through a staging ring takes the channel's
-    (`staging_here`), on whichever thread the work runs (its worker, inline, the sanitizer's)."""
-    outer = getattr(_RUNNING, "channel", None)
-    _RUNNING.channel = channel
-    try:
-        return fn()
-    finally:
-        _RUNNING.channel = outer
-
-
-def staging_here() -> "StagedCopies":
-    """The staging ring of the channel whose submitted work is running on this thread: a host
-    KV load (on kv_load) gathers its strided slots through it. The run owns it, not the process."""
-    channel = getattr(_RUNNING, "channel", None)
-    if channel is None:
-        raise RuntimeError("a copy through a staging ring runs as a channel's submitted work "
-                           "(Channel.submit): the ring is that channel's")
-    return channel.staged
-
 
 class Ticket:
     def __init__(self, future: Future, event=None):
@@ -185,7 +161,7 @@ class Channel:
                 start = time.perf_counter()
                 emulated = self.links.get(link)
                 done_at = emulated.occupy(nbytes, start) if emulated else None
-                result = _run_as(self, fn)
+                result = fn()
                 ahead = done_at - time.perf_counter() if done_at is not None else 0.0
                 if ahead > SLEEP_GRAIN:
                     time.sleep(ahead)
@@ -218,7 +194,7 @@ class Channel:
                 for t in reads:
                     t.record_stream(self.stream)
                 with self.trace.gpu_span(self.name, name, nbytes, link):
-                    result = _run_as(self, fn)
+                    result = fn()
                 event.record(self.stream)
             cudacopies.hold(self.links.get(link), nbytes, start)  # --emulate-link: arrival at the link's rate
             return result
@@ -444,6 +420,10 @@ class StagedCopies:
         account.reserve(nbytes, what)
         self._charges.append((account, nbytes))
         return nbytes
+
+    def charged(self, account) -> int:
+        """The bytes this ring holds in `account` now."""
+        return sum(n for a, n in self._charges if a is account)
 
     def _ring(self) -> PinnedRing:
         if self.ring is None:

@@ -26,7 +26,7 @@ from contextlib import nullcontext
 
 import torch
 
-from klotski.execute.channels import StagedCopies, staging_here
+from klotski.execute.channels import StagedCopies
 
 REALIGN_BLOCK_BYTES = 16 << 20  # the most a realign's scratch block takes (at least one slot)
 
@@ -64,7 +64,9 @@ class BatchKV:
         self.first = 0  # the oldest slot a step loads: before it, no computed row has a token
         self._columns = {}  # device -> this step's columns there
         self.stored: dict = {}
-        self.staging: StagedCopies | None = None  # loads gather through this (default: the load's channel's ring)
+        # the ring strided slots are gathered into on their way up: on CUDA the kv_load channel's
+        # (given by execute/caches.KVSpace); none on a CPU "device", which copies straight
+        self.staging: StagedCopies | None = None
         # per row, the shared prompt segments its sequence starts from (schedule/prefix.py),
         # outermost first: not in this cache's slots, attended before them (positions here
         # count after them); () for a row that starts from none
@@ -148,14 +150,6 @@ class BatchKV:
         """Block until every store into the host copy has landed (before the host rewrites it)."""
         for layer in self.stored:
             self.landed(layer)
-
-    def staging_to(self, device) -> StagedCopies | None:
-        """The ring strided slots are gathered into on their way to `device`: this cache's own
-        if a test gave it one; on CUDA the ring of the channel the load runs on (kv_load's, the
-        run's own); none on a CPU "device", which copies straight."""
-        if self.staging is None and torch.device(device).type == "cuda":
-            return staging_here()
-        return self.staging
 
     def landed(self, layer: int) -> None:
         """Block until the last store of `layer` has landed: its own event, not the device."""
@@ -321,7 +315,7 @@ class BatchKV:
         k, v = self.keys[layer][:, :self.rows], self.values[layer][:, :self.rows]
         keys = torch.empty((old + self.new, *k.shape[1:]), dtype=k.dtype, device=device)
         values = torch.empty((old + self.new, *v.shape[1:]), dtype=v.dtype, device=device)
-        staging = self.staging_to(device)
+        staging = self.staging
         for dst, src in ((keys[:old], k), (values[:old], v)):
             part = src[self.first:self.filled] if self.old_slots is None else None
             if staging is None:

@@ -30,6 +30,7 @@ work); it never does arithmetic on weights and touches them only through the Wei
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -482,21 +483,17 @@ class Pipeline:
         return activation_bytes(self.spec, self.cache.dtype.itemsize, step, host_attention=all(self.at_host))
 
     # ---- measuring ------------------------------------------------------------------------
+    @contextmanager
     def instrumented(self, *, hooks=None, on_layer=None, predictor=None):
-        """A context manager for measuring the pipeline (klotski/measure/): the steps run inside
-        compute with `hooks` in place of the family's (stubs, a forced router), call
-        `on_layer(layer, hidden states per batch)` after each layer and ask `predictor`; each
-        left as it is when not given, and all put back on exit."""
-        from contextlib import contextmanager
-
-        @contextmanager
-        def swapped():
-            saved = self.M, self.on_layer, self.predictor, self.next_gate
-            self.M, self.on_layer = hooks or self.M, on_layer or self.on_layer
-            if predictor is not None:
-                self.predictor, self.next_gate = predictor, hasattr(predictor, "speculate")
-            try:
-                yield self
-            finally:
-                self.M, self.on_layer, self.predictor, self.next_gate = saved
-        return swapped()
+        """For measuring the pipeline (klotski/measure/): the steps run inside compute with
+        `hooks` in place of the family's (stubs, a forced router), call `on_layer(layer, hidden
+        states per batch)` after each layer and ask `predictor`; each left as it is when not
+        given, and all put back on exit."""
+        saved = self.M, self.on_layer, self.predictor, self.next_gate
+        self.M, self.on_layer = hooks or self.M, on_layer or self.on_layer
+        if predictor is not None:
+            self.predictor, self.next_gate = predictor, hasattr(predictor, "speculate")
+        try:
+            yield self
+        finally:
+            self.M, self.on_layer, self.predictor, self.next_gate = saved

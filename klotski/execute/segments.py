@@ -51,8 +51,8 @@ class SegmentKV:
         """A device copy of `layer`'s keys and values (host tier). On CUDA every copy reads
         page-locked memory, contiguous, and is asynchronous on the channel's stream: the slots
         themselves when the segment has its cache to itself, else its row of them gathered into
-        the kv_load channel's staging ring (BatchKV.staging_to), never a pageable copy made on the way."""
-        staging, out = self.kv.staging_to(device), []
+        the kv_load channel's staging ring (BatchKV.staging), never a pageable copy made on the way."""
+        staging, out = self.kv.staging, []
         for src in (self.kv.keys[layer][self.slots, self.row], self.kv.values[layer][self.slots, self.row]):
             dst = torch.empty(src.shape, dtype=src.dtype, device=device)
             if staging is None or src.is_contiguous():

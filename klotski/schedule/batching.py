@@ -213,7 +213,7 @@ class Scheduler:
                 if not s.chain:  # else the longest segment held that it shares
                     self.e.prefixes.join(s)
             self.online += len(online)
-            self.waiting.stats.joined += busy * len(online)
+            self.waiting.count_online(joined=busy * len(online))
         for s in (s for a in arrivals for s in a.seqs):
             self.longest_prompt = max(self.longest_prompt, self.e.prefixes.own_len(s))
 
@@ -310,11 +310,8 @@ class Scheduler:
         online = sum(s is not None and s.priority == 0 for w, _, _ in work
                      for s in (w.rows if isinstance(w, _Decode) else w.seqs))
         if online:
-            stats = self.waiting.stats
-            stats.runs += not self._ran_online
+            self.waiting.count_online(new_run=not self._ran_online, in_step=online)
             self._ran_online = True
-            stats.steps += 1
-            stats.most_in_one_step = max(stats.most_in_one_step, online)
         return e.step([w.kv for w, _, _ in work], [inp for _, inp, _ in work], prompt=len(decoding) < len(work),
                       decode=decode)
 

@@ -149,7 +149,8 @@ class Engine:
         on_host = self.placement.kv == HOST
         return KVSpace(self.spec.shape, self.dtype, self.device, on_host=on_host,
                        account=self.host_memory if on_host else self.memory, make_room=self.pipeline.make_room,
-                       drain=self.channels["kv_load"].drain)
+                       drain=self.channels["kv_load"].drain,
+                       staging=self.channels["kv_load"].staged if self.device.type == "cuda" else None)
 
     def step(self, kvs, inputs, *, prompt: bool, decode: DecodeRows | None):
         """One forward step through the pipeline, timed until its logits reach the host (its

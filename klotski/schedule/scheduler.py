@@ -17,6 +17,7 @@ of the lanes, but any thread may count them (a waiting limit, /health) while it 
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -62,7 +63,7 @@ class Waiting:
         self._online: deque = deque()  # FIFO
         self._batch: deque = deque()   # in the run policy's order
         self.limit = limit  # online requests' sequences that may wait at once; None = no limit
-        self.stats = OnlineStats()
+        self._stats = OnlineStats()
         self.arrived = threading.Event()  # set by `put`: an idle engine thread wakes
 
     # ---- any thread ---------------------------------------------------------------------
@@ -73,11 +74,27 @@ class Waiting:
             if priority == ONLINE:
                 if self.limit is not None and self._online_requests() >= self.limit:
                     raise QueueFull(f"{self.limit} requests wait already")
-                self.stats.requests += 1
+                self._stats.requests += 1
             for s in seqs:
                 s.priority = priority
             self._arrivals.append(Arrival(list(seqs), priority))
         self.arrived.set()
+
+    def online_stats(self) -> OnlineStats:
+        """What the online requests shared so far (a snapshot)."""
+        with self._lock:
+            return dataclasses.replace(self._stats)
+
+    def count_online(self, *, joined: int = 0, new_run: bool = False, in_step: int = 0) -> None:
+        """The engine's thread counts: requests that joined work already going, a run (`new_run`)
+        and a step that computed `in_step` online sequences."""
+        with self._lock:
+            s = self._stats
+            s.joined += joined
+            s.runs += new_run
+            if in_step:
+                s.steps += 1
+                s.most_in_one_step = max(s.most_in_one_step, in_step)
 
     def _online_requests(self) -> int:
         return sum(_requests(a.seqs) for a in self._arrivals) + _requests(self._online)

@@ -25,7 +25,7 @@ class Served:
     tokenizer: object
     spec: object
     inbox: object
-    stats: object                # the online requests' OnlineStats
+    stats: object                # () -> the online requests' OnlineStats (a snapshot)
     worker: object               # the engine's thread (alive, or the server cannot answer online requests)
     api_key: str | None
     max_upload: int

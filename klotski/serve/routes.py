@@ -36,7 +36,7 @@ async def health(s: Served = Depends(served)):
                             f"the engine's worker has stopped ({s.inbox.closed or 'unexpectedly'})") if p]
     failing = not s.worker.is_alive() or s.worker.failed_runs >= FAILING_AFTER
     body = {"status": "failing" if failing else "degraded" if problems else "ok", "model": s.names[0],
-            "problems": problems, "online": {**vars(s.stats), **s.inbox.counts()}}
+            "problems": problems, "online": {**vars(s.stats()), **s.inbox.counts()}}
     return JSONResponse(body, status_code=503 if failing else 200)
 
 

@@ -71,7 +71,7 @@ def serve(config, options: ServeOptions) -> int:
         worker = Worker(store, config, engine, setup, inbox, names)
         state = Served(store=store, names=names, config=config, tokenizer=copy.deepcopy(ckpt.tokenizer),
                        detokenizer=copy.deepcopy(ckpt.tokenizer), spec=ckpt.spec, inbox=inbox,
-                       stats=engine.waiting.stats, worker=worker,
+                       stats=engine.waiting.online_stats, worker=worker,
                        api_key=o.api_key, max_upload=o.max_upload, max_body=o.max_body,
                        batch_window_s=o.batch_window_s)
         app = make_app(state)

@@ -46,7 +46,6 @@ class Inbox:
         self.closed: str | None = None  # why no engine will take requests any more
         self.left = 0  # online sequences ended because their client left
 
-    stats = property(lambda self: self.waiting.stats)
 
     def put(self, seqs: list) -> concurrent.futures.Future:
         """One request's sequences (its n samples); the future gets them all, once all are done
