@@ -7,7 +7,6 @@ import sys
 import threading
 from dataclasses import dataclass
 
-
 from conftest import reference_tokens
 from klotski.assemble import open_engine
 from klotski.config import RunConfig
