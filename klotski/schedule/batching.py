@@ -37,7 +37,7 @@ import torch
 from klotski.schedule import sequences as S
 from klotski.execute.kvcache import BatchKV
 from klotski.execute.pipeline import StepInput
-from klotski.schedule import constrain
+from klotski.schedule.sampling import next_tokens
 from klotski.schedule.prefix import cache_chain
 from klotski.schedule.scheduler import ONLINE
 from klotski.schedule.stats import DecodeRows
@@ -334,7 +334,7 @@ class Scheduler:
         """Sample the batch's computed rows; `fed`: this step fed each row the token at its
         position. Finished rows free up, and the live ones close ranks in front."""
         m = d.kv.rows
-        tokens, finished = self._sample(d.rows[:m], out.logits, d.broken[:m])
+        tokens, finished = next_tokens(self.e, d.rows[:m], out.logits, d.broken[:m])
         yield from finished
         if self.static:  # every row computes on until its batch ends (done ones unread)
             d.tokens[:m] = tokens
@@ -349,32 +349,6 @@ class Scheduler:
                 d.tokens[i] = tokens[i]
                 d.positions[i] += fed
         self._close_ranks(d)
-
-    def _sample(self, rows, logits, broken):
-        """Next token of every row (None = an empty row) and the sequences this finished: a
-        sequence whose numbers went non-finite fails alone; the batch carries on."""
-        e, finished = self.e, []
-        for s, finite, layer in zip(rows, torch.isfinite(logits).all(dim=-1).tolist(), broken.tolist()):
-            if s is not None and not finite and not s.done:
-                S.fail(s, _non_finite(layer, self.spec.shape.num_layers))
-                finished.append(s)
-                S.notify(s)
-            elif s is not None and s.leaving and not s.done:  # (a row still prefilling when its source left)
-                S.abandon(s)
-                finished.append(s)
-        live = [s for s in rows if s is not None]
-        # a constrained row's forbidden tokens go to -inf first (no op at all when none is)
-        picked = iter(S.pick(live, constrain.mask(live, logits[[i for i, s in enumerate(rows) if s is not None]])))
-        tokens = [next(picked) if s is not None else 0 for s in rows]
-        for s, t in zip(rows, tokens):
-            if s is not None and not s.done:
-                e.stats.generated_tokens += 1
-                S.append(s, t, e.tokenizer, e.eos)
-                if s.done:
-                    finished.append(s)
-                S.notify(s)
-        constrain.start(live)  # the next masks, computed while the next step's forward runs
-        return tokens, finished
 
     def _close_ranks(self, d: _Decode) -> None:
         """Each free row before the last live one takes that row (its slots and state)."""
@@ -399,7 +373,7 @@ class Scheduler:
     def _prefilled(self, nc: _Newcomers, out):
         if nc.left:  # more of their prompts to prefill
             return
-        tokens, finished = self._sample(nc.seqs, out.logits, nc.broken)
+        tokens, finished = next_tokens(self.e, nc.seqs, out.logits, nc.broken)
         yield from finished
         nc.ready = [(j, t) for j, (s, t) in enumerate(zip(nc.seqs, tokens)) if not s.done]
         if nc.online:  # they decode on in this cache, beside the n batches
@@ -568,7 +542,3 @@ class Scheduler:
             widths[i] = self.widest((len(nc.seqs), nc.done, nc.left), decode_rows, others, self.e.prefixes.shared)
         return [(nc, nc.take(w), True) for nc, w in zip(prefilling, widths) if w]
 
-
-def _non_finite(layer: int, num_layers: int) -> str:
-    where = f"at layer {layer} of {num_layers}" if layer >= 0 else "in the final norm or lm_head"
-    return f"non-finite values {where}; the checkpoint's weights or config may be corrupt (klotski check --model DIR)"

@@ -2,9 +2,8 @@
 
 Tokenizing happens one window of the job file at a time (klotski/generate.py); the first
 window's is done before anything is planned or loaded, because the planner sizes memory by
-its longest prompt. Choosing the next token (greedy or sampled) and deciding when
-a sequence is done (EOS, a stop string, its token limit) also live here: the engine only
-calls them.
+its longest prompt. Deciding when a sequence is done (EOS, a stop string, its token limit)
+also lives here (choosing the next token: schedule/sampling.py): the engine only calls them.
 """
 from __future__ import annotations
 
@@ -158,16 +157,6 @@ def line_record(s: Sequence, *, fmt: str, model: str, include_token_ids: bool = 
     return finished_record(samples, fmt=fmt, model=model, include_token_ids=include_token_ids)
 
 
-def pick(batch: list[Sequence], logits: torch.Tensor) -> list[int]:
-    """Next token of every sequence of a batch: greedy, or sampled with its own generator."""
-    greedy = logits.argmax(dim=-1).tolist()
-    tokens = [g if s.done or s.generator is None else _sample(lg, s.temperature, s.top_p, s.generator)
-              for s, g, lg in zip(batch, greedy, logits)]
-    tokens = [s.forced[len(s.out)] if s.forced is not None and not s.done else t for s, t in zip(batch, tokens)]
-    logprobs.record(batch, logits, tokens)  # the rows whose line asked, from these logits
-    return tokens
-
-
 def append(s: Sequence, token: int, tokenizer, eos: set[int]) -> None:
     """Add `token` to `s` and decide whether `s` is done (EOS, a stop string, its grammar
     complete, its limit)."""
@@ -217,16 +206,6 @@ def notify(s: Sequence) -> None:
 
 def fail(s: Sequence, message: str) -> None:
     s.finish_reason, s.error = "error", message
-
-
-def _sample(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> int:
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_p, order = probs.sort(descending=True)
-        # keep the smallest prefix whose mass reaches top_p (the top token always stays)
-        keep = sorted_p.cumsum(-1) - sorted_p < top_p
-        probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
-    return int(torch.multinomial(probs, 1, generator=gen))
 
 
 def _stable_seed(seed: int, request_id: str) -> int:
