@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from klotski import planning
+from klotski.execute.caches import CacheManager
 from klotski.execute.channels import DISK_CARRIERS, make_channels
 from klotski.io.checkpoint import Checkpoint
 from klotski.schedule.engine import Engine
@@ -175,8 +176,14 @@ def build_engine(config, ckpt: Checkpoint, setup: RunSetup, *, predictor=None) -
     pipeline = Pipeline(ckpt.spec, cache, channels, config, trace, predictor, memory, device, host)
     # a CPU device computes on the cores free now, looked at again as the run goes (util/threads.py)
     threads = ThreadGovernor(config.threads) if device.type == "cpu" else None
-    return Engine(config, ckpt, setup, pipeline=pipeline, cache=cache, predictor=predictor, channels=channels,
-                  memory=memory, host_memory=host_memory, trace=trace, device=device, dtype=dtype, threads=threads)
+    # the executor's caches on the run's KV tier, each charged to its budget (execute/caches.py)
+    kv_on_host = setup.placement.kv == HOST
+    caches = CacheManager(ckpt.spec.shape, dtype, device, on_host=kv_on_host,
+                          account=host_memory if kv_on_host else memory, make_room=pipeline.make_room,
+                          drain=channels["kv_load"].drain, staging=CacheManager.staging_for(channels["kv_load"], device))
+    return Engine(config, ckpt, setup, pipeline=pipeline, caches=caches, cache=cache, predictor=predictor,
+                  channels=channels, memory=memory, host_memory=host_memory, trace=trace, device=device, dtype=dtype,
+                  threads=threads)
 
 
 def reserve_staging_rings(host_memory: Memory, channels: dict, setup: RunSetup) -> None:

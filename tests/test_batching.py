@@ -212,7 +212,7 @@ def test_adopt_and_realign_move_exactly_the_rows_slots():
         assert torch.equal(kv.keys[layer][2:5, 2], src.keys[layer][1:4, 1])
         assert torch.equal(kv.keys[layer][:, :2], before[layer][:, :2])  # other rows untouched
     assert kv.valid[2].tolist() == [False, False, True, True, True, False, False, False]
-    assert kv.span([2]) == 3 and kv.span([0, 2]) == 4
+    assert kv.row_lengths() == [4, 4, 3]  # rows 0 and 1 hold slots 1..4, row 2 the newest 3
     kept = [k[1:5].clone() for k in kv.keys]
     kv.realign(4, 6)  # the newest 4 slots now end at slot 6
     assert kv.filled == 6

@@ -175,6 +175,24 @@ def test_named_wrong_way_imports_stay_gone():
     assert not any(reaches(m, "klotski.cli") for m in graph if not m.startswith("klotski.cli"))
 
 
+def _crossings(graph) -> list[str]:
+    """schedule/ modules importing execute/ beyond its contract."""
+    return sorted(f"{m} imports {d}" for m in graph if m.startswith("klotski.schedule.")
+                  for d in graph[m] if d.startswith("klotski.execute") and d != "klotski.execute.contract")
+
+
+def test_the_scheduler_reaches_the_executor_only_through_the_contract():
+    """schedule/ names caches by handle and hands the executor plain data (execute/contract.py):
+    it imports nothing else of execute/ (the composition root gives the engine its executor)."""
+    assert _crossings(_graph()) == []
+
+
+def test_the_contract_check_finds_a_planted_crossing():
+    graph = _graph()
+    graph["klotski.schedule.batching"] = graph["klotski.schedule.batching"] | {"klotski.execute.kvcache"}
+    assert _crossings(graph) == ["klotski.schedule.batching imports klotski.execute.kvcache"]
+
+
 def test_no_module_imports_another_modules_private_names():
     """A name with a leading underscore is its module's own: another module that needs it
     needs it public (progress once read the output writer's private scanner)."""

@@ -24,8 +24,7 @@ from klotski.io.checkpoint import Checkpoint
 from klotski.io.requests import Request
 from klotski.execute import kvcache
 from klotski.schedule import batching
-from klotski.execute.caches import KVSpace
-from klotski.schedule.engine import Engine
+from klotski.execute.caches import CacheManager, KVSpace
 from klotski.execute.channels import StagedCopies
 from klotski.execute.kvcache import BatchKV
 from placement.placement import Placement
@@ -215,7 +214,7 @@ def test_live_kv_bytes_never_exceed_their_accounts_through_refills_and_realigns(
     realign's reservation, while it runs) hold, and the account in the budget."""
     live = []  # (weakref, nbytes) of every device-tier KV tensor and realign block
     spaces, realigning = [], []
-    kv_init, kv_space, realign = BatchKV.__init__, Engine.kv_space, BatchKV.realign
+    kv_init, space, realign = BatchKV.__init__, CacheManager.space, BatchKV.realign
 
     def track(t):
         live.append((weakref.ref(t), t.nbytes))
@@ -226,7 +225,7 @@ def test_live_kv_bytes_never_exceed_their_accounts_through_refills_and_realigns(
             for t in self.keys + self.values:
                 track(t)
     monkeypatch.setattr(BatchKV, "__init__", init)
-    monkeypatch.setattr(Engine, "kv_space", lambda self: spaces.append(kv_space(self)) or spaces[-1])
+    monkeypatch.setattr(CacheManager, "space", lambda self: spaces.append(space(self)) or spaces[-1])
     # whole prompts: these repeat, and as shared segments they would leave each row one token
     engine, seqs = _open(checkpoints["gqa"], _many(), prefix_cache=False)
     memory, checks, blocks = engine.memory, [0], [0]
@@ -259,7 +258,7 @@ def test_live_kv_bytes_never_exceed_their_accounts_through_refills_and_realigns(
         finally:
             realigning.pop()
     monkeypatch.setattr(BatchKV, "realign", watched_realign)
-    assert not engine.kv_space().on_host  # the caches are charged to the device budget
+    assert not engine.caches.on_host  # the caches are charged to the device budget
     list(engine.run(seqs))
     engine.close()
     assert engine.stats.refills > 0 and engine.stats.kv_realigns > 0 and blocks[0] > 0 and checks[0] > 50

@@ -104,7 +104,7 @@ def test_prefix_kv_is_charged_to_the_kv_tier_and_given_back(checkpoints):
     engine, seqs, _ = open_engine(cfg, _requests(SHARED))
     before = engine.memory.used
     engine.prefixes.share(seqs)
-    kv = engine.prefixes.longest.cache.kv
+    kv = engine.caches.segments[engine.prefixes.longest.cache].kv  # the executor's, by its handle
     charged = engine.memory.used - before
     assert charged == kv.nbytes_for(engine.spec.shape.num_layers, 1, engine.spec.shape.num_kv_heads, engine.spec.shape.head_dim,
                                     engine.prefixes.longest.length, torch.float32) > 0

@@ -21,7 +21,7 @@ from klotski.builtin import tiny
 from klotski.config import RunConfig
 from klotski.execute import kvcache
 from klotski.execute.channels import KV_STAGING_BYTES, StagedCopies, make_channels
-from klotski.schedule.engine import Engine
+from klotski.execute.caches import CacheManager
 from klotski.execute.trace import Trace
 from klotski.io.checkpoint import Checkpoint
 from klotski.io.requests import Request
@@ -100,12 +100,9 @@ def test_two_engines_do_not_share_a_ring(model):
     engines = [open_engine(cfg, [Request(id="r", line=1, prompt="hi", messages=None, max_new_tokens=1)],
                            placement=placement)[0] for _ in range(2)]
     try:
-        assert all(e.kv_space().staging is None for e in engines)  # a CPU "device" copies straight
-        rings = []
-        for e in engines:  # the spaces a CUDA run makes (nothing allocated: this machine has no GPU)
-            e.device = torch.device("cuda")
-            rings.append(e.kv_space().staging)
-            e.device = torch.device("cpu")
+        assert all(e.caches.staging is None for e in engines)  # a CPU "device" copies straight
+        # the ring a CUDA run's caches are handed (nothing allocated: this machine has no GPU)
+        rings = [CacheManager.staging_for(e.channels["kv_load"], torch.device("cuda")) for e in engines]
         assert rings[0] is engines[0].channels["kv_load"].staged
         assert rings[1] is engines[1].channels["kv_load"].staged
         assert rings[0] is not rings[1]
@@ -138,13 +135,8 @@ def test_a_host_kv_run_gathers_through_its_kv_load_ring_within_the_host_budget(m
         channels["kv_load"].staged = StagedCopies.on_host(4096)
         real(host_memory, channels, dataclasses.replace(setup, device=torch.device("cuda")))
     monkeypatch.setattr(assemble, "reserve_staging_rings", as_on_cuda)
-    kv_space = Engine.kv_space
-
-    def kv_space_as_on_cuda(self):  # the kv_load channel's ring handed to each host cache, as on CUDA
-        space = kv_space(self)
-        space.staging = self.channels["kv_load"].staged
-        return space
-    monkeypatch.setattr(Engine, "kv_space", kv_space_as_on_cuda)
+    # the kv_load channel's ring handed to each host cache, as on CUDA
+    monkeypatch.setattr(CacheManager, "staging_for", staticmethod(lambda kv_load, device: kv_load.staged))
     gathers = []
     gather = StagedCopies.gather
     monkeypatch.setattr(StagedCopies, "gather", lambda self, *a, **kw: (gathers.append(self), gather(self, *a, **kw)))

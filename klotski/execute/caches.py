@@ -1,4 +1,13 @@
-"""The executor's caches: KV caches made, charged to their tier's budget, and given back.
+"""The executor's caches: made, charged to their tier's budget, changed as the scheduler says,
+and given back.
+
+The `CacheManager` owns every cache of a run's KV tier; the scheduler names them by handle and
+changes them only through the operations of execute/contract.py (`apply`), reading back plain
+`CacheView`s. It makes a cache of the kind the model's layers keep (one kind today: attention
+keys and values per layer, `BatchKV`; MLA's latent and rotary key are its keys and values of
+other widths): a new kind of per-layer state is a class with `BatchKV`'s row operations
+(`CacheKind`), made here, and no call site of the scheduler changes. Rows of a prefilled cache
+become shared prompt segments (`share_rows`: execute/segments.py), named by handle too.
 
 A `KVSpace` is one accounting group of per-batch caches (a run's rows, a newcomer batch, the
 rows of shared prompt segments): each cache is charged to the KV tier's budget when it is made
@@ -10,9 +19,33 @@ per layer (`BatchKV`; MLA's latent and rotary key are its keys and values of oth
 """
 from __future__ import annotations
 
+import itertools
+from contextlib import contextmanager
+from typing import Protocol
+
+from klotski.execute.contract import Adopt, BatchStep, CacheView, Free, Realign, Reset, Scrub
 from klotski.execute.kvcache import BatchKV
+from klotski.execute.segments import SegmentGroup, SegmentKV
 from placement import pinned
 from placement.pinned import PinnedBlocks
+
+
+class CacheKind(Protocol):
+    """What the manager asks of a batch's per-layer cache (`BatchKV` is the attention kind)."""
+    filled: int
+    capacity: int
+
+    @property
+    def batch(self) -> int: ...
+    def row_lengths(self) -> list[int]: ...
+    def adopt(self, row: int, src: "CacheKind", src_row: int, length: int) -> None: ...
+    def scrub(self, row: int) -> None: ...
+    def realign(self, keep: int, filled: int, room=None) -> None: ...
+    def reset(self, rows: int) -> None: ...
+    def mark_prefix(self, chains: list) -> None: ...
+    def use_rows(self, rows: int) -> None: ...
+    def settle(self) -> None: ...
+    def release(self) -> None: ...
 
 
 class KVSpace:
@@ -50,6 +83,18 @@ class KVSpace:
         self.held[id(kv)] = (nbytes, blocks, kv)
         return kv, nbytes
 
+    @contextmanager
+    def room(self, nbytes: int, what: str):
+        """`nbytes` more of the budget while a block lives beside the caches (a realign's
+        scratch): room is made on the device as for a cache, or the run stops over budget."""
+        if not self.on_host:
+            self.make_room(nbytes, what)
+        self.account.reserve(nbytes, what)
+        try:
+            yield
+        finally:
+            self.account.free(nbytes)
+
     def free(self, kv: BatchKV) -> None:
         nbytes, blocks, _ = self.held.pop(id(kv))
         if blocks:
@@ -69,3 +114,112 @@ class KVSpace:
                 blocks.close()
             self.account.free(nbytes)
         self.held.clear()
+
+
+class CacheManager:
+    """Every cache of the run's KV tier, by handle, in accounting groups (`open_group`: a
+    `KVSpace` each). `space()` makes a group's space (the arguments of `KVSpace`)."""
+
+    def __init__(self, shape, dtype, device, *, on_host: bool, account, make_room, drain, staging=None):
+        self.shape, self.dtype, self.device, self.on_host = shape, dtype, device, on_host
+        self.account, self.make_room, self.drain, self.staging = account, make_room, drain, staging
+        self.groups: dict[int, KVSpace] = {}
+        self.caches: dict[int, tuple[int, BatchKV]] = {}  # handle -> (its group, the cache)
+        self.segments: dict[int, SegmentKV] = {}  # handle -> a shared segment (a row of a group's cache)
+        self._handles = itertools.count(1)
+
+    @staticmethod
+    def staging_for(kv_load, device):
+        """The ring host caches gather strided slots into on their way up: the kv_load
+        channel's on CUDA; none on a CPU "device", which copies straight."""
+        return kv_load.staged if device.type == "cuda" else None
+
+    def space(self) -> KVSpace:
+        return KVSpace(self.shape, self.dtype, self.device, on_host=self.on_host, account=self.account,
+                       make_room=self.make_room, drain=self.drain, staging=self.staging)
+
+    def open_group(self) -> int:
+        """A new accounting group (a run's rows, a group of segments), given back by `close_group`."""
+        group = next(self._handles)
+        self.groups[group] = self.space()
+        return group
+
+    def nbytes(self, rows: int, capacity: int) -> int:
+        """A cache's bytes for `rows` sequences of `capacity` slots, every layer (before making it)."""
+        heads, key_dim, value_dim = self.shape.kv_cache_dims
+        return BatchKV.nbytes_for(self.shape.num_layers, rows, heads, key_dim, capacity, self.dtype, value_dim)
+
+    def allocate(self, group: int, rows: int, capacity: int, keep_free: int = 0, chains=None) -> int:
+        """A cache of `rows` rows and `capacity` slots in `group`, each row starting from the
+        shared segments `chains[row]` names; raises OverBudget if it does not fit with
+        `keep_free` device bytes still free beside it."""
+        kv, _ = self.groups[group].allocate(rows, capacity, keep_free,
+                                            chains=None if chains is None else self._chains(chains))
+        handle = next(self._handles)
+        self.caches[handle] = (group, kv)
+        return handle
+
+    def view(self, cache: int) -> CacheView:
+        kv = self.caches[cache][1]
+        return CacheView(cache, kv.batch, kv.capacity, kv.filled, tuple(kv.row_lengths()))
+
+    def apply(self, *ops) -> None:
+        """Carry out the scheduler's cache operations, in order."""
+        for op in ops:
+            if isinstance(op, Free):
+                group, kv = self.caches.pop(op.cache)
+                kv.release()  # its tensors before its account
+                self.groups[group].free(kv)
+                continue
+            kv = self.caches[op.cache][1]
+            if isinstance(op, Adopt):
+                kv.adopt(op.row, self.caches[op.src][1], op.src_row, op.length)
+            elif isinstance(op, Scrub):
+                kv.scrub(op.row)
+            elif isinstance(op, Realign):
+                room = self.groups[self.caches[op.cache][0]].room
+                kv.realign(op.keep, op.keep, room=lambda nbytes: room(nbytes, "KV realign"))
+            elif isinstance(op, Reset):
+                kv.reset(op.rows)
+                kv.mark_prefix(self._chains(op.chains))
+            else:
+                raise TypeError(f"not a cache operation: {op!r}")
+
+    def batches(self, steps: list[BatchStep]) -> list[BatchKV]:
+        """The caches a step's batches run in, each computing the rows its input has."""
+        kvs = [self.caches[b.cache][1] for b in steps]
+        for kv, b in zip(kvs, steps):
+            kv.use_rows(b.input.ids.shape[0])
+        return kvs
+
+    def close_group(self, group: int) -> None:
+        """Give back every cache of `group`: their tensors, then their accounts."""
+        for handle in [h for h, (g, _) in self.caches.items() if g == group]:
+            self.caches.pop(handle)[1].release()
+        self.groups.pop(group).close()
+
+    # ---- shared prompt segments ---------------------------------------------------------
+    def share_rows(self, cache: int, lengths: list[int]) -> list[int]:
+        """The rows of a prefilled cache become shared segments (row r: its newest
+        `lengths[r]` slots), one handle each; the cache's group goes with the last of them."""
+        group, kv = self.caches[cache]
+        kv.settle()  # its stores have landed: loads read it from now on with no wait
+        owner = SegmentGroup(lambda: self.close_group(group), len(lengths))
+        handles = []
+        for row, length in enumerate(lengths):
+            handles.append(next(self._handles))
+            self.segments[handles[-1]] = SegmentKV(owner, kv, row, length)
+        return handles
+
+    def release_segment(self, segment: int) -> None:
+        self.segments.pop(segment).release()
+
+    def _chains(self, chains) -> list[tuple]:
+        """Chains of segment handles as the caches read them: the segments themselves."""
+        return [tuple(self.segments[h] for h in chain) for chain in chains]
+
+    def close(self) -> None:
+        """Give back every group still open (a run that stopped; segments never released)."""
+        self.segments.clear()
+        for group in list(self.groups):
+            self.close_group(group)

@@ -159,12 +159,12 @@ class BatchKV:
             if ticket.event is not None:
                 ticket.event.synchronize()
 
-    def span(self, rows: list[int]) -> int:
-        """How many of the newest slots hold some of these rows' tokens (a row's tokens are
-        contiguous and end at the newest slot)."""
-        used = self.valid[rows, :self.filled].any(0) if rows else torch.zeros(0, dtype=torch.bool)
-        first = torch.nonzero(used)
-        return self.filled - int(first[0]) if len(first) else 0
+    def row_lengths(self) -> list[int]:
+        """Per row, how many of the newest slots its tokens reach back (a row's tokens are
+        contiguous and end at the newest slot; 0: none)."""
+        used = self.valid[:, :self.filled]
+        first = used.int().argmax(dim=1)  # the first True (0 where there is none)
+        return torch.where(used.any(dim=1), self.filled - first, 0).tolist()
 
     def realign(self, keep: int, filled: int, room=None) -> None:
         """Move the newest `keep` slots (fewer if there are not that many) to end at slot

@@ -31,7 +31,6 @@ work); it never does arithmetic on weights and touches them only through the Wei
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -39,6 +38,7 @@ import torch
 from klotski.models import layers as L
 from klotski.models.grouped import runs_grouped
 from klotski.execute.channels import HostReads, SmallUploads
+from klotski.execute.contract import StepInput, StepOutput
 from klotski.execute.experts import LayerExperts, SortKeys, first_broken, real_tokens, route_group
 from klotski.execute.hostcompute import HostCompute
 from klotski.execute.hostwork import HostWork
@@ -46,22 +46,6 @@ from klotski.execute.kvcache import BatchKV
 from klotski.execute.residency import Residency
 from klotski.execute.segments import SharedLayer, joined
 from planner.workingset import ATTENTION_SCORE_CHUNK, DISK_WINDOW_LAYERS, KV_BUFFERS, Step, activation_bytes
-
-
-@dataclass
-class StepInput:
-    """One batch's new tokens for this step: ids, validity (False = left padding), positions."""
-    ids: torch.Tensor        # [B, T]
-    valid: torch.Tensor      # [B, T] bool
-    positions: torch.Tensor  # [B, T]
-
-
-@dataclass
-class StepOutput:
-    """One batch's result of a step: next-token logits [B, V] (fp32, on the host) and, per
-    sequence, the first layer whose output was not finite (-1: none)."""
-    logits: torch.Tensor
-    broken_at: torch.Tensor
 
 
 class Pipeline:

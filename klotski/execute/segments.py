@@ -11,27 +11,25 @@ from klotski.execute.kvcache import upload
 
 
 class SegmentGroup:
-    """The cache of segments prefilled together, a row each (made in `space`: its budget
-    account), given back with the last of them."""
+    """The segments prefilled together, a row each of one cache: `close()` (the cache and its
+    accounting group given back) runs once the last of them is released."""
 
-    def __init__(self, kv, space, users: int):
-        self.kv, self.space, self.users = kv, space, users
+    def __init__(self, close, users: int):
+        self.close, self.users = close, users
 
     def release(self) -> None:
         self.users -= 1
-        if not self.users:  # the tensors go before their account does
-            self.kv.release()
-            self.space.close()
+        if not self.users:
+            self.close()
 
 
 class SegmentKV:
-    """One segment's keys and values: row `row` of its group's cache, the newest `length` slots
-    (left-padded beside longer ones)."""
+    """One segment's keys and values: row `row` of its group's cache `kv`, the newest `length`
+    slots (left-padded beside longer ones)."""
 
-    def __init__(self, group: SegmentGroup, row: int, length: int):
-        self.group, self.row, self.length = group, row, length
-        self.kv = group.kv
-        self.slots = slice(self.kv.filled - length, self.kv.filled)
+    def __init__(self, group: SegmentGroup, kv, row: int, length: int):
+        self.group, self.kv, self.row, self.length = group, kv, row, length
+        self.slots = slice(kv.filled - length, kv.filled)
 
     @property
     def on_host(self) -> bool:

@@ -133,7 +133,7 @@ def pipeline_overhead(device: str, open_engine, steps: int = 16, rounds: int = 1
 def _measure(device: str, steps: int, rounds: int, open_engine, link_gbps: float | None) -> dict[str, float]:
     from klotski.config import RunConfig
     from klotski.io.requests import Request
-    from klotski.execute.pipeline import StepInput
+    from klotski.execute.contract import StepInput
     from klotski.builtin.tiny import ensure_builtin
     from klotski.models.spec import ModelSpec
     from klotski.prefetch.correlate import new_table
@@ -153,7 +153,7 @@ def _measure(device: str, steps: int, rounds: int, open_engine, link_gbps: float
         the median ops of its layers after the first."""
         marks = []
         on_layer = None if counter is None else lambda layer, hs: marks.append(counter.kernels)
-        space = engine.kv_space()
+        space = engine.caches.space()
         kvs = [space.allocate(bs, (steps + 2) * new)[0] for _ in range(n)]
         ids = torch.zeros(bs, new, dtype=torch.long)
         times = []

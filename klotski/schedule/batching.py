@@ -10,12 +10,12 @@ row whose sequence has finished takes the next waiting prompt:
   never bigger than the first prefill step the static schedule would run), in a KV cache of
   their own: when a row frees, a newcomer is usually ready for it at once.
 - A ready newcomer's keys and values are copied into a free row of a decode batch
-  (`BatchKV.adopt`) so that its newest slot lines up with the batch's, and it decodes with
-  the rest from the next step on. A batch's slot range is shifted back to the slots its
-  live rows still use when it runs out of room (`BatchKV.realign`), so the cache stays the
-  size static batching would give the window's longest request.
+  (`Adopt`) so that its newest slot lines up with the batch's, and it decodes with the rest
+  from the next step on. A batch's slot range is shifted back to the slots its live rows
+  still use when it runs out of room (`Realign`), so the cache stays the size static
+  batching would give the window's longest request.
 - A batch keeps its live rows in front (a finished row's place goes to the batch's last live
-  row) and a step computes only those (`BatchKV.use_rows`): a row whose sequence has
+  row) and a step computes only those (its input has those rows): a row whose sequence has
   finished is never computed, whether a newcomer is still prefilling for it or none is left.
 - With nothing left to admit, the sparsest batch's rows move into other batches' free rows,
   so the tail runs as few batches as its sequences fill.
@@ -24,19 +24,20 @@ row whose sequence has finished takes the next waiting prompt:
   On the host a newcomer cache whose prompts all have rows is kept for the next newcomers
   (its pages stay locked: a CUDA host cache is registered once, not per newcomer batch).
 
+The scheduler holds no cache: it names them by handle and changes them through the operations
+of execute/contract.py, which the executor's `CacheManager` (engine.caches) carries out.
+
 Every sequence sees exactly its own tokens at the positions it would have alone: the output
 is the static schedule's, token for token (tests/test_batching.py).
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
 from klotski.schedule import sequences as S
-from klotski.execute.kvcache import BatchKV
-from klotski.execute.pipeline import StepInput
+from klotski.execute.contract import Adopt, BatchStep, Free, Realign, Reset, Scrub, StepInput
 from klotski.schedule.sampling import next_tokens
 from klotski.schedule.prefix import cache_chain
 from klotski.schedule.scheduler import ONLINE
@@ -50,8 +51,9 @@ LOOKAHEAD = 4  # batches' worth of waiting prompts a newcomer batch is chosen fr
 
 @dataclass
 class _Decode:
-    """One decode batch: its rows (None = free), their next input token and position."""
-    kv: BatchKV
+    """One decode batch: its cache (a handle), its rows (None = free), their next input token
+    and position."""
+    cache: int
     rows: list
     tokens: list[int]
     positions: torch.Tensor
@@ -69,9 +71,8 @@ class _Decode:
         """Rows a step computes: the live ones, kept in front (all of them while prefilling)."""
         return len(self.rows) if self.prompt else sum(s is not None for s in self.rows)
 
-    def span(self) -> int:
-        """Slots back from the newest that the live rows read."""
-        return self.kv.span([i for i, s in enumerate(self.rows) if s is not None])
+    def occupied(self) -> list[int]:
+        return [i for i, s in enumerate(self.rows) if s is not None]
 
 
 @dataclass
@@ -80,7 +81,7 @@ class _Newcomers:
     step's chunk chosen then (`_newcomer_inputs`); once sampled, those not yet adopted wait
     in `ready` (their row in this cache, first token) for free rows."""
     seqs: list
-    kv: BatchKV
+    cache: int
     whole: StepInput
     broken: torch.Tensor
     done: int = 0
@@ -116,10 +117,11 @@ class Scheduler:
         self.e, self.spec, self.waiting = engine, engine.spec, waiting
         self.static = static
         self.floor = floor  # KV slots every row gets at least (klotski serve: what the plan allows)
-        self.space = engine.kv_space()  # caches on the run's KV tier, each charged to its budget
+        self.caches = engine.caches  # the executor's: the scheduler names caches by handle
+        self.group = self.caches.open_group()  # this run's caches, charged to the KV tier's budget
         self.decode: list[_Decode] = []
         self.newcomers: list[_Newcomers] = []  # oldest first
-        self.spare: list[BatchKV] = []  # host newcomer caches done with, for the next newcomers
+        self.spare: list[int] = []  # host newcomer caches done with, for the next newcomers
         self.capacity = self.longest_prompt = 0
         self.online = 0  # online sequences this run took in (for OnlineStats)
         self._ran_online = False
@@ -183,8 +185,7 @@ class Scheduler:
                 return finished, work
             # every row idle and no newcomer fits beside the caches (or the next request needs
             # longer rows; static: the group ended): start afresh, sized for what waits
-            for kv in [d.kv for d in self.decode] + self.spare:
-                self._drop(kv)
+            self.caches.apply(*(Free(c) for c in [d.cache for d in self.decode] + self.spare))
             self.spare = []
             if self.static:  # the next group, each batch sized for its own
                 group = self.waiting.pop(self.e.batch_size * self.e.num_batches, key=self.order)
@@ -221,9 +222,7 @@ class Scheduler:
         """Give every cache back; the sequences still in it (`why`: they fail with that)."""
         held = [s for d in self.decode for s in d.rows if s is not None and not s.done]
         held += [s for nc in self.newcomers for s in nc.seqs if not s.done]
-        for kv in [d.kv for d in self.decode] + [nc.kv for nc in self.newcomers] + self.spare:
-            kv.release()  # before close gives their accounts back
-        self.space.close()
+        self.caches.close_group(self.group)
         self.decode, self.newcomers, self.spare = [], [], []
         if why is not None:
             for s in held:
@@ -256,15 +255,10 @@ class Scheduler:
                 nc.ready.remove((j, t))
             if not nc.left and not nc.ready:  # every prompt of it left: its cache goes
                 self.newcomers.remove(nc)
-                self._retire(nc.kv)
+                self._retire(nc.cache)
         for s in gone:
             S.abandon(s)
         return gone
-
-    def _drop(self, kv: BatchKV) -> None:
-        """Give a cache back: its tensors first, then its account."""
-        kv.release()
-        self.space.free(kv)
 
     def _fill(self, seqs) -> list[_Decode]:
         seqs = sorted(seqs, key=lambda s: -len(s.prompt_ids))
@@ -276,20 +270,20 @@ class Scheduler:
         longest = max(map(self.e.prefixes.own_len, batch))
         # static: a batch's cache holds its own longest request; continuous: the run's
         capacity = longest + max(s.max_new_tokens for s in batch) if self.static else self.capacity
-        kv, _ = self.space.allocate(len(batch), capacity, chains=[cache_chain(s.chain) for s in batch])
+        cache = self.caches.allocate(self.group, len(batch), capacity, chains=[cache_chain(s.chain) for s in batch])
         whole = S.prefill_input(batch, longest, self.e.pad_id)
         self.e.stats.record_prompts(batch)
-        return _Decode(kv, list(batch), [0] * len(batch), whole.positions[:, -1] + 1,
+        return _Decode(cache, list(batch), [0] * len(batch), whole.positions[:, -1] + 1,
                        torch.full((len(batch),), -1), S.chunks(whole, self.chunk))
 
     def _input(self, d: _Decode) -> tuple[StepInput, bool]:
         """The batch's input this step and whether it is a prefill."""
         if d.prompt:
             return d.prompt.pop(0), True
-        if d.kv.filled + 1 > d.kv.capacity:  # out of room: keep only the slots live rows read
-            self._realign(d, d.span())
+        view = self.caches.view(d.cache)
+        if view.filled + 1 > view.capacity:  # out of room: keep only the slots live rows read
+            self._realign(d, view.span(d.occupied()))
         m = d.computed()
-        d.kv.use_rows(m)
         ids = torch.tensor(d.tokens[:m], dtype=torch.long)[:, None]
         return StepInput(ids, torch.ones_like(ids, dtype=torch.bool), d.positions[:m, None].clone()), False
 
@@ -297,13 +291,14 @@ class Scheduler:
     def execute(self, work) -> list:
         """The step's forward through every layer: one output per batch of `work`."""
         e = self.e
-        decoding = [w for w, _, prefill in work if not prefill]
+        decoding = [(w, inp) for w, inp, prefill in work if not prefill]
         if self.static and len(decoding) < len(work):
             decoding = []  # static: a group's step counts as prefill while any batch of it prefills
         # a step that decodes counts as decode time; newcomers' prefill rides along
         slots = sum(len(d.rows) for d in self.decode) if self.static else e.batch_size * e.num_batches
-        decode = DecodeRows(computed=sum(d.kv.rows for d in decoding),
-                            useful=sum(s is not None and not s.done for d in decoding for s in d.rows[:d.kv.rows]),
+        rows = [(d, inp.ids.shape[0]) for d, inp in decoding]
+        decode = DecodeRows(computed=sum(m for _, m in rows),
+                            useful=sum(s is not None and not s.done for d, m in rows for s in d.rows[:m]),
                             slots=slots,
                             prompt_tokens=sum(int(inp.valid.sum()) for _, inp, prefill in work if prefill)
                             ) if decoding else None
@@ -312,7 +307,7 @@ class Scheduler:
         if online:
             self.waiting.count_online(new_run=not self._ran_online, in_step=online)
             self._ran_online = True
-        return e.step([w.kv for w, _, _ in work], [inp for _, inp, _ in work], prompt=len(decoding) < len(work),
+        return e.step([BatchStep(w.cache, inp) for w, inp, _ in work], prompt=len(decoding) < len(work),
                       decode=decode)
 
     def update(self, work, outs) -> list:
@@ -328,12 +323,11 @@ class Scheduler:
             if isinstance(w, _Newcomers):
                 yield from self._prefilled(w, out)
             elif not w.prompt:  # a prefill's logits mean something after its last chunk only
-                yield from self._decoded(w, out, fed=not prefill)
+                yield from self._decoded(w, out, m, fed=not prefill)
 
-    def _decoded(self, d: _Decode, out, fed: bool):
-        """Sample the batch's computed rows; `fed`: this step fed each row the token at its
+    def _decoded(self, d: _Decode, out, m: int, fed: bool):
+        """Sample the batch's `m` computed rows; `fed`: this step fed each row the token at its
         position. Finished rows free up, and the live ones close ranks in front."""
-        m = d.kv.rows
         tokens, finished = next_tokens(self.e, d.rows[:m], out.logits, d.broken[:m])
         yield from finished
         if self.static:  # every row computes on until its batch ends (done ones unread)
@@ -344,7 +338,7 @@ class Scheduler:
             if s is not None and s.done:
                 d.rows[i] = None  # free for the next prompt
                 if d.broken[i] >= 0:  # its slots may hold non-finite values a newcomer must not see
-                    d.kv.scrub(i)
+                    self.caches.apply(Scrub(d.cache, i))
             elif s is not None:
                 d.tokens[i] = tokens[i]
                 d.positions[i] += fed
@@ -358,17 +352,16 @@ class Scheduler:
             if not holes:
                 return
             i, j = holes[0], live[-1]
-            d.kv.adopt(i, d.kv, j, d.kv.span([j]))
+            self.caches.apply(Adopt(d.cache, i, d.cache, j, self.caches.view(d.cache).span([j])))
             self._take(d, i, d, j)
             self.e.stats.rows_moved += 1
 
-    @staticmethod
-    def _take(d: _Decode, i: int, src, j: int) -> None:
+    def _take(self, d: _Decode, i: int, src, j: int) -> None:
         """Row `i` of `d` takes the sequence state of row `j` of batch `src`; that row frees."""
         d.rows[i], d.tokens[i], d.positions[i], d.broken[i] = src.rows[j], src.tokens[j], src.positions[j], src.broken[j]
         src.rows[j] = None
         if src.broken[j] >= 0:  # non-finite values it leaves behind (its padding) go with it
-            src.kv.scrub(j)
+            self.caches.apply(Scrub(src.cache, j))
 
     def _prefilled(self, nc: _Newcomers, out):
         if nc.left:  # more of their prompts to prefill
@@ -378,7 +371,7 @@ class Scheduler:
         nc.ready = [(j, t) for j, (s, t) in enumerate(zip(nc.seqs, tokens)) if not s.done]
         if nc.online:  # they decode on in this cache, beside the n batches
             self.newcomers.remove(nc)
-            d = _Decode(nc.kv, [None if s.done else s for s in nc.seqs], tokens,
+            d = _Decode(nc.cache, [None if s.done else s for s in nc.seqs], tokens,
                         torch.tensor([len(s.prompt_ids) for s in nc.seqs]), nc.broken, online=True)
             self.decode.append(d)
             self._close_ranks(d)
@@ -388,86 +381,76 @@ class Scheduler:
         of its prompts has a row; an online batch's once its rows are done."""
         for d in [d for d in self.decode if d.online and not d.live()]:
             self.decode.remove(d)
-            self._retire(d.kv)
+            self._retire(d.cache)
         for nc in list(self.newcomers):
             if nc.left:
                 continue
             free = [(d, i) for d in self.decode for i in d.free_rows()]
             for (d, i), (j, token) in zip(free, list(nc.ready)):
                 s = nc.seqs[j]  # its own slots move; its next position counts the shared prefix too
-                self._move(nc.kv, j, d, i, self.e.prefixes.own_len(s))
+                self._move(nc.cache, j, d, i, self.e.prefixes.own_len(s))
                 d.rows[i], d.tokens[i], d.positions[i], d.broken[i] = s, token, len(s.prompt_ids), nc.broken[j]
                 nc.ready.remove((j, token))
                 self.e.stats.refills += 1
             if not nc.ready:
                 self.newcomers.remove(nc)
-                self._retire(nc.kv)
+                self._retire(nc.cache)
 
-    def _retire(self, kv: BatchKV) -> None:
+    def _retire(self, cache: int) -> None:
         """A newcomer cache every prompt of which has a row: on the host it waits for the next
         newcomers (kept to the most that can be alive at once, 2n); on the device its room
         goes back to the steps."""
-        if not self.space.on_host:
-            self._drop(kv)
+        if not self.caches.on_host:
+            self.caches.apply(Free(cache))
             return
-        self.spare.append(kv)
+        self.spare.append(cache)
         if len(self.spare) > 2 * self.e.num_batches:
-            smallest = min(self.spare, key=lambda c: c.batch * c.capacity)
+            smallest = min(self.spare, key=lambda c: (lambda v: v.batch * v.capacity)(self.caches.view(c)))
             self.spare.remove(smallest)
-            self._drop(smallest)
+            self.caches.apply(Free(smallest))
 
-    def _newcomer_cache(self, take: int, longest: int) -> BatchKV | None:
+    def _newcomer_cache(self, take: int, longest: int, chains: list) -> int | None:
         """A cache for a newcomer batch of `take` prompts padded to `longest`, or None if none
         fits the budget. On the host a spare one of `take` rows and enough slots is used again
         (a prefill writes every slot before a step reads it); a new one there gets the
         window's longest prompt's slots, so that it serves every later batch of its rows."""
-        if not self.space.on_host:
+        allocate = lambda capacity, keep_free=0: self.caches.allocate(self.group, take, capacity, keep_free, chains)
+        if not self.caches.on_host:
             try:
-                return self.space.allocate(take, longest, keep_free=self.headroom)[0]
+                return allocate(longest, self.headroom)
             except OverBudget:
                 return None
-        fits = [kv for kv in self.spare if kv.batch == take and kv.capacity >= longest]
+        views = [self.caches.view(c) for c in self.spare]
+        fits = [v for v in views if v.batch == take and v.capacity >= longest]
         if fits:
-            kv = min(fits, key=lambda c: c.capacity)
-            self.spare.remove(kv)
-            kv.reset(take)
-            return kv
+            cache = min(fits, key=lambda v: v.capacity).cache
+            self.spare.remove(cache)
+            self.caches.apply(Reset(cache, take, tuple(chains)))
+            return cache
         for capacity in dict.fromkeys((max(self.longest_prompt, longest), longest)):
             try:
-                return self.space.allocate(take, capacity)[0]
+                return allocate(capacity)
             except OverBudget:
                 pass
         if not self.spare:
             return None
-        for kv in self.spare:  # the spares' room, for this batch
-            self._drop(kv)
+        self.caches.apply(*(Free(c) for c in self.spare))  # the spares' room, for this batch
         self.spare = []
         try:
-            return self.space.allocate(take, longest)[0]
+            return allocate(longest)
         except OverBudget:
             return None
 
-    def _move(self, src: BatchKV, j: int, d: _Decode, i: int, length: int) -> None:
-        """Row `i` of batch `d` takes the newest `length` slots of row `j` of `src`."""
-        if d.kv.filled < length or d.kv.filled + 1 > d.kv.capacity:
-            self._realign(d, max(d.span(), length))
-        d.kv.adopt(i, src, j, length)
+    def _move(self, src: int, j: int, d: _Decode, i: int, length: int) -> None:
+        """Row `i` of batch `d` takes the newest `length` slots of row `j` of cache `src`."""
+        view = self.caches.view(d.cache)
+        if view.filled < length or view.filled + 1 > view.capacity:
+            self._realign(d, max(view.span(d.occupied()), length))
+        self.caches.apply(Adopt(d.cache, i, src, j, length))
 
     def _realign(self, d: _Decode, keep: int) -> None:
-        d.kv.realign(keep, keep, room=self._room)
+        self.caches.apply(Realign(d.cache, keep))
         self.e.stats.kv_realigns += 1
-
-    @contextmanager
-    def _room(self, nbytes: int):
-        """`nbytes` more of the caches' budget while a block lives beside them (a realign's
-        scratch): room is made on the device as for a cache, or the run stops over budget."""
-        if not self.space.on_host:
-            self.space.make_room(nbytes, "KV realign")
-        self.space.account.reserve(nbytes, "KV realign")
-        try:
-            yield
-        finally:
-            self.space.account.free(nbytes)
 
     # ---- the tail: nothing left to admit --------------------------------------------------
     def _consolidate(self) -> None:
@@ -484,7 +467,7 @@ class Scheduler:
         if len(moving) > len(free):
             return
         for i, (d, j) in zip(moving, free):
-            self._move(src.kv, i, d, j, src.kv.span([i]))
+            self._move(src.cache, i, d, j, self.caches.view(src.cache).span([i]))
             self._take(d, j, src, i)
         self.e.stats.rows_moved += len(moving)
 
@@ -513,23 +496,22 @@ class Scheduler:
             # (ready newcomers join them while this batch prefills): then every step has room;
             # online batches decoding in their own caches count as others at one token a row
             others = [(len(nc.seqs), 1, nc.done) for nc in self.newcomers if nc.left]
-            others += [(d.computed(), 1, d.kv.filled) for d in self.decode if d.online and d.live()]
+            others += [(d.computed(), 1, self.caches.view(d.cache).filled) for d in self.decode if d.online and d.live()]
             live = sum(d.computed() for d in self.decode if d.live() and not d.online)
             ready = sum(len(nc.seqs) for nc in self.newcomers if not nc.left)
             decode_rows = min(self.e.batch_size * n - sum(r for r, _, _ in others), live + ready)
             if not self.widest((take, 0, 1), decode_rows, others, self.e.prefixes.shared):
                 continue
             room = longest + max(head[j].max_new_tokens for j in range(take)) if online else longest
-            kv = self._newcomer_cache(take, room)
-            if kv is not None:
+            cache = self._newcomer_cache(take, room, [cache_chain(s.chain) for s in head[:take]])
+            if cache is not None:
                 break
         else:
             return  # nothing fits this step: the prompts wait for room
         seqs = self.waiting.pop(take)
         self.e.stats.record_prompts(seqs)
-        kv.mark_prefix([cache_chain(s.chain) for s in seqs])
         whole = S.prefill_input(seqs, longest, self.e.pad_id)
-        self.newcomers.append(_Newcomers(seqs, kv, whole, torch.full((take,), -1), online=online))
+        self.newcomers.append(_Newcomers(seqs, cache, whole, torch.full((take,), -1), online=online))
 
     def _newcomer_inputs(self, decode_rows: int) -> list:
         """This step's chunk of each newcomer batch still prefilling, oldest first, each the

@@ -19,7 +19,7 @@ import torch
 
 from klotski.schedule import sequences as S
 from klotski.schedule.batching import Scheduler
-from klotski.execute.caches import KVSpace
+from klotski.execute.contract import BatchStep
 from klotski.schedule.prefix_cache import PrefixCache
 from klotski.schedule.scheduler import BATCH, Waiting
 from klotski.schedule.stats import DecodeRows, Stats
@@ -29,11 +29,12 @@ from placement.tiers import HOST
 
 
 class Engine:
-    def __init__(self, config, ckpt, setup, *, pipeline, cache, predictor, channels, memory, host_memory,
+    def __init__(self, config, ckpt, setup, *, pipeline, caches, cache, predictor, channels, memory, host_memory,
                  trace, device, dtype, threads=None):
         self.config, self.ckpt, self.setup = config, ckpt, setup
         self.threads = threads  # a ThreadGovernor (CPU compute), or None
         self.pipeline, self.cache, self.predictor, self.channels = pipeline, cache, predictor, channels
+        self.caches = caches  # the executor's KV caches (execute/caches.CacheManager): by handle
         self.memory, self.host_memory, self.trace = memory, host_memory, trace
         self.device, self.dtype = device, dtype
         self.eos = ckpt.eos_ids()
@@ -144,22 +145,16 @@ class Engine:
         return chunk_within(self.spec, self.dtype.itemsize, self.setup.activation_reserve, bs, n, chunk, context,
                             host_attention)
 
-    def kv_space(self) -> KVSpace:
-        """A new accounting group of caches on the run's KV tier (execute/caches.py)."""
-        on_host = self.placement.kv == HOST
-        return KVSpace(self.spec.shape, self.dtype, self.device, on_host=on_host,
-                       account=self.host_memory if on_host else self.memory, make_room=self.pipeline.make_room,
-                       drain=self.channels["kv_load"].drain,
-                       staging=self.channels["kv_load"].staged if self.device.type == "cuda" else None)
-
-    def step(self, kvs, inputs, *, prompt: bool, decode: DecodeRows | None):
-        """One forward step through the pipeline, timed until its logits reach the host (its
-        compute is then done) and counted into `stats` (Stats.record_step)."""
+    def step(self, batches: list[BatchStep], *, prompt: bool, decode: DecodeRows | None):
+        """One forward step of `batches` (each a cache by handle and its rows' new tokens) through
+        the pipeline, timed until its logits reach the host (its compute is then done) and
+        counted into `stats` (Stats.record_step)."""
         if self.threads is not None:
             self.threads.check()
         t0, disk0, kv0 = time.perf_counter(), self.trace.bytes[DISK_TO_HOST], self.pipeline.kv_bytes_loaded
         self.trace.phase = "prefill" if decode is None else "decode"
-        outs = self.pipeline.forward(kvs, inputs)
+        inputs = [b.input for b in batches]
+        outs = self.pipeline.forward(self.caches.batches(batches), inputs)
         elapsed = time.perf_counter() - t0
         tokens = sum(int(i.valid.sum()) for i in inputs) if decode is None else 0  # host tensors: no sync
         self.stats.record_step(elapsed, self.trace.bytes[DISK_TO_HOST] - disk0, prompt=prompt, decode=decode,
@@ -175,6 +170,7 @@ class Engine:
     def close(self) -> None:
         self._close_run("the engine closed")
         self.prefixes.drop()
+        self.caches.close()
         for channel in self.channels.values():
             channel.close()
         if self.device.type == "cuda":

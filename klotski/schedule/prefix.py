@@ -90,8 +90,8 @@ def _worth_a_pass(found: list) -> list:
 
 class Segment:
     """A shared prompt segment: tokens [start, end) of the prompts that start with `ids` (all
-    `end` of them), after its parent chain; its keys and values are the executor's `cache`
-    (execute/segments.SegmentKV). `chain` is the parents and itself: what a line starting from
+    `end` of them), after its parent chain; its keys and values are the executor's, named by
+    the handle `cache` (execute/caches.CacheManager.share_rows). `chain` is the parents and itself: what a line starting from
     it attends."""
 
     def __init__(self, key: tuple, parent: "Segment | None", cache):
@@ -110,12 +110,10 @@ class Segment:
         """`s` starts with this segment's tokens and has one beyond them."""
         return len(s.prompt_ids) > self.end and s.prompt_ids[:self.end] == self.ids
 
-    def release(self) -> None:
-        self.cache.release()
 
 
 def cache_chain(chain: tuple) -> tuple:
-    """A chain of segments as the executor reads it: their caches, outermost first."""
+    """A chain of segments as the executor reads it: their handles, outermost first."""
     return tuple(p.cache for p in chain)
 
 

@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from klotski.execute.kvcache import BatchKV
-from klotski.execute.pipeline import StepInput
+from klotski.execute.contract import BatchStep, StepInput
 from klotski.schedule import sequences as S
-from klotski.execute.segments import SegmentGroup, SegmentKV
 from klotski.schedule.prefix import Segment, cache_chain, find_segments, refusal
 from planner.workingset import Step, activation_bytes
 from placement.tiers import HOST, OverBudget
@@ -118,9 +116,7 @@ class PrefixCache:
             return 0
         rows = 0
         if not (self.e.scheduler and any(d.live() for d in self.e.scheduler.decode)):
-            heads, key_dim, value_dim = self.e.spec.shape.kv_cache_dims
-            rows = BatchKV.nbytes_for(self.e.spec.shape.num_layers, self.e.batch_size * self.e.num_batches, heads, key_dim,
-                                      own, self.e.dtype, value_dim)
+            rows = self.e.caches.nbytes(self.e.batch_size * self.e.num_batches, own)
         return (self.e.setup.activation_reserve or 0) + self.e.cache.largest_use + rows
 
     def _prefill_segments(self, keys: list, parents: list, keep_free: int = 0) -> list[Segment] | None:
@@ -130,11 +126,13 @@ class PrefixCache:
         starts = [p.end if p else 0 for p in parents]
         lengths = [len(k[1]) - a for k, a in zip(keys, starts)]
         width, rows = max(lengths), len(keys)
-        space, kv = self.e.kv_space(), None
+        caches = self.e.caches
+        group = caches.open_group()
         try:
-            kv, _ = space.allocate(rows, width, keep_free=keep_free, chains=[cache_chain(p.chain) if p else () for p in parents])
+            cache = caches.allocate(group, rows, width, keep_free=keep_free,
+                                    chains=[cache_chain(p.chain) if p else () for p in parents])
         except OverBudget:
-            space.close()
+            caches.close_group(group)
             return None
         try:
             ids = torch.full((rows, width), self.e.pad_id, dtype=torch.long)
@@ -145,15 +143,12 @@ class PrefixCache:
                 positions[r, width - n:] = torch.arange(a, a + n)
             chunk = self.e.chunk_within(rows, 1, self.e.prefill_chunk or width, max(starts) + width)
             for part in S.chunks(StepInput(ids, valid, positions), chunk):
-                self.e.step([kv], [part], prompt=True, decode=None)
-            kv.settle()  # its stores have landed: loads read it from now on with no wait
+                self.e.step([BatchStep(cache, part)], prompt=True, decode=None)
         except BaseException:
-            if kv is not None:
-                kv.release()  # the tensors before their account
-            space.close()
+            caches.close_group(group)
             raise
-        group = SegmentGroup(kv, space, rows)
-        made = [Segment(k, p, SegmentKV(group, r, n)) for r, (k, p, n) in enumerate(zip(keys, parents, lengths))]
+        handles = caches.share_rows(cache, lengths)
+        made = [Segment(k, p, h) for h, k, p in zip(handles, keys, parents)]
         for segment in made:
             self.segments[segment.key] = segment
             self._count_prefix(segment, prefills=1)
@@ -173,10 +168,10 @@ class PrefixCache:
         held = [self.segments[k] for k in keep if k in self.segments] + [p for s in readers for p in s.chain]
         read = {id(p) for q in held for p in q.chain}
         for key in [k for k, p in self.segments.items() if id(p) not in read]:
-            self.segments.pop(key).release()
+            self.e.caches.release_segment(self.segments.pop(key).cache)
 
     def drop(self) -> None:
         for p in self.segments.values():
-            p.release()
+            self.e.caches.release_segment(p.cache)
         self.segments.clear()
 

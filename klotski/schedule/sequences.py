@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from klotski.execute.pipeline import StepInput
+from klotski.execute.contract import StepInput
 
 from klotski.schedule import constrain, logprobs
 
