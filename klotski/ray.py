@@ -427,9 +427,9 @@ class Generator:
             except InvalidLine as e:
                 out["error"][i] = str(e)
                 continue
-            if req.n > 1 or req.logprobs is not None:  # no column holds them: refused, never dropped
-                out["error"][i] = ("n > 1 and logprobs have no column here; use klotski generate "
-                                   "(with --ray) for them")
+            if req.n > 1 or req.logprobs is not None or len(req.prompts()) > 1:  # no column holds them: refused
+                out["error"][i] = ("n > 1, a list of prompts and logprobs have no column here; use klotski "
+                                   "generate (with --ray) for them")
                 continue
             requests.append(req)
         seqs, errors = prepare(requests, self.ckpt.tokenizer, self.ckpt.spec, self.config)

@@ -63,6 +63,51 @@ def test_continuous_equals_transformers_every_schedule(checkpoints, reference, s
     assert engine.stats.refills >= len(PROMPTS) - 2 * engine.num_batches  # rows did change hands
 
 
+def _held_objects(root, depth=3):
+    """Everything reachable from `root` through attributes, lists, tuples and dicts (a few levels)."""
+    seen, todo = [], [(root, 0)]
+    while todo:
+        obj, d = todo.pop()
+        seen.append(obj)
+        if d == depth:
+            continue
+        if isinstance(obj, (list, tuple)):
+            todo += [(x, d + 1) for x in obj]
+        elif isinstance(obj, dict):
+            todo += [(x, d + 1) for x in obj.values()]
+        elif hasattr(obj, "__dict__") and not isinstance(obj, torch.Tensor):
+            todo += [(x, d + 1) for x in vars(obj).values()]
+    return seen
+
+
+def test_the_scheduler_holds_handles_and_the_views_it_reads_are_the_caches(checkpoints, reference, monkeypatch):
+    """Through a run with refills, moves and realigns: after every step the scheduler's batches,
+    newcomers and spares hold no cache object, only handles the executor's manager knows, and
+    each live row reaches back as far as its cache's valid slots say (what the next decision
+    reads is what the tensors hold)."""
+    from klotski.schedule.batching import Scheduler
+    step, checked = Scheduler.step, []
+
+    def watched(self):
+        out = step(self)
+        state = [self.decode, self.newcomers, self.spare]
+        held = [o for o in _held_objects(state) if isinstance(o, BatchKV)]
+        assert held == [], "the scheduler holds a cache object"
+        for d in self.decode:
+            kv = self.caches.caches[d.cache][1]  # the executor's own, by the handle
+            view = self.caches.view(d.cache)
+            assert view.filled == kv.filled and view.capacity == kv.capacity
+            for i in d.occupied():
+                row = kv.valid[i, :kv.filled]
+                assert view.lengths[i] == (kv.filled - int(row.nonzero()[0]) if row.any() else 0)
+        checked.append(len(self.decode))
+        return out
+    monkeypatch.setattr(Scheduler, "step", watched)
+    tokens, engine = _run(checkpoints["gqa"], prefill_chunk=4)
+    assert tokens == reference["gqa"]
+    assert len(checked) > 10 and engine.stats.refills > 0 and engine.stats.rows_moved > 0
+
+
 def test_three_row_batches_compute_their_live_rows_only(checkpoints, reference):
     """Batches of 3: a step computes 1, 2 or 3 rows as sequences finish and newcomers arrive."""
     cfg = RunConfig(model=str(checkpoints["gqa"]), progress=False, dtype="float32", batch_size=3, num_batches=1)

@@ -79,6 +79,28 @@ def test_a_stop_string_split_across_tokens_never_reaches_the_client(server, mode
     assert chunks[-1].finish_reason == "stop"
 
 
+def test_sampling_fields_and_lists_of_prompts_online_streamed_or_not(server, model):
+    """Issue 62's fields through the openai client (vLLM's as extra_body): a list of prompts gives
+    one choice per prompt, streamed as it is answered whole; a value out of range is a 400
+    naming its field and range."""
+    client = server.client()
+    # greedy (the penalties, bias and min_tokens still shape the pick): an online request's id, and so
+    # its samples' streams past the first, is new each time
+    fields = dict(model=model, prompt=["Paris is", "The river"], max_tokens=8, n=2, temperature=0, seed=5,
+                  top_p=0.9, presence_penalty=0.5, frequency_penalty=0.3, logit_bias={"7": 3},
+                  extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.2, "min_tokens": 4})
+    whole = client.completions.create(**fields)
+    assert [c.index for c in whole.choices] == [0, 1, 2, 3]
+    assert all(len(c.text) > 0 for c in whole.choices) and whole.usage.completion_tokens >= 16
+    streamed = list(client.completions.create(**fields, stream=True))
+    for choice in whole.choices:
+        mine = [c.choices[0] for c in streamed if c.choices and c.choices[0].index == choice.index]
+        assert "".join(c.text for c in mine) == choice.text  # the same answer, streamed
+    with pytest.raises(openai.BadRequestError, match=r"min_p must be a number in \[0, 1\], got 2") as e:
+        client.completions.create(model=model, prompt="x", max_tokens=2, extra_body={"min_p": 2})
+    assert e.value.body["param"] == "min_p"
+
+
 def test_stream_options_without_stream_is_refused(server, model):
     with pytest.raises(openai.BadRequestError, match="stream_options is only allowed when stream is true") as e:
         server.client().chat.completions.create(model=model, messages=_chat("x"), max_tokens=2,

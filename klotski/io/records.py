@@ -4,8 +4,9 @@ Two record forms (``--output-format``; ``auto`` answers each line in its own for
 
 * klotski: ``{"id", "completion", "finish_reason", "prompt_tokens", "completion_tokens"}``
   (+ ``token_ids``, + ``logprobs``: ``[{token, logprob, top_logprobs: [{token, logprob}]}]``);
-  a line of n > 1 samples: ``{"id", "choices": [{"index", "completion", "finish_reason",
-  "completion_tokens", ...}], "prompt_tokens", "completion_tokens"}`` (the line's total);
+  a line of n > 1 samples (or of a list of prompts: choice p*n + j is prompt p's j-th, as
+  OpenAI numbers them): ``{"id", "choices": [{"index", "completion", "finish_reason",
+  "completion_tokens", ...}], "prompt_tokens", "completion_tokens"}`` (the line's totals);
   a line that cannot be served: ``{"id", "error": {"line", "message"}}``.
 * openai: an OpenAI Batch output line, ``{"id": "batch_req_…", "custom_id", "response":
   {"status_code": 200, "request_id", "body": <chat.completion | text_completion>}, "error":
@@ -69,9 +70,8 @@ def result_record(seq, *, fmt: str, model: str, include_token_ids: bool = False)
             record["choice_logprobs"] = options
         return record
     endpoint = req.openai or (CHAT_URL if req.messages is not None else COMPLETIONS_URL)
-    completion = sum(len(s.out) for s in samples)
-    usage = {"prompt_tokens": len(first.prompt_ids), "completion_tokens": completion,
-             "total_tokens": len(first.prompt_ids) + completion}
+    completion, prompt = sum(len(s.out) for s in samples), prompt_tokens(samples)
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
     if endpoint == CHAT_URL:
         body = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
                 "choices": [{"index": i, "message": {"role": "assistant", "content": s.text},
@@ -87,6 +87,13 @@ def result_record(seq, *, fmt: str, model: str, include_token_ids: bool = False)
         body["choice_logprobs"] = options
     return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": req.id,
             "response": {"status_code": 200, "request_id": uuid.uuid4().hex, "body": body}, "error": None}
+
+
+def prompt_tokens(samples: list) -> int:
+    """A line's prompt tokens: its prompt's, or the sum over a completions list's prompts (each
+    counted once, not once per sample: sample p*n + j answers prompt p)."""
+    n = getattr(samples[0].request, "n", 1)
+    return sum(len(s.prompt_ids) for i, s in enumerate(samples) if i % n == 0)
 
 
 def option_logprobs(s) -> list[dict] | None:
@@ -114,13 +121,13 @@ def _klotski_record(samples: list, include_token_ids: bool, asked: bool) -> dict
                                 "top_logprobs": [{"token": _text(s, a), "logprob": alp} for a, alp in alts]}
                                for t, lp, alts in s.logprobs]
         return one
-    req, prompt_tokens = samples[0].request, len(samples[0].prompt_ids)
+    req, prompt = samples[0].request, prompt_tokens(samples)
     if len(samples) == 1 and getattr(req, "n", 1) == 1:
         one = fields(samples[0])
         return {"id": req.id, "completion": one.pop("completion"), "finish_reason": one.pop("finish_reason"),
-                "prompt_tokens": prompt_tokens, **one}
+                "prompt_tokens": prompt, **one}
     return {"id": req.id, "choices": [{"index": i, **fields(s)} for i, s in enumerate(samples)],
-            "prompt_tokens": prompt_tokens, "completion_tokens": sum(len(s.out) for s in samples)}
+            "prompt_tokens": prompt, "completion_tokens": sum(len(s.out) for s in samples)}
 
 
 def _text(s, token: int) -> str:

@@ -7,12 +7,16 @@
                  "body": {"messages": [...], "max_tokens": 64, ...}}
 
 Unknown keys are ignored so that files can carry their own metadata, except the API fields
-that would change the answer and are not implemented (`UNSUPPORTED`: penalties, tools, ...):
+that would change the answer and are not implemented (`UNSUPPORTED`: tools, echo, ...):
 a line setting one gets an error record naming it, so no answer silently differs from what
 its line asked. ``n`` asks for that many samples, answered in one record; ``logprobs`` (and
 chat's ``top_logprobs``) for each token's log-probability in OpenAI's shapes (`_logprobs`).
 ``response_format`` (OpenAI), ``structured_outputs`` (vLLM) or a ``guided_*`` alias constrain
 the answer to a JSON schema, regex, choice or grammar (`_constraint`).
+``top_k``, ``min_p``, the penalties, ``logit_bias``, ``min_tokens``, ``ignore_eos`` and
+``stop_token_ids`` shape the pick (`sampling_fields`); ``chat_template_kwargs`` and
+``reasoning_effort`` are the chat template's variables. A completions ``prompt`` may be a list
+of texts or token ids (`_prompt`): one answer each, in one record.
 ``null`` for an optional field means "use the run's default". ``max_tokens`` (and OpenAI's
 ``max_completion_tokens``) is accepted as another name for ``max_new_tokens``.
 
@@ -33,19 +37,28 @@ ROLES = ("system", "developer", "user", "assistant")  # developer: OpenAI's newe
 COMPLETIONS_URL = "/v1/completions"
 CHAT_URL = "/v1/chat/completions"
 MAX_TOKENS_KEYS = ("max_new_tokens", "max_tokens", "max_completion_tokens")  # one limit, three names
+# The numeric sampling fields beyond temperature and top_p: (low, high, open_low), as vLLM
+# (top_k, min_p, repetition_penalty) and OpenAI (presence and frequency) bound them.
+SAMPLING_FIELDS = {"min_p": (0.0, 1.0, False), "repetition_penalty": (0.0, 2.0, True),
+                   "presence_penalty": (-2.0, 2.0, False), "frequency_penalty": (-2.0, 2.0, False)}
 OPTIONS = (*MAX_TOKENS_KEYS, "temperature", "top_p", "stop", "seed", "n", "logprobs",
-           "top_logprobs", "choice_logprobs")  # what a line may set beside its prompt
-MAX_N = 128  # samples per line (OpenAI's limit)
+           "top_logprobs", "choice_logprobs", "top_k", *SAMPLING_FIELDS, "logit_bias", "min_tokens", "ignore_eos",
+           "stop_token_ids", "chat_template_kwargs", "reasoning_effort")  # what a line may set beside its prompt
+MAX_N = 128  # samples per line (OpenAI's limit); prompts per completions line, the same
+MAX_LOGIT_BIAS = 100  # OpenAI's: a bias in [-100, 100]
+# apply_chat_template's own arguments: klotski sets them (or they do not apply), so a line may not
+TEMPLATE_ARGUMENTS = {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                      "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+                      "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")  # the openai package's literal
 MAX_TOP_LOGPROBS, MAX_COMPLETION_LOGPROBS = 20, 5  # OpenAI's limits: chat's top_logprobs, completions' logprobs
 # Request fields of the OpenAI and vLLM APIs that change the answer and that klotski does not
 # implement, with the value that changes nothing (None: only absence or null does). A line
 # setting one gets an error record naming it: ignored, its answer would silently differ from
 # what was asked (vLLM ignores its removed guided_* fields so: vllm issue #53975).
 UNSUPPORTED = {
-    "logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0,
-    "repetition_penalty": 1, "best_of": 1, "echo": False, "suffix": None, "tools": [], "tool_choice": "none",
+    "best_of": 1, "echo": False, "suffix": None, "tools": [], "tool_choice": "none",
     "functions": [], "function_call": "none", "parallel_tool_calls": None,
-    "top_k": -1, "min_p": 0, "min_tokens": 0, "reasoning_effort": None,
     "prediction": None, "audio": None, "modalities": ["text"],
 }
 EXAMPLE_LINE = '{"id": "q1", "prompt": "Hello"}'
@@ -56,15 +69,18 @@ ROW_KEY = "_klotski_row"  # a dataset row's columns, carried beside its job fiel
 class Request:
     """One validated job.
 
-    Exactly one of ``prompt`` / ``messages`` is set. ``messages`` is a tuple of
-    ``(role, content)`` string pairs, hashable like the rest of the request;
+    Exactly one of ``prompt`` / ``messages`` is set. ``prompt`` is a text, or a tuple of
+    prompts (each a text or a tuple of token ids) where the line gave token ids or a list
+    (OpenAI's completions: one answer per prompt; `prompts()` lists them). ``messages`` is a
+    tuple of ``(role, content)`` string pairs, hashable like the rest of the request;
     ``chat_messages()`` gives the list-of-dicts form chat templates expect.
-    ``None`` in a limit means "use the run's default".
+    ``None`` in a limit means "use the run's default"; the sampling fields' defaults change
+    nothing (how they apply, and in which order: klotski/schedule/logits_processing.py).
     """
 
     id: str
     line: int
-    prompt: str | None
+    prompt: str | tuple | None
     messages: tuple[tuple[str, str], ...] | None
     max_new_tokens: int | None = None
     temperature: float | None = None
@@ -76,10 +92,27 @@ class Request:
     openai: str | None = None  # the endpoint ("/v1/chat/completions", ...) of an OpenAI Batch line
     constraint: tuple[str, str, str] | None = None  # (field, kind, text): the answer's grammar (`_constraint`)
     choice_logprobs: bool = False  # each option of its choice constraint scored (`_choice_logprobs`)
+    top_k: int = 0  # 0: every token
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending
+    min_tokens: int = 0  # EOS, stop_token_ids and stop strings held back until this many tokens
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    chat_template_kwargs: str | None = None  # JSON text of an object (hashable): the chat template's variables
     row: dict | None = field(default=None, compare=False, hash=False, repr=False)  # a dataset row's columns
 
     def chat_messages(self) -> list[dict[str, str]]:
         return [{"role": r, "content": c} for r, c in self.messages or ()]
+
+    def prompts(self) -> list:
+        """The line's prompts, each a text or a tuple of token ids (one for a text line)."""
+        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt or ())
+
+    def template_kwargs(self) -> dict:
+        return json.loads(self.chat_template_kwargs) if self.chat_template_kwargs else {}
 
 
 @dataclass(frozen=True)
@@ -175,10 +208,17 @@ def line_fields(obj: dict) -> dict:
                               f"drop it from the line")
     prompt = _prompt(src["prompt"], prefix) if has_prompt else None
     messages = _messages(src["messages"], prefix) if has_messages else None
+    max_new_tokens = _max_new_tokens(src, prefix)
+    extra = sampling_fields(src, prefix, max_new_tokens)
+    if has_prompt and not isinstance(prompt, str) and len(prompt) > 1 and src.get("choice_logprobs"):
+        raise InvalidLine(f"{prefix}choice_logprobs scores one prompt's options; give {prefix}prompt as one prompt")
+    if has_prompt and extra.get("chat_template_kwargs"):
+        raise InvalidLine(f"{prefix}chat_template_kwargs and {prefix}reasoning_effort go to a chat template; "
+                          f'give {prefix}messages, not {prefix}prompt')
     return dict(
         prompt=prompt,
         messages=messages,
-        max_new_tokens=_max_new_tokens(src, prefix),
+        max_new_tokens=max_new_tokens,
         temperature=_number(src, "temperature", prefix, low=0.0, high=None, open_low=False),
         top_p=_number(src, "top_p", prefix, low=0.0, high=1.0, open_low=True),
         stop=_stop(src.get("stop"), prefix),
@@ -187,6 +227,7 @@ def line_fields(obj: dict) -> dict:
         constraint=(constraint := _constraint(src, prefix)),
         choice_logprobs=_choice_logprobs(src.get("choice_logprobs"), constraint, prefix),
         logprobs=_logprobs(src, prefix, None if not is_openai(obj) else "completions" if has_prompt else "chat"),
+        **extra,
     )
 
 
@@ -207,12 +248,101 @@ def _check_openai_envelope(obj: dict, body: dict) -> None:
                           f"use {COMPLETIONS_URL} or give body.messages")
 
 
-def _prompt(value, prefix: str) -> str:
-    if not isinstance(value, str):
-        raise InvalidLine(f"{prefix}prompt must be a string, got {_show(value)}")
-    if not value:
-        raise InvalidLine(f"{prefix}prompt is empty; give the text to continue")
-    return value
+def _prompt(value, prefix: str) -> str | tuple:
+    """A text; or OpenAI's completions forms: a list of texts, a list of token ids, a list of
+    lists of token ids (a tuple of prompts, each a text or a tuple of ids)."""
+    name = f"{prefix}prompt"
+    if isinstance(value, str):
+        if not value:
+            raise InvalidLine(f"{name} is empty; give the text to continue")
+        return value
+    wanted = "a string, a list of strings, a list of token ids or a list of lists of token ids"
+    if not isinstance(value, list) or not value:
+        raise InvalidLine(f"{name} must be {wanted}, got {_show(value)}")
+    if all(_is_int(t) for t in value):
+        return (_token_ids(value, name),)
+    if len(value) > MAX_N:
+        raise InvalidLine(f"{name} holds {len(value)} prompts; give at most {MAX_N} in one line")
+    if all(isinstance(t, str) for t in value):
+        for i, text in enumerate(value):
+            if not text:
+                raise InvalidLine(f"{name}[{i}] is empty; give the text to continue")
+        return tuple(value)
+    if all(isinstance(t, list) for t in value):
+        return tuple(_token_ids(ids, f"{name}[{i}]") for i, ids in enumerate(value))
+    raise InvalidLine(f"{name} must be {wanted} (not a mix), got {_show(value)}")
+
+
+def _token_ids(value: list, name: str) -> tuple[int, ...]:
+    if not value or not all(_is_int(t) and t >= 0 for t in value):
+        raise InvalidLine(f"{name} must be a non-empty list of token ids (integers >= 0), got {_show(value)}")
+    return tuple(value)
+
+
+def sampling_fields(src: dict, prefix: str, max_new_tokens: int | None) -> dict:
+    """top_k, min_p, the penalties, logit_bias, min_tokens, ignore_eos, stop_token_ids and the chat
+    template's variables of a line, checked against their ranges (a field left out or null: the
+    default, which changes nothing). Token ids are checked against the vocabulary at tokenizing."""
+    out = {}
+    for key, (low, high, open_low) in SAMPLING_FIELDS.items():
+        if (value := _number(src, key, prefix, low=low, high=high, open_low=open_low)) is not None:
+            out[key] = value
+    if (top_k := src.get("top_k")) is not None:
+        if not _is_int(top_k) or top_k < -1:
+            raise InvalidLine(f"{prefix}top_k must be an integer >= 1, or 0 or -1 for every token, got {_show(top_k)}")
+        out["top_k"] = max(top_k, 0)
+    if (bias := src.get("logit_bias")) is not None:
+        out["logit_bias"] = _logit_bias(bias, f"{prefix}logit_bias")
+    if (least := src.get("min_tokens")) is not None:
+        high = max_new_tokens if max_new_tokens is not None else "max_tokens"
+        if not _is_int(least) or least < 0 or (max_new_tokens is not None and least > max_new_tokens):
+            raise InvalidLine(f"{prefix}min_tokens must be an integer in [0, {high}], got {_show(least)}")
+        out["min_tokens"] = least
+    if (ignore := src.get("ignore_eos")) is not None:
+        if not isinstance(ignore, bool):
+            raise InvalidLine(f"{prefix}ignore_eos must be true or false, got {_show(ignore)}")
+        out["ignore_eos"] = ignore
+    if (ids := src.get("stop_token_ids")) is not None:
+        if not isinstance(ids, list) or not all(_is_int(t) and t >= 0 for t in ids):
+            raise InvalidLine(f"{prefix}stop_token_ids must be a list of token ids (integers >= 0), got {_show(ids)}")
+        out["stop_token_ids"] = tuple(dict.fromkeys(ids))
+    kwargs = src.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise InvalidLine(f'{prefix}chat_template_kwargs must be an object like {{"enable_thinking": false}}, '
+                          f"got {_show(kwargs)}")
+    kwargs = dict(kwargs or {})
+    if clash := sorted(set(kwargs) & TEMPLATE_ARGUMENTS):
+        raise InvalidLine(f"{prefix}chat_template_kwargs.{clash[0]} is an argument of apply_chat_template, "
+                          "not a variable of the template; drop it")
+    if (effort := src.get("reasoning_effort")) is not None:  # OpenAI's, read by the templates that know it
+        if effort not in REASONING_EFFORTS:
+            raise InvalidLine(f"{prefix}reasoning_effort must be one of "
+                              f"{', '.join(map(repr, REASONING_EFFORTS))}, got {_show(effort)}")
+        if kwargs.get("reasoning_effort", effort) != effort:
+            raise InvalidLine(f"{prefix}reasoning_effort and {prefix}chat_template_kwargs.reasoning_effort differ; "
+                              "give one of them")
+        kwargs["reasoning_effort"] = effort
+    if kwargs:
+        out["chat_template_kwargs"] = json.dumps(kwargs, sort_keys=True)
+    return out
+
+
+def _logit_bias(value, name: str) -> tuple[tuple[int, float], ...]:
+    """OpenAI's map of token id (a JSON key, so a string) to a bias in [-100, 100]."""
+    if not isinstance(value, dict):
+        raise InvalidLine(f'{name} must be an object of token id -> bias, like {{"50256": -100}}, got {_show(value)}')
+    out = {}
+    for key, bias in value.items():
+        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else \
+            key if _is_int(key) and key >= 0 else None  # (a dataset row's map may keep integer keys)
+        if token is None:
+            raise InvalidLine(f"{name} keys must be token ids (integers >= 0), got {_show(key)}")
+        if not (isinstance(bias, (int, float)) and not isinstance(bias, bool) and math.isfinite(bias)
+                and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+            raise InvalidLine(f"{name}[{key!r}] must be a number in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], "
+                              f"got {_show(bias)}")
+        out[token] = float(bias)
+    return tuple(sorted(out.items()))
 
 
 def _messages(value, prefix: str) -> tuple[tuple[str, str], ...]:

@@ -2,14 +2,16 @@
 
 `next_tokens` takes the logits of a batch's computed rows: a row whose numbers went
 non-finite fails alone, a constrained row's forbidden tokens go to -inf, each live row gets
-its token (`pick`: greedy, or drawn from its own random stream; a scoring row's forced
-token), which `sequences.append` adds before deciding whether the sequence is done.
+its token (`pick`: its line's biases, penalties and warpers applied to every row at once,
+then greedy, or drawn from its own random stream: klotski/schedule/logits_processing.py; a
+scoring row's forced token), which `sequences.append` adds before deciding whether the
+sequence is done.
 """
 from __future__ import annotations
 
 import torch
 
-from klotski.schedule import constrain, logprobs
+from klotski.schedule import constrain, logits_processing, logprobs
 from klotski.schedule import sequences as S
 
 
@@ -28,7 +30,7 @@ def next_tokens(engine, rows: list, logits: torch.Tensor, broken: torch.Tensor) 
             finished.append(s)
     live = [s for s in rows if s is not None]
     # a constrained row's forbidden tokens go to -inf first (no op at all when none is)
-    picked = iter(pick(live, constrain.mask(live, logits[[i for i, s in enumerate(rows) if s is not None]])))
+    picked = iter(pick(live, constrain.mask(live, logits[[i for i, s in enumerate(rows) if s is not None]]), engine.eos))
     tokens = [next(picked) if s is not None else 0 for s in rows]
     for s, t in zip(rows, tokens):
         if s is not None and not s.done:
@@ -41,24 +43,14 @@ def next_tokens(engine, rows: list, logits: torch.Tensor, broken: torch.Tensor) 
     return tokens, finished
 
 
-def pick(batch: list, logits: torch.Tensor) -> list[int]:
-    """Next token of every sequence of a batch: greedy, or sampled with its own generator."""
-    greedy = logits.argmax(dim=-1).tolist()
-    tokens = [g if s.done or s.generator is None else _draw(lg, s.temperature, s.top_p, s.generator)
-              for s, g, lg in zip(batch, greedy, logits)]
+def pick(batch: list, logits: torch.Tensor, eos: set[int]) -> list[int]:
+    """Next token of every sequence of a batch: greedy, or sampled with its own generator, after
+    its line's sampling fields (logits_processing.py); a scoring row's forced token."""
+    tokens = logits_processing.pick_tokens(batch, logits.float(), eos)
     tokens = [s.forced[len(s.out)] if s.forced is not None and not s.done else t for s, t in zip(batch, tokens)]
-    logprobs.record(batch, logits, tokens)  # the rows whose line asked, from these logits
+    # the rows whose line asked, from the logits before the fields: the model's distribution
+    logprobs.record(batch, logits, tokens)
     return tokens
-
-
-def _draw(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> int:
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_p, order = probs.sort(descending=True)
-        # keep the smallest prefix whose mass reaches top_p (the top token always stays)
-        keep = sorted_p.cumsum(-1) - sorted_p < top_p
-        probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
-    return int(torch.multinomial(probs, 1, generator=gen))
 
 
 def non_finite(layer: int, num_layers: int) -> str:

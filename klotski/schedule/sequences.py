@@ -51,6 +51,22 @@ class Sequence:
     priority: int = 1  # its source's place in the waiting queue (schedule/scheduler.py: ONLINE first)
     shared: int = 0  # prompt tokens the segments it starts from hold (schedule/prefix.py): not in its row
     chain: tuple = ()  # those segments, outermost first
+    # Its line's sampling fields (klotski/io/requests.py; applied by schedule/logits_processing.py)
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple = ()
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: tuple = ()
+    prompt_seen: torch.Tensor | None = None  # the prompt's distinct tokens, for the repetition penalty
+    stop_from: int | None = None  # where stop strings are looked for, once min_tokens held them back
+
+    def __post_init__(self):
+        if self.repetition_penalty != 1.0 and self.prompt_seen is None:  # made once here, not in every step
+            self.prompt_seen = torch.tensor(sorted(set(self.prompt_ids)), dtype=torch.long)
 
     @property
     def done(self) -> bool:
@@ -59,44 +75,87 @@ class Sequence:
 
 def prepare(requests, tokenizer, spec, config):
     """Tokenize; return (sequences, line errors): a prompt that is empty, too long for the
-    model's context or rejected by the chat template is a line error."""
-    from klotski.io.requests import LineError, prompt_too_long
+    model's context or rejected by the chat template, or a token id outside the vocabulary, is
+    a line error. A line of P prompts and n samples is P x n sequences, sample p*n + j the j-th
+    of prompt p (OpenAI's numbering of a completions list's choices), answered in one record."""
+    from klotski.io.requests import LineError
     seqs, errors = [], []
-    ctx = spec.max_position_embeddings
     for req in requests:
         try:
-            ids = tokenize(tokenizer, req)
+            id_lists = [_prompt_ids(tokenizer, req, prompt, spec) for prompt in _inputs(req)]
+        except _Refused as e:
+            errors.append(e.error)
+            continue
         except Exception as e:  # a chat template can reject a conversation
             errors.append(LineError(req.id, req.line, f"cannot tokenize: {e}", openai=req.openai, row=req.row))
             continue
-        if len(ids) >= ctx:
-            errors.append(prompt_too_long(req, len(ids), ctx))
-            continue
-        if not ids:
-            errors.append(LineError(req.id, req.line, "prompt is empty after tokenization",
-                                    openai=req.openai, row=req.row))
-            continue
-        if (top := max(ids)) >= spec.shape.vocab_size:
-            errors.append(LineError(req.id, req.line, f"the prompt has token id {top}, outside the model's "
-                                    f"vocabulary (vocab_size {spec.shape.vocab_size} in config.json): the tokenizer "
-                                    "does not match the checkpoint", openai=req.openai, row=req.row))
-            continue
         try:  # a schema, regex or grammar llguidance rejects is this line's error; each sample has its own matcher
             grammars = [constrain.compile_grammar(req.constraint, tokenizer, spec) if req.constraint else None
-                        for _ in range(req.n)]
+                        for _ in range(req.n * len(id_lists))]
         except constrain.BadGrammar as e:
             errors.append(LineError(req.id, req.line, str(e), openai=req.openai, row=req.row))
             continue
-        samples = [_sequence(req, ids, ctx, config, i) for i in range(req.n)]
+        ctx = spec.max_position_embeddings
+        samples = [_sequence(req, ids, ctx, config, p * req.n + j) for p, ids in enumerate(id_lists) for j in range(req.n)]
         for s, grammar in zip(samples, grammars):
             s.grammar = grammar
-        if req.n > 1:
+        if len(samples) > 1:
             for s in samples:
                 s.samples = samples
         seqs.extend(samples)
         if req.choice_logprobs:
-            seqs.extend(_scorers(req, ids, ctx, config, tokenizer, spec, samples))
+            seqs.extend(_scorers(req, id_lists[0], ctx, config, tokenizer, spec, samples))
     return seqs, errors
+
+
+class _Refused(Exception):
+    def __init__(self, error):
+        super().__init__(error.message)
+        self.error = error
+
+
+def _inputs(req) -> list:
+    """What each of the line's prompts is tokenized from: its messages, or each prompt."""
+    return [None] if req.messages is not None else req.prompts()
+
+
+def _prompt_ids(tokenizer, req, prompt, spec) -> list[int]:
+    """One prompt's token ids, with the line's checks that need the model: its context, its
+    vocabulary (token ids given in the line too), the chat template's variables."""
+    from klotski.io.requests import LineError, prompt_too_long
+
+    def refuse(message: str):
+        return _Refused(LineError(req.id, req.line, message, openai=req.openai, row=req.row))
+    field, vocab = ("body." if req.openai else ""), spec.shape.vocab_size
+    for name, ids in (("logit_bias", [t for t, _ in req.logit_bias]), ("stop_token_ids", req.stop_token_ids)):
+        if ids and max(ids) >= vocab:
+            raise refuse(f"{field}{name} has token id {max(ids)}, outside the model's vocabulary [0, {vocab})")
+    if req.messages is not None:
+        for key in req.template_kwargs():
+            if not reads(tokenizer, key):
+                name = "reasoning_effort" if key == "reasoning_effort" else f"chat_template_kwargs.{key}"
+                raise refuse(f"{field}{name}: this model's chat template does not read {key!r}; drop it")
+    ids = tokenize(tokenizer, req, prompt)
+    ctx = spec.max_position_embeddings
+    if len(ids) >= ctx:
+        raise _Refused(prompt_too_long(req, len(ids), ctx))
+    if not ids:
+        raise refuse("prompt is empty after tokenization")
+    if (top := max(ids)) >= vocab:
+        raise refuse(f"{field}prompt has token id {top}, outside the model's vocabulary [0, {vocab})"
+                     if isinstance(prompt, tuple) else
+                     f"the prompt has token id {top}, outside the model's vocabulary (vocab_size {vocab} in "
+                     "config.json): the tokenizer does not match the checkpoint")
+    return ids
+
+
+def reads(tokenizer, key: str) -> bool:
+    """Whether the tokenizer's chat template(s) mention the variable `key` (a kwarg it never
+    reads would be dropped without a word: refused instead)."""
+    import re
+    template = getattr(tokenizer, "chat_template", None) or ""
+    text = " ".join(template.values()) if isinstance(template, dict) else str(template)
+    return re.search(rf"\b{re.escape(key)}\b", text) is not None
 
 
 def _scorers(req, ids, ctx, config, tokenizer, spec, samples) -> list[Sequence]:
@@ -110,6 +169,7 @@ def _scorers(req, ids, ctx, config, tokenizer, spec, samples) -> list[Sequence]:
         s = _sequence(req, ids, ctx, config, -1)
         s.forced = list(tokenizer(option, add_special_tokens=False)["input_ids"]) + [eos]
         s.option, s.generator, s.top_logprobs, s.samples = option, None, 0, samples
+        s.min_tokens, s.ignore_eos, s.stop_token_ids = 0, False, ()  # (its tokens are forced: nothing held back)
         s.max_new_tokens = min(len(s.forced), ctx - len(ids))
         s.grammar = constrain.compile_grammar(req.constraint, tokenizer, spec)
         rows.append(s)
@@ -118,11 +178,15 @@ def _scorers(req, ids, ctx, config, tokenizer, spec, samples) -> list[Sequence]:
     return rows
 
 
-def tokenize(tokenizer, req) -> list[int]:
+def tokenize(tokenizer, req, prompt=None) -> list[int]:
+    """The token ids of `req`'s messages (its chat template given its variables), or of
+    `prompt` (a text, or token ids taken as they are; the line's first prompt by default)."""
     if req.messages is not None:
-        out = tokenizer.apply_chat_template(req.chat_messages(), add_generation_prompt=True, tokenize=True)
+        out = tokenizer.apply_chat_template(req.chat_messages(), add_generation_prompt=True, tokenize=True,
+                                            **req.template_kwargs())
         return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
-    return list(tokenizer(req.prompt)["input_ids"])
+    prompt = req.prompts()[0] if prompt is None else prompt
+    return list(prompt) if isinstance(prompt, tuple) else list(tokenizer(prompt)["input_ids"])
 
 
 def _sequence(req, ids, ctx, config, sample: int = 0) -> Sequence:
@@ -136,7 +200,12 @@ def _sequence(req, ids, ctx, config, sample: int = 0) -> Sequence:
     max_new = min(req.max_new_tokens or config.max_new_tokens, ctx - len(ids))
     # (the samples of a line share one prompt list: nothing changes it)
     return Sequence(req, ids, max_new, temperature, config.top_p if req.top_p is None else req.top_p,
-                    tuple(req.stop), gen, top_logprobs=getattr(req, "logprobs", None), sample=sample)
+                    tuple(req.stop), gen, top_logprobs=getattr(req, "logprobs", None), sample=sample,
+                    **{f: getattr(req, f) for f in SAMPLING})
+
+
+SAMPLING = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias",
+            "min_tokens", "ignore_eos", "stop_token_ids")  # a line's fields each of its sequences carries
 
 
 def gather(s: Sequence) -> list[Sequence] | None:
@@ -158,17 +227,24 @@ def line_record(s: Sequence, *, fmt: str, model: str, include_token_ids: bool = 
 
 
 def append(s: Sequence, token: int, tokenizer, eos: set[int]) -> None:
-    """Add `token` to `s` and decide whether `s` is done (EOS, a stop string, its grammar
-    complete, its limit)."""
-    if token in eos:
+    """Add `token` to `s` and decide whether `s` is done (EOS unless it ignores EOS, a stop
+    token or string, its grammar complete, its limit). A stop string is looked for once `s`
+    has min_tokens tokens, in the text from then on (vLLM's: one completed earlier does not
+    count); EOS and stop tokens were held back from its pick until then."""
+    if token in eos and not s.ignore_eos:
         s.finish_reason = "stop"
         if s.forced is None:  # (a scoring row keeps it: the option's end is part of its probability)
             del s.logprobs[len(s.out):]  # the EOS token is not part of the answer, nor its logprob
     else:
         s.out.append(token)
-        if s.stop:
+        if token in s.stop_token_ids:  # vLLM's: the stop token stays in the answer (its text unless special)
+            s.finish_reason = "stop"
+        elif s.stop and len(s.out) >= s.min_tokens:
             text = tokenizer.decode(s.out, skip_special_tokens=True)
-            cut = min((i for i in (text.find(x) for x in s.stop) if i >= 0), default=-1)
+            if s.min_tokens and s.stop_from is None:  # the text before the token that reached min_tokens
+                s.stop_from = len(tokenizer.decode(s.out[:-1], skip_special_tokens=True))
+            cut = min((i for i in (text.find(x, max(0, (s.stop_from or 0) - len(x) + 1)) for x in s.stop)
+                       if i >= 0), default=-1)
             if cut >= 0:
                 s.text, s.finish_reason = text[:cut], "stop"
                 _name_tokens(s, tokenizer)
@@ -179,7 +255,7 @@ def append(s: Sequence, token: int, tokenizer, eos: set[int]) -> None:
             return
         if end == "stop":  # the grammar is complete: nothing may follow
             s.finish_reason = "stop"
-        elif len(s.out) >= s.max_new_tokens:
+        elif len(s.out) >= s.max_new_tokens and not s.done:
             s.finish_reason = "length"
     if s.done:
         s.text = tokenizer.decode(s.out, skip_special_tokens=True)

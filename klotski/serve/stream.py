@@ -23,7 +23,7 @@ import time
 import uuid
 from collections import deque
 
-from klotski.io.records import chat_logprobs, completion_logprobs
+from klotski.io.records import chat_logprobs, completion_logprobs, prompt_tokens
 from klotski.io.requests import CHAT_URL
 from klotski.schedule.logprobs import pieces
 
@@ -176,6 +176,6 @@ class Chunks:
         """The usage chunk, where the request asked for it."""
         if not self.usage:
             return []
-        prompt, made = len(self.samples[0].prompt_ids), sum(self.made)
+        prompt, made = prompt_tokens(self.samples), sum(self.made)
         return [self._chunk([], {"prompt_tokens": prompt, "completion_tokens": made,
                                  "total_tokens": prompt + made})]
