@@ -176,6 +176,31 @@ def test_a_seeded_row_draws_the_same_whatever_shares_its_batch():
         crowded.out.append(theirs)
 
 
+def test_a_rows_candidates_are_its_own_to_the_bit_beside_wider_neighbours(monkeypatch):
+    """What a seeded row draws from (its warped logits, in rank order) is bit for bit the same
+    alone as beside rows ranking more candidates (a larger top_k, or top_p over the whole
+    vocabulary): a pass over their width would sum its top_p mass in other places and round it
+    otherwise."""
+    seen = []
+    real = lp.draw
+    monkeypatch.setattr(lp, "draw", lambda values, ids, gens: (seen.append((values, ids)), real(values, ids, gens))[1])
+    g = torch.Generator().manual_seed(3)
+    for _ in range(4):
+        x = torch.randn(1, 500, generator=g) * 4
+        seen.clear()
+        lp.pick_tokens([_every_field(7, [1, 2])], x, eos={0})
+        (alone, alone_ids), = seen
+        seen.clear()
+        others = [_row(temperature=1.3, seed=1, top_k=400, out=[3]), _row(temperature=0.8, seed=2, top_p=0.7, out=[4])]
+        noise = torch.randn(2, 500, generator=g) * 4
+        lp.pick_tokens([others[0], _every_field(7, [1, 2]), others[1]], torch.cat([noise[:1], x, noise[1:]]), eos={0})
+        mine = [(v, i) for v, i in seen if any(torch.equal(i[r], alone_ids[0]) for r in range(len(i)))]
+        assert len(mine) == 1
+        values, ids = mine[0]
+        row = next(r for r in range(len(ids)) if torch.equal(ids[r], alone_ids[0]))
+        assert values.shape == alone.shape and torch.equal(values[row], alone[0])
+
+
 def test_the_ops_of_a_step_do_not_grow_with_rows():
     """The processing is one vectorised pass: the same ATen ops for 1 row as for 64 (every field
     set on every row); the draw adds one op per sampled row, its number from the row's own stream."""

@@ -40,16 +40,21 @@ def pick_tokens(batch: list, logits: torch.Tensor, eos: set[int]) -> list[int]:
     shaped = shape(batch, logits, eos)
     tokens = shaped.argmax(dim=-1).tolist()
     sampled = [i for i, s in enumerate(batch) if s.generator is not None and not s.done and s.forced is None]
-    # Two groups, each one pass: rows that rank their tokens (top_k or top_p) draw in rank order
-    # over their candidates, the others in token order over the whole vocabulary. Which group a
-    # row is in depends on its own fields only, so its draw does not depend on its neighbours.
-    ranks = [bool(batch[i].top_k or batch[i].top_p < 1.0) for i in sampled]
-    for rows in ([i for i, r in zip(sampled, ranks) if r], [i for i, r in zip(sampled, ranks) if not r]):
-        if rows:
-            sub = shaped if len(rows) == len(batch) else shaped[torch.tensor(rows)]
-            values, ids = candidates([batch[i] for i in rows], sub)
-            for i, t in zip(rows, draw(values, ids, [batch[i].generator for i in rows])):
-                tokens[i] = t
+    # A pass per width of candidates: rows that rank their tokens draw in rank order over their
+    # own top_k (or the whole vocabulary, for top_p alone), the others in token order over the
+    # whole vocabulary. A row's group depends on its own fields only, so every sum it takes has
+    # the same terms in the same places whatever shares its batch: its draw does not depend on
+    # its neighbours, to the bit (a pass over a wider neighbour's candidates would round its
+    # top_p mass otherwise).
+    vocab, groups = logits.shape[-1], {}
+    for i in sampled:
+        s = batch[i]
+        groups.setdefault(min(s.top_k, vocab) if s.top_k else vocab if s.top_p < 1.0 else 0, []).append(i)
+    for rows in groups.values():
+        sub = shaped if len(rows) == len(batch) else shaped[torch.tensor(rows)]
+        values, ids = candidates([batch[i] for i in rows], sub)
+        for i, t in zip(rows, draw(values, ids, [batch[i].generator for i in rows])):
+            tokens[i] = t
     return tokens
 
 
