@@ -138,7 +138,7 @@ def batch(server, model, tmp_path_factory):
     lines = [_line(f"chat-{i}", model=model, messages=_chat(t), max_tokens=MAX) for i, t in enumerate(TOPICS)]
     lines += [_line("other-model", model="gpt-4o", messages=_chat("x")),
               _line("other-url", TEXT, prompt="Paris is"),
-              _line("unsupported", messages=_chat("x"), presence_penalty=0.5)]
+              _line("unsupported", messages=_chat("x"), best_of=2)]
     lines.insert(3, "")  # a blank line is no request
     jobs = _write(tmp_path_factory.mktemp("batch") / "in.jsonl", lines)
     client = server.client()
@@ -163,7 +163,7 @@ def test_batch_output_equals_generate(batch, model):
     assert all(r["response"] is None and r["error"]["code"] and r["error"]["message"] for r in err.values())
     assert err["other-model"]["error"]["code"] == "model_not_found" and "gpt-4o" in err["other-model"]["error"]["message"]
     assert err["other-url"]["error"]["code"] == "invalid_url"
-    assert "presence_penalty" in err["unsupported"]["error"]["message"]
+    assert "best_of" in err["unsupported"]["error"]["message"]
     reference = _generate(model, jobs)
     assert {k: _answer(r) for k, r in out.items()} == {k: _answer(reference[k]) for k in out}
     assert client.files.retrieve(done.output_file_id).purpose == "batch_output"

@@ -130,8 +130,9 @@ def test_openai_shapes_clients_send_and_expect(api):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=ALIAS, messages=[{"role": "wizard", "content": "x"}])
     assert e.value.body["param"] == "messages[0].role" and "line" not in e.value.body["message"]
-    with pytest.raises(openai.BadRequestError, match="presence_penalty") as e:
-        client.chat.completions.create(model=ALIAS, messages=_chat("x"), presence_penalty=0.5)
+    with pytest.raises(openai.BadRequestError, match="tools") as e:
+        client.chat.completions.create(model=ALIAS, messages=_chat("x"), tools=[
+            {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}])
     assert "the request" in e.value.body["message"] and "line" not in e.value.body["message"]
     for path, status in (("/v1/embeddings", 404), ("/nothing", 404)):
         got, body = _raw(api.url + path, key=KEY)
