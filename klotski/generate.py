@@ -31,11 +31,11 @@ from klotski.io.dataset_files import is_dataset
 from klotski.io.output import OutputWriter, read_output
 from klotski.io.parquet_output import ParquetOutput, is_parquet
 from klotski.io.records import error_record
-from klotski.planning import replayed_plan, routing_in_slot_order
+from klotski.planning import learn_from_run, replayed_plan, routing_in_slot_order
 from klotski.schedule import sequences as S
 from klotski.schedule.report import build_report, replayed, save_report, summary
 from klotski.schedule.windows import Background, LineCount, drain, job_windows, read_ahead
-from klotski.util.writes import replace_atomically, writing
+from klotski.util.writes import WriteFailed, replace_atomically, writing
 
 
 def default_output(jobs: Path) -> Path:
@@ -75,6 +75,7 @@ class Job:
         self.engine = self.tracker = None
         self.ok = self.failed = self.skipped = 0
         self.prompt_lens, self.gen_lens = array("I"), array("I")  # of the answers this run generated, for the replay
+        self.longest = 1  # the longest prompt, shared prefixes included
 
     def run(self) -> int:
         self.ckpt = self.open_checkpoint()  # a bad model fails here
@@ -91,6 +92,8 @@ class Job:
                 self.save_stopped("interrupted")
                 raise
             report = self.report()
+            if self.engine is not None and self.setup is not None:
+                report["profile"] = self.learn()
         self.save(report)
         return 1 if self.failed else 0
 
@@ -227,7 +230,8 @@ class Job:
             self.failed += self.emit(error_record(err, fmt=c.output_format), err, err.row)
             return 1
         for s in [*S.gather(seq), *(seq.scorers or ())]:  # each a sequence the engine ran, for the replay
-            self.prompt_lens.append(len(s.prompt_ids))
+            self.prompt_lens.append(len(s.prompt_ids) - s.shared)  # what it prefilled itself
+            self.longest = max(self.longest, len(s.prompt_ids))
             self.gen_lens.append(len(s.out))
         self.ok += self.emit(record, row=seq.request.row)
         return 1
@@ -255,10 +259,36 @@ class Job:
                             "replayed_errors": len(resume.start.replay) if resume else 0}
         return report
 
+    def learn(self) -> dict:
+        """This run as evidence for the machine's profile (planning.learn_from_run): the report's
+        `profile` section. A figure, never the run's failure: a profile that cannot be read or
+        written again only means the next plan starts from the measurement."""
+        from klotski.util.threads import cores, machine_busy
+        s, threads = self.engine.stats, self.engine.threads
+        # busy: other processes took cores at some point (the governor gave threads up) or hold them now
+        busy = (threads is not None and not threads.fixed and any(n < cores() for _, n in threads.history[1:])) \
+            or machine_busy() is not None
+        routing = routing_in_slot_order(self.engine.pipeline.routed, self.ckpt.spec, self.setup.expert_ranking)
+        try:
+            return learn_from_run(self.config, self.ckpt, self.setup, self.prompt_lens, self.gen_lens,
+                                  {"prefill": s.prefill_s, "decode": s.decode_s}, busy=busy,
+                                  pipeline_cost=pipeline_cost, popularity=routing, segments=self.segments(),
+                                  longest=self.longest)
+        except (UserError, WriteFailed) as e:
+            return {"corrected": False, "why": str(e)}
+
+    def segments(self) -> list[tuple[int, int]]:
+        """The shared prompt segments the run prefilled, (end, tokens) each, once a prefill."""
+        if not self.engine:
+            return []
+        return [(start + tokens, tokens) for start, tokens, _, prefills in self.engine.stats.prefixes.values()
+                for _ in range(prefills)]
+
     def _replan(self, prompt_lens, gen_lens):
         routing = (routing_in_slot_order(self.engine.pipeline.routed, self.ckpt.spec, self.setup.expert_ranking)
                    if self.engine else None)
-        return replayed_plan(self.config, self.ckpt, self.setup, prompt_lens, gen_lens, pipeline_cost, routing)
+        return replayed_plan(self.config, self.ckpt, self.setup, prompt_lens, gen_lens, pipeline_cost, routing,
+                             segments=self.segments(), longest=self.longest)
 
     def save(self, report: dict) -> None:
         """The summary on stderr, then the trace and the report where asked."""

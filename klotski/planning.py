@@ -97,7 +97,7 @@ def profile_for(hardware: str, shape, *, device: str = "auto", link_gbps: float 
 
 
 def make_plan(shape, profile, *, device_memory, host_memory, prompt_len, gen_len, config, sequences=None,
-              longest_prompt=None, sizes=None, gen_lens=None, prompt_lens=None, popularity=None):
+              longest_prompt=None, sizes=None, gen_lens=None, prompt_lens=None, popularity=None, segments=()):
     """Solve for (bs, n, prefill chunk, placement) under the budgets; what the user fixed stays
     fixed. Time is planned for `prompt_len` (the typical prompt: batches are formed by length,
     so padding is small), memory for `longest_prompt`; routing as `popularity` says (the
@@ -115,7 +115,7 @@ def make_plan(shape, profile, *, device_memory, host_memory, prompt_len, gen_len
                      chunk=config.prefill_chunk, gen_lens=gen_lens, prompt_lens=prompt_lens,
                      host_attention=config.host_attention, host_experts=config.host_experts,
                      batching=config.batching, window=config.window, next_gate=config.prefetch == "next-gate",
-                     popularity=popularity)
+                     popularity=popularity, segments=segments)
     except Infeasible as e:
         raise BudgetRefused(e) from None
 
@@ -287,14 +287,34 @@ def plan_job(config, ckpt, dtype, device, budgets, seqs, pipeline_cost=None, pop
                max((s.max_new_tokens for s in seqs), default=config.max_new_tokens))
     # a budget that cannot work is refused before this machine is measured
     _plan_lengths(config, ckpt, dtype, device, budgets, *lengths, pipeline_cost, memory_only=True)
-    return _plan_lengths(config, ckpt, dtype, device, budgets, *lengths, pipeline_cost, popularity=popularity)
+    own, segments = shared_prefixes(config, ckpt.spec, seqs)
+    return _plan_lengths(config, ckpt, dtype, device, budgets, own, *lengths[1:], pipeline_cost, popularity=popularity,
+                         segments=segments, longest=max(lengths[0], default=1))
 
 
-def replayed_plan(config, ckpt, setup, prompt_lens, gen_lens, pipeline_cost=None, popularity=None) -> Plan | None:
+def shared_prefixes(config, spec, seqs) -> tuple[list[int], list[tuple[int, int]]]:
+    """(the prompt tokens each line prefills itself, the shared segments as (end, tokens)) as the
+    engine's prefix cache will find them in these lines (klotski/schedule/prefix.py; all of
+    each prompt and none where it is off), for the plan to price each segment's prefill once."""
+    from klotski.schedule.prefix import find_segments, refusal
+    whole = [len(s.prompt_ids) for s in seqs]
+    if refusal(spec, config) is not None or len(seqs) < 2:
+        return whole, []
+    found = find_segments([s.prompt_ids for s in seqs])
+    shared = [0] * len(seqs)
+    for _, end, members in found:
+        for m in members:
+            shared[m] = max(shared[m], end)
+    return [w - s for w, s in zip(whole, shared)], [(end, end - start) for start, end, _ in found]
+
+
+def replayed_plan(config, ckpt, setup, prompt_lens, gen_lens, pipeline_cost=None, popularity=None,
+                  profile=None, segments=(), longest=None) -> Plan | None:
     """The plan for the job as it ran: the same plan (bs, n, chunk, budgets), its cost model
     replayed over the prompts and the lengths the answers actually had and, given its
     `popularity` (planner.routing.marginals_from_counts of the run), the routing the job had
-    (else the routing the plan priced).
+    (else the routing the plan priced); `prompt_lens` the tokens each line prefilled itself and
+    `segments` ((end, tokens) each) the shared prefixes prefilled, as the run did.
     Its tokens/s (and its job's prefill and decode seconds) are what the planner would have
     said had it known where each answer stops (EOS) and which experts the tokens pick, so set
     beside the measured ones they tell the cost model's error apart from the job's unknowns."""
@@ -308,12 +328,14 @@ def replayed_plan(config, ckpt, setup, prompt_lens, gen_lens, pipeline_cost=None
     # serve` would hold the engine's thread, and online requests, for seconds)
     again = _plan_lengths(fixed, ckpt, setup.dtype, setup.device, setup.budgets, list(prompt_lens),
                           [max(1, g) for g in gen_lens], plan.gen_len, pipeline_cost, reuse=True,
-                          popularity=setup.planned_routing if popularity is None else popularity)
+                          popularity=setup.planned_routing if popularity is None else popularity, profile=profile,
+                          segments=segments, longest=longest)
     return again
 
 
 def _plan_lengths(config, ckpt, dtype, device, budgets, prompt_lens, gen_lens, gen_len, pipeline_cost,
-                  memory_only: bool = False, reuse: bool = False, popularity=None):
+                  memory_only: bool = False, reuse: bool = False, popularity=None, profile=None, segments=(),
+                  longest=None):
     """The plan for a job of these prompt and answer lengths (time planned for the answers'
     `gen_lens`, memory for `gen_len`); no lengths: one sequence of a one-token prompt. With
     `memory_only`, from a profile whose times mean nothing and nothing is measured: whether
@@ -322,11 +344,13 @@ def _plan_lengths(config, ckpt, dtype, device, budgets, prompt_lens, gen_lens, g
     if memory_only:
         shape = _compute_shape(ckpt, dtype)
         profile = _memory_only(device.type)
+    elif profile is not None:  # the caller's (a run's lessons weighed: learn_from_run)
+        shape = _compute_shape(ckpt, dtype)
     else:
         shape, profile, _ = _measured(config, ckpt, dtype, device, pipeline_cost, reuse)
     kw = dict(device_memory=budgets.device, host_memory=budgets.host, prompt_len=-(-sum(lengths) // len(lengths)),
-              longest_prompt=max(lengths), gen_len=gen_len, sequences=max(1, len(prompt_lens)),
-              gen_lens=gen_lens or None, prompt_lens=prompt_lens or None, popularity=popularity)
+              longest_prompt=max(max(lengths), longest or 0), gen_len=gen_len, sequences=max(1, len(prompt_lens)),
+              gen_lens=gen_lens or None, prompt_lens=prompt_lens or None, popularity=popularity, segments=segments)
     if config.quantize == "auto":  # under memory_only, refused only when no precision fits
         return weigh_plans(shape, profile, config, precision_options(shape, ckpt, dtype),
                            sizes_of=lambda cfg: ckpt.group_bytes(dtype, spec_for(cfg)), **kw)
@@ -479,3 +503,29 @@ def routing_in_slot_order(routed, spec, ranking: dict | None) -> list[float] | N
     for layer, order in (ranking or {}).items():
         counts[spec.shape.moe_index(layer)] = routed[spec.shape.moe_index(layer)][order]
     return marginals_from_counts(counts, spec.shape.top_k)
+
+
+# ---- runs correct the profile (planner/calibrate.py) ------------------------------------------
+def learn_from_run(config, ckpt, setup, prompt_lens, gen_lens, measured: dict, *, busy: bool,
+                   pipeline_cost=None, popularity=None, skip: dict | None = None, segments=(), longest=None) -> dict:
+    """The run as evidence for this machine's cached profile (planner/calibrate.py: `correct`):
+    its prefill and decode seconds (`measured`) against the plan replayed over the run's own
+    lengths, routing and shared segments. Nothing is corrected after a `busy` run. Returns the
+    report's `profile` section: how the profile was judged, and what this run did to it."""
+    from planner import calibrate
+    shape = _compute_shape(ckpt, setup.dtype)
+    profile = profile_for("auto", shape, device=setup.device.type, link_gbps=config.emulate_link_gbps,
+                          pipeline_cost=pipeline_cost, reuse=True)
+    if setup.plan is None or not gen_lens or busy:
+        why = "the machine was busy during the run: a busy run corrects nothing" if busy else \
+            "the run had no plan to compare with"
+        return {**calibrate.section(profile), "corrected": False, "why": why}
+
+    def replay(prof) -> dict | None:
+        try:
+            p = replayed_plan(config, ckpt, setup, prompt_lens, gen_lens, pipeline_cost, popularity, profile=prof,
+                              segments=segments, longest=longest)
+        except (UserError, ValueError):  # the plan's budgets refused for these lengths: nothing to compare
+            return None
+        return {"prefill": p.job_prefill_s or 0.0, "decode": p.job_decode_s or 0.0}
+    return calibrate.correct(profile, replay, measured, skip)

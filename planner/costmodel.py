@@ -17,6 +17,8 @@ from planner.routing import marginals_from_sample, marginals_from_weights
 from planner.shapes import as_shape
 
 LINKS = ("disk_to_host", "host_to_device", "device_to_host")
+# The terms runs refit (planner/calibrate.py): an op kind's term, the pipeline's own cost, a link.
+TERM_OF = {"attend": "attention", "project": "attention"}
 
 
 def hqq_bytes(params: int, bits: int = 4, group: int = 64, meta_group: int = 128, meta_bits: int = 8) -> int:
@@ -101,6 +103,8 @@ class CostModel:
         self.kv_bytes_per_token_layer = s.kv_width * b  # MLA: the latent and rotary key only
         measured_here = getattr(profile, "shape_key", None) == s.key()
         self._samples = profile.samples if measured_here else {}
+        # what runs on this machine taught (planner/calibrate.py): a factor per term, 1 where none
+        self.factors = (getattr(profile, "calibration", None) or {}).get("factors", {}) if measured_here else {}
 
     # ---- sizes --------------------------------------------------------------------------
     def _qbytes(self, params: int) -> int:
@@ -219,10 +223,9 @@ class CostModel:
         `wave` overhead if it states one, else a single expert call's fixed cost (the `expert`
         overhead: the grouped call launches the kernels one expert's call does)."""
         fit = self._wave_fit()
-        if fit is not None:
-            return fit[0]
         o = self.profile.overhead_s
-        return float(o.get("wave", o.get("expert", 0.0)))
+        call = fit[0] if fit is not None else float(o.get("wave", o.get("expert", 0.0)))
+        return call * self.factors.get("expert", 1.0)  # a run's expert phase corrects its waves whole
 
     def t_wave_expert(self, pairs: float) -> float:
         """What one expert with `pairs` pairs adds to a wave: its share of the grouped kernel
@@ -239,7 +242,8 @@ class CostModel:
             if "wave_group" in o:
                 return max(0.0, self.t_expert(pairs) - o.get("expert", 0.0)) + o["wave_group"]
             return max(0.0, self.t_expert(pairs) - self.t_wave_call())
-        ratios = sorted((n, per / max(self.t_expert(n), 1e-12)) for n, per in fit[1].items())
+        f = self.factors.get("expert", 1.0)  # the fit's parts are as measured: scaled like t_expert
+        ratios = sorted((n, f * per / max(self.t_expert(n), 1e-12)) for n, per in fit[1].items())
         at = math.log(max(1.0, pairs))
         lo = max((r for r in ratios if math.log(r[0]) <= at), default=ratios[0])
         hi = min((r for r in ratios if math.log(r[0]) >= at), default=ratios[-1])
@@ -258,7 +262,7 @@ class CostModel:
         rows = self._samples.get("wave_empty") or []
         single = {p: t for g, p, t in self._samples.get("wave") or [] if g == 1}
         slots = [(t - single[p]) / (g - 1) for g, p, t in rows if g > 1 and p in single]
-        return min(max(0.0, slots[0]), self.t_wave_expert(1)) if slots else 0.0
+        return min(max(0.0, slots[0]) * self.factors.get("expert", 1.0), self.t_wave_expert(1)) if slots else 0.0
 
     def _wave_fit(self) -> tuple[float, dict[float, float]] | None:
         """(the call's fixed part, {pairs an expert: one expert's part}) from the profile's timed
@@ -301,7 +305,7 @@ class CostModel:
         step_ops = n.get("step", 0.0) + self.shape.num_layers * n.get("layer", 0.0)
         return (batch_layers * term("batch_layer") + expert_calls * term("expert_call")
                 + transfers * term("transfer") + steps * term("step", step_ops)
-                + kv_layers * term("kv_layer") + tokens * term("token"))
+                + kv_layers * term("kv_layer") + tokens * term("token")) * self.factors.get("pipeline", 1.0)
 
     def launches(self, batch_layers: float = 0, expert_calls: float = 0, steps: float = 0, transfers: float = 0,
                  kv_layers: float = 0, layers: float = 0) -> float:
@@ -376,7 +380,8 @@ class CostModel:
     def t_io(self, nbytes: float, link: str = "host_to_device") -> float:
         if nbytes <= 0:
             return 0.0
-        return nbytes / self.bandwidth(link) + float(getattr(self.profile, "link_latency_s", 0.0))
+        return ((nbytes / self.bandwidth(link) + float(getattr(self.profile, "link_latency_s", 0.0)))
+                * self.factors.get(link, 1.0))
 
     def t_copy(self, nbytes: float) -> float:
         """Compute time a host->device copy takes from the model's own work: on a CPU-only
@@ -408,9 +413,10 @@ class CostModel:
         overhead for the kind where it measured none."""
         base = self.roofline(kind, point)
         samples = self._samples.get(kind)
+        factor = self.factors.get(TERM_OF.get(kind, kind), 1.0)
         if not samples:
-            return base + self.profile.overhead_s.get(kind, 0.0)
-        return base * self._correction(kind, samples, point)
+            return (base + self.profile.overhead_s.get(kind, 0.0)) * factor
+        return base * self._correction(kind, samples, point) * factor
 
     def _correction(self, kind: str, samples, point) -> float:
         """Measured/roofline ratio near `point`: the 4 nearest samples of the same mode

@@ -40,13 +40,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from planner.profile_checks import LoadWatch, settle, verdict
 from planner.shapes import as_shape
 
 BUILTIN_DIR = Path(__file__).parent / "profiles"
 # The measuring harness's version (grid, timing, links), part of the cache key with the ops' own
 # key; each bump is described in git's history (10: grouped expert calls over 1 and WAVE_GROUPS
-# experts, `wave`, as the engine runs them).
-PROFILE_VERSION = 10
+# experts, `wave`, as the engine runs them; 11: the load watched throughout, samples checked
+# against each other and re-measured, two calls at least per op).
+PROFILE_VERSION = 11
 # This VM's speed moved by a fifth within minutes: one measure priced smollm2-moe's expert at
 # 8 tokens 0.74 ms (and every other op about as much faster) where two measures minutes later
 # gave 0.91 and 0.93 and the same op timed alone 0.88-0.95; a run meets the typical pace, so
@@ -59,6 +61,7 @@ CHUNK_SAMPLE = 8
 WAVE_GROUPS = 8
 WAVE_PAIRS = (1, 8, 64)
 WAVE_BYTES = 1 << 30
+LONG_OP_S = 2.0  # an op slower than this is timed once (on a CPU, a big model's prefill at 512 tokens)
 
 
 @dataclass
@@ -92,6 +95,14 @@ class Profile:
     # the kernels a decode layer issues (planner/decode_ops.py). Empty: not counted (a built-in
     # profile, or one measured before they were), and nothing is predicted from them.
     kernels: dict[str, float] = field(default_factory=dict)
+    # How the measure was judged (planner/profile_checks.py): the load read through it, the
+    # samples that disagreed with their op's other sizes and were re-measured, and the verdict.
+    judged: dict = field(default_factory=dict)
+    # What runs on this machine taught the cost model (planner/calibrate.py): each term's factor
+    # on the measured times, and the evidence it was refitted from. Empty: as measured.
+    calibration: dict = field(default_factory=dict)
+
+    cached_at = None  # the cache file it was read from or saved to (not a field: not saved)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1)
@@ -189,9 +200,13 @@ def measure(shape, *, ops, batch_sizes=(1, 4, 16, 64), context_lengths=(128, 512
     `link_gbps` (GB/s) replaces the host↔device bandwidth, as `--emulate-link` throttles
     that channel in the engine. `announce(text)`, if given, is told when a measurement starts
     and how long it took (nothing when the cache answers). `busy()`, if given, says whether
-    other processes are taking the cores (their runnable threads, or None): a profile measured
-    while they were, before and after, is that moment's speed, not the machine's: it is kept
-    apart (`KEY.busy`), used while the machine is still busy and measured again once it is not.
+    other processes are taking the cores (their runnable threads, or None). It is read before,
+    every WATCH_EVERY_S during and after the measure (planner/profile_checks.py: a disturbance
+    that starts midway got through a check made only before), and the samples are checked
+    against each other, those that disagree measured again. A profile measured while the load
+    was up, or whose samples still disagree, is that moment's speed, not the machine's: it is
+    kept apart (`KEY.busy`), used while the machine is still busy and measured again once it is
+    not. `judged` says which, and why.
     """
     shape = as_shape(shape)
     grid = {"bs": list(batch_sizes), "ctx": list(context_lengths), "tokens": list(token_counts),
@@ -201,7 +216,9 @@ def measure(shape, *, ops, batch_sizes=(1, 4, 16, 64), context_lengths=(128, 512
     path = Path(cache_dir or ".") / f"{key}.json"
     if cache and not refresh and path.exists():
         try:
-            return with_link(Profile.from_json(path.read_text()), link_gbps)
+            prof = Profile.from_json(path.read_text())
+            prof.cached_at = str(path)
+            return with_link(prof, link_gbps)
         except (ValueError, TypeError):
             pass  # a damaged cache file is re-measured
     # measured while busy earlier: used while the machine is still busy, measured again once it is not
@@ -215,22 +232,29 @@ def measure(shape, *, ops, batch_sizes=(1, 4, 16, 64), context_lengths=(128, 512
     if announce:  # a new machine or new layer shapes: the user waits, so say for what
         announce(f"measuring this machine's speed at this model's layer shapes on {device} (once; cached"
                  f"{' in ' + str(cache_dir) if cache else ' for this run only'})")
-    before = busy() if busy else None
-    prof = _measure(shape, ops, grid, device, reps, io_bytes, io_dir or cache_dir)
-    after = busy() if busy and before is not None else None
+    watch = LoadWatch(busy)
+    watch.poll(force=True)
+    prof = _measure(shape, ops, grid, device, reps, io_bytes, io_dir or cache_dir, watch)
+    watch.poll(force=True)
     if announce:
         announce(f"speed measured in {time.perf_counter() - started:.1f} s")
     prof.name = f"measured-{key}"
-    if after is not None:
-        prof.machine["busy_runnable_threads"] = max(before, after)
+    keep, why = verdict(watch, prof.judged["checks"])
+    prof.judged.update(load=watch.summary(), cached=keep and cache, verdict=why)
+    if watch.busy:
+        prof.machine["busy_runnable_threads"] = watch.most
+    if not keep:
         if announce:
-            announce(f"the machine was busy while measuring ({max(before, after):g} other runnable threads): "
-                     "this speed is used while the machine stays busy and measured again once it is quiet")
+            cause = (f"the machine was busy while measuring ({watch.most:g} other runnable threads)" if watch.busy
+                     else "the measured speeds disagree with each other (" + why.split(" (", 1)[-1])
+            announce(f"{cause}: this speed is used while the machine stays busy and measured again once it is quiet")
         if cache:
             _save(stale, prof.to_json())
     elif cache:
         _save(path, prof.to_json())
         stale.unlink(missing_ok=True)
+    if cache and keep:
+        prof.cached_at = str(path)  # where runs' corrections go (planner/calibrate.py)
     return with_link(prof, link_gbps)
 
 
@@ -245,21 +269,30 @@ def with_link(prof: Profile, link_gbps: float | None) -> Profile:
     return prof
 
 
-def _save(path: Path, text: str) -> None:
-    """Cache a profile (whole or not at all); a cache that cannot be written only means
-    measuring again next time, so it is said once and the run goes on."""
+def write_whole(path: Path, text: str) -> None:
+    """Write a profile's cache file whole or not at all (a run's corrections too:
+    planner/calibrate.py); raises OSError."""
     tmp = path.with_suffix(".tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_text(text)
         tmp.replace(path)
-    except OSError as e:
+    except OSError:
         tmp.unlink(missing_ok=True)
+        raise
+
+
+def _save(path: Path, text: str) -> None:
+    """Cache a profile; a cache that cannot be written only means measuring again next time,
+    so it is said once and the run goes on."""
+    try:
+        write_whole(path, text)
+    except OSError as e:
         print(f"klotski: warning: {path}: cannot save the hardware profile ({e.strerror}); "
               "the run goes on and the next run measures again", file=sys.stderr)
 
 
-def _measure(shape, make_ops, grid, device, reps, io_bytes, io_dir) -> Profile:
+def _measure(shape, make_ops, grid, device, reps, io_bytes, io_dir, watch=None) -> Profile:
     import torch
 
     from planner.costmodel import CostModel
@@ -275,9 +308,13 @@ def _measure(shape, make_ops, grid, device, reps, io_bytes, io_dir) -> Profile:
         def sync():
             pass
     ops = make_ops(shape, dt, dev)
+    watch = watch or LoadWatch()
+    unit = CostModel(Profile(name="unit", flops=1.0, mem_bw=1.0, links={}), shape)
 
     with torch.inference_mode():
-        samples = median_of_rounds([_time_grid(ops, shape, grid, reps, sync) for _ in range(ROUNDS)])
+        points = grid_points(ops, shape, grid)
+        samples = median_of_rounds([time_points(points, reps, sync, watch) for _ in range(ROUNDS)])
+        checks = settle(samples, unit.work, lambda kind, i: _retime(points, kind, i, reps, sync, watch))
         links = {"host_to_device": _copy_bandwidth(io_bytes, "cpu", dev, reps, sync),
                  "device_to_host": _copy_bandwidth(io_bytes, dev, "cpu", reps, sync)}
         if dev.type == "cpu":
@@ -294,10 +331,8 @@ def _measure(shape, make_ops, grid, device, reps, io_bytes, io_dir) -> Profile:
     # Effective roofline parameters: the best compute rate and the best memory rate seen.
     # Between and beyond the measured points the cost model scales these, corrected by
     # the measured/roofline ratio of the nearest samples.
-    unit = Profile(name="unit", flops=1.0, mem_bw=1.0, links=links)
-    cm = CostModel(unit, shape)
-    flops = max(cm.work(k, row[:-1])[0] / row[-1] for k in ("expert", "attention") for row in samples[k])
-    mem_bw = max(cm.work(k, row[:-1])[1] / row[-1] for k in ("expert", "gate", "head") for row in samples[k])
+    flops = max(unit.work(k, row[:-1])[0] / row[-1] for k in ("expert", "attention") for row in samples[k])
+    mem_bw = max(unit.work(k, row[:-1])[1] / row[-1] for k in ("expert", "gate", "head") for row in samples[k])
     host_flops, host_bw = flops, mem_bw  # CPU-only: the host is the device
     if dev.type == "cuda":
         host_flops, host_bw = host_rates(shape, make_ops, grid, reps, samples)
@@ -306,7 +341,7 @@ def _measure(shape, make_ops, grid, device, reps, io_bytes, io_dir) -> Profile:
     return Profile(name="measured", device=dev.type, flops=flops, mem_bw=mem_bw, links=links,
                    samples=samples, shape_key=shape.key(), machine=machine,
                    memory=_memory_capacity(dev), host_flops=host_flops, host_mem_bw=host_bw, launch_s=launch_s,
-                   kernels=kernels)
+                   kernels=kernels, judged={"checks": checks})
 
 
 def _launch_cost(dev, sync, ops: int = 2000, rounds: int = 5) -> float:
@@ -332,31 +367,50 @@ def median_of_rounds(rounds: list[dict[str, list[list[float]]]]) -> dict[str, li
             for kind, rows in rounds[0].items()}
 
 
-def _time_grid(ops, shape, grid, reps, sync) -> dict[str, list[list[float]]]:
-    """One round of the grid: each op at each of its points, [point..., seconds] rows."""
-    samples: dict[str, list[list[float]]] = {"attention": [], "gate": [], "expert": [], "head": [], "dequant": []}
+def grid_points(ops, shape, grid) -> list[tuple[str, list[float], object]]:
+    """The grid as (kind, point, op maker) in timing order: each op at each of its points; a
+    maker returns the zero-argument call timed (so a disagreeing sample can be timed again)."""
+    points = []
     for ctx in grid["ctx"]:
         for bs in grid["bs"]:
-            samples["attention"].append([bs, ctx, 1, _timeit(ops.attention(bs, ctx, 1), reps, sync)])
+            points.append(("attention", [bs, ctx, 1], lambda bs=bs, ctx=ctx: ops.attention(bs, ctx, 1)))
         # the largest batch too at the shortest context: a big batch's prefill is not a
         # small one's scaled (32 x 207 tokens ran 1.4x the bs-4 extrapolation here)
         wide = sorted(grid["bs"])[:2] + ([max(grid["bs"])] if ctx == min(grid["ctx"]) else [])
         for bs in sorted(set(wide)):
-            samples["attention"].append([bs, ctx, ctx, _timeit(ops.attention(bs, ctx, ctx), reps, sync)])
+            points.append(("attention", [bs, ctx, ctx], lambda bs=bs, ctx=ctx: ops.attention(bs, ctx, ctx)))
         for bs in sorted(grid["bs"])[:2]:
             new = min(CHUNK_SAMPLE, ctx // 2)
-            samples["attention"].append([bs, ctx, new, _timeit(ops.attention(bs, ctx, new), reps, sync)])
+            points.append(("attention", [bs, ctx, new], lambda bs=bs, ctx=ctx, new=new: ops.attention(bs, ctx, new)))
     for n in grid["tokens"]:
-        samples["gate"].append([n, _timeit(ops.gate(n), reps, sync)])
-        samples["expert"].append([n, _timeit(ops.expert(n), reps, sync)])
+        points.append(("gate", [n], lambda n=n: ops.gate(n)))
+        points.append(("expert", [n], lambda n=n: ops.expert(n)))
     for n in sorted({1, max(grid["bs"])}):
-        samples["head"].append([n, _timeit(ops.head(n), reps, sync)])
-    samples["dequant"].append([shape.expert_params, _timeit(ops.dequant(), reps, sync)])
+        points.append(("head", [n], lambda n=n: ops.head(n)))
+    points.append(("dequant", [shape.expert_params], ops.dequant))
     if hasattr(ops, "wave"):  # [experts, pairs, seconds]; wave_empty: one expert's among g - 1 empty groups
         g = wave_groups(shape)
-        samples["wave"] = [[k, k * n, _timeit(ops.wave(k, k * n), reps, sync)] for n in WAVE_PAIRS for k in (1, g)]
-        samples["wave_empty"] = [[g, 8, _timeit(ops.wave(g, 8, spread=False), reps, sync)]]
+        points += [("wave", [k, k * n], lambda k=k, n=n: ops.wave(k, k * n)) for n in WAVE_PAIRS for k in (1, g)]
+        points.append(("wave_empty", [g, 8], lambda g=g: ops.wave(g, 8, spread=False)))
+    return points
+
+
+def time_points(points, reps, sync, watch=None) -> dict[str, list[list[float]]]:
+    """One round of the grid: each point timed, as [point..., seconds] rows by kind; the load
+    read between ops (`watch`) as often as it asks."""
+    samples: dict[str, list[list[float]]] = {"attention": [], "gate": [], "expert": [], "head": [], "dequant": []}
+    for kind, point, make in points:
+        if watch is not None:
+            watch.poll()
+        samples.setdefault(kind, []).append(point + [_timeit(make(), reps, sync)])
     return samples
+
+
+def _retime(points, kind, index, reps, sync, watch) -> float:
+    """A sample that disagreed, timed again (its `index`-th row of `kind`)."""
+    make = [m for k, _, m in points if k == kind][index]
+    watch.poll()
+    return _timeit(make(), reps, sync)
 
 
 def wave_groups(shape) -> int:
@@ -391,8 +445,11 @@ def _timeit(fn, reps: int, sync) -> float:
     before; ops slower than ~1/reps s get fewer repetitions. The median, not the fastest:
     a step pays an op's typical time (the fastest of 5 priced smollm2-moe's expert at 8
     tokens 0.73 ms, its attention at bs 16 0.78; the same ops ran 0.96-1.0 and 0.88-0.92
-    call after call, in the pipeline too). A sample disturbed throughout by another process
-    is dropped by the cost model (planner/costmodel.py: OUTLIER)."""
+    call after call, in the pipeline too). How many calls: as many as fit in about a second at
+    the fastest call so far, and two at least for an op under LONG_OP_S (a first call slowed by
+    another process once decided alone that a 0.1 s op got one repetition: the disturbed one);
+    of two, the faster. A sample disturbed throughout is caught by the shape checks
+    (planner/profile_checks.py) or dropped by the cost model (planner/costmodel.py: OUTLIER)."""
     def once() -> float:
         sync()
         t0 = time.perf_counter()
@@ -403,8 +460,9 @@ def _timeit(fn, reps: int, sync) -> float:
     fn()
     sync()
     times = [once()]
-    times += [once() for _ in range(max(1, min(reps, int(1.0 / max(times[0], 1e-6)))) - 1)]
-    return statistics.median(times)
+    while len(times) < min(reps, max(2 if min(times) < LONG_OP_S else 1, int(1.0 / max(min(times), 1e-6)))):
+        times.append(once())
+    return min(times) if len(times) == 2 else statistics.median(times)
 
 
 def _copy_bandwidth(nbytes, src, dst, reps, sync) -> float:

@@ -76,7 +76,7 @@ def solve(shape, cost, budgets, *, prompt_len: int, gen_len: int, longest_prompt
           num_batches: int | None = None, chunk: int | None = None, max_sequences: int | None = None,
           popularity=None, finalists: int = 3, host_attention: str = "off", host_experts: str = "off",
           gen_lens=None, batching: str = "continuous", prompt_lens=None,
-          window: int | None = None, next_gate: bool = False) -> Plan:
+          window: int | None = None, next_gate: bool = False, segments=()) -> Plan:
     """Best (batch size, n, placement) for generating `gen_len` tokens after `prompt_len`.
 
     `cost` is a CostModel for `shape`; `budgets` a Budgets or {"device", "host"[, "disk"]}
@@ -101,7 +101,9 @@ def solve(shape, cost, budgets, *, prompt_len: int, gen_len: int, longest_prompt
     utilisation (planner.occupancy) by which computed rows become useful tokens/s;
     `prompt_lens` (the job's prompt lengths) the attention of each batch's left padding;
     `window` is how many of the job's lines the engine batches together (RunConfig.window;
-    None: all of them), since its batches are formed by length within a window.
+    None: all of them), since its batches are formed by length within a window. `segments`
+    ((end, tokens) each): shared prompt prefixes the engine prefills once each, `prompt_lens`
+    then being what each line prefills itself (prediction.JobLengths).
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule {schedule!r} is not one of {SCHEDULES}")
@@ -130,7 +132,7 @@ def solve(shape, cost, budgets, *, prompt_len: int, gen_len: int, longest_prompt
     longest = max(prompt_len, longest_prompt or prompt_len)
     experts = host_experts if host_known else "off"
     attn_modes = {"off": (False,), "on": (True,), "auto": (False, True) if host_known else (False,)}[host_attention]
-    job = JobLengths(gen_lens, batching, prompt_lens, window)
+    job = JobLengths(gen_lens, batching, prompt_lens, window, segments)
     found, first = [], None
     for attn in attn_modes:
         host = Host(attention=attn, experts=experts)

@@ -4,7 +4,6 @@ logits processors; the warped distributions are transformers' LogitsProcessorLis
 logits; presence and frequency penalties are OpenAI's formula on hand-computed numbers; a seeded
 row draws the same whatever shares its batch; the batched pass issues as many ops for 64 rows
 as for 1; token-id prompts, lists of prompts and chat template variables."""
-import json
 import math
 import shutil
 

@@ -73,7 +73,11 @@ def profile(a) -> int:
     result = planning.measure_here(planning.model_shape(config.model), device=config.device,
                                    link_gbps=config.emulate_link_gbps, refresh=a.refresh,
                                    pipeline_cost=pipeline_cost)
-    print(result.to_json())
+    if a.show:
+        from planner.calibrate import show
+        print(show(result))
+    else:
+        print(result.to_json())
     return 0
 
 
@@ -137,7 +141,7 @@ def show(a) -> int:
         requests, _ = read_jobs(Path(a.jobs))
         # the last paragraph of the prompt (or of the last message): where a passage to label is
         prompts = {r.id: (r.prompt if r.prompt is not None else r.messages[-1][1]).split("\n\n")[-1]
-                   for r in requests}
+                   for r in requests if isinstance(r.prompt, str) or r.messages is not None}
     width = min(100, shutil.get_terminal_size().columns)
     try:
         lines = Path(a.output).read_text(encoding="utf-8").splitlines()

@@ -257,6 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
     pf.add_argument("--model", default="tiny-mixtral")
     pf.add_argument("--emulate-link", type=float, metavar="GBPS", dest="emulate_link_gbps")
     pf.add_argument("--refresh", action="store_true", help="measure again instead of using the cache")
+    pf.add_argument("--show", action="store_true",
+                    help="print each term of the cost model: its factor, where it came from (measured, refitted "
+                         "from N runs) and its drift, and how the measure was judged (instead of the JSON)")
     _add_profile_device_flag(pf)
 
     co = sub.add_parser("correlate", help="build the expert-correlation table from a warm-up run")

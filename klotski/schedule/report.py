@@ -150,6 +150,7 @@ def summary(report: dict, out_path: Path) -> str:
             *_prefetch_line(report["prefetch"]),
             *host_line(report.get("host_compute")),
             *_prefix_line(report.get("prefix_cache")),
+            *profile_line(report.get("profile")),
             f"memory    peak device {mem['peak_device_bytes'] / 2**20:.1f} of {mem['budget_device_bytes'] / 2**20:.1f} MiB, "
             f"host {mem['peak_host_bytes'] / 2**20:.1f} of {mem['budget_host_bytes'] / 2**20:.1f} MiB",
         ]
@@ -189,6 +190,20 @@ def _prefix_line(prefix: dict | None) -> list[str]:
     return [f"prefix    {len(parts)} shared prefixes ({each}) for {prefix['lines']} lines, prefilled "
             f"{prefix['prefix_prefills']}x: {prefix['prefill_tokens_saved']} prompt tokens not prefilled"
             + (f" (about {saved:.2f} s at this run's prefill rate)" if saved is not None else "")]
+
+
+def profile_line(profile: dict | None) -> list[str]:
+    """How the machine's profile was judged when measured, and what this run taught it
+    (planning.learn_from_run): each phase predicted beside measured."""
+    if not profile:
+        return []
+    judged = profile.get("judged") or "a profile not judged when measured"
+    if not profile.get("corrected"):
+        return [f"profile   {judged}; not corrected by this run: {profile.get('why')}"]
+    phases = "; ".join(f"{name} predicted {p['predicted_s']:.2f} s, measured {p['measured_s']:.2f} s"
+                       + (f" (not learned from: {p['not_learned']})" if p.get("not_learned") else "")
+                       for name, p in profile["phases"].items() if p["measured_s"] or p["predicted_s"])
+    return [f"profile   {judged}; corrected by this run ({phases}): the next plan starts from it"]
 
 
 def _prefetch_line(prefetch: dict) -> list[str]:
