@@ -18,7 +18,7 @@ import torch
 
 from klotski import planning
 from klotski.execute.caches import CacheManager
-from klotski.execute.channels import DISK_CARRIERS, make_channels
+from klotski.execute.channels import DISK_CARRIERS, HostReads, SmallUploads, make_channels
 from klotski.io.checkpoint import Checkpoint
 from klotski.schedule.engine import Engine
 from klotski.execute.hostcompute import HostCompute
@@ -163,7 +163,8 @@ def build_engine(config, ckpt: Checkpoint, setup: RunSetup, *, predictor=None) -
         torch.cuda.reset_peak_memory_stats(device)
         memory.allocator_baseline = torch.cuda.memory_allocated(device)
     host_memory = Memory(setup.budgets.host, "host")
-    reserve_staging_rings(host_memory, channels, setup)
+    uploads, reads = SmallUploads(device), HostReads(device)
+    reserve_staging_rings(host_memory, channels, setup, (uploads, reads))
     cache = WeightCache(ckpt.store, setup.placement, ckpt.spec.group_refs, dtype, memory,
                         to_device=lambda t: t.to(device),
                         host_blocks=PinnedBlocks(pinned=True) if device.type == "cuda" else None,
@@ -173,7 +174,7 @@ def build_engine(config, ckpt: Checkpoint, setup: RunSetup, *, predictor=None) -
     cache.open_pool(setup.expert_slots, event=torch.cuda.Event if device.type == "cuda" else None,
                     decode_workspace=decode_workspace)
     host = HostCompute(*setup.host_modes, setup.cost, asked=(config.host_attention, config.host_experts))
-    pipeline = Pipeline(ckpt.spec, cache, channels, config, trace, predictor, memory, device, host)
+    pipeline = Pipeline(ckpt.spec, cache, channels, config, trace, predictor, memory, device, host, uploads, reads)
     # a CPU device computes on the cores free now, looked at again as the run goes (util/threads.py)
     threads = ThreadGovernor(config.threads) if device.type == "cpu" else None
     # the executor's caches on the run's KV tier, each charged to its budget (execute/caches.py)
@@ -186,14 +187,18 @@ def build_engine(config, ckpt: Checkpoint, setup: RunSetup, *, predictor=None) -
                   threads=threads)
 
 
-def reserve_staging_rings(host_memory: Memory, channels: dict, setup: RunSetup) -> None:
-    """The page-locked rings host data crosses a CUDA link through (channels.StagedCopies, the
-    run's own), made on first use, charged now and given back when the channels close: one per
+def reserve_staging_rings(host_memory: Memory, channels: dict, setup: RunSetup, step_rings=()) -> None:
+    """The page-locked rings host data crosses a CUDA link through, charged now: the step's
+    small uploads and routing reads (`step_rings`, held for the run), and the channels' own
+    (channels.StagedCopies), made on first use and given back when the channels close: one per
     channel carrying disk-tier groups up (as the planner charged them), the activations
     channel's where host compute may run (its results go up through it), and the kv_load
     channel's where the KV cache is on the host (strided slots are gathered into it)."""
     if setup.device.type != "cuda":
         return  # no ring: on a CPU the "device" is host memory
+    held = sum(r.pinned_bytes for r in step_rings)
+    if held:
+        host_memory.reserve(held, "the step's page-locked rings (small uploads, routing reads)")
     names = [*(DISK_CARRIERS if DISK in setup.placement.tiers.values() else ()),
              *(("activations",) if setup.host_modes != ("off", "off") else ()),
              *(("kv_load",) if setup.placement.kv == HOST else ())]

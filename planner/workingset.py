@@ -29,6 +29,8 @@ ACTIVATION_RING_BYTES = 4 << 20  # host compute's results going up (in pieces of
                                  # engine's host account holds it where host compute may run on a GPU
 KV_STAGING_BYTES = 16 << 20     # the kv_load channel's page-locked ring a host KV cache's strided slots
                                 # are gathered into on their way up (held on a GPU when the KV is on the host)
+STEP_RING_BYTES = 2 << 20       # a step's small uploads (ids, masks, RoPE tables) and routing reads: two
+                                # page-locked rings of half of it, held on a GPU for the whole run
 KV_BUFFERS = 3                  # host-KV batches on the device at once: storing, computing, loading
 ATTENTION_SCORE_CHUNK = 1 << 24  # attention scores alive at once (queries are chunked past it)
 PREFILL_SHARE = 0.25            # a prefill chunk's activations may take this much of the device
@@ -195,11 +197,14 @@ def staging_bytes(cost) -> int:
 
 
 def host_ring_bytes(cost, host) -> int:
-    """The page-locked ring host compute's results go up through (ACTIVATION_RING_BYTES), held
-    in host memory on a CUDA device wherever `host` (planner.layer.Host) may compute, as the
-    engine holds it (assemble.reserve_staging_rings)."""
+    """The page-locked rings every CUDA run holds in host memory, as the engine holds them
+    (assemble.reserve_staging_rings): a step's small uploads and routing reads
+    (STEP_RING_BYTES), and the ring host compute's results go up through
+    (ACTIVATION_RING_BYTES) wherever `host` (planner.layer.Host) may compute."""
+    if cost.profile.device != "cuda":
+        return 0
     may = host.attention or host.experts != "off"
-    return ACTIVATION_RING_BYTES if may and cost.profile.device == "cuda" else 0
+    return STEP_RING_BYTES + (ACTIVATION_RING_BYTES if may else 0)
 
 
 def kv_staging_bytes(cost) -> int:

@@ -186,7 +186,7 @@ def test_a_decode_layer_step_issues_no_host_sync_but_the_routing_reads(tmp_path)
                     log.append(("wait", layer_now[0]))
                 self.done = True
 
-        engine.pipeline._read = HostReads(torch.device("cpu"), buffer=torch.zeros(1 << 16, dtype=torch.uint8),
+        engine.pipeline.reads = HostReads(torch.device("cpu"), buffer=torch.zeros(1 << 16, dtype=torch.uint8),
                                           event=Event)
 
         def counting(name):
@@ -377,6 +377,50 @@ def test_host_computes_results_go_up_through_a_small_ring_the_host_account_holds
     assert charged("cuda", host, ("off", "auto")) == ACTIVATION_RING_BYTES
     assert charged("cuda", disk, ("on", "off")) == 2 * STAGED_RING_BYTES + ACTIVATION_RING_BYTES
     assert charged("cpu", disk, ("on", "on")) == 0
+
+
+def test_the_steps_own_rings_are_charged_and_never_grow():
+    """A step's small uploads and routing reads cross a CUDA link through two page-locked rings
+    held for the run: the composition root charges them to the host budget, the plan counts the
+    same bytes, and a read too large for its ring is a plain copy rather than a ring grown past
+    its charge."""
+    import types
+
+    from klotski.assemble import reserve_staging_rings
+    from klotski.execute.channels import HostReads, SmallUploads, make_channels
+    from klotski.execute.trace import Trace
+    from placement.tiers import Memory
+    from planner.costmodel import CostModel
+    from planner.layer import Host
+    from planner.profile import load_profile
+    from planner.shapes import as_shape
+    from planner.workingset import STEP_RING_BYTES, host_ring_bytes
+
+    half = STEP_RING_BYTES // 2
+    cuda = torch.device("cuda")
+    step = (SmallUploads(cuda, buffer=torch.zeros(half, dtype=torch.uint8)),
+            HostReads(cuda, buffer=torch.zeros(half, dtype=torch.uint8)))
+    memory = Memory(1 << 30, "host")
+    setup = types.SimpleNamespace(device=cuda, placement=types.SimpleNamespace(tiers={}, kv="device"),
+                                  host_modes=("off", "off"))
+    reserve_staging_rings(memory, make_channels(torch.device("cpu"), Trace(), None), setup, step)
+    cost = CostModel(load_profile("rtx3090-pcie4"), as_shape("mixtral-8x7b"))
+    assert memory.used == STEP_RING_BYTES == host_ring_bytes(cost, Host())
+    assert SmallUploads(torch.device("cpu")).pinned_bytes == HostReads(torch.device("cpu")).pinned_bytes == 0
+
+    class Event:
+        def record(self):
+            pass
+
+        def query(self):
+            return True
+
+        def synchronize(self):
+            pass
+    reads = HostReads(torch.device("cpu"), buffer=torch.zeros(1 << 10, dtype=torch.uint8), event=Event)
+    small, large = torch.arange(16), torch.arange(1 << 10)
+    assert torch.equal(reads(small).wait(), small) and torch.equal(reads(large).wait(), large)
+    assert len(reads.ring) == 1 << 10  # the large one did not grow it
 
 
 def test_an_expert_computes_in_the_same_pieces_whatever_its_wave():

@@ -115,17 +115,19 @@ def test_host_compute_on_a_gpu_leaves_host_memory_for_the_ring_its_results_go_up
 def test_a_host_kv_cache_on_a_gpu_leaves_host_memory_for_the_ring_its_slots_go_up_through():
     """On a CUDA device with the KV cache on the host, the engine holds the kv_load channel's
     page-locked ring (KV_STAGING_BYTES, assemble.reserve_staging_rings): the plan counts it
-    there and nowhere else. The same machine called a CPU places the same and holds no ring."""
+    there and nowhere else. The same machine called a CPU places the same and holds no ring
+    (nor the step's rings every CUDA run holds: STEP_RING_BYTES)."""
     import dataclasses
 
-    from planner.workingset import KV_STAGING_BYTES
+    from planner.workingset import KV_STAGING_BYTES, STEP_RING_BYTES
     gpu = load_profile("rtx3090-pcie4")
     kw = dict(prompt_len=64, gen_len=16, batch_sizes=(8,), num_batches=2)
     tight = Budgets(device=4e6, host=64e9)  # no room for the KV cache on the device
     on_gpu = solve(SMALL, CostModel(gpu, SMALL), tight, **kw)
     on_cpu = solve(SMALL, CostModel(dataclasses.replace(gpu, device="cpu"), SMALL), tight, **kw)
     assert on_gpu.placement == on_cpu.placement and "host" in [t for g, t in on_gpu.placement.items() if g.endswith(".kv")]
-    assert on_gpu.peak_bytes["host"] == on_cpu.peak_bytes["host"] + KV_STAGING_BYTES
-    roomy = Budgets(device=64e9, host=64e9)  # the KV cache on the device: no ring
+    assert on_gpu.peak_bytes["host"] == on_cpu.peak_bytes["host"] + KV_STAGING_BYTES + STEP_RING_BYTES
+    roomy = Budgets(device=64e9, host=64e9)  # the KV cache on the device: no kv_load ring
     assert (solve(SMALL, CostModel(gpu, SMALL), roomy, **kw).peak_bytes["host"]
-            == solve(SMALL, CostModel(dataclasses.replace(gpu, device="cpu"), SMALL), roomy, **kw).peak_bytes["host"])
+            == solve(SMALL, CostModel(dataclasses.replace(gpu, device="cpu"), SMALL), roomy, **kw).peak_bytes["host"]
+            + STEP_RING_BYTES)

@@ -51,7 +51,7 @@ import torch
 
 from klotski.execute import cudacopies
 from placement import pinned
-from planner.workingset import ACTIVATION_RING_BYTES, KV_STAGING_BYTES, STAGED_RING_BYTES
+from planner.workingset import ACTIVATION_RING_BYTES, KV_STAGING_BYTES, STAGED_RING_BYTES, STEP_RING_BYTES
 
 # the channels disk-tier groups go up on, each through its ring (planner.workingset.STAGED_RINGS)
 DISK_CARRIERS = ("weights", "experts")
@@ -310,12 +310,17 @@ class SmallUploads:
     way to a CUDA device, through one persistent page-locked ring (PinnedRing): each is copied
     into the next free bytes and sent up non-blocking, an event marking when the device has read
     them. No `pin_memory()` per tensor. A tensor larger than half the ring, or a CPU device,
-    takes the plain path."""
+    takes the plain path. The ring is held for the run (`pinned_bytes`: what the composition
+    root charges to the host budget)."""
 
-    def __init__(self, device: torch.device, nbytes: int = 1 << 20, *, buffer=None, event=None):
+    def __init__(self, device: torch.device, nbytes: int = STEP_RING_BYTES // 2, *, buffer=None, event=None):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.ring = PinnedRing(nbytes, buffer=buffer, event=event) if self.cuda or buffer is not None else None
+
+    @property
+    def pinned_bytes(self) -> int:
+        return pinned.charge(len(self.ring)) if self.ring is not None and self.cuda else 0
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         if t.device.type == self.device.type:
@@ -336,22 +341,25 @@ class HostReads:
     into the next bytes of a persistent page-locked ring, an event recorded behind it on the
     compute stream, so the kernels queued after it run on while the host waits for the values
     (`Read.wait`) only where a decision needs them. On a CPU the tensor is on the host already:
-    no copy. A tensor larger than half the ring (a long prefill's ids) gets a ring twice its
-    size, once the old one's copies are done (a wait, a few times a run)."""
+    no copy. The ring is held for the run at a fixed size (`pinned_bytes`, charged to the host
+    budget by the composition root): a tensor larger than half of it (the ids of a prefill of
+    over 32k routed pairs) is read with a plain blocking copy, a wait behind that layer's work,
+    where a grown ring would be page-locked bytes the budget never gave."""
 
-    def __init__(self, device: torch.device, nbytes: int = 1 << 16, *, buffer=None, event=None):
+    def __init__(self, device: torch.device, nbytes: int = STEP_RING_BYTES // 2, *, buffer=None, event=None):
         self.cuda = torch.device(device).type == "cuda"
-        self.event = event
         self.ring = PinnedRing(nbytes, buffer=buffer, event=event) if self.cuda or buffer is not None else None
+
+    @property
+    def pinned_bytes(self) -> int:
+        return pinned.charge(len(self.ring)) if self.ring is not None and self.cuda else 0
 
     def __call__(self, t: torch.Tensor) -> "Read":
         if self.ring is None:
             return Read(t)
         nbytes = t.numel() * t.element_size()
         if nbytes > len(self.ring) // 2:
-            self.ring.drain()
-            self.ring = PinnedRing(2 * nbytes, buffer=None if self.cuda else torch.empty(2 * nbytes, dtype=torch.uint8),
-                                   event=self.event)
+            return Read(t.to("cpu"))
         start = self.ring.take(nbytes)
         staged = self.ring.bytes[start:start + nbytes].view(t.dtype).view(t.shape)
         staged.copy_(t, non_blocking=True)

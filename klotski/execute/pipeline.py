@@ -49,7 +49,8 @@ from planner.workingset import ATTENTION_SCORE_CHUNK, DISK_WINDOW_LAYERS, KV_BUF
 
 
 class Pipeline:
-    def __init__(self, spec, cache, channels, config, trace, predictor, memory, device, host: HostCompute | None = None):
+    def __init__(self, spec, cache, channels, config, trace, predictor, memory, device, host: HostCompute | None = None,
+                 uploads: SmallUploads | None = None, reads: HostReads | None = None):
         self.spec, self.cache, self.ch, self.config = spec, cache, channels, config
         self.host = host or HostCompute.from_config(config)
         self.host_attention_ok = spec.family.HOST_ATTENTION
@@ -58,9 +59,9 @@ class Pipeline:
         self.trace, self.predictor, self.memory, self.device = trace, predictor, memory, device
         self.res = Residency(cache, channels, memory, trace)
         # a step's small host tensors (ids, masks, RoPE tables, a wave's rows) go up through one pinned ring
-        self._upload = SmallUploads(device)
+        self.uploads = uploads or SmallUploads(device)
         # the routing ids come down through a pinned ring, non-blocking, an event each
-        self._read = HostReads(device)
+        self.reads = reads or HostReads(device)
         self._sort_keys: dict = {}  # layer -> SortKeys (its resident experts first), made once
         self.host_work = HostWork(self.host, channels, trace, self.res.wait)
         self.schedule = config.schedule
@@ -99,7 +100,7 @@ class Pipeline:
             with self.trace.span("compute", "embed"):
                 # gathered where the table lives; only the rows travel
                 rows, index = self.cache.embedding_rows(inp.ids)
-                h = self._upload(L.embed(self._upload(index) if rows.is_cuda else index, rows))
+                h = self.uploads(L.embed(self.uploads(index) if rows.is_cuda else index, rows))
                 cos, sin = L.rope_tables(inp.positions, spec.rope_inv_freq, spec.rope_attention_scaling, h.dtype)
                 sink, recent = self.config.attention_sink, self.config.attention_recent
                 valid = kv.begin_step(inp.valid, sink, recent)
@@ -110,8 +111,8 @@ class Pipeline:
                 masks = kv.with_prefix_columns(masks, inp.ids.shape[1])  # rows that do not read it: masked
             hs.append(h)
             keep = real_tokens(inp.valid)
-            keeps.append(None if keep is None else self._upload(keep))
-            ctx.append((self._upload(cos), self._upload(sin), {w: self._upload(m) for w, m in masks.items()}, masks))
+            keeps.append(None if keep is None else self.uploads(keep))
+            ctx.append((self.uploads(cos), self.uploads(sin), {w: self.uploads(m) for w, m in masks.items()}, masks))
         broken = [torch.full((h.shape[0],), -1, device=h.device) for h in hs]
         for layer in range(self.window):  # already staged by the previous step, except on the first
             self.cache.stage(self._layer_keys(layer))
@@ -257,7 +258,7 @@ class Pipeline:
         # marks their arrival), and the next gate's picks likewise; then the resident experts'
         # wave is queued (its offsets counted on the device) before the host waits for the ids:
         # the device computes it while the host decides the transfers.
-        read = self._read(routed.experts)
+        read = self.reads(routed.experts)
         ahead = self._speculate(layer + 1, hs, keeps)
         stack = self.cache.stacks.get(layer)
         moe = LayerExperts(routed, self.spec.shape.top_k, self._keys(layer, stack))
@@ -279,12 +280,12 @@ class Pipeline:
         if stack is None:
             return None
         if layer not in self._sort_keys:
-            self._sort_keys[layer] = SortKeys.of(stack.experts, self.spec.shape.experts_in(layer), self._upload)
+            self._sort_keys[layer] = SortKeys.of(stack.experts, self.spec.shape.experts_in(layer), self.uploads)
         return self._sort_keys[layer]
 
     def _resident_wave(self, layer, moe: LayerExperts, stack) -> None:
         with self.trace.span("compute", f"experts.{layer}.resident"):
-            moe.resident_wave(self.M.bind_grouped_expert_ffn(self.spec), stack, self._upload)
+            moe.resident_wave(self.M.bind_grouped_expert_ffn(self.spec), stack, self.uploads)
 
     def _experts_on_host(self, layer, moe: LayerExperts) -> set:
         """The selected experts computed where they live this step: not on the device nor on
@@ -315,7 +316,7 @@ class Pipeline:
         gate = self.cache.get(key)
         with self.trace.span("compute", f"speculate.{layer}"):
             picks = route_group(self.M, self.spec, hs, gate, keeps, shared=False).experts
-        return self._read(picks)
+        return self.reads(picks)
 
     # ---- experts ------------------------------------------------------------------------
     def _experts(self, layer, hs, moe: LayerExperts, hot):
@@ -397,7 +398,7 @@ class Pipeline:
         """One wave: `rows` (expert ids by row of w's stacked tensors, -1 for none) in one call;
         then its experts released (klotski) or kept, evictable, to the layer's end."""
         with self.trace.span("compute", f"experts.{keys[0][1]}." + ",".join(str(k[2]) for k in keys)):
-            moe.run_wave(ffn, w, rows, self._upload)
+            moe.run_wave(ffn, w, rows, self.uploads)
         for key in keys:
             self.res.upcoming.pop(key, None)
             if self.schedule != "klotski":

@@ -43,6 +43,7 @@ import time
 import torch
 
 from klotski.measure.opcounter import OpCounter
+from klotski.util.writes import replace_atomically
 
 KINDS = ("batch_layer", "expert_call", "transfer", "kv_layer", "token", "step")
 LAUNCH_KINDS = KINDS + ("layer",)  # counted ops only: a layer's own, whatever its batches and experts
@@ -121,10 +122,7 @@ def pipeline_overhead(device: str, open_engine, steps: int = 16, rounds: int = 1
     if announce:
         announce(f"pipeline cost measured in {time.perf_counter() - started:.1f} s")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(found))
-        tmp.replace(path)
+        replace_atomically(path, json.dumps(found).encode())
     except OSError:
         pass  # measured again next time
     return found
