@@ -29,7 +29,7 @@ def model_shape(model: str):
         return as_shape(model.lower())
     from klotski.io import registry
     from klotski.models.spec import ModelSpec
-    return as_shape(ModelSpec.from_dir(registry.resolve(model)))
+    return as_shape(ModelSpec.from_dir(registry.resolve(model, weights=False)))  # a hub model: its config only
 
 
 def _gguf_checkpoint(model: str):
@@ -38,7 +38,7 @@ def _gguf_checkpoint(model: str):
     if model.lower() in KNOWN_MODELS:
         return None
     from klotski.io import gguf, registry
-    path = registry.resolve(model)
+    path = registry.resolve(model, weights=False)
     if not gguf.is_gguf(path):
         return None
     from klotski.io.checkpoint import Checkpoint
@@ -181,7 +181,7 @@ def _learned_routing_of(model: str, ckpt=None) -> list | None:
     from klotski.io import registry
     from placement.store import CheckpointError
     try:
-        opened = Checkpoint.open(str(registry.resolve(model)), direct_io=False)
+        opened = Checkpoint.open(str(registry.resolve(model, weights=False)), direct_io=False)
     except (CheckpointError, OSError, ValueError, KeyError):
         return None  # a shape alone (config.json): planned without weights, so without their routing
     try:

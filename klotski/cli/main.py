@@ -35,8 +35,10 @@ def main(argv=None) -> int:
     from klotski.cli import commands  # after parsing: `klotski --help` loads no torch
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
+    from klotski.io import registry
     try:
-        return commands.COMMANDS[args.command](args)
+        with registry.downloads(not getattr(args, "no_download", False)):
+            return commands.COMMANDS[args.command](args)
     except Terminated:
         print("klotski: terminated; rerun the same command to resume", file=sys.stderr)
         return EXIT_TERMINATED

@@ -37,11 +37,19 @@ def _num_batches(text: str):
         raise argparse.ArgumentTypeError(f"{text!r} is not a number or 'auto'") from None
 
 
+def _add_download_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-download", action="store_true",
+                   help="use only what the local Hugging Face cache holds: a hub id or alias missing from it is "
+                        "refused instead of downloaded (as HF_HUB_OFFLINE=1 does)")
+
+
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny-mixtral",
-                   help="checkpoint directory, Hugging Face id or alias in the local HF cache "
-                        "(mixtral-8x7b, mixtral-8x22b), or a built-in model (tiny-mixtral, small-mixtral, "
+                   help="checkpoint directory, Hugging Face id or alias (mixtral-8x7b, mixtral-8x22b; "
+                        "downloaded into the HF cache when missing there: the files a run reads, with the size "
+                        "and free disk checked first), or a built-in model (tiny-mixtral, small-mixtral, "
                         "medium-mixtral; built on first use). Default: tiny-mixtral")
+    _add_download_flag(p)
     p.add_argument("--batch-size", type=int, help="sequences per batch (default: the planner's choice, else 8)")
     p.add_argument("--num-batches", type=_num_batches, default=None, metavar="N|auto",
                    help="batches per group sharing each loaded weight (default: auto)")
@@ -93,7 +101,10 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _add_plan_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny-mixtral", help="alias (mixtral-8x7b, mixtral-8x22b), directory or built-in")
+    p.add_argument("--model", default="tiny-mixtral",
+                   help="alias (mixtral-8x7b, mixtral-8x22b), Hugging Face id (only its config.json is "
+                        "downloaded), directory or built-in")
+    _add_download_flag(p)
     p.add_argument("--hardware", default="auto",
                    help="auto (measure this machine), rtx3090-pcie4, h800-pcie5, a5000-pcie4-512g or a profile JSON")
     p.add_argument("--device-memory", "--gpu-memory", type=_size, metavar="SIZE")
@@ -255,6 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     pf = sub.add_parser("profile", help="measure this machine for a model's shapes (cached)")
     pf.add_argument("--model", default="tiny-mixtral")
+    _add_download_flag(pf)
     pf.add_argument("--emulate-link", type=float, metavar="GBPS", dest="emulate_link_gbps")
     pf.add_argument("--refresh", action="store_true", help="measure again instead of using the cache")
     pf.add_argument("--show", action="store_true",
@@ -265,6 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     co = sub.add_parser("correlate", help="build the expert-correlation table from a warm-up run")
     co.add_argument("jobs", nargs="?", metavar="JOBS.jsonl", help="prompts (default: the bundled corpus)")
     co.add_argument("--model", default="tiny-mixtral")
+    _add_download_flag(co)
     co.add_argument("-o", "--output", metavar="TABLE.json", help="default: the user cache, where generate looks")
     co.add_argument("--path-length", type=int, default=1, help="layers of expert history per lookup, for exact-path tables (default 1)")
     co.add_argument("--batch-size", type=int, help="default: the planner's choice")
@@ -275,6 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     q = sub.add_parser("quantize", help="write the HQQ 4-bit copy of a checkpoint (what --quantize hqq4 uses)")
     q.add_argument("--model", default="tiny-mixtral")
+    _add_download_flag(q)
     q.add_argument("-o", "--output", metavar="DIR", help="default: the user cache, where generate looks")
     q.add_argument("--optimize", action="store_true", help="HQQ half-quadratic optimisation (slow on CPU)")
 
@@ -302,6 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "safetensors headers, config.json fields, the tokenizer, shapes, and every "
                                     "tensor scanned for NaN and infinite values in pieces within --host-memory.")
     ck.add_argument("--model", default="tiny-mixtral", help="checkpoint directory, alias or built-in model")
+    _add_download_flag(ck)
     ck.add_argument("--host-memory", "--cpu-memory", type=_size, metavar="SIZE",
                     help="memory the scan may use (default: 1 GiB)")
     ck.add_argument("--no-progress", action="store_true", help="no progress bar")
