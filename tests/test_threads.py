@@ -74,5 +74,13 @@ def test_a_profile_measured_while_busy_is_not_cached(tmp_path):
     said = []  # still busy: the busy profile is used again, nothing measured
     again = measure(shape, ops=EngineOps(), cache_dir=tmp_path, busy=lambda: 2.0, announce=said.append, **grid)
     assert not said and again.machine["busy_runnable_threads"] == 3.0
+    # quiet now, but the kept-apart profile is minutes old: used, not measured again every run
+    # (a disturbance the reader misses would otherwise have every run measure)
+    measure(shape, ops=EngineOps(), cache_dir=tmp_path, busy=lambda: None, announce=said.append, **grid)
+    assert not said and not list(tmp_path.glob("*.json"))
+    import os
+    from planner.profile import REMEASURE_AFTER_S
+    for stale in tmp_path.glob("*.busy"):
+        os.utime(stale, (stale.stat().st_mtime - REMEASURE_AFTER_S - 1,) * 2)
     measure(shape, ops=EngineOps(), cache_dir=tmp_path, busy=lambda: None, **grid)
     assert len(list(tmp_path.glob("*.json"))) == 1
