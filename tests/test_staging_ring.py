@@ -131,9 +131,9 @@ def test_a_host_kv_run_gathers_through_its_kv_load_ring_within_the_host_budget(m
 
     real = assemble.reserve_staging_rings
 
-    def as_on_cuda(host_memory, channels, setup):  # the ring in plain memory, charged as on a GPU
+    def as_on_cuda(host_memory, channels, setup, step_rings=()):  # the ring in plain memory, charged as on a GPU
         channels["kv_load"].staged = StagedCopies.on_host(4096)
-        real(host_memory, channels, dataclasses.replace(setup, device=torch.device("cuda")))
+        real(host_memory, channels, dataclasses.replace(setup, device=torch.device("cuda")), step_rings)
     monkeypatch.setattr(assemble, "reserve_staging_rings", as_on_cuda)
     # the kv_load channel's ring handed to each host cache, as on CUDA
     monkeypatch.setattr(CacheManager, "staging_for", staticmethod(lambda kv_load, device: kv_load.staged))
