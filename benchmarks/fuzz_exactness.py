@@ -27,7 +27,8 @@ sys.path.insert(0, str(ROOT))
 
 WORDS = ("river mountain paper glass salt wind music bread train winter star gold rain stone city "
          "forest ocean light shadow garden window letter number story table horse cloud").split()
-FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "gpt_oss", "deepseek_v2", "deepseek_v3")
+FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe",
+            "minimax_m2")
 
 
 def draw_prompts(rng: random.Random) -> list[str]:

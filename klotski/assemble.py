@@ -85,6 +85,11 @@ def setup_run(config, ckpt: Checkpoint, seqs, *, placement: Placement | None = N
         from klotski.errors import ConfigError
         raise ConfigError(f"--quantize hqq4: {ckpt.directory} is a GGUF checkpoint, already quantized (its experts "
                           "stay in their GGUF blocks on every tier); run without --quantize")
+    if config.attention != "full" and not ckpt.spec.family.SPARSE_ATTENTION:
+        from klotski.errors import ConfigError
+        raise ConfigError(f"--attention {config.attention}: {ckpt.spec.shape.model_type} attention counts positions "
+                          "from the keys it sees (chunked local attention, temperature tuning), which sink/window "
+                          "sparsity would change; run with --attention full")
     if config.host_attention != "off" and not ckpt.spec.family.HOST_ATTENTION:
         # planned as the pipeline will run it (planned on the host, it overran the device budget)
         if config.host_attention == "on":

@@ -10,8 +10,10 @@ place that knows, and `intermediate_size` here is always one routed expert's wid
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, fields
 from functools import cached_property
+from pathlib import Path
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -69,7 +71,7 @@ class ModelShape:
             head_dim=cfg.get("qk_rope_head_dim") if "kv_lora_rank" in cfg else
             cfg.get("head_dim") or cfg["hidden_size"] // heads,
             num_experts=cfg[names["num_experts"]],
-            top_k=cfg["num_experts_per_tok"],
+            top_k=cfg[names.get("top_k", "num_experts_per_tok")],
             vocab_size=cfg["vocab_size"],
             dtype=dtype,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -77,10 +79,10 @@ class ModelShape:
             name=name or cfg.get("_name_or_path", ""),
             model_type=mt,
             attention_bias=attention_bias(cfg),
-            qk_norm=names.get("qk_norm", ""),
             expert_format=expert_format(cfg),
-            **{"shared_intermediate_size": int(cfg.get(names.get("shared", ""), 0) or 0), **mla_fields(cfg),
-               **qwen_dense_fields(cfg)},
+            **{"shared_intermediate_size": int(cfg.get(names.get("shared", ""), 0) or 0),
+               "qk_norm": names.get("qk_norm", ""), **mla_fields(cfg), **qwen_dense_fields(cfg), **glm_fields(cfg),
+               **moe_layer_fields(cfg)},
         )
 
     @property
@@ -212,6 +214,14 @@ FAMILY_FIELDS: dict[str, dict[str, str]] = {
     "gpt_oss": {"intermediate_size": "intermediate_size", "num_experts": "num_local_experts"},
     "deepseek_v2": {"intermediate_size": "moe_intermediate_size", "num_experts": "n_routed_experts"},
     "deepseek_v3": {"intermediate_size": "moe_intermediate_size", "num_experts": "n_routed_experts"},
+    # GLM-4.5's q/k norm (per head) is optional: `use_qk_norm` (glm_fields)
+    "glm4_moe": {"intermediate_size": "moe_intermediate_size", "num_experts": "n_routed_experts"},
+    "minimax_m2": {"intermediate_size": "intermediate_size", "num_experts": "num_local_experts",
+                   "qk_norm": "projection"},
+    # ERNIE 4.5 counts its top-k as `moe_k`; its and Llama 4's dense layers and shared experts:
+    # moe_layer_fields (Llama 4's q/k norm has no weight)
+    "ernie4_5_moe": {"intermediate_size": "moe_intermediate_size", "num_experts": "moe_num_experts", "top_k": "moe_k"},
+    "llama4_text": {"intermediate_size": "intermediate_size", "num_experts": "num_local_experts"},
 }
 
 
@@ -237,6 +247,55 @@ def qwen_dense_fields(cfg: dict) -> dict:
     return {"sparse_step": step, "mlp_only_layers": only, "dense_intermediate_size": cfg.get("intermediate_size", 0)}
 
 
+def glm_fields(cfg: dict) -> dict:
+    """GLM-4.5's dense first layers (`first_k_dense_replace`, 1 unless set, their MLP
+    `intermediate_size` wide), its shared experts (`n_shared_experts` x the expert width, one
+    unless set) and its optional per-head q/k norm; empty for every other family."""
+    if cfg.get("model_type") != "glm4_moe":
+        return {}
+    dense = int(cfg.get("first_k_dense_replace", 1) or 0)
+    return {"dense_layers": dense, "dense_intermediate_size": cfg.get("intermediate_size", 0) if dense else 0,
+            "shared_intermediate_size": cfg["moe_intermediate_size"] * int(cfg.get("n_shared_experts", 1) or 0),
+            "qk_norm": "head" if cfg.get("use_qk_norm") else ""}
+
+
+def moe_layers(cfg: dict) -> list[int]:
+    """The layers with experts, as transformers decides them, of ERNIE 4.5 (from
+    `moe_layer_start_index` to `moe_layer_end_index`, -1 the last, every
+    `moe_layer_interval`-th counting from 1) and Llama 4 (`moe_layers`, else every
+    `interleave_moe_layer_step`-th counting from 1); every layer for other families."""
+    layers, mt = cfg["num_hidden_layers"], cfg.get("model_type")
+    if mt == "ernie4_5_moe":
+        start, step = cfg.get("moe_layer_start_index", 1), cfg.get("moe_layer_interval", 1)
+        end = cfg.get("moe_layer_end_index", -1)
+        end = layers - 1 if end == -1 else end
+        return [j for j in range(layers) if (j + 1) % step == 0 and start <= j <= end]
+    if mt == "llama4_text":
+        listed = cfg.get("moe_layers")
+        return sorted(set(listed)) if listed is not None else \
+            list(range(cfg.get("interleave_moe_layer_step", 1) - 1, layers, cfg.get("interleave_moe_layer_step", 1)))
+    return list(range(layers))
+
+
+def moe_layer_fields(cfg: dict) -> dict:
+    """ERNIE 4.5's and Llama 4's dense layers (those without experts: `moe_layers`), their MLP
+    width (ERNIE's `intermediate_size`, Llama's `intermediate_size_mlp`) and the shared
+    experts' width (ERNIE: `moe_num_shared_experts` x the expert width; Llama: one of
+    `intermediate_size`, the experts' own); empty for every other family."""
+    mt = cfg.get("model_type")
+    if mt not in ("ernie4_5_moe", "llama4_text"):
+        return {}
+    moe = set(moe_layers(cfg))
+    dense = tuple(j for j in range(cfg["num_hidden_layers"]) if j not in moe)
+    if mt == "ernie4_5_moe":
+        width, shared = cfg.get("intermediate_size", 0), \
+            cfg["moe_intermediate_size"] * int(cfg.get("moe_num_shared_experts", 2) or 0)
+    else:
+        width, shared = cfg.get("intermediate_size_mlp", 16384), cfg["intermediate_size"]
+    return {"mlp_only_layers": dense, "dense_intermediate_size": width if dense else 0,
+            "shared_intermediate_size": shared}
+
+
 def family_fields(cfg: dict) -> dict[str, str]:
     """FAMILY_FIELDS of the config's family, with the expert count under the spelling this
     file uses: transformers 5 saves Qwen's `num_experts` as `num_local_experts`."""
@@ -248,7 +307,11 @@ def family_fields(cfg: dict) -> dict[str, str]:
 
 def window_applies(cfg: dict) -> bool:
     """Whether the config's `sliding_window` means anything: Qwen configs carry one that
-    applies only with `use_sliding_window` (Qwen1.5-MoE ships 32768 with it false)."""
+    applies only with `use_sliding_window` (Qwen1.5-MoE ships 32768 with it false); GLM-4.5
+    and MiniMax-M2 attend over every position whatever it says (transformers' mask has no window),
+    as ERNIE 4.5 and Llama 4 do (Llama 4's chunked layers are its own: llama4.py)."""
+    if cfg.get("model_type") in ("glm4_moe", "minimax_m2", "ernie4_5_moe", "llama4_text"):
+        return False
     return cfg.get("model_type") not in ("qwen2_moe", "qwen3_moe") or bool(cfg.get("use_sliding_window"))
 
 
@@ -266,9 +329,12 @@ def expert_format(cfg: dict) -> str:
 
 def attention_bias(cfg: dict) -> str:
     """Which attention projections carry a bias, per family: Qwen2-MoE's q/k/v by `qkv_bias`
-    (default true, absent from the hub configs); elsewhere all four by `attention_bias`."""
+    (default true, absent from the hub configs); GLM-4.5's q/k/v by `attention_bias` (its o_proj
+    never has one); elsewhere all four by `attention_bias`."""
     if cfg.get("model_type") == "qwen2_moe":
         return "qkv" if cfg.get("qkv_bias", True) else ""
+    if cfg.get("model_type") == "glm4_moe":
+        return "qkv" if cfg.get("attention_bias", False) else ""
     return "qkvo" if cfg.get("attention_bias", False) else ""
 
 
@@ -346,6 +412,13 @@ KNOWN_MODELS: dict[str, ModelShape] = {
         model_type="deepseek_v3", shared_intermediate_size=2048, kv_lora_rank=512, q_lora_rank=1536,
         qk_nope_head_dim=128, v_head_dim=128, dense_layers=3, dense_intermediate_size=18432),
 }
+
+# The published configs of the newer families (config.json as their hub repos ship it, the text
+# model's for Llama 4's vision-language checkpoint; MiniMax-M2's FP8 planned in bf16, as
+# DeepSeek-V3's): `klotski plan --model glm-4.5-air` with no network and no download.
+CONFIGS_DIR = Path(__file__).parent / "configs"
+KNOWN_MODELS.update({f.stem: ModelShape.from_config(json.loads(f.read_text()), name=f.stem)
+                     for f in sorted(CONFIGS_DIR.glob("*.json"))})
 
 
 def total_params(shape) -> int:

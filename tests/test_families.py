@@ -60,6 +60,12 @@ def _copy_with_config(src, dst, **changes):
     ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 8}, r"config\.json: field 'use_sliding_window'"),
     ("qwen2_moe", {"mlp_only_layers": [1]}, r"model\.layers\.1\.mlp\.gate_proj\.weight"),  # a dense layer's MLP
     ("olmoe", {"clip_qkv": -1}, r"config\.json: field 'clip_qkv' is -1"),
+    ("glm4_moe", {"n_shared_experts": 2}, r"tensor model\.layers\.1\.mlp\.shared_experts\.\w+_proj\.weight has shape"),
+    ("minimax_m2", {"num_key_value_heads": 4}, r"tensor model\.layers\.0\.self_attn\.(k_proj|k_norm)\.weight has shape"),
+    ("ernie4_5_moe", {"moe_num_shared_experts": 1}, r"mlp\.shared_experts\.gate_proj\.weight has shape"),
+    ("ernie4_5_moe", {"moe_layer_start_index": 0}, r"tensor model\.layers\.0\.mlp\.gate\.weight not found"),
+    ("llama4_text", {"moe_layers": [0, 1]}, r"tensor model\.layers\.0\.feed_forward\.router\.weight not found"),
+    ("llama4_text", {"no_rope_layers": [1, 0, 1, 1]}, r"field 'layer_types' is .*; Llama 4 chunks exactly its RoPE"),
     ("qwen3_moe", {"model_type": "phimoe"}, r"field 'model_type' is 'phimoe'; supported: mixtral, qwen3_moe"),
 ])
 def test_a_checkpoint_that_disagrees_with_its_config_is_refused_naming_what(family_models, tmp_path, family,
@@ -95,6 +101,51 @@ def test_hqq4_packs_each_familys_projections_and_keeps_the_rest(family_models, t
                                   device_memory=sixth, batch_size=2, num_batches=3)
     assert moved == resident
     assert engine.pipeline.experts_loaded > 0
+
+
+def test_llama4_temperature_tuning_scales_each_query_by_its_own_position(tmp_path):
+    """Llama 4's NoPE layers scale q by a temperature of its position; floor_scale 4 makes it
+    change every few tokens. Each prompt alone (no padding) equals transformers, whose batched
+    generate counts the padded slot instead (so the preset keeps floor_scale past every prompt)."""
+    tuned = build_family(tmp_path / "tuned", "llama4_text", floor_scale=4, attn_scale=2.0)
+    plain = build_family(tmp_path / "plain", "llama4_text", floor_scale=4, attn_temperature_tuning=False)
+    for prompt in (PROMPTS[1], PROMPTS[2]):
+        ours, _ = engine_tokens(tuned, prompts=[prompt])
+        assert ours == reference_tokens(tuned, prompts=[prompt])
+    assert ours != reference_tokens(plain, prompts=[prompt])  # the temperature changed the tokens
+
+
+def test_llama4_vision_language_checkpoint_runs_its_text_model(family_models, family_refs, tmp_path):
+    """Llama 4 as published (meta-llama/Llama-4-Scout-17B-16E-Instruct): config `llama4` with the
+    text model in `text_config` and its weights under `language_model.`, beside a vision tower
+    never read; written by transformers' Llama4ForConditionalGeneration around the preset."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, Llama4Config, Llama4ForConditionalGeneration
+    src = family_models["llama4_text"]
+    text = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, image_size=28,
+                  patch_size=14, projector_input_dim=32, projector_output_dim=64, vision_output_dim=32)
+    model = Llama4ForConditionalGeneration(Llama4Config(text_config=text.config.to_dict(), vision_config=vision))
+    model.language_model.load_state_dict(text.state_dict())
+    out = tmp_path / "vl"
+    model.save_pretrained(out)
+    for f in src.iterdir():
+        if f.name != "config.json" and "safetensors" not in f.name:
+            shutil.copy(f, out / f.name)
+    assert json.loads((out / "config.json").read_text())["model_type"] == "llama4"
+    ours, engine = engine_tokens(out, batch_size=len(PROMPTS))
+    assert engine.spec.weights_prefix == "language_model." and engine.spec.shape.model_type == "llama4_text"
+    assert ours == family_refs["llama4_text"] == reference_tokens(out)
+
+
+def test_llama4_refuses_sparse_attention_in_one_line(family_models):
+    """Llama 4 counts positions from the keys its mask lets a query see; sink/window sparsity
+    thins the mask, so its chunks and temperatures would be wrong: refused before loading."""
+    from klotski.errors import ConfigError
+    with pytest.raises(ConfigError, match=r"--attention sink:2,window:8: llama4_text .* --attention full"):
+        engine_tokens(family_models["llama4_text"], attention="sink:2,window:8")
 
 
 # ---- the Family Protocol: every hook of every family module, no probing -------------------
@@ -157,7 +208,7 @@ def protocol_breaches(module) -> list[str]:
 def test_the_protocol_states_every_hook_and_each_says_what_it_is_for():
     from klotski.models.family import Family
     constants, functions = _protocol()
-    assert set(constants) == {"MODEL_TYPE", "QUANTIZATION", "HOST_ATTENTION", "SHARED_PREFIX"}
+    assert set(constants) == {"MODEL_TYPE", "QUANTIZATION", "HOST_ATTENTION", "SHARED_PREFIX", "SPARSE_ATTENTION"}
     assert {"check_config", "group_refs", "attention_block", "route", "bind_expert_ffn"} <= set(functions)
     assert all(vars(Family)[n].__doc__ for n in functions)
 

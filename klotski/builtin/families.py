@@ -52,6 +52,36 @@ PRESETS: dict[str, dict] = {
                         rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
                                          "original_max_position_embeddings": 256, "mscale": 0.707,
                                          "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}),
+    # GLM-4.5: RoPE on a quarter of each 32-wide head (head_dim explicit), per-head q/k norms,
+    # q/k/v biases (no o bias), a dense first layer, a shared expert, sigmoid routing over 4
+    # groups of 8 (2 kept) with a random correction bias, top-3 scaled by 2.5; one kv head and
+    # 32 experts, so that a quarter of the model holds a step's KV and activations
+    "glm4_moe": dict(_COMMON, num_key_value_heads=1, head_dim=32, n_routed_experts=32, num_experts_per_tok=3,
+                     n_shared_experts=1, moe_intermediate_size=64, intermediate_size=64, first_k_dense_replace=1,
+                     n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5, use_qk_norm=True,
+                     attention_bias=True, rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                           "partial_rotary_factor": 0.25}),
+    # MiniMax-M2: q/k norms over all heads at once (64 and 32 wide), RoPE on `rotary_dim` 8 of
+    # each 16-wide head, 32 experts top-4 by sigmoid scores with a random correction bias
+    "minimax_m2": dict(_COMMON, num_key_value_heads=2, head_dim=16, rotary_dim=8, num_local_experts=32,
+                       num_experts_per_tok=4, intermediate_size=64,
+                       rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+    # ERNIE 4.5: RoPE on interleaved pairs, a dense first layer (MoE from moe_layer_start_index
+    # 1), 32 experts top-3 by softmax with a random correction bias, two shared experts, a tied head
+    "ernie4_5_moe": dict(_COMMON, num_key_value_heads=2, moe_num_experts=32, moe_k=3, moe_intermediate_size=48,
+                         intermediate_size=96, moe_num_shared_experts=2, moe_layer_start_index=1,
+                         moe_layer_interval=1, moe_layer_end_index=-1, tie_word_embeddings=True,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+    # Llama 4: 4 layers, MoE every second (16 experts top-1, the sigmoid score scaling the input,
+    # a shared expert) and dense MLPs between; RoPE layers with q/k L2 norms attending in chunks
+    # of 16 positions (prompts are longer), the last layer NoPE over every position; llama3 RoPE
+    "llama4_text": dict(_COMMON, num_hidden_layers=4, num_key_value_heads=2, head_dim=16, num_local_experts=16,
+                        num_experts_per_tok=1, intermediate_size=96, intermediate_size_mlp=128,
+                        interleave_moe_layer_step=2, no_rope_layer_interval=4, attention_chunk_size=16,
+                        use_qk_norm=True, attn_temperature_tuning=True,
+                        rope_parameters={"rope_type": "llama3", "rope_theta": 1e4, "factor": 4.0,
+                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                         "original_max_position_embeddings": 64}),
 }
 FAMILIES = tuple(PRESETS)
 
@@ -81,6 +111,8 @@ def build_family(out_dir, family: str, *, seed: int = 0, dtype: str = "float32",
                 p.copy_(0.1 * torch.randn_like(p))
             elif name.endswith(".sinks"):  # per-head sink logits large enough to take real weight
                 p.copy_(torch.randn_like(p))
+            elif name.endswith("e_score_correction_bias"):  # a parameter in ERNIE 4.5: zeros by default
+                p.copy_(0.1 * torch.randn_like(p))
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # zeros by default: a router ignoring it would pass
                 b.copy_(0.1 * torch.randn_like(b))

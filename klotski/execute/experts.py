@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from klotski.models import layers as L
-from klotski.models.grouped import Groups, runs_grouped
+from klotski.models.grouped import Groups, runs_grouped, wave_runner
 from planner.workingset import PREFILL_EXPERT_CHUNK
 
 
@@ -29,6 +29,7 @@ class Routed:
     shared: torch.Tensor | None  # the shared expert's output [N, H], for families with one
     sizes: list[int]       # each batch's real tokens (their rows of x, in order)
     keeps: list            # per batch, which of its B*T tokens are real (None: all of them)
+    weigh_inputs: bool = False  # the weights scale each expert's input, not its output (Llama 4)
 
 
 def route_group(family, spec, hs: list[torch.Tensor], gate: dict, keeps: list, shared: bool = True) -> Routed:
@@ -48,7 +49,7 @@ def route_group(family, spec, hs: list[torch.Tensor], gate: dict, keeps: list, s
     if shared:
         pieces = [family.shared_ffn(p, gate, spec) for p in x.split(sizes)]
         out = None if pieces[0] is None else torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-    return Routed(x, weights, experts, out, sizes, list(keeps))
+    return Routed(x, weights, experts, out, sizes, list(keeps), spec.weigh_expert_inputs)
 
 
 def real_tokens(valid: torch.Tensor) -> torch.Tensor | None:
@@ -75,6 +76,7 @@ class SortKeys:
     rank_host: np.ndarray | None
     rank: torch.Tensor | None
     bounds: torch.Tensor
+    experts: np.ndarray | None = None  # the stack's experts, row by row (on the host)
 
     @classmethod
     def of(cls, stack_experts: list[int], num_experts: int, upload) -> "SortKeys":
@@ -86,7 +88,7 @@ class SortKeys:
             others = rank < 0
             rank[others] = np.arange(n, num_experts)
         return cls(n, rank, None if rank is None else upload(torch.from_numpy(rank)),
-                   upload(torch.arange(n, dtype=torch.int64)))
+                   upload(torch.arange(n, dtype=torch.int64)), np.asarray(stack_experts, dtype=np.int64))
 
 
 class LayerExperts:
@@ -134,9 +136,21 @@ class LayerExperts:
         waits for the device. A token picks an expert once, so they take at most
         tokens·min(k, R) pairs: that many rows are computed, in calls of the group's tokens as
         run_wave's; rows past the last resident pair compute to nothing anyone reads (their
-        slots belong to experts computed in a later wave, which overwrites them)."""
+        slots belong to experts computed in a later wave, which overwrites them).
+
+        On a CPU the routing ids are on the host already (no device to run ahead of them):
+        the resident experts' pairs are counted from them as `count` does and the wave runs as
+        run_wave's, each call over only the run of experts its rows reach (every call over the
+        whole stack passed ~900 empty groups a decode layer on 128 experts: issue 60)."""
         keys = self.keys
         n = len(self.routed.x)
+        if self._keys.device.type == "cpu" and keys.experts is not None:
+            num_experts = keys.resident if keys.rank_host is None else len(keys.rank_host)
+            counts = pairs_per_expert(self.routed.experts, num_experts)[keys.experts]
+            picks = slice(0, int(counts.sum()))
+            self._calls(ffn, w, counts, self._order[picks], self._tokens[picks], self._weights[picks], lambda t: t)
+            self.resident_done = True
+            return
         total = n * min(self.k, keys.resident)
         ends = torch.searchsorted(self._keys, keys.bounds, right=True, out_int32=True)
         flat, step = self.slots.view(-1, self.slots.shape[-1]), min(n, PREFILL_EXPERT_CHUNK)
@@ -146,9 +160,9 @@ class LayerExperts:
         offsets = (ends[None, :] - starts[:, None]).clamp_(0, step)
         for call, start in enumerate(range(0, total, step)):
             stop = min(start + step, total)
-            x = self.routed.x.index_select(0, self._tokens[start:stop])
+            x = self._input(self._tokens[start:stop], self._weights[start:stop])
             y = ffn(x, w, Groups(None, offsets[call]))
-            flat.index_copy_(0, self._order[start:stop], y * self._weights[start:stop, None])
+            flat.index_copy_(0, self._order[start:stop], self._output(y, self._weights[start:stop]))
         self.resident_done = True
 
     def run_wave(self, ffn, w: dict, experts, upload) -> None:
@@ -172,20 +186,31 @@ class LayerExperts:
             rows = np.repeat(self._first[ids] - np.cumsum(counts) + counts, counts) + np.arange(total)
             rows = upload(torch.from_numpy(rows))
             order, tokens, weights = (t.index_select(0, rows) for t in (self._order, self._tokens, self._weights))
+        self._calls(ffn, w, counts, order, tokens, weights, upload)
+
+    def _calls(self, ffn, w: dict, counts: np.ndarray, order, tokens, weights, upload) -> None:
+        """A wave's calls over its pairs (`order`, `tokens`, `weights`: the wave's run of the
+        sort, expert after expert, `counts` pairs each in the order of w's rows)."""
+        total = int(counts.sum())
         ends, flat = np.cumsum(counts), self.slots.view(-1, self.slots.shape[-1])
         per_group = not runs_grouped(self.routed.x.device.type, self.routed.x.dtype)
-        for start, stop in call_rows(counts, min(len(self.routed.x), PREFILL_EXPERT_CHUNK), per_group):
+        calls = call_rows(counts, min(len(self.routed.x), PREFILL_EXPERT_CHUNK), per_group)
+        wave = None if self.routed.weigh_inputs else wave_runner(ffn, self.routed.x, w)
+        if wave is not None:  # the whole wave in one go (fp32 SwiGLU experts on a CPU: models/grouped.py)
+            wave(self.routed.x, counts, calls, tokens, order, weights, flat)
+            return
+        for start, stop in calls:
             part = np.clip(ends, start, stop) - np.clip(ends - counts, start, stop)
             # the call's rows span a run of groups: only their weights (views) and offsets go in
             lo, hi = int(np.argmax(ends > start)), int(np.searchsorted(ends, stop, side="left")) + 1
             part = part[lo:hi]
             offsets = upload(torch.from_numpy(np.cumsum(part, dtype=np.int64).astype(np.int32)))
             whole = start == 0 and stop == total
-            x = self.routed.x.index_select(0, tokens if whole else tokens[start:stop])
+            x = self._input(tokens if whole else tokens[start:stop], weights if whole else weights[start:stop])
             ws = w if lo == 0 and hi == len(counts) else {n: t[lo:hi] for n, t in w.items()}
             y = ffn(x, ws, Groups(part.tolist(), offsets))
             rows = slice(start, stop)
-            flat.index_copy_(0, order if whole else order[rows], y * (weights if whole else weights[rows])[:, None])
+            flat.index_copy_(0, order if whole else order[rows], self._output(y, weights if whole else weights[rows]))
 
     def picks(self, e: int) -> slice:
         """Expert `e`'s range of the sorted (token, slot) pairs."""
@@ -199,11 +224,23 @@ class LayerExperts:
     def inputs(self, picks: slice) -> torch.Tensor:
         """The picked tokens of every batch: one matmul over them shares the expert's weight
         n·bs ways."""
-        return self.routed.x.index_select(0, self._tokens[picks])
+        return self._input(self._tokens[picks], self._weights[picks])
 
     def put(self, picks: slice, y: torch.Tensor) -> None:
         """The expert's outputs y of the picked tokens into their slots, times their router weight."""
-        self.slots.view(-1, self.slots.shape[-1]).index_copy_(0, self._order[picks], y * self._weights[picks, None])
+        flat = self.slots.view(-1, self.slots.shape[-1])
+        flat.index_copy_(0, self._order[picks], self._output(y, self._weights[picks]))
+
+    def _input(self, tokens: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Routed tokens as an expert takes them: as they are, or scaled by their router weight
+        where it weighs the input (Routed.weigh_inputs)."""
+        x = self.routed.x.index_select(0, tokens)
+        return x * weights[:, None] if self.routed.weigh_inputs else x
+
+    def _output(self, y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """An expert's outputs as their slots hold them: times their router weight, unless it
+        weighed the input."""
+        return y if self.routed.weigh_inputs else y * weights[:, None]
 
     def hidden_states(self, hs: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each batch's hidden states after the layer: its slots summed in top-k order plus the

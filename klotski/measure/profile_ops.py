@@ -13,6 +13,8 @@ import itertools
 TIMED_MODULES = ("klotski.models.layers", "klotski.models.defaults", "klotski.models.mixtral",
                   "klotski.models.qwen3_moe", "klotski.models.qwen2_moe", "klotski.models.olmoe",
                   "klotski.models.gpt_oss", "klotski.models.deepseek_v2", "klotski.models.deepseek_v3",
+                  "klotski.models.glm4_moe", "klotski.models.minimax_m2",
+                  "klotski.models.ernie4_5_moe", "klotski.models.llama4",
                   "klotski.models.grouped", "klotski.execute.kvcache", "klotski.execute.experts", "klotski.compress.hqq",
                   "klotski.compress.mxfp4")
 

@@ -166,6 +166,7 @@ HOST_ATTENTION = False
 # Not shared: MLA expands every head's keys and values from the cached latent per batch;
 # a shared latent prefix would need the absorbed form (attention over the latent itself).
 SHARED_PREFIX = False
+SPARSE_ATTENTION = True  # the mask alone says which keys a query sees
 
 
 def attention_block(h, w, cos, sin, mask, cache_write, spec, max_scores=None, attend_at=None, prefix=None):

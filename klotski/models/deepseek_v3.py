@@ -77,6 +77,7 @@ def rotate(q, k, cos, sin, spec):
 
 
 SHARED_PREFIX = V2.SHARED_PREFIX
+SPARSE_ATTENTION = V2.SPARSE_ATTENTION
 
 
 def attention_block(h, w, cos, sin, mask, cache_write, spec, max_scores=None, attend_at=None, prefix=None):

@@ -25,6 +25,9 @@ class Family(Protocol):
     """Whether attention_block's core can run beside a host KV cache, handed it through `attend_at`."""
     SHARED_PREFIX: bool
     """Whether attention_block takes `prefix`: the keys/values of a prompt prefix every row shares."""
+    SPARSE_ATTENTION: bool
+    """Whether attention_block stays exact when `--attention sink:S,window:W` drops keys from its mask
+    (not where it reads positions from the mask: Llama 4)."""
 
     # ---- config.json ----------------------------------------------------------------------
     def check_config(self, cfg: dict) -> None:

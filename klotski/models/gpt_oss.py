@@ -135,6 +135,7 @@ HOST_ATTENTION = True  # attention_block takes `attend_at` (attention beside a h
 # Not shared: the sinks and the sliding-window layers (a window may cut into the prefix, and
 # differently for each line) are not plain attention over a prefix every row sees whole.
 SHARED_PREFIX = False
+SPARSE_ATTENTION = True  # the mask alone says which keys a query sees
 
 
 def attention_block(h, w, cos, sin, mask, cache_write, spec, max_scores=None, attend_at=None, prefix=None):

@@ -40,9 +40,14 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, heads, T, D]; cos/sin: [B, T, D]."""
+    """x: [B, heads, T, D]; cos/sin: [B, T, R], R <= D. With R < D (partial rotary: GLM-4.5,
+    MiniMax-M2) the first R dimensions of each head turn and the rest pass as they are."""
     cos, sin = cos[:, None], sin[:, None]
-    return x * cos + _rotate_half(x) * sin
+    turned = cos.shape[-1]
+    if turned == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    part = x[..., :turned]
+    return torch.cat((part * cos + _rotate_half(part) * sin, x[..., turned:]), dim=-1)
 
 
 def attention_mask(valid: torch.Tensor, new_tokens: int, window: int | None,

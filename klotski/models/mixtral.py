@@ -54,6 +54,7 @@ HOST_ATTENTION = True  # attention_block takes `attend_at` (attention beside a h
 
 
 SHARED_PREFIX = True  # plain softmax attention: a shared prefix's keys are read once for every row
+SPARSE_ATTENTION = True  # the mask alone says which keys a query sees
 
 
 def attention_block(h, w, cos, sin, mask, cache_write, spec, max_scores=None, attend_at=None, prefix=None):

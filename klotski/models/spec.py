@@ -5,7 +5,9 @@ tensor behind every weight.
 
 A family is a module under klotski/models/ (mixtral.py, qwen3_moe.py, ...): config checks,
 tensor names in the published layout, and its layer functions, the hooks family.Family
-lists. Nothing outside klotski/models names one; the pipeline calls `spec.family`.
+lists. Nothing outside klotski/models names one; the pipeline calls `spec.family`. A
+vision-language checkpoint (TEXT_MODELS: Llama 4's) is read as its text model: the family
+reads its `text_config` and every tensor name takes the prefix its text weights are under.
 
 Experts come in two on-disk layouts. Hub checkpoints store one tensor per expert matrix
 (`...experts.{e}.w1.weight` or `...experts.{e}.gate_proj.weight`); transformers v5 may save
@@ -16,13 +18,15 @@ name plus, for fused tensors, the index along dim 0 and the row range within it.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from klotski.models import fields
 from klotski.models import deepseek_v2, deepseek_v3, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe
+from klotski.models import glm4_moe, minimax_m2
+from klotski.models import ernie4_5_moe, llama4
 from klotski.models.family import Family
 from klotski.models.refs import TensorRef
 from klotski.util import dtypes
@@ -31,7 +35,8 @@ from planner.shapes import FAMILY_FIELDS, ModelShape, family_fields, window_appl
 
 DTYPES = dtypes.torch_dtypes()
 FAMILIES: dict[str, Family] = {m.MODEL_TYPE: m for m in (mixtral, qwen3_moe, qwen2_moe, olmoe, gpt_oss,
-                                                           deepseek_v2, deepseek_v3)}
+                                                           deepseek_v2, deepseek_v3, glm4_moe, minimax_m2,
+                                                           ernie4_5_moe, llama4)}
 assert set(FAMILIES) == set(FAMILY_FIELDS)
 
 
@@ -49,6 +54,9 @@ class ModelSpec:
     norm_topk_prob: bool = True        # renormalise the top-k router weights
     router_weights_fp32: bool = True   # keep router weights in fp32 (Mixtral) or cast them (the rest)
     clip_qkv: float | None = None      # clamp q/k/v to ±clip_qkv (OLMoE)
+    weigh_expert_inputs: bool = False  # the router weight scales an expert's input, not its output (Llama 4)
+    weights_prefix: str = ""           # a vision-language checkpoint's text weights are under it (TEXT_MODELS)
+    rotary_dim: int | None = None      # RoPE turns each head's first rotary_dim dims (GLM-4.5, MiniMax-M2); None: all
     config: dict = field(default_factory=dict, compare=False, repr=False)
     # RoPE inverse frequencies [head_dim / 2] (fp32) and the factor cos/sin are scaled by
     rope_inv_freq: torch.Tensor | None = field(default=None, compare=False, repr=False)
@@ -62,10 +70,12 @@ class ModelSpec:
     # ---- construction -------------------------------------------------------------------
     @classmethod
     def from_config(cls, cfg: dict, *, fused_experts: bool = False) -> "ModelSpec":
+        cfg, prefix = text_model(cfg)
         check_config(cfg)
         family = FAMILIES[cfg.get("model_type", "mixtral")]
         shape = ModelShape.from_config(cfg)
-        inv_freq, scaling = rope_frequencies(cfg, shape.head_dim)
+        options = family.options(cfg)
+        inv_freq, scaling = rope_frequencies(cfg, options.get("rotary_dim") or shape.head_dim)
         return cls(
             shape=shape,
             rope_inv_freq=inv_freq,
@@ -78,7 +88,8 @@ class ModelSpec:
             fused_experts=fused_experts,
             clip_qkv=cfg.get("clip_qkv"),
             config=cfg,
-            **family.options(cfg),
+            weights_prefix=prefix,
+            **options,
         )
 
     @classmethod
@@ -138,7 +149,11 @@ class ModelSpec:
         return keys
 
     def group_refs(self, key: tuple) -> dict[str, TensorRef]:
-        return self.family.group_refs(self, key)
+        refs = self.family.group_refs(self, key)
+        if self.weights_prefix:  # a vision-language checkpoint's text model
+            p = self.weights_prefix
+            refs = {n: replace(r, name=p + r.name, scale=r.scale and p + r.scale) for n, r in refs.items()}
+        return refs
 
     def local_shapes(self) -> dict[str, tuple[int, ...]]:
         """Shape of every group-local weight name any family uses."""
@@ -161,6 +176,28 @@ class ModelSpec:
         """Shape of every logical weight, for validating a checkpoint before generation."""
         local = self.local_shapes()
         return {ref: local[name] for key in self.group_keys() for name, ref in self.group_refs(key).items()}
+
+
+# Vision-language checkpoints whose text model a family runs, by config.json's `model_type`:
+# the text model's own model_type (its config is `text_config`) and the prefix its weights are
+# saved under (Llama4ForConditionalGeneration, as meta-llama/Llama-4-Scout-17B-16E-Instruct ships
+# and save_pretrained writes it). The vision tower's tensors are never read.
+TEXT_MODELS = {"llama4": ("llama4_text", "language_model.")}
+
+
+def text_model(cfg: dict) -> tuple[dict, str]:
+    """(the config the family reads, the prefix of its weights): a vision-language checkpoint's
+    `text_config` (with the checkpoint's dtype where it names none) and its TEXT_MODELS prefix;
+    any other config as it is, with no prefix."""
+    kind = cfg.get("model_type") if isinstance(cfg, dict) else None
+    if kind not in TEXT_MODELS:
+        return cfg, ""
+    text_type, prefix = TEXT_MODELS[kind]
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise fields.BadField(f"field 'text_config' is {text!r}; a {kind!r} checkpoint's text model must be an object")
+    inherited = {k: cfg[k] for k in ("dtype", "torch_dtype") if cfg.get(k) is not None and text.get(k) is None}
+    return {"model_type": text_type, **text, **inherited}, prefix
 
 
 def check_config(cfg: dict) -> None:
@@ -186,7 +223,7 @@ def check_config(cfg: dict) -> None:
         head_dim = hidden // heads
     if head_dim % 2:
         raise fields.BadField(f"field 'head_dim' is {head_dim}; must be even (RoPE rotates pairs of dimensions)")
-    fields.integer(cfg, "num_experts_per_tok", high=cfg[experts], high_name=experts)
+    fields.integer(cfg, names.get("top_k", "num_experts_per_tok"), high=cfg[experts], high_name=experts)
     if window_applies(cfg):
         fields.integer(cfg, "sliding_window", default=None, optional=True)
     fields.integer(cfg, "max_position_embeddings", default=32768)
@@ -234,7 +271,8 @@ def _rope_parameters(cfg: dict) -> dict:
 
 
 def rope_frequencies(cfg: dict, head_dim: int) -> tuple[torch.Tensor, float]:
-    """(inverse frequencies [head_dim / 2] fp32, attention scaling) of a checked config. The
+    """(inverse frequencies [head_dim / 2] fp32, attention scaling) of a checked config;
+    `head_dim`: the dimensions RoPE turns (fewer than a head's with partial rotary). The
     unscaled kind is computed here as transformers does; scaled kinds by transformers'
     own RoPE utilities on its own config object, which also checks their required fields."""
     rope = _rope_parameters(cfg)
