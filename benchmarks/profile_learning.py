@@ -102,9 +102,16 @@ def spin(a, tmp: Path) -> None:
               f"max {max(ratios):.2f}")
 
 
+def replay_ratio(r: dict) -> float:
+    """The plan replayed over the run's own lengths and routing (the cost model alone, the
+    job's unknowns taken out) against the run: (prefill + decode) predicted / measured."""
+    return (r["replayed_prefill_s"] + r["replayed_decode_s"]) / max(r["prefill_s"] + r["decode_s"], 1e-9)
+
+
 def learn(a, tmp: Path) -> None:
-    print("| configuration | run 1: predicted / measured | runs 2-N: predicted / measured (median) | loads |")
-    print("|---|---|---|---|")
+    print("| configuration | run 1: predicted / measured tok/s | runs 2-N (median) | run 1: replayed / measured "
+          "seconds | runs 2-N (median) | loads |")
+    print("|---|---|---|---|---|---|")
     for i, (name, (job, flags)) in enumerate(CONFIGS.items()):
         if a.only and not any(part in name for part in a.only.split(",")):
             continue
@@ -116,12 +123,14 @@ def learn(a, tmp: Path) -> None:
         runs = [run(jobs, tmp / f"run{i}-{k}.json", flags, cache) for k in range(a.runs)]
         for k, r in enumerate(runs):
             print(f"  {name} run {k + 1}: predicted {r['predicted_tokens_per_s']:.1f}, measured "
-                  f"{r['tokens_per_s']:.1f} ({r['load']}); profile "
+                  f"{r['tokens_per_s']:.1f}; replayed/measured seconds {replay_ratio(r):.2f} ({r['load']}); profile "
                   f"{'corrected' if (r.get('profile') or {}).get('corrected') else (r.get('profile') or {}).get('why')}",
                   file=sys.stderr, flush=True)
         ratio = lambda r: r["predicted_tokens_per_s"] / r["tokens_per_s"]  # noqa: E731
         later = statistics.median(ratio(r) for r in runs[1:]) if len(runs) > 1 else float("nan")
-        print(f"| {name} | {ratio(runs[0]):.2f} | {later:.2f} | {'; '.join(r['load'] for r in runs)} |", flush=True)
+        replayed = statistics.median(replay_ratio(r) for r in runs[1:]) if len(runs) > 1 else float("nan")
+        print(f"| {name} | {ratio(runs[0]):.2f} | {later:.2f} | {replay_ratio(runs[0]):.2f} | {replayed:.2f} | "
+              f"{'; '.join(r['load'] for r in runs)} |", flush=True)
 
 
 def main() -> None:
