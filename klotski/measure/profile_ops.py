@@ -164,8 +164,12 @@ class LayerOps:
         the pool holds the landed ones), `pairs` rows spread evenly over them (or, not `spread`,
         all in the first: the others empty groups, as a resident wave's calls pass the whole
         stack), in one call (the profile keeps `pairs` within a call's PREFILL_EXPERT_CHUNK).
-        Cycles through copies of the stack, so its weights are read cold."""
-        from klotski.models.grouped import Groups
+        Cycles through copies of the stack, so its weights are read cold. Where the engine runs
+        a whole wave at once (grouped.wave_runner: fp32 SwiGLU experts on a CPU), that is timed,
+        gathering its rows and writing its weighted outputs as the engine's does."""
+        import numpy as np
+
+        from klotski.models.grouped import Groups, wave_runner
         torch, experts = self.torch, self.expert_w
         ffn = self.M.bind_grouped_expert_ffn(self.spec)
         stacks = [{n: torch.stack([experts[(c * groups + g) % len(experts)][n] for g in range(groups)])
@@ -174,6 +178,12 @@ class LayerOps:
             [pairs] + [0] * (groups - 1)
         ends = torch.tensor(rows, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(self.device)
         x = self._x(pairs, self.spec.shape.hidden_size)
+        runners = [wave_runner(ffn, x, w) for w in stacks]
+        if all(r is not None for r in runners):
+            counts, pick = np.asarray(rows), torch.arange(pairs, device=x.device)
+            weights, out = torch.ones(pairs, device=x.device, dtype=x.dtype), torch.empty_like(x)
+            return self._cycle([lambda run=run: run(x, counts, [(0, pairs)], pick, pick, weights, out)
+                                for run in runners])
         return self._cycle([lambda w=w: ffn(x, w, Groups(rows, ends)) for w in stacks])
 
     def kernels(self, bs: int = 4, ctx: int = 64) -> dict[str, float]:
