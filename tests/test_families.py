@@ -140,6 +140,26 @@ def test_llama4_vision_language_checkpoint_runs_its_text_model(family_models, fa
     assert ours == family_refs["llama4_text"] == reference_tokens(out)
 
 
+NEWER = ("glm4_moe", "minimax_m2", "ernie4_5_moe", "llama4_text")  # issue 63's attention families
+RUBRIC = "You label passages by their topic. Answer with one word, lower case, no punctuation. Passage: "
+
+
+@pytest.mark.parametrize("batching", ["static", "continuous"])
+@pytest.mark.parametrize("family", NEWER)
+def test_a_shared_instruction_is_prefilled_once_and_stays_exact(family_models, family, batching):
+    """Each line starts with the same instruction: the prefix cache prefills it once and every
+    line reads it; greedy tokens equal transformers' on the whole prompts, static or continuous,
+    batches of two rows (so rows are refilled)."""
+    prompts = [RUBRIC + p for p in PROMPTS]
+    ours, engine = engine_tokens(family_models[family], prompts=prompts, batching=batching, batch_size=2,
+                                 num_batches=2)
+    assert ours == reference_tokens(family_models[family], prompts=prompts)
+    from transformers import AutoTokenizer
+    rubric = len(AutoTokenizer.from_pretrained(family_models[family])(RUBRIC)["input_ids"])
+    shared = [tokens for _, tokens, _, prefills in engine.stats.prefixes.values() if prefills == 1]
+    assert shared and max(shared) >= rubric - 2  # the instruction was one segment, prefilled once
+
+
 def test_llama4_refuses_sparse_attention_in_one_line(family_models):
     """Llama 4 counts positions from the keys its mask lets a query see; sink/window sparsity
     thins the mask, so its chunks and temperatures would be wrong: refused before loading."""
