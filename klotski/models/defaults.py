@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from klotski.models import layers as L
 from klotski.models.refs import TensorRef
 
 
@@ -68,3 +69,13 @@ def no_experts(x):
     """A dense layer's router: no token picks an expert."""
     return (torch.zeros(len(x), 0, dtype=torch.float32, device=x.device),
             torch.zeros(len(x), 0, dtype=torch.long, device=x.device))
+
+
+def plain_attention(qkv):
+    """The attention_block hook of a family whose attention is layers.attention_block over its
+    own projection `qkv(x, w, spec)` (RoPE over cos/sin's width: partial rotary where they are
+    narrower than a head)."""
+    def attention_block(h, w, cos, sin, mask, cache_write, spec, max_scores=None, attend_at=None, prefix=None):
+        return L.attention_block(h, w, cos, sin, mask, cache_write, spec, qkv, max_scores, attend_at=attend_at,
+                                 prefix=prefix)
+    return attention_block

@@ -97,10 +97,7 @@ SHARED_PREFIX = True  # plain softmax attention: a shared prefix's keys are read
 SPARSE_ATTENTION = True  # the mask alone says which keys a query sees
 
 
-def attention_block(h, w, cos, sin, mask, cache_write, spec, max_scores=None, attend_at=None, prefix=None):
-    # cos/sin are rotary_dim wide: layers.apply_rope turns that many leading dimensions of each head
-    return L.attention_block(h, w, cos, sin, mask, cache_write, spec, qkv, max_scores, attend_at=attend_at,
-                             prefix=prefix)
+attention_block = defaults.plain_attention(qkv)
 
 
 def route(x, gate: dict, spec):

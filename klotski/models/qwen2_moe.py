@@ -51,9 +51,7 @@ SHARED_PREFIX = True  # plain softmax attention: a shared prefix's keys are read
 SPARSE_ATTENTION = True  # the mask alone says which keys a query sees
 
 
-def attention_block(h, w, cos, sin, mask, cache_write, spec, max_scores=None, attend_at=None, prefix=None):
-    return L.attention_block(h, w, cos, sin, mask, cache_write, spec, qkv, max_scores, attend_at=attend_at,
-                             prefix=prefix)
+attention_block = defaults.plain_attention(qkv)
 
 
 def shared_ffn(x, gate: dict, spec):
