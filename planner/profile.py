@@ -406,7 +406,7 @@ def time_points(points, reps, sync, watch=None) -> dict[str, list[list[float]]]:
     for kind, point, make in points:
         if watch is not None:
             watch.poll()
-        samples.setdefault(kind, []).append(point + [_timeit(make(), reps, sync)])
+        samples.setdefault(kind, []).append(point + [time_op(make(), reps, sync)])
     return samples
 
 
@@ -414,7 +414,7 @@ def _retime(points, kind, index, reps, sync, watch) -> float:
     """A sample that disagreed, timed again (its `index`-th row of `kind`)."""
     make = [m for k, _, m in points if k == kind][index]
     watch.poll()
-    return _timeit(make(), reps, sync)
+    return time_op(make(), reps, sync)
 
 
 def wave_groups(shape) -> int:
@@ -431,9 +431,9 @@ def host_rates(shape, make_ops, grid, reps, samples=None) -> tuple[float, float]
     from planner.costmodel import CostModel
 
     ops = make_ops(shape, getattr(torch, shape.dtype), torch.device("cpu"))
-    rows = {"expert": [[n, _timeit(ops.expert(n), reps, lambda: None)] for n in sorted(grid["tokens"])[:3]]}
+    rows = {"expert": [[n, time_op(ops.expert(n), reps, lambda: None)] for n in sorted(grid["tokens"])[:3]]}
     if hasattr(ops, "attend"):
-        rows["attend"] = [[bs, ctx, 1, _timeit(ops.attend(bs, ctx, 1), reps, lambda: None)]
+        rows["attend"] = [[bs, ctx, 1, time_op(ops.attend(bs, ctx, 1), reps, lambda: None)]
                           for ctx in grid["ctx"] for bs in sorted(grid["bs"])[:2]]
     cm = CostModel(Profile(name="unit", flops=1.0, mem_bw=1.0, links={}), shape)
     work = [(cm.work(kind, row[:-1]), row[-1]) for kind, kind_rows in rows.items() for row in kind_rows]
@@ -442,7 +442,7 @@ def host_rates(shape, make_ops, grid, reps, samples=None) -> tuple[float, float]
     return max(f / t for (f, _), t in work), max(b / t for (_, b), t in work)
 
 
-def _timeit(fn, reps: int, sync) -> float:
+def time_op(fn, reps: int, sync) -> float:
     """The median of up to `reps` timed calls after one untimed warm-up (which, on a GPU,
     also pays for kernel loading, library handles and the allocator's first blocks). Each
     timed call starts and ends synchronized, so it holds its own work and nothing queued
@@ -478,7 +478,7 @@ def _copy_bandwidth(nbytes, src, dst, reps, sync) -> float:
     a = torch.empty(nbytes, dtype=torch.uint8, device=src, pin_memory=pin and src.type == "cpu")
     a.fill_(1)
     b = torch.empty(nbytes, dtype=torch.uint8, device=dst, pin_memory=pin and dst.type == "cpu")
-    t = _timeit(lambda: b.copy_(a, non_blocking=pin), reps, sync)
+    t = time_op(lambda: b.copy_(a, non_blocking=pin), reps, sync)
     return nbytes / t
 
 

@@ -432,9 +432,9 @@ def test_continuous_first_fill_is_priced_at_its_own_prompts():
 def test_profile_times_an_op_at_its_median():
     """A step pays an op's typical time, not its luckiest: the profile takes the median of
     the timed calls (the warm-up is not one of them)."""
-    from planner.profile import _timeit
+    from planner.profile import time_op
     waits = iter([0.05, 0.001, 0.02, 0.02, 0.02, 0.001])
-    assert _timeit(lambda: time.sleep(next(waits)), 5, lambda: None) == pytest.approx(0.02, abs=0.008)
+    assert time_op(lambda: time.sleep(next(waits)), 5, lambda: None) == pytest.approx(0.02, abs=0.008)
 
 
 def test_profile_point_is_the_median_of_its_rounds():

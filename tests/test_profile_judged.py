@@ -153,5 +153,5 @@ def test_one_slow_first_call_does_not_decide_the_repetitions():
     """A 0.6 s first call (a disturbance) of an op that takes 10 ms: more calls follow, and the
     sample is the op's own time, not the disturbed call's."""
     durations = iter([0.0, 0.6] + [0.01] * 10)
-    sample = P._timeit(lambda: time.sleep(next(durations)), 5, lambda: None)
+    sample = P.time_op(lambda: time.sleep(next(durations)), 5, lambda: None)
     assert sample < 0.1
