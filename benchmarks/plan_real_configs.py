@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT  # noqa: E402
 
 MODELS = ("mixtral-8x22b", "qwen3-235b-a22b", "deepseek-v3", "glm-4.5-air", "glm-4.5", "minimax-m2",
-          "ernie-4.5-21b-a3b", "llama-4-scout")
+          "ernie-4.5-21b-a3b", "llama-4-scout", "qwen3.6-35b-a3b", "qwen3.5-397b-a17b", "qwen3-next-80b-a3b")
 
 
 def main() -> None:

@@ -36,7 +36,18 @@ CONFIGS = {
         ("labels", ["--model", "smollm2-moe", "--device-memory", "900MiB"]),
     "tiny-mixtral, link 2 GB/s": ("wikitext:32", ["--model", "tiny-mixtral", "--emulate-link", "2",
                                                    "--device-memory", "7000000", "--max-new-tokens", "16"]),
+    # klotski.measure.op_count.build_fine_and_coarse's 128-expert twin (Qwen3-shaped, top-8,
+    # each expert 128 wide, 3 layers, fp32), every expert resident: the plan's waves and empty groups
+    "fine-grained 128 experts (Qwen3-shaped, 3 layers)":
+        ("wikitext:32", ["--model", "{fine}", "--dtype", "float32", "--max-new-tokens", "16"]),
 }
+
+
+def fine_grained_model(tmp: Path) -> Path:
+    from klotski.measure.op_count import FINE
+    from klotski.builtin.families import build_family
+    return build_family(tmp / "qwen3-128", "qwen3_moe", num_experts=FINE, num_experts_per_tok=8,
+                        moe_intermediate_size=128, num_hidden_layers=3)
 
 
 def load() -> str:
@@ -108,29 +119,51 @@ def replay_ratio(r: dict) -> float:
     return (r["replayed_prefill_s"] + r["replayed_decode_s"]) / max(r["prefill_s"] + r["decode_s"], 1e-9)
 
 
+def phases(r: dict) -> str:
+    """Predicted against measured seconds per phase (the plan's own, as planned), and the
+    answer tokens the plan priced against those the run generated."""
+    ans = r["plan"].get("answer_lengths") or {}
+    return (f"prefill {r.get('predicted_prefill_s') or 0:.2f}/{r['prefill_s']:.2f} s, "
+            f"decode {r.get('predicted_decode_s') or 0:.2f}/{r['decode_s']:.2f} s, answer tokens "
+            f"{ans.get('answer_tokens', '?')}/{r['tokens']['generated']} ({ans.get('source', '?')})")
+
+
+def learned(r: dict) -> str:
+    p = r.get("profile") or {}
+    lengths = (p.get("answer_lengths") or {})
+    return ("profile " + ("corrected" if p.get("corrected") else f"not corrected: {p.get('why')}")
+            + "; lengths " + ("learned" if lengths.get("learned") else f"not learned: {lengths.get('why')}"))
+
+
 def learn(a, tmp: Path) -> None:
-    print("| configuration | run 1: predicted / measured tok/s | runs 2-N (median) | run 1: replayed / measured "
-          "seconds | runs 2-N (median) | loads |")
-    print("|---|---|---|---|---|---|")
+    rows = []
     for i, (name, (job, flags)) in enumerate(CONFIGS.items()):
         if a.only and not any(part in name for part in a.only.split(",")):
             continue
+        if "{fine}" in flags:
+            flags = [str(fine_grained_model(tmp)) if f == "{fine}" else f for f in flags]
         if job == "labels":
             jobs = ROOT / "jobs" / "labels.jsonl"
         else:
             jobs = write_jobs(ROOT / "jobs" / "wikitext.jsonl", int(job.split(":")[1]), tmp / f"jobs{i}.jsonl")
         cache = tmp / f"cache{i}"
-        runs = [run(jobs, tmp / f"run{i}-{k}.json", flags, cache) for k in range(a.runs)]
-        for k, r in enumerate(runs):
+        runs = []
+        for k in range(a.runs):
+            r = run(jobs, tmp / f"run{i}-{k}.json", flags, cache)
+            runs.append(r)
             print(f"  {name} run {k + 1}: predicted {r['predicted_tokens_per_s']:.1f}, measured "
-                  f"{r['tokens_per_s']:.1f}; replayed/measured seconds {replay_ratio(r):.2f} ({r['load']}); profile "
-                  f"{'corrected' if (r.get('profile') or {}).get('corrected') else (r.get('profile') or {}).get('why')}",
+                  f"{r['tokens_per_s']:.1f} tok/s (x{r['predicted_tokens_per_s'] / r['tokens_per_s']:.2f}); "
+                  f"{phases(r)}; replayed/measured seconds {replay_ratio(r):.2f}; {r['load']}; {learned(r)}",
                   file=sys.stderr, flush=True)
         ratio = lambda r: r["predicted_tokens_per_s"] / r["tokens_per_s"]  # noqa: E731
         later = statistics.median(ratio(r) for r in runs[1:]) if len(runs) > 1 else float("nan")
         replayed = statistics.median(replay_ratio(r) for r in runs[1:]) if len(runs) > 1 else float("nan")
-        print(f"| {name} | {ratio(runs[0]):.2f} | {later:.2f} | {replay_ratio(runs[0]):.2f} | {replayed:.2f} | "
-              f"{'; '.join(r['load'] for r in runs)} |", flush=True)
+        rows.append(f"| {name} | {ratio(runs[0]):.2f} | {later:.2f} | {replay_ratio(runs[0]):.2f} | {replayed:.2f} | "
+                    f"{'; '.join(r['load'] for r in runs)} |")
+    print("| configuration | run 1: predicted / measured tok/s | runs 2-N (median) | run 1: replayed / measured "
+          "seconds | runs 2-N (median) | loads |")
+    print("|---|---|---|---|---|---|")
+    print("\n".join(rows), flush=True)
 
 
 def main() -> None:

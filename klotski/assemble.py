@@ -61,6 +61,9 @@ class RunSetup:
     expert_ranking: dict | None = None
     # the routing the plan priced: marginals over its expert slots (a learned table's); None: uniform
     planned_routing: list | None = None
+    # how the resident experts were divided among layers: "dp" (by the learned routing's hits,
+    # placement/split.py), "even" (the plan's round-robin) or "given" (the caller's placement)
+    expert_split: str = "even"
 
     def for_later_prompts(self) -> RunSetup:
         """Planned from the first prompts (a window, a shard, a batch): a longer prompt later is
@@ -87,9 +90,14 @@ def setup_run(config, ckpt: Checkpoint, seqs, *, placement: Placement | None = N
                           "stay in their GGUF blocks on every tier); run without --quantize")
     if config.attention != "full" and not ckpt.spec.family.SPARSE_ATTENTION:
         from klotski.errors import ConfigError
-        raise ConfigError(f"--attention {config.attention}: {ckpt.spec.shape.model_type} attention counts positions "
-                          "from the keys it sees (chunked local attention, temperature tuning), which sink/window "
-                          "sparsity would change; run with --attention full")
+        why = ("'s linear-attention layers keep a state of every token, which sink/window sparsity does not thin"
+               if ckpt.spec.shape.linear_layers else " attention counts positions from the keys it sees (chunked "
+               "local attention, temperature tuning), which sink/window sparsity would change")
+        raise ConfigError(f"--attention {config.attention}: {ckpt.spec.shape.model_type}{why}; run with "
+                          "--attention full")
+    if config.host_attention == "on" and ckpt.spec.shape.linear_layers:
+        planning.announce(f"--host-attention on: {ckpt.spec.shape.model_type}'s linear-attention layers have no "
+                          "keys to attend beside; they run on the device, its full-attention layers beside the host KV")
     if config.host_attention != "off" and not ckpt.spec.family.HOST_ATTENTION:
         # planned as the pipeline will run it (planned on the host, it overran the device budget)
         if config.host_attention == "on":
@@ -98,19 +106,28 @@ def setup_run(config, ckpt: Checkpoint, seqs, *, placement: Placement | None = N
         config = config.replace(host_attention="off")
     device, dtype = torch.device(planning.compute_device(config.device)), ckpt.compute_dtype(config.dtype)
     budgets = detect_budgets(device.type, config.device_memory, config.host_memory)
+    # --prefetch pregate's maps are held on the device for the run: the plan leaves them room
+    planned = budgets
+    if config.prefetch == "pregate":
+        from klotski.prefetch.pregate import maps_nbytes
+        planned = Budgets(budgets.device - maps_nbytes(ckpt.spec.shape), budgets.host)
     simple = config.schedule == "simple"
     bs, n, chunk, plan = config.batch_size or 8, 1 if simple else (config.num_batches or 1), config.prefill_chunk, None
     given = placement is not None  # by the caller (the Python API, tests, benchmarks): not the planner's
+    split = "given" if given else "even"  # how the resident experts were divided among layers
     # where a learned table says which experts the tokens pick most, the plan's resident slots
     # are those (engine_placement) and it prices the routing the table saw
     ranking, popularity = planning.learned_plan_routing(ckpt) if not given else (None, None)
     if config.batch_size is None or (config.num_batches is None and not simple) or placement is None:
-        plan = planning.plan_job(config, ckpt, dtype, device, budgets, seqs, pipeline_cost, popularity)
+        plan = planning.plan_job(config, ckpt, dtype, device, planned, seqs, pipeline_cost, popularity)
         bs = config.batch_size or plan.batch_size
         n = 1 if simple else (config.num_batches or plan.num_batches)
         chunk = plan.prefill_chunk if plan.prefill_chunk < plan.longest_prompt else None
         if placement is None:
-            placement = planning.engine_placement(plan, ckpt.spec, ranking)
+            # --expert-split dp: the resident experts divided among layers by the learned routing's hits
+            picks = planning.learned_picks(ckpt) if config.expert_split == "dp" and ranking else None
+            placement = planning.engine_placement(plan, ckpt.spec, ranking, picks)
+            split = "dp" if picks is not None else "even"
     if config.quantize == "auto":  # the planner weighed each precision and took one (none when it did not plan)
         config = config.replace(quantize=plan.precision["quantize"] if plan and plan.precision else "none")
         if plan and plan.precision:
@@ -128,13 +145,13 @@ def setup_run(config, ckpt: Checkpoint, seqs, *, placement: Placement | None = N
     gen = max((s.max_new_tokens for s in seqs), default=config.max_new_tokens)
     steps = dict(bs=bs, n=n, chunk=chunk, longest_prompt=longest, gen_len=gen, host_attention=modes[0] == "on")
     if given:  # the planner's own placements fit by construction
-        planning.refuse_unworkable_placement(config, ckpt, dtype, budgets, placement, **steps)
-    slots = planning.expert_pool_slots(config, ckpt, dtype, budgets, placement, plan=plan, **steps)
+        planning.refuse_unworkable_placement(config, ckpt, dtype, planned, placement, **steps)
+    slots = planning.expert_pool_slots(config, ckpt, dtype, planned, placement, plan=plan, **steps)
     reserve = planned_activations(ckpt.spec, dtype.itemsize, bs, n, chunk or longest, longest, gen,
                                   host_attention=modes[0] == "on")
     return RunSetup(bs, n, chunk, placement, budgets, device, dtype, plan, cost, modes, config.quantize,
                     expert_slots=slots, activation_reserve=reserve, expert_ranking=ranking,
-                    planned_routing=popularity)
+                    planned_routing=popularity, expert_split=split)
 
 
 def make_predictor(config, ckpt: Checkpoint):
@@ -144,6 +161,9 @@ def make_predictor(config, ckpt: Checkpoint):
         return learning_predictor(ckpt)
     if how == "next-gate":
         return NextGatePredictor(spec.shape.num_layers, spec.shape.num_experts)
+    if how == "pregate":
+        from klotski.prefetch.pregate import pregate_predictor
+        return pregate_predictor(ckpt)
     return FrequencyPredictor(spec.shape.num_layers, spec.shape.num_experts, name="none")  # K = 0: nothing is predicted
 
 
@@ -156,12 +176,12 @@ def build_engine(config, ckpt: Checkpoint, setup: RunSetup, *, predictor=None) -
     if config.quantize == "hqq4":
         from klotski.compress.quantized import QuantCodec, ensure_quantized
         codec = QuantCodec(ensure_quantized(ckpt, dtype, config.offload_dir, optimize=config.quantize_optimize),
-                           dtype)
+                           dtype, on_cpu=device.type == "cpu")
     else:  # MXFP4 or GGUF experts stay packed as shipped, decoded on the device
-        codec = ckpt.expert_codec(dtype)
+        codec = ckpt.expert_codec(dtype, on_cpu=device.type == "cpu")
     predictor = predictor or make_predictor(config, ckpt)
     trace = Trace(keep_events=bool(config.trace), cuda=device.type == "cuda", every=config.time_every)
-    channels = make_channels(device, trace, config.emulate_link_gbps)
+    channels = make_channels(device, trace, config.emulate_link_gbps, config.transfer_chunk_ms)
     memory = Memory(setup.budgets.device, "device")
     if device.type == "cuda":  # the real allocator's peak is read against the budget from here (report)
         memory.runtime_bytes = _cublas_workspace(device, dtype)

@@ -15,10 +15,12 @@ from planner import units
 
 SCHEDULES = ("klotski", "hot-prefetch", "multibatch", "simple")
 BATCHINGS = ("continuous", "static")
-PREFETCH = ("correlation", "next-gate", "none")
+ORDERS = ("length", "routing")  # --order: how a window's lines wait (schedule/batching.py)
+PREFETCH = ("correlation", "next-gate", "pregate", "none")
 DTYPES = ("auto", *sorted(dtypes.NAMES))
 OUTPUT_FORMATS = ("auto", "klotski", "openai")
 HOST_COMPUTE = ("auto", "on", "off")  # --host-attention, --host-experts
+EXPERT_SPLITS = ("dp", "even")  # --expert-split
 
 
 
@@ -57,6 +59,9 @@ class RunConfig:
     dtype: str = "auto"
     schedule: str = "klotski"
     batching: str = "continuous"      # a finished sequence's row takes the next prompt (static: kept to the end)
+    # a window's lines wait longest first ("length"), or in groups of n x bs of similar routing,
+    # longest first within ("routing": schedule/routing_order.py)
+    order: str = "length"
     prefetch: str = "correlation"
     hot_experts: int | None = None    # K; None = the model's top-k
     attention: str = "full"           # or "sink:S,window:W" (StreamingLLM-style KV sparsity)
@@ -66,6 +71,17 @@ class RunConfig:
     quality_max_gap: float | None = None        # largest mean log-prob gap, nats/token
     quality_min_agreement: float | None = None  # smallest greedy agreement with the reference, 0..1
     emulate_link_gbps: float | None = None
+    # a speculative prefetch yields the host->device link to a demand load at its next chunk
+    # boundary, a chunk being this many ms of the link (execute/channels.py); 0: whole transfers,
+    # first come first served (the ablation)
+    transfer_chunk_ms: float = 0.25
+    # the device's resident experts divided among layers: "dp" by the transfers each layer's would
+    # save a step (a dynamic program over the learned routing: placement/split.py), "even" (the ablation)
+    expert_split: str = "dp"
+    # --adaptive-gating A (AdapMoE): a token whose top-1 gate weight dominates skips its other
+    # experts, per-layer thresholds calibrated on the first group so that at least A of its greedy
+    # tokens equal exact top-k's (klotski/schedule/gating.py); None: exact top-k (the default)
+    adaptive_gating: float | None = None
     # Attention where a host KV cache lives / cold experts where they live (klotski/execute/hostcompute.py):
     # auto = the cost model decides per layer and step from the run's profile; off by default, as
     # on a CPU-only machine the host is the device and auto would turn every emulated-link run
@@ -97,6 +113,8 @@ class RunConfig:
             raise ConfigError(f"--schedule {self.schedule!r}: choose one of {', '.join(SCHEDULES)}")
         if self.batching not in BATCHINGS:
             raise ConfigError(f"--batching {self.batching!r}: choose one of {', '.join(BATCHINGS)}")
+        if self.order not in ORDERS:
+            raise ConfigError(f"--order {self.order!r}: choose one of {', '.join(ORDERS)}")
         if self.prefetch not in PREFETCH:
             raise ConfigError(f"--prefetch {self.prefetch!r}: choose one of {', '.join(PREFETCH)}")
         if self.dtype not in DTYPES:
@@ -128,6 +146,15 @@ class RunConfig:
             raise ConfigError("--min-agreement must be a share in [0, 1] (e.g. 0.95)")
         if self.emulate_link_gbps is not None and self.emulate_link_gbps <= 0:
             raise ConfigError("--emulate-link must be a positive bandwidth in GB/s")
+        if not self.transfer_chunk_ms >= 0:
+            raise ConfigError("--transfer-chunk-ms must be 0 (whole transfers) or more (e.g. 0.25)")
+        if self.expert_split not in EXPERT_SPLITS:
+            raise ConfigError(f"--expert-split {self.expert_split!r}: choose one of {', '.join(EXPERT_SPLITS)}")
+        if self.adaptive_gating is not None and not 0 <= self.adaptive_gating <= 1:
+            raise ConfigError(f"--adaptive-gating {self.adaptive_gating}: the greedy agreement with exact top-k "
+                              "the thresholds must keep, a share in [0, 1] (e.g. 0.95)")
+        if self.adaptive_gating is not None and self.ray is not None:
+            raise ConfigError("--adaptive-gating calibrates on one engine's first group; it does not run with --ray yet")
 
     @property
     def attention_sink(self) -> int | None:

@@ -31,6 +31,7 @@ from klotski.io.dataset_files import is_dataset
 from klotski.io.output import OutputWriter, read_output
 from klotski.io.parquet_output import ParquetOutput, is_parquet
 from klotski.io.records import error_record
+from klotski import planning
 from klotski.planning import learn_from_run, replayed_plan, routing_in_slot_order
 from klotski.schedule import sequences as S
 from klotski.schedule.report import build_report, replayed, save_report, summary
@@ -76,6 +77,9 @@ class Job:
         self.ok = self.failed = self.skipped = 0
         self.prompt_lens, self.gen_lens = array("I"), array("I")  # of the answers this run generated, for the replay
         self.longest = 1  # the longest prompt, shared prefixes included
+        # the answers, for the lengths the model's next plans take (planning.Answers): the planned
+        # window's sequences by (line, sample), each one's answer length; every answer and its cap
+        self.planned, self.answers = {}, planning.Answers(None, [], array("I"), array("I"))
 
     def run(self) -> int:
         self.ckpt = self.open_checkpoint()  # a bad model fails here
@@ -129,6 +133,9 @@ class Job:
         """Plan from the first window with prompts; a refusal happens here."""
         first = self.ahead[-1].seqs if self.ahead and self.ahead[-1].seqs else None
         self.setup = setup_run(self.config, self.ckpt, first).for_later_prompts() if first else None
+        if first:  # the sequences the plan priced, as planning.plan_job keyed them
+            self.planned = {(s.request.line, s.sample): i for i, s in enumerate(first)}
+            self.answers = planning.Answers(planning.answer_key(first), [None] * len(first), array("I"), array("I"))
 
     def open_output(self) -> None:
         """The output's writer and, for a JSON-lines job and output, the progress sidecar."""
@@ -162,6 +169,8 @@ class Job:
                    file=sys.stderr, mininterval=0.5, initial=self.skipped)
         try:
             self.engine = self.make_engine() if self.setup else None
+            if self.engine is not None and self.config.adaptive_gating is not None:
+                self.calibrate_gating()
             with bar:
                 for window in drain(self.ahead, stream):
                     if lines.total is not None and bar.total is None:
@@ -185,6 +194,14 @@ class Job:
                     self.tracker.close()
         if self.skipped:
             print(f"klotski: resumed {out}: {self.skipped} requests were already done", file=sys.stderr)
+
+    def calibrate_gating(self) -> None:
+        """--adaptive-gating: the thresholds an earlier run of this output saved, else calibrated on
+        the first group (klotski/schedule/gating.py) before any line is generated."""
+        from klotski.schedule import gating
+        first = self.ahead[-1].seqs if self.ahead and self.ahead[-1].seqs else []
+        group = self.setup.batch_size * self.setup.num_batches
+        gating.prepare(self.engine, first[:group], self.config.adaptive_gating, self.out_path, self.ckpt.key)
 
     def make_engine(self):
         """The engine the windows run on (`klotski serve` hands in its one long-lived engine)."""
@@ -229,6 +246,12 @@ class Job:
         if err is not None:
             self.failed += self.emit(error_record(err, fmt=c.output_format), err, err.row)
             return 1
+        for s in S.gather(seq):  # the answers the plan priced
+            at = self.planned.get((s.request.line, s.sample))
+            if at is not None:
+                self.answers.planned[at] = len(s.out)
+            self.answers.lengths.append(len(s.out))
+            self.answers.caps.append(s.max_new_tokens)
         for s in [*S.gather(seq), *(seq.scorers or ())]:  # each a sequence the engine ran, for the replay
             self.prompt_lens.append(len(s.prompt_ids) - s.shared)  # what it prefilled itself
             self.longest = max(self.longest, len(s.prompt_ids))
@@ -273,7 +296,7 @@ class Job:
             return learn_from_run(self.config, self.ckpt, self.setup, self.prompt_lens, self.gen_lens,
                                   {"prefill": s.prefill_s, "decode": s.decode_s}, busy=busy,
                                   pipeline_cost=pipeline_cost, popularity=routing, segments=self.segments(),
-                                  longest=self.longest)
+                                  longest=self.longest, answers=self.answers)
         except (UserError, WriteFailed) as e:
             return {"corrected": False, "why": str(e)}
 

@@ -12,6 +12,7 @@ from klotski.errors import UserError
 from klotski.measure.overhead import LAUNCHES
 from klotski.measure.profile_ops import EngineOps
 from placement.placement import Placement
+from planner import answer_lengths
 from planner.costmodel import LINKS, CostModel
 from planner.precision import (Precision, QualityBound, Weighed, choose, default_options, link_bytes_per_step,
                                quality_row, to_dict)
@@ -175,19 +176,26 @@ def _learned_routing_of(model: str, ckpt=None) -> list | None:
     model no job has run on yet."""
     if ckpt is not None:
         return learned_plan_routing(ckpt)[1]
+    opened = _opened(model)
+    if opened is None:
+        return None  # a shape alone (config.json): planned without weights, so without their routing
+    try:
+        return learned_plan_routing(opened)[1]
+    finally:
+        opened.close()
+
+
+def _opened(model: str):
+    """`model`'s checkpoint opened (nothing read), or None for an alias or a folder without weights."""
     if model.lower() in KNOWN_MODELS:
         return None
     from klotski.io.checkpoint import Checkpoint
     from klotski.io import registry
     from placement.store import CheckpointError
     try:
-        opened = Checkpoint.open(str(registry.resolve(model, weights=False)), direct_io=False)
+        return Checkpoint.open(str(registry.resolve(model, weights=False)), direct_io=False)
     except (CheckpointError, OSError, ValueError, KeyError):
-        return None  # a shape alone (config.json): planned without weights, so without their routing
-    try:
-        return learned_plan_routing(opened)[1]
-    finally:
-        opened.close()
+        return None
 
 
 # ---- precision: the planner weighs it (planner/precision.py) ---------------------------------
@@ -283,13 +291,51 @@ def plan_job(config, ckpt, dtype, device, budgets, seqs, pipeline_cost=None, pop
     """The planner's answer for this job on this machine, from the checkpoint's exact group
     sizes (quantized ones as they will be packed); routing as `popularity` says (marginals over
     the plan's expert slots; None: uniform)."""
-    lengths = ([len(s.prompt_ids) for s in seqs], [s.max_new_tokens for s in seqs],
-               max((s.max_new_tokens for s in seqs), default=config.max_new_tokens))
+    caps = [s.max_new_tokens for s in seqs]
+    lengths = ([len(s.prompt_ids) for s in seqs], caps, max(caps, default=config.max_new_tokens))
     # a budget that cannot work is refused before this machine is measured
     _plan_lengths(config, ckpt, dtype, device, budgets, *lengths, pipeline_cost, memory_only=True)
     own, segments = shared_prefixes(config, ckpt.spec, seqs)
-    return _plan_lengths(config, ckpt, dtype, device, budgets, own, *lengths[1:], pipeline_cost, popularity=popularity,
-                         segments=segments, longest=max(lengths[0], default=1))
+    # time is planned at the lengths runs taught (planner/answer_lengths.py), memory at the caps
+    answers, source = answer_lengths.lengths_for(read_answer_lengths(ckpt), answer_key(seqs), caps)
+    plan = _plan_lengths(config, ckpt, dtype, device, budgets, own, answers, lengths[2], pipeline_cost,
+                         popularity=popularity, segments=segments, longest=max(lengths[0], default=1))
+    return dataclasses.replace(plan, answer_lengths={**source, "answer_tokens": sum(answers), "max_tokens": sum(caps)})
+
+
+def answer_key(seqs) -> str:
+    """The planned window as a key of the answer lengths learned for it: its sequences' prompt
+    tokens and what bounds or shapes their answers (max_tokens, temperature, top_p, stop), in
+    order; the same job planned again has the same key, whatever its file is called."""
+    import hashlib
+    import json
+    h = hashlib.sha256()
+    for s in seqs:
+        h.update(json.dumps([s.prompt_ids, s.max_new_tokens, s.temperature, s.top_p, list(s.stop), s.sample],
+                            separators=(",", ":")).encode())
+    return h.hexdigest()[:24]
+
+
+def answer_lengths_path(ckpt) -> Path:
+    """Where the answer lengths runs of `ckpt` taught are kept (beside the profiles: the
+    planner's learning)."""
+    from klotski.util import cachedir
+    return cachedir.profiles() / "answer-lengths" / f"{ckpt.key}.json"
+
+
+def read_answer_lengths(ckpt) -> dict:
+    return answer_lengths.read(answer_lengths_path(ckpt), warn=_say)
+
+
+def answer_lengths_of(model: str) -> dict:
+    """The answer lengths runs of `--model` taught ({}: none, or a shape alone without weights)."""
+    opened = _opened(model)
+    if opened is None:
+        return {}
+    try:
+        return read_answer_lengths(opened)
+    finally:
+        opened.close()
 
 
 def shared_prefixes(config, spec, seqs) -> tuple[list[int], list[tuple[int, int]]]:
@@ -381,8 +427,15 @@ def _measured(config, ckpt, dtype, device, pipeline_cost, reuse: bool = False):
 
 
 def _compute_shape(ckpt, dtype):
+    """The planner's shape of `ckpt` computed in `dtype`; a GGUF model's experts named by their
+    block types (the profile times them in their stored form: compress/ggml.format_name)."""
     from klotski.util.dtypes import name_of
-    return dataclasses.replace(as_shape(ckpt.spec), dtype=name_of(dtype))
+    shape = dataclasses.replace(as_shape(ckpt.spec), dtype=name_of(dtype))
+    if getattr(ckpt, "is_gguf", False):
+        from klotski.compress.ggml import format_name
+        key = next(k for k in ckpt.spec.group_keys() if k[0] == "expert")
+        shape = dataclasses.replace(shape, expert_format=format_name(ckpt.expert_codec(dtype).block_types(key)))
+    return shape
 
 
 def host_modes(config, device, plan) -> tuple[str, str]:
@@ -479,19 +532,37 @@ def _held(config, ckpt, dtype, placement: Placement, *, bs, n, chunk, longest_pr
     return _Held(cost, resident, full, experts, slot, decode, schedule, hot, kw)
 
 
-def engine_placement(plan, spec, ranking: dict | None = None) -> Placement:
+def engine_placement(plan, spec, ranking: dict | None = None, picks=None) -> Placement:
     """The plan's tiers for the engine's groups. The plan places expert slots (it prices every
     expert alike); with a `ranking` (layer -> its experts, most picked first: a learned table's,
     prefetch/correlate.learned_routing) slot i of a layer is its i-th most picked expert, so
     the experts the plan keeps resident are the ones the tokens pick most; else slot i is
-    expert i."""
+    expert i. The plan spreads its resident experts evenly over the layers (planner.place.layer_ios);
+    with `picks` (a learned table's, per MoE layer and expert: learned_picks; --expert-split dp)
+    as many are divided among the layers by each layer's hits instead (placement/split.py)."""
     tiers, kv = plan.group_tiers(spec.shape.num_layers, spec.shape.num_experts)
     for layer, order in (ranking or {}).items():
         slots = [tiers["expert", layer, i] for i in range(len(order))]
         for i, expert in enumerate(order):
             tiers["expert", layer, expert] = slots[i]
     # a dense first layer has no experts to place
-    return Placement({k: t for k, t in tiers.items() if k[0] != "expert" or k[2] < spec.shape.experts_in(k[1])}, kv)
+    placement = Placement({k: t for k, t in tiers.items() if k[0] != "expert" or k[2] < spec.shape.experts_in(k[1])},
+                          kv)
+    if picks is None:
+        return placement
+    from placement.split import divide_experts
+    # a decode step routes the group's rows through a layer at once: bs x n tokens a step
+    tokens = getattr(plan, "batch_size", 1) * getattr(plan, "num_batches", 1)
+    return divide_experts(placement, picks, [j for j in range(spec.shape.num_layers) if spec.shape.experts_in(j)],
+                          tokens, spec.shape.top_k)
+
+
+def learned_picks(ckpt):
+    """The picks the saved correlation table of `ckpt` counted, per MoE layer and expert (a numpy
+    array), or None where no job has taught it yet."""
+    from klotski.prefetch.correlate import learned_routing
+    learned = learned_routing(ckpt)
+    return learned[1].numpy() if learned else None
 
 
 def routing_in_slot_order(routed, spec, ranking: dict | None) -> list[float] | None:
@@ -507,19 +578,25 @@ def routing_in_slot_order(routed, spec, ranking: dict | None) -> list[float] | N
 
 # ---- runs correct the profile (planner/calibrate.py) ------------------------------------------
 def learn_from_run(config, ckpt, setup, prompt_lens, gen_lens, measured: dict, *, busy: bool,
-                   pipeline_cost=None, popularity=None, skip: dict | None = None, segments=(), longest=None) -> dict:
+                   pipeline_cost=None, popularity=None, skip: dict | None = None, segments=(), longest=None,
+                   answers: Answers | None = None) -> dict:
     """The run as evidence for this machine's cached profile (planner/calibrate.py: `correct`):
     its prefill and decode seconds (`measured`) against the plan replayed over the run's own
-    lengths, routing and shared segments. Nothing is corrected after a `busy` run. Returns the
-    report's `profile` section: how the profile was judged, and what this run did to it."""
+    lengths, routing and shared segments; and its `answers`' lengths for the model's next plans
+    (planner/answer_lengths.py). Nothing is learned from a `busy` run. Returns the report's
+    `profile` section: how the profile was judged, and what this run did to it."""
     from planner import calibrate
     shape = _compute_shape(ckpt, setup.dtype)
     profile = profile_for("auto", shape, device=setup.device.type, link_gbps=config.emulate_link_gbps,
                           pipeline_cost=pipeline_cost, reuse=True)
-    if setup.plan is None or not gen_lens or busy:
-        why = "the machine was busy during the run: a busy run corrects nothing" if busy else \
-            "the run had no plan to compare with"
-        return {**calibrate.section(profile), "corrected": False, "why": why}
+    if busy:
+        return {**calibrate.section(profile), "corrected": False,
+                "why": "the machine was busy during the run: a busy run corrects nothing",
+                **({"answer_lengths": {"learned": False, "why": "a busy run teaches nothing"}} if answers else {})}
+    taught = {"answer_lengths": learn_answer_lengths(ckpt, answers)} if answers else {}
+    if setup.plan is None or not gen_lens:
+        return {**calibrate.section(profile), "corrected": False, "why": "the run had no plan to compare with",
+                **taught}
 
     def replay(prof) -> dict | None:
         try:
@@ -528,4 +605,26 @@ def learn_from_run(config, ckpt, setup, prompt_lens, gen_lens, measured: dict, *
         except (UserError, ValueError):  # the plan's budgets refused for these lengths: nothing to compare
             return None
         return {"prefill": p.job_prefill_s or 0.0, "decode": p.job_decode_s or 0.0}
-    return calibrate.correct(profile, replay, measured, skip)
+    return {**calibrate.correct(profile, replay, measured, skip), **taught}
+
+
+@dataclasses.dataclass
+class Answers:
+    """A run's answers, for the lengths the next plans take: the planned window's key
+    (`answer_key`) and each planned sequence's answer length in the planned order (None where it
+    gave none); every answer's length and its max_tokens."""
+    key: str | None
+    planned: list
+    lengths: list
+    caps: list
+
+
+def learn_answer_lengths(ckpt, answers: Answers) -> dict:
+    """Add a quiet run's answers to what `ckpt`'s next plans take; the report's words of it."""
+    if not answers.lengths:
+        return {"learned": False, "why": "the run generated no answers"}
+    try:
+        return {"learned": True, **answer_lengths.record(answer_lengths_path(ckpt), answers.key, answers.planned,
+                                                         list(answers.lengths), list(answers.caps), warn=_say)}
+    except OSError as e:
+        return {"learned": False, "why": f"{answer_lengths_path(ckpt)}: could not be written ({e.strerror or e})"}

@@ -13,7 +13,7 @@ packed one lands packed beside its slot and is decoded into it, a run in few cod
 host copies, staged buffers included, are reserved in the host `Memory`. A group the pipeline
 is computing with is held (`hold`) and never chosen for eviction, so what the accounts say is
 what exists. Transfers run on channels handed in by the engine (objects with
-`submit(fn, name=, nbytes=, link=)` and `to_device(t)`); this package never imports them.
+`submit(fn, name=, nbytes=, link=, speculative=)` and `to_device(t)`); this package never imports them.
 """
 from __future__ import annotations
 
@@ -130,19 +130,26 @@ class WeightCache:
         return (self.pooled(key) and self.pool.free() > 0) or self.memory.fits(self.sizes[key])
 
     # ---- moves --------------------------------------------------------------------------
-    def start(self, key, channel) -> bool:
-        """Begin moving `key` to the device on `channel`; False if the device has no room yet."""
+    def start(self, key, channel, speculative: bool = False) -> bool:
+        """Begin moving `key` to the device on `channel`; False if the device has no room yet.
+        `speculative`: a prefetch (it yields the link to demand loads: the channel's `submit`)."""
         if self.present(key):
             return True
         if self.pooled(key) and self.pool.free() and not self._handed_over(key):
-            return self.start_many([key], channel) > 0
+            return self.start_many([key], channel, speculative) > 0
         if not self.memory.fits(self.sizes[key]):
             return False
         self.memory.reserve(self.sizes[key], str(key))
         source, owned = self._source(key)
         self.pending[key] = channel.submit(lambda: {n: channel.to_device(t, owned) for n, t in source().items()},
-                                           name=_label(key), nbytes=self.moved[key])
+                                           name=_label(key), nbytes=self.moved[key], speculative=speculative)
         return True
+
+    def promote(self, key) -> None:
+        """Compute waits for `key` now: its transfer, if a prefetch still on its way, is carried
+        as a demand load from here on."""
+        if key in self.pending:
+            self.pending[key].promote()
 
     def open_pool(self, slots: int, *, event=None, decode_workspace=None) -> None:
         """The pool transferred experts land in: `slots` experts (0: none, every expert lands in
@@ -183,7 +190,7 @@ class WeightCache:
         """`key` lands in a pool slot when it is moved to the device."""
         return self.pool is not None and key in self._pooled
 
-    def start_many(self, keys, channel) -> int:
+    def start_many(self, keys, channel, speculative: bool = False) -> int:
         """Begin moving a run of one layer's experts in one submission: into free pool slots, as
         many as there are (adjacent or not: a wave computes them over the pool's tensors without
         copying them again); with the pool full, host-tier ones into a Landing of their own as
@@ -195,7 +202,7 @@ class WeightCache:
                    and not self._handed_over(keys[run])):
                 run += 1
             if run == 0:
-                return int(self.start(keys[0], channel))
+                return int(self.start(keys[0], channel, speculative))
             keys = keys[:run]
             slots = [pool.take(k) for k in keys]
             sources = [self._source(k)[0] for k in keys]
@@ -213,7 +220,8 @@ class WeightCache:
                         channel.copy_into(rows[n][s], t)
 
             ticket = channel.submit(work, name=_label(keys[0]) + (f"+{run - 1}" if run > 1 else ""),
-                                    nbytes=sum(self.moved[k] for k in keys), after=pool.after(slots))
+                                    nbytes=sum(self.moved[k] for k in keys), after=pool.after(slots),
+                                    speculative=speculative)
             for key in keys:
                 self.pending[key] = ticket
             self.experts_landed_stacked += run if run > 1 else 0
@@ -223,7 +231,7 @@ class WeightCache:
                and not self.present(keys[run]) and self.memory.fits((run + 1) * size)):
             run += 1
         if run < 2:
-            return int(self.start(keys[0], channel))
+            return int(self.start(keys[0], channel, speculative))
         keys = keys[:run]
         landing = Landing(keys, run * size)
         self.memory.reserve(landing.nbytes, f"experts {keys[0][:2]} x{run}")
@@ -243,7 +251,8 @@ class WeightCache:
                     channel.copy_into(stacks[n][i], t)
             return stacks
 
-        ticket = channel.submit(work, name=_label(keys[0]) + f"+{run - 1}", nbytes=sum(self.moved[k] for k in keys))
+        ticket = channel.submit(work, name=_label(keys[0]) + f"+{run - 1}", nbytes=sum(self.moved[k] for k in keys),
+                                speculative=speculative)
         for i, key in enumerate(keys):
             self.pending[key], self.landings[key] = landing.row_ticket(ticket, i), landing
         self.experts_landed_stacked += run

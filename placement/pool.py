@@ -204,3 +204,6 @@ class _RowTicket:
 
     def discard(self) -> None:
         self.ticket.discard()
+
+    def promote(self) -> None:
+        self.ticket.promote()

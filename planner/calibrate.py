@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from planner.profile import write_whole
+from planner.profile import locked, write_whole
 
 TERMS = ("attention", "gate", "expert", "head", "dequant", "pipeline", "host_to_device", "disk_to_host")
 PRIOR = 0.05          # the measurement's weight, in observations of a term explaining all of a phase
@@ -110,9 +110,10 @@ def correct(profile, replay, measured: dict, skip: dict | None = None) -> dict:
         return {**out, "corrected": False, "why": "no phase of the run could be compared with the plan"}
     path = Path(profile.cached_at)
     try:
-        stored = json.loads(path.read_text())
-        stored["calibration"] = learn(stored.get("calibration", {}), observations)
-        write_whole(path, json.dumps(stored, indent=1))
+        with locked(path):  # one writer at a time: a run ending beside this one adds its lesson after
+            stored = json.loads(path.read_text())
+            stored["calibration"] = learn(stored.get("calibration", {}), observations)
+            write_whole(path, json.dumps(stored, indent=1))
     except (OSError, ValueError) as e:
         return {**out, "corrected": False, "why": f"the profile's cache file could not be updated ({e})"}
     phases = {phase: {"predicted_s": round(base[phase], 4), "measured_s": round(measured.get(phase, 0.0), 4),

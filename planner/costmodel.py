@@ -100,7 +100,14 @@ class CostModel:
         self.head_bytes, self.embed_bytes = sizes.head, sizes.embed
         self.attention_decoded, self.expert_decoded = sizes.attention_decoded, sizes.expert_decoded
         self.expert_workspace, self.attention_workspace = sizes.expert_workspace, sizes.attention_workspace
-        self.kv_bytes_per_token_layer = s.kv_width * b  # MLA: the latent and rotary key only
+        # MLA: the latent and rotary key only; a hybrid: its full-attention layers' keys and values
+        # spread over every layer (the linear layers keep none), so x num_layers is the whole cache
+        hybrid = bool(getattr(s, "linear_layers", ()))
+        self.kv_bytes_per_token_layer = s.kv_width * b * s.attention_layers / s.num_layers if hybrid else s.kv_width * b
+        # a hybrid's recurrent state per sequence, counted as this many more positions of every
+        # sequence (a constant: it does not grow with the text); 0 for every other model
+        state = s.recurrent_bytes_per_sequence(b) if hybrid else 0
+        self.state_positions = state / (self.kv_bytes_per_token_layer * s.num_layers) if state else 0
         measured_here = getattr(profile, "shape_key", None) == s.key()
         self._samples = profile.samples if measured_here else {}
         # what runs on this machine taught (planner/calibrate.py): a factor per term, 1 where none
@@ -124,8 +131,9 @@ class CostModel:
 
     def kv_context(self, ctx: int) -> int:
         """Positions kept and read per sequence: all of them (a sliding window is a mask over
-        the whole cache in the engine, which keeps every slot)."""
-        return ctx
+        the whole cache in the engine, which keeps every slot), and a hybrid's recurrent state as
+        the constant number of positions its bytes make (`state_positions`)."""
+        return ctx + self.state_positions if self.state_positions else ctx
 
     def kv_loaded(self, bs: int, ctx: int, new_tokens: int = 1) -> float:
         """Bytes of one batch's KV prefix a step loads for one layer, its cache on the host:
@@ -325,7 +333,7 @@ class CostModel:
         """Dequantizing one group ('attention' or 'expert') before use; HQQ weights stay
         quantized wherever they live, so this is paid at every use, resident or not."""
         s = self.shape
-        if self.quant_bits is None and not (kind == "expert" and s.expert_format == "mxfp4"):
+        if self.quant_bits is None and not (kind == "expert" and s.expert_format):  # MXFP4, GGUF blocks
             return 0.0
         return self.t_op("dequant", (s.expert_params if kind == "expert" else s.attention_params,))
 

@@ -27,7 +27,9 @@ must not pay for (or require) torch.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import mmap
@@ -36,6 +38,7 @@ import platform
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -275,8 +278,9 @@ def with_link(prof: Profile, link_gbps: float | None) -> Profile:
 
 def write_whole(path: Path, text: str) -> None:
     """Write a profile's cache file whole or not at all (a run's corrections too:
-    planner/calibrate.py); raises OSError."""
-    tmp = path.with_suffix(".tmp")
+    planner/calibrate.py); raises OSError. The temporary file is this process's own, so two
+    writers never write into one."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_text(text)
@@ -284,6 +288,20 @@ def write_whole(path: Path, text: str) -> None:
     except OSError:
         tmp.unlink(missing_ok=True)
         raise
+
+
+@contextlib.contextmanager
+def locked(path: Path):
+    """Hold `path`'s lock file (`path`.lock) while a read-modify-write of `path` runs: two runs
+    ending at once (two processes, or a server's batches) each add their lesson, neither
+    overwriting the other's with what it read before. Raises OSError where it cannot be made."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _save(path: Path, text: str) -> None:

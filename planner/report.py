@@ -43,6 +43,9 @@ class Plan:
     job_prefill_passes: float = 0.0  # the job's prefill passes (continuous batching, its replay)
     precision: dict = field(default_factory=dict)  # the precisions weighed and the one taken (planner.precision)
     newcomer_room: float | None = None  # device bytes newcomers' caches may take (continuous; None: unbounded)
+    # where the answer lengths time was planned at came from (planner/answer_lengths.py: source,
+    # runs, answer_tokens against max_tokens); empty: no job's lengths were given
+    answer_lengths: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)

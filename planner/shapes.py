@@ -50,6 +50,15 @@ class ModelShape:
     # not in `mlp_only_layers` and (j + 1) % `sparse_step` == 0 (config `decoder_sparse_step`)
     sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # Linear-attention hybrids (Qwen3-Next, Qwen3.5/3.6-MoE): the Gated DeltaNet layers (config
+    # `layer_types`), which keep a fixed-size recurrent state per sequence instead of keys and values:
+    # a causal conv's last `linear_conv_kernel - 1` inputs and an fp32 matrix per value head
+    linear_layers: tuple[int, ...] = ()
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    linear_conv_kernel: int = 0
 
     @classmethod
     def from_config(cls, cfg: dict, name: str = "") -> "ModelShape":
@@ -82,7 +91,7 @@ class ModelShape:
             expert_format=expert_format(cfg),
             **{"shared_intermediate_size": int(cfg.get(names.get("shared", ""), 0) or 0),
                "qk_norm": names.get("qk_norm", ""), **mla_fields(cfg), **qwen_dense_fields(cfg), **glm_fields(cfg),
-               **moe_layer_fields(cfg)},
+               **moe_layer_fields(cfg), **linear_fields(cfg)},
         )
 
     @property
@@ -122,6 +131,32 @@ class ModelShape:
     def first_moe_layer(self) -> int:
         """The first layer with experts (the last layer if none has)."""
         return next((j for j in range(self.num_layers) if not self.is_dense(j)), self.num_layers - 1)
+
+    def is_linear(self, layer: int) -> bool:
+        """Whether `layer` is linear attention (a recurrent state, no keys and values)."""
+        return layer in self._linear
+
+    @cached_property
+    def _linear(self) -> frozenset:
+        return frozenset(self.linear_layers)
+
+    @property
+    def attention_layers(self) -> int:
+        """Layers whose cache holds keys and values (every layer but the linear-attention ones)."""
+        return self.num_layers - len(self.linear_layers)
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of a linear-attention layer's causal conv: its q, k and v side by side."""
+        return 2 * self.linear_key_heads * self.linear_key_dim + self.linear_value_heads * self.linear_value_dim
+
+    def recurrent_bytes_per_sequence(self, dtype_bytes: int | None = None) -> int:
+        """One sequence's recurrent state over every linear-attention layer: the conv's last
+        kernel - 1 inputs (in the compute dtype) and the fp32 matrix [value heads, key dim, value
+        dim]. A constant: it does not grow with the text."""
+        conv = self.linear_conv_dim * max(self.linear_conv_kernel - 1, 0) * (dtype_bytes or self.dtype_bytes)
+        matrix = self.linear_value_heads * self.linear_key_dim * self.linear_value_dim * 4
+        return len(self.linear_layers) * (conv + matrix)
 
     @property
     def kv_cache_dims(self) -> tuple[int, int, int]:
@@ -187,7 +222,7 @@ class ModelShape:
 
     def kv_bytes_per_token(self, dtype_bytes: int | None = None) -> int:
         """What the KV cache holds for one token over all layers (K and V, or MLA's latent)."""
-        return self.num_layers * self.kv_width * (dtype_bytes or self.dtype_bytes)
+        return self.attention_layers * self.kv_width * (dtype_bytes or self.dtype_bytes)
 
     def key(self) -> str:
         """Stable text identifying the shapes and dtype (for profile cache keys); fields added
@@ -200,7 +235,8 @@ class ModelShape:
 
 
 _NONE = object()
-_LATER_DEFAULTS = {"sparse_step": 1, "mlp_only_layers": ()}
+_LATER_DEFAULTS = {"sparse_step": 1, "mlp_only_layers": (), "linear_layers": (), "linear_key_heads": 0,
+                   "linear_value_heads": 0, "linear_key_dim": 0, "linear_value_dim": 0, "linear_conv_kernel": 0}
 
 
 # Per family: the config field of one routed expert's width and of the expert count, the
@@ -222,7 +258,37 @@ FAMILY_FIELDS: dict[str, dict[str, str]] = {
     # moe_layer_fields (Llama 4's q/k norm has no weight)
     "ernie4_5_moe": {"intermediate_size": "moe_intermediate_size", "num_experts": "moe_num_experts", "top_k": "moe_k"},
     "llama4_text": {"intermediate_size": "intermediate_size", "num_experts": "num_local_experts"},
+    # the linear-attention hybrids: a shared expert beside 256-512 routed ones, per-head q/k norms
+    # in the full-attention layers (linear_fields: the Gated DeltaNet layers)
+    "qwen3_next": {"intermediate_size": "moe_intermediate_size", "num_experts": "num_experts", "qk_norm": "head",
+                   "shared": "shared_expert_intermediate_size"},
+    "qwen3_5_moe_text": {"intermediate_size": "moe_intermediate_size", "num_experts": "num_experts",
+                         "qk_norm": "head", "shared": "shared_expert_intermediate_size"},
 }
+HYBRIDS = ("qwen3_next", "qwen3_5_moe_text")
+
+
+def layer_types(cfg: dict) -> list[str]:
+    """A hybrid's `layer_types`, or transformers' default from `full_attention_interval` (4):
+    every interval-th layer full attention, the others linear."""
+    types = cfg.get("layer_types")
+    if types is not None:
+        return list(types)
+    interval = cfg.get("full_attention_interval", 4)
+    return ["linear_attention" if (j + 1) % interval else "full_attention" for j in range(cfg["num_hidden_layers"])]
+
+
+def linear_fields(cfg: dict) -> dict:
+    """A hybrid's linear-attention layers and their state's sizes (transformers' defaults where
+    a field is absent); empty for every other family."""
+    if cfg.get("model_type") not in HYBRIDS:
+        return {}
+    return {"linear_layers": tuple(j for j, t in enumerate(layer_types(cfg)) if t == "linear_attention"),
+            "linear_key_heads": cfg.get("linear_num_key_heads", 16),
+            "linear_value_heads": cfg.get("linear_num_value_heads", 32),
+            "linear_key_dim": cfg.get("linear_key_head_dim", 128),
+            "linear_value_dim": cfg.get("linear_value_head_dim", 128),
+            "linear_conv_kernel": cfg.get("linear_conv_kernel_dim", 4)}
 
 
 def mla_fields(cfg: dict) -> dict:
@@ -239,7 +305,7 @@ def mla_fields(cfg: dict) -> dict:
 def qwen_dense_fields(cfg: dict) -> dict:
     """Qwen MoE's dense layers (`mlp_only_layers`, `decoder_sparse_step`) and their MLP width
     (`intermediate_size`); empty for every other family and for an all-MoE Qwen config."""
-    if cfg.get("model_type") not in ("qwen2_moe", "qwen3_moe"):
+    if cfg.get("model_type") not in ("qwen2_moe", "qwen3_moe", "qwen3_next"):
         return {}
     only, step = tuple(sorted(set(cfg.get("mlp_only_layers") or ()))), int(cfg.get("decoder_sparse_step") or 1)
     if not only and step == 1:
@@ -310,7 +376,7 @@ def window_applies(cfg: dict) -> bool:
     applies only with `use_sliding_window` (Qwen1.5-MoE ships 32768 with it false); GLM-4.5
     and MiniMax-M2 attend over every position whatever it says (transformers' mask has no window),
     as ERNIE 4.5 and Llama 4 do (Llama 4's chunked layers are its own: llama4.py)."""
-    if cfg.get("model_type") in ("glm4_moe", "minimax_m2", "ernie4_5_moe", "llama4_text"):
+    if cfg.get("model_type") in ("glm4_moe", "minimax_m2", "ernie4_5_moe", "llama4_text", *HYBRIDS):
         return False
     return cfg.get("model_type") not in ("qwen2_moe", "qwen3_moe") or bool(cfg.get("use_sliding_window"))
 

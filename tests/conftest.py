@@ -67,6 +67,22 @@ def checkpoints(tmp_path_factory):
     return out
 
 
+def token_routed_model(folder):
+    """tiny-mixtral with every attention output and expert output zeroed, saved in `folder`: each
+    layer's input is the token's embedding, so a token's experts at every layer depend on the
+    token alone, and layer m's router scores are a linear function of layer m-1's
+    RMS-normalised input."""
+    from safetensors.torch import load_file, save_file
+    model = tiny.build_checkpoint(folder, "tiny")
+    for path in model.glob("*.safetensors"):
+        weights = load_file(path)
+        for name in weights:
+            if name.endswith(("o_proj.weight", "w2.weight", "down_proj.weight")):
+                weights[name] = torch.zeros_like(weights[name])
+        save_file(weights, path, metadata={"format": "pt"})
+    return model
+
+
 def requests(prompts=PROMPTS, max_new_tokens=10):
     return [Request(id=f"r{i}", line=i + 1, prompt=p, messages=None, max_new_tokens=max_new_tokens)
             for i, p in enumerate(prompts)]

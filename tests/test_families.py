@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from conftest import PROMPTS, engine_tokens, reference_tokens
+from conftest import PROMPTS, engine_tokens, placed_run, reference_tokens
 from klotski.builtin.families import FAMILIES, build_family
 
 
@@ -34,6 +34,8 @@ def test_greedy_equals_transformers(family_models, family_refs, family):
 def test_quarter_budget_every_schedule(family_models, family_refs, family, schedule, n):
     if schedule == "simple" and n > 1:
         pytest.skip("simple runs one batch")
+    if family == "qwen3_5_moe_text" and schedule != "klotski":
+        pytest.skip("Qwen3-Next's schedules cover it: the two differ only in the DeltaNet's projections")
     _, probe = engine_tokens(family_models[family], prompts=["x"], max_new_tokens=1)
     quarter = sum(probe.cache.full.values()) // 4
     ours, engine = engine_tokens(family_models[family], device_memory=quarter,
@@ -140,7 +142,7 @@ def test_llama4_vision_language_checkpoint_runs_its_text_model(family_models, fa
     assert ours == family_refs["llama4_text"] == reference_tokens(out)
 
 
-NEWER = ("glm4_moe", "minimax_m2", "ernie4_5_moe", "llama4_text")  # issue 63's attention families
+NEWER = ("glm4_moe", "minimax_m2", "ernie4_5_moe", "llama4_text", "qwen3_next", "qwen3_5_moe_text")  # issue 63's
 RUBRIC = "You label passages by their topic. Answer with one word, lower case, no punctuation. Passage: "
 
 
@@ -166,6 +168,56 @@ def test_llama4_refuses_sparse_attention_in_one_line(family_models):
     from klotski.errors import ConfigError
     with pytest.raises(ConfigError, match=r"--attention sink:2,window:8: llama4_text .* --attention full"):
         engine_tokens(family_models["llama4_text"], attention="sink:2,window:8")
+
+
+# ---- the linear-attention hybrids (issue 63; their parts: tests/test_hybrid_families.py) ------
+@pytest.mark.parametrize("family", ("qwen3_next", "qwen3_5_moe_text"))
+def test_hybrid_static_batching_refilled_under_a_quarter_budget_and_the_host_tier(family_models, family_refs, family):
+    """More prompts than rows, static groups; and every cache (KV and recurrent state) on the
+    host tier: tokens equal transformers', peak device bytes within the budget."""
+    path = family_models[family]
+    ref = family_refs[family]
+    _, probe = engine_tokens(path, prompts=["x"], max_new_tokens=1)
+    quarter = sum(probe.cache.full.values()) // 4
+    ours, engine = engine_tokens(path, device_memory=quarter, batch_size=2, num_batches=2, batching="static")
+    assert ours == ref
+    assert engine.memory.peak <= quarter
+    tokens, _, engine = placed_run(path, "host", device="cpu")
+    assert tokens == reference_tokens(path, max_new_tokens=8)
+
+
+def test_qwen3_5_vision_language_checkpoint_runs_its_text_model(family_models, family_refs, tmp_path):
+    """Qwen3.5/3.6-MoE as published: `qwen3_5_moe` with the text model in `text_config`, its
+    weights under `model.language_model.` beside a vision tower never read; written by
+    transformers' Qwen3_5MoeForConditionalGeneration around the text preset."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+    src = family_models["qwen3_5_moe_text"]
+    text = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64, patch_size=14,
+                  num_position_embeddings=16)
+    model = Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(text_config=text.config.to_dict(),
+                                                                vision_config=vision))
+    model.model.language_model.load_state_dict(text.model.state_dict())
+    model.lm_head.load_state_dict(text.lm_head.state_dict())
+    out = tmp_path / "vl"
+    model.save_pretrained(out)
+    for f in src.iterdir():
+        if f.name != "config.json" and "safetensors" not in f.name:
+            shutil.copy(f, out / f.name)
+    assert json.loads((out / "config.json").read_text())["model_type"] == "qwen3_5_moe"
+    ours, engine = engine_tokens(out, batch_size=len(PROMPTS))
+    assert engine.spec.weights_prefix == "model.language_model."
+    assert engine.spec.shape.model_type == "qwen3_5_moe_text"
+    assert ours == family_refs["qwen3_5_moe_text"] == reference_tokens(out)
+
+
+def test_hybrids_refuse_sparse_attention_in_one_line(family_models):
+    from klotski.errors import ConfigError
+    with pytest.raises(ConfigError, match=r"--attention sink:2,window:8: qwen3_next's linear-attention .* --attention full"):
+        engine_tokens(family_models["qwen3_next"], attention="sink:2,window:8")
 
 
 # ---- the Family Protocol: every hook of every family module, no probing -------------------

@@ -40,6 +40,10 @@ MAX_TOP_LEVEL_MODULES = 8
 THIRD_PARTY_PRIVATE = {
     # PyTorch's grouped GEMM (many experts in one kernel) has no public name yet (torch 2.8-2.10)
     "torch._grouped_mm",
+    # its weight-only int4 CPU kernel and the converter its layout is checked against (issue 60:
+    # 4-bit weights multiplied as codes on a CPU) have no public names (torch 2.13)
+    "torch.ops.aten._weight_int4pack_mm_for_cpu",
+    "torch.ops.aten._convert_weight_to_int4pack_for_cpu",
 }
 
 

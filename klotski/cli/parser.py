@@ -6,7 +6,7 @@ import argparse
 import os
 from pathlib import Path
 
-from klotski.config import BATCHINGS, DTYPES, HOST_COMPUTE, OUTPUT_FORMATS, PREFETCH, SCHEDULES, RunConfig, parse_size
+from klotski.config import BATCHINGS, ORDERS, DTYPES, EXPERT_SPLITS, HOST_COMPUTE, OUTPUT_FORMATS, PREFETCH, SCHEDULES, RunConfig, parse_size
 from klotski.errors import ConfigError
 from planner.shapes import FAMILY_FIELDS
 
@@ -69,8 +69,12 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batching", default="continuous", choices=BATCHINGS,
                    help="continuous (default): a finished sequence's row takes the next prompt; static: a "
                         "batch keeps its rows until its longest sequence ends (same tokens either way)")
+    p.add_argument("--order", default="length", choices=ORDERS,
+                   help="how a window's lines wait: length (default: longest first) or routing (in groups of "
+                        "n x bs whose prompts pick similar experts at the first MoE layer; same tokens)")
     p.add_argument("--prefetch", default="correlation", choices=PREFETCH,
-                   help="how hot experts are predicted (default: correlation)")
+                   help="how hot experts are predicted (default: correlation); pregate: a map from a "
+                        "layer's input to the next layer's router fitted on the run, next-gate scored beside it")
     p.add_argument("--attention", default="full", metavar="full|sink:S,window:W",
                    help="full (exact, default) or StreamingLLM-style: keep each sequence's first S and "
                         "last W tokens of the KV cache")
@@ -84,6 +88,18 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="run HQQ's half-quadratic optimisation (~4%% less error, ~40x slower to quantize)")
     p.add_argument("--emulate-link", type=float, metavar="GBPS", dest="emulate_link_gbps",
                    help="throttle host->device transfers to GBPS GB/s to mimic a PCIe card on a CPU run")
+    p.add_argument("--transfer-chunk-ms", type=float, default=RunConfig.transfer_chunk_ms, metavar="MS",
+                   help="a speculative prefetch on the link yields to a demand load at its next chunk boundary, "
+                        "a chunk being MS ms of the link (default: %(default)s; 0: whole transfers, first come "
+                        "first served)")
+    p.add_argument("--expert-split", default=RunConfig.expert_split, choices=EXPERT_SPLITS,
+                   help="how the device's resident experts are divided among layers: dp (default: by each "
+                        "layer's hits in the learned routing, a dynamic program) or even")
+    p.add_argument("--adaptive-gating", type=float, nargs="?", const=0.95, metavar="AGREEMENT",
+                   help="AdapMoE's adaptive gating (approximate, off by default): a token whose top-1 gate weight "
+                        "dominates skips its other experts (fewer loaded and computed), per-layer thresholds "
+                        "calibrated on the first group so that at least AGREEMENT (default 0.95) of its greedy "
+                        "tokens equal exact top-k's; saved beside the output for a resumed run")
     p.add_argument("--host-attention", default="off", choices=HOST_COMPUTE,
                    help="with the KV cache on the host, compute attention there (q down, output up) instead "
                         "of moving the KV prefix: auto = where the cost model says it finishes sooner")
@@ -335,9 +351,12 @@ def config_from_args(a: argparse.Namespace) -> RunConfig:
         seed=a.seed, batch_size=a.batch_size, num_batches=a.num_batches, prefill_chunk=a.prefill_chunk,
         device_memory=a.device_memory,
         host_memory=a.host_memory, offload_dir=a.offload_dir, device=a.device, dtype=a.dtype,
-        schedule=a.schedule, batching=a.batching, prefetch=a.prefetch, attention=a.attention, quantize=a.quantize, quantize_optimize=a.quantize_optimize,
+        schedule=a.schedule, batching=a.batching, order=a.order, prefetch=a.prefetch, attention=a.attention, quantize=a.quantize, quantize_optimize=a.quantize_optimize,
         quality_max_gap=a.quality_max_gap, quality_min_agreement=a.quality_min_agreement,
         emulate_link_gbps=a.emulate_link_gbps,
+        transfer_chunk_ms=getattr(a, "transfer_chunk_ms", RunConfig.transfer_chunk_ms),
+        expert_split=getattr(a, "expert_split", RunConfig.expert_split),
+        adaptive_gating=getattr(a, "adaptive_gating", None),
         host_attention=getattr(a, "host_attention", RunConfig.host_attention),
         host_experts=getattr(a, "host_experts", RunConfig.host_experts),
         direct_io=not a.no_direct_io, threads=getattr(a, "threads", None), prefix_cache=not getattr(a, "no_prefix_cache", False), resume=not a.no_resume, include_token_ids=a.include_token_ids,

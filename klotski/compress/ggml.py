@@ -14,7 +14,8 @@ import math
 
 import torch
 
-from klotski.compress import mxfp4
+from klotski.compress import int4, mxfp4
+from klotski.models.int4 import SCALES
 
 # ggml type id -> (name, weights a block, bytes a block): the types decoded here
 TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 30: ("BF16", 1, 2), 2: ("Q4_0", 32, 18), 8: ("Q8_0", 32, 34),
@@ -64,7 +65,7 @@ def _q8_0(b):
     return b[:, 2:].contiguous().view(torch.int8).float().mul_(_f16(b, 0))
 
 
-def _scale_min_k4(scales: torch.Tensor):
+def scale_min_k4(scales: torch.Tensor):
     """The 8 six-bit scales and mins packed in 12 bytes (Q4_K, Q5_K), as fp32 [n, 8]."""
     s = scales.reshape(-1, 3, 4)
     d, m, md = s[:, 0], s[:, 1], s[:, 2]
@@ -75,7 +76,7 @@ def _scale_min_k4(scales: torch.Tensor):
 
 def _q4_k(b):
     n = b.shape[0]
-    sc, mn = _scale_min_k4(b[:, 4:16])
+    sc, mn = scale_min_k4(b[:, 4:16])
     d = (_f16(b, 0) * sc).reshape(n, 8, 1)
     dm = (_f16(b, 2) * mn).reshape(n, 8, 1)
     q = _nibbles(b[:, 16:].reshape(n, 4, 32), 2).reshape(n, 8, 32).float()
@@ -84,7 +85,7 @@ def _q4_k(b):
 
 def _q5_k(b):
     n = b.shape[0]
-    sc, mn = _scale_min_k4(b[:, 4:16])
+    sc, mn = scale_min_k4(b[:, 4:16])
     d = (_f16(b, 0) * sc).reshape(n, 8, 1)
     dm = (_f16(b, 2) * mn).reshape(n, 8, 1)
     ql = _nibbles(b[:, 48:].reshape(n, 4, 32), 2).reshape(n, 8, 32)
@@ -140,6 +141,81 @@ def non_finite_scales(raw: torch.Tensor, qtype: str) -> int:
     return int(bad.sum())
 
 
+# ---- 4-bit blocks held for torch's CPU int4 kernel (compress/int4.py, issue 60) ----------------
+# On a CPU in 16 bits, Q4_0 and Q4_K experts are read into two parts with their blocks' bytes:
+# `<w>.<TYPE>@codes`, uint8 [..., N, K/2], the codes in the kernel's layout, and `<w>.<TYPE>@meta`,
+# the blocks' scale fields as stored (Q4_0's fp16 scale [..., N, K/32]; Q4_K's 16 bytes of d, dmin
+# and 6-bit scales and mins [..., N, K/256, 16]). The per-use decode builds only the kernel's
+# [..., K/32, N, 2] scales and zeros: Q4_0's (q - 8)·d with s = d, z = 0; Q4_K's q·(d·sc) - dmin·m
+# with s = d·sc, z = 8·s - dmin·m, in fp32 as the decoders above, then in the activation's dtype.
+INT4_FORMS = ("Q4_0", "Q4_K")  # block types whose codes and scales the kernel takes as they are
+CODES, META = "@codes", "@meta"
+
+
+def int4_applies(qtype: str, dtype: torch.dtype, rows: int) -> bool:
+    """Whether a GGUF matrix of `qtype` with `rows` outputs is held as int4 codes for compute in
+    `dtype` on the CPU."""
+    return qtype in INT4_FORMS and dtype in (torch.bfloat16, torch.float16) and rows % 16 == 0 and int4.available()
+
+
+def int4_from_blocks(raw: torch.Tensor, qtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF blocks [..., N, row bytes] -> (codes in the kernel's layout, the scale fields as
+    stored): the same bytes, split."""
+    _, block, size = BY_NAME[qtype]
+    *lead, N, row = raw.shape
+    b = raw.reshape(*lead, N, row // size, size)
+    if qtype == "Q4_0":  # byte j: element j (low nibble), element j + 16 (high)
+        qs = b[..., 2:]
+        codes = torch.stack((qs & 0x0F, qs >> 4), dim=-2)
+        meta = b[..., :2].contiguous().view(torch.float16).squeeze(-1)
+    else:  # Q4_K: 4 runs of 32 bytes, each run's low nibbles a sub-block, its high ones the next
+        qs = b[..., 16:].reshape(*lead, N, row // size, 4, 32)
+        codes = torch.stack((qs & 0x0F, qs >> 4), dim=-2)
+        meta = b[..., :16].contiguous()
+    return int4.pack_codes(codes.reshape(*lead, N, row // size * block)), meta
+
+
+def int4_scales_zeros(meta: torch.Tensor, qtype: str, dtype: torch.dtype) -> torch.Tensor:
+    """The kernel's [..., K/32, N, 2] scales and zeros from a matrix's scale fields (int4_from_blocks)."""
+    if qtype == "Q4_0":
+        return int4.scales_zeros(meta, None, dtype)  # fp16 to `dtype` through fp32, as .float().to() rounds
+    *lead, N, supers, _ = meta.shape
+    flat = meta.reshape(-1, 16)
+    sc, mn = scale_min_k4(flat[:, 4:16])
+    s = _f16(flat, 0) * sc  # d·sc and dmin·m, as _q4_k rounds them
+    z = (s * 8).sub_(_f16(flat, 2) * mn)
+    return int4.scales_zeros(s.reshape(*lead, N, supers * 8), z.reshape(*lead, N, supers * 8), dtype)
+
+
+def int4_parts(name: str, raw: torch.Tensor, qtype: str) -> dict:
+    """A GGUF matrix's parts in the int4 form, named for GgufCodec.decode."""
+    codes, meta = int4_from_blocks(raw, qtype)
+    return {f"{name}.{qtype}{CODES}": codes, f"{name}.{qtype}{META}": meta}
+
+
+def int4_decode_part(local: str, qtype: str, t: torch.Tensor, dtype: torch.dtype) -> tuple[str, torch.Tensor] | None:
+    """A part of the int4 form as the weights dict holds it (codes as they are, scale fields as
+    the kernel's scales and zeros), or None for a part of another form."""
+    if qtype.endswith(CODES):
+        return local, t
+    if qtype.endswith(META):
+        return local + SCALES, int4_scales_zeros(t, qtype[:-len(META)], dtype)
+    return None
+
+
+def format_name(block_types) -> str:
+    """A GGUF model's expert format as the planner's shape names it: each matrix's block type
+    (`GgufCodec.block_types`), e.g. "gguf:w1=Q4_0,w2=Q4_0,w3=Q4_0" (the profile times those)."""
+    return "gguf:" + ",".join(f"{name}={qtype}" for name, qtype in sorted(block_types))
+
+
+def format_types(expert_format: str) -> dict[str, str]:
+    """`format_name`'s inverse: {matrix: block type}, empty for a format that is not GGUF's."""
+    if not expert_format.startswith("gguf:"):
+        return {}
+    return dict(item.split("=", 1) for item in expert_format[len("gguf:"):].split(","))
+
+
 class GgufCodec:
     """The WeightCache's codec for a GGUF checkpoint: expert matrices read, held and moved as
     their GGUF blocks, decoded on the device per use. A packed part is named `<local>.<TYPE>`
@@ -148,9 +224,12 @@ class GgufCodec:
     are laid out otherwise than GGUF's gate/up/down (gpt-oss: gate and up interleaved, transposed)
     has a `join_gguf_expert` that `decode` hands the decoded matrices to."""
 
-    def __init__(self, store, spec, dtype: torch.dtype):
+    def __init__(self, store, spec, dtype: torch.dtype, on_cpu: bool = False):
         self.store, self.spec, self.dtype = store, spec, dtype
         self.join = getattr(spec.family, "join_gguf_expert", None)
+        # computing on a CPU in 16 bits, Q4_0/Q4_K experts are read into torch's int4 form
+        # (compress/int4.py): the same bytes, multiplied where they lie instead of decoded per use
+        self.int4 = on_cpu and self.join is None and dtype in (torch.bfloat16, torch.float16)
 
     def covers(self, key) -> bool:
         return key[0] == "expert"
@@ -178,11 +257,20 @@ class GgufCodec:
         # joining copies each matrix once beside the decoded parts (gpt-oss: stack, then transpose)
         return max(work, 2 * self.decoded_nbytes(key)) if self.join else work
 
+    def held_as_int4(self, ref, qtype: str) -> bool:
+        """Whether the matrix `ref` of `qtype` is read into the int4 form (compress/int4.py)."""
+        if not self.int4:
+            return False
+        rows = self.store.entries[ref.name].span(ref.index, ref.rows)[2][-2]
+        return int4_applies(qtype, self.dtype, rows)
+
     def read(self, key) -> dict:
         out = {}
         for name, ref, qtype in self._parts(key):
             if qtype in FLOAT_TYPES:
                 out[name] = self.store.read(ref.name, ref.index, ref.rows).to(self.dtype)
+            elif self.held_as_int4(ref, qtype):
+                out.update(int4_parts(name, self.store.read_raw(ref.name, ref.index, ref.rows), qtype))
             else:
                 out[f"{name}.{qtype}"] = self.store.read_raw(ref.name, ref.index, ref.rows)
         return out
@@ -191,5 +279,9 @@ class GgufCodec:
         out = {}
         for name, t in parts.items():
             local, _, qtype = name.partition(".")
+            if "@" in qtype:  # the int4 form: codes as they are, the kernel's scales built
+                local, t = int4_decode_part(local, qtype, t, self.dtype)
+                out[local] = t
+                continue
             out[local] = dequantize(t, qtype, self.dtype) if qtype else t
         return self.join(out) if self.join else out

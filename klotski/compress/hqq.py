@@ -56,7 +56,7 @@ WEIGHTS_FILE = "quantized.safetensors"
 MANIFEST_FILE = "manifest.json"
 META_BITS = 8  # scales/zeros are stored as 8-bit codes, as in HQQ's own quant_scale/quant_zero
 _GROUP_ALIGN = 8  # 1-bit codes pack 8 groups per byte row; 2- and 4-bit need 4 and 2
-_PARTS = ("q", "scale", "scale_q", "scale_s", "scale_z", "zero", "zero_q", "zero_s", "zero_z", "header")
+PARTS = ("q", "scale", "scale_q", "scale_s", "scale_z", "zero", "zero_q", "zero_s", "zero_z", "header")
 _BITS = (1, 2, 3, 4, 8)  # hqq packs 5/6 bits as full bytes: no saving, so not offered
 
 
@@ -168,6 +168,36 @@ def dequantize_tensor(parts: dict[str, torch.Tensor], dtype: torch.dtype | None 
     return W.reshape(*lead, rows, cols).to(dtype).contiguous()
 
 
+def _layout(parts: dict[str, torch.Tensor]):
+    header = parts["header"]
+    lead = header.shape[:-6]
+    _, bits, gs, _, rows, cols = header.shape[-6:]
+    return lead, bits, gs, rows, cols, _padded_groups(rows, cols, gs), math.prod(lead)
+
+
+def codes_of(parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A weight's codes as uint8 [..., rows, cols], for compute that takes codes as they are
+    (compress/int4.py): widths that are whole groups only."""
+    lead, bits, gs, rows, cols, groups, n = _layout(parts)
+    Quantizer = _hqq()
+    q = parts["q"].reshape(n, *parts["q"].shape[-2:])  # unpacked side by side, as dequantize_tensor does
+    codes = Quantizer.unpack[Quantizer.bit_to_packing[bits]](q.transpose(0, 1).reshape(q.shape[1], -1),
+                                                             dtype=torch.uint8)
+    return codes[:groups].view(groups, n, gs).transpose(0, 1)[:, :rows * cols // gs].reshape(*lead, rows, cols)
+
+
+def scales_and_zeros_of(parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight's per-group scales and zeros as fp32 [..., rows, cols/gs] (each weight being
+    (code - zero)·scale), from its parts less its codes: widths that are whole groups only."""
+    lead, _, gs, rows, cols, groups, n = _layout(parts)
+    out = []
+    for key in ("scale", "zero"):
+        v = parts[key] if key in parts else \
+            _dequantize_meta(parts[f"{key}_q"], parts[f"{key}_s"], parts[f"{key}_z"], groups)
+        out.append(v.reshape(n, groups)[:, :rows * cols // gs].float().reshape(*lead, rows, cols // gs))
+    return out[0], out[1]
+
+
 def workspace_nbytes(rows: int, cols: int, bits: int, gs: int, dtype: torch.dtype, experts: int = 1) -> int:
     """Device bytes `dequantize_tensor` holds beyond its output while it decodes a rows x cols
     weight (`experts` of them stacked), at most: the packed codes laid side by side and hqq's
@@ -265,7 +295,7 @@ def dequantize_group(parts: dict[str, torch.Tensor], dtype: torch.dtype | None =
     out: dict[str, torch.Tensor] = {}
     for key, t in parts.items():
         name, _, part = key.rpartition(".")
-        if name in quantized and part in _PARTS:
+        if name in quantized and part in PARTS:
             grouped[name][part] = t
         else:
             out[key] = t

@@ -10,6 +10,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import torch
+
 from klotski.compress import hqq as quant
 from klotski.compress.hqq import QUANTIZED_KINDS
 from klotski.util import dtypes
@@ -20,9 +22,13 @@ def label(key) -> str:
 
 
 class QuantCodec:
-    def __init__(self, directory: Path, dtype):
+    """`on_cpu`: compute is on a CPU, where 4-bit weights in 16-bit runs are read into torch's int4
+    form (compress/int4.py: the same bytes, multiplied where they lie instead of decoded per use)."""
+
+    def __init__(self, directory: Path, dtype, on_cpu: bool = False):
         from safetensors import safe_open
         self.directory, self.dtype = Path(directory), dtype
+        self.int4 = on_cpu and dtype in (torch.bfloat16, torch.float16)
         self._packed: dict[str, int] = {}
         self._headers: dict[str, list] = {}  # a group's quantized weights' header shapes
         with safe_open(self.directory / quant.WEIGHTS_FILE, framework="pt") as f:
@@ -47,10 +53,30 @@ class QuantCodec:
         return quant.group_workspace_nbytes(self._headers.get(label(key), ()), self.dtype)
 
     def read(self, key) -> dict:
-        return quant.load_quantized(self.directory, label(key))
+        parts = quant.load_quantized(self.directory, label(key))
+        if self.int4:
+            from klotski.compress import int4
+            for name in [k[:-len(".header")] for k in parts if k.endswith(".header")]:
+                if int4.hqq_applies(parts[f"{name}.header"].shape, self.dtype):
+                    mine = {p: parts.pop(f"{name}.{p}") for p in quant.PARTS if f"{name}.{p}" in parts}
+                    codes, rest = int4.from_hqq(mine)
+                    parts.update({f"{name}.{p}": t for p, t in rest.items()})
+                    parts[f"{name}.{int4.HQQ_CODES}"] = codes
+        return parts
 
     def decode(self, parts: dict) -> dict:
-        return quant.dequantize_group(parts, self.dtype)
+        from klotski.compress import int4
+        held = [k[:-len(int4.HQQ_CODES) - 1] for k in parts if k.endswith("." + int4.HQQ_CODES)]
+        if not held:
+            return quant.dequantize_group(parts, self.dtype)
+        from klotski.models.int4 import SCALES
+        parts, out = dict(parts), {}
+        for name in held:  # codes as they are, the kernel's scales and zeros built from the rest
+            out[name] = parts.pop(f"{name}.{int4.HQQ_CODES}")
+            rest = {p: parts.pop(f"{name}.{p}") for p in quant.PARTS if f"{name}.{p}" in parts}
+            out[name + SCALES] = int4.hqq_scales_zeros(rest, self.dtype)
+        out.update(quant.dequantize_group(parts, self.dtype))
+        return out
 
 
 def copy_path(ckpt, dtype, offload_dir: str | None, optimize: bool) -> tuple[Path, "quant.QuantSpec", str]:

@@ -3,10 +3,11 @@ and given back.
 
 The `CacheManager` owns every cache of a run's KV tier; the scheduler names them by handle and
 changes them only through the operations of execute/contract.py (`apply`), reading back plain
-`CacheView`s. It makes a cache of the kind the model's layers keep (one kind today: attention
-keys and values per layer, `BatchKV`; MLA's latent and rotary key are its keys and values of
-other widths): a new kind of per-layer state is a class with `BatchKV`'s row operations
-(`CacheKind`), made here, and no call site of the scheduler changes. Rows of a prefilled cache
+`CacheView`s. It makes a cache of the kinds the model's layers keep: attention keys and values
+per layer (`BatchKV`; MLA's latent and rotary key are its keys and values of other widths) and,
+for a hybrid's linear-attention layers (`ModelShape.linear_layers`), their recurrent state beside
+it (`RecurrentState`, the cache's `state`); every row operation is applied to each kind
+(`kinds`, the `CacheKind` protocol), and no call site of the scheduler changes. Rows of a prefilled cache
 become shared prompt segments (`share_rows`: execute/segments.py), named by handle too.
 
 A `KVSpace` is one accounting group of per-batch caches (a run's rows, a newcomer batch, the
@@ -14,8 +15,8 @@ rows of shared prompt segments): each cache is charged to the KV tier's budget w
 (on the device, room is made first, so the allocator never holds more than the accounts) and
 given back by `free` or, for whatever is left, by `close`. The scheduler asks for caches by
 their shape (rows, slots) and hands them back; what a cache holds, and how its bytes are
-counted, is decided here, from the model's shape: one kind today, attention keys and values
-per layer (`BatchKV`; MLA's latent and rotary key are its keys and values of other widths).
+counted, is decided here, from the model's shape (keys and values of the attention layers, a
+hybrid's recurrent state as a constant per row).
 """
 from __future__ import annotations
 
@@ -25,13 +26,15 @@ from typing import Protocol
 
 from klotski.execute.contract import Adopt, BatchStep, CacheView, Free, Realign, Reset, Scrub
 from klotski.execute.kvcache import BatchKV
+from klotski.execute.recurrent import RecurrentState
 from klotski.execute.segments import SegmentGroup, SegmentKV
 from placement import pinned
 from placement.pinned import PinnedBlocks
 
 
 class CacheKind(Protocol):
-    """What the manager asks of a batch's per-layer cache (`BatchKV` is the attention kind)."""
+    """What the manager asks of a batch's per-layer cache (`BatchKV` is the attention kind,
+    `RecurrentState` a hybrid's linear layers')."""
     filled: int
     capacity: int
 
@@ -66,20 +69,27 @@ class KVSpace:
         still free beside it (what the steps need)."""
         heads, key_dim, value_dim = self.shape.kv_cache_dims  # MLA: its latent and rotary key
         dims = (self.shape.num_layers, rows, heads, key_dim, capacity)
-        nbytes = BatchKV.nbytes_for(*dims, self.dtype, value_dim)
+        # keys and values of the attention layers only (a hybrid's linear layers keep a state instead)
+        nbytes = BatchKV.nbytes_for(self.shape.attention_layers, *dims[1:], self.dtype, value_dim)
         blocks = PinnedBlocks(pinned=True) if self.on_host and self.device.type == "cuda" else None
         if blocks:  # one locked block per layer's keys and one per its values, each charged what it takes
-            nbytes = self.shape.num_layers * sum(map(pinned.charge, BatchKV.tensor_nbytes(*dims[1:], self.dtype,
-                                                                                          value_dim)))
+            nbytes = self.shape.attention_layers * sum(map(pinned.charge, BatchKV.tensor_nbytes(
+                *dims[1:], self.dtype, value_dim)))
+        nbytes += state_nbytes(self.shape, rows, self.dtype)
         if not self.on_host:
             self.make_room(nbytes + keep_free, "KV cache")
         self.account.reserve(nbytes, "KV cache")
         kv = BatchKV(*dims, self.dtype, device=self.device, on_host=self.on_host,
-                     host_zeros=blocks.zeros if blocks else None, value_dim=value_dim)
+                     host_zeros=blocks.zeros if blocks else None, value_dim=value_dim,
+                     linear=self.shape.linear_layers)
+        if self.shape.linear_layers:
+            kv.state = RecurrentState(self.shape.linear_layers, rows, *state_dims(self.shape), self.dtype,
+                                      device=self.device, on_host=self.on_host)
         if self.on_host and self.staging is not None:
             kv.staging = self.staging
         if chains is not None:
-            kv.mark_prefix(chains)
+            for kind in kinds(kv):
+                kind.mark_prefix(chains)
         self.held[id(kv)] = (nbytes, blocks, kv)
         return kv, nbytes
 
@@ -116,6 +126,25 @@ class KVSpace:
         self.held.clear()
 
 
+def state_dims(shape) -> tuple[tuple[int, int], tuple[int, int, int]]:
+    """A linear-attention layer's state per row: (conv [channels, kernel - 1], matrix [value
+    heads, key dim, value dim])."""
+    return ((shape.linear_conv_dim, max(shape.linear_conv_kernel - 1, 0)),
+            (shape.linear_value_heads, shape.linear_key_dim, shape.linear_value_dim))
+
+
+def state_nbytes(shape, rows: int, dtype) -> int:
+    """The recurrent state of `rows` sequences over every linear-attention layer (0: none)."""
+    if not shape.linear_layers:
+        return 0
+    return RecurrentState.nbytes_for(len(shape.linear_layers), rows, *state_dims(shape), dtype)
+
+
+def kinds(kv: BatchKV) -> list:
+    """The kinds a batch's cache holds: attention keys and values, and a hybrid's recurrent state."""
+    return [kv] if kv.state is None else [kv, kv.state]
+
+
 class CacheManager:
     """Every cache of the run's KV tier, by handle, in accounting groups (`open_group`: a
     `KVSpace` each). `space()` makes a group's space (the arguments of `KVSpace`)."""
@@ -147,7 +176,8 @@ class CacheManager:
     def nbytes(self, rows: int, capacity: int) -> int:
         """A cache's bytes for `rows` sequences of `capacity` slots, every layer (before making it)."""
         heads, key_dim, value_dim = self.shape.kv_cache_dims
-        return BatchKV.nbytes_for(self.shape.num_layers, rows, heads, key_dim, capacity, self.dtype, value_dim)
+        return (BatchKV.nbytes_for(self.shape.attention_layers, rows, heads, key_dim, capacity, self.dtype, value_dim)
+                + state_nbytes(self.shape, rows, self.dtype))
 
     def allocate(self, group: int, rows: int, capacity: int, keep_free: int = 0, chains=None) -> int:
         """A cache of `rows` rows and `capacity` slots in `group`, each row starting from the
@@ -168,20 +198,25 @@ class CacheManager:
         for op in ops:
             if isinstance(op, Free):
                 group, kv = self.caches.pop(op.cache)
-                kv.release()  # its tensors before its account
+                for kind in kinds(kv):
+                    kind.release()  # its tensors before its account
                 self.groups[group].free(kv)
                 continue
             kv = self.caches[op.cache][1]
-            if isinstance(op, Adopt):
-                kv.adopt(op.row, self.caches[op.src][1], op.src_row, op.length)
+            if isinstance(op, Adopt):  # every kind's row moves, each from its own kind
+                for mine, theirs in zip(kinds(kv), kinds(self.caches[op.src][1])):
+                    mine.adopt(op.row, theirs, op.src_row, op.length)
             elif isinstance(op, Scrub):
-                kv.scrub(op.row)
+                for kind in kinds(kv):
+                    kind.scrub(op.row)
             elif isinstance(op, Realign):
                 room = self.groups[self.caches[op.cache][0]].room
-                kv.realign(op.keep, op.keep, room=lambda nbytes: room(nbytes, "KV realign"))
+                for kind in kinds(kv):
+                    kind.realign(op.keep, op.keep, room=lambda nbytes: room(nbytes, "KV realign"))
             elif isinstance(op, Reset):
-                kv.reset(op.rows)
-                kv.mark_prefix(self._chains(op.chains))
+                for kind in kinds(kv):
+                    kind.reset(op.rows)
+                    kind.mark_prefix(self._chains(op.chains))
             else:
                 raise TypeError(f"not a cache operation: {op!r}")
 
@@ -189,13 +224,15 @@ class CacheManager:
         """The caches a step's batches run in, each computing the rows its input has."""
         kvs = [self.caches[b.cache][1] for b in steps]
         for kv, b in zip(kvs, steps):
-            kv.use_rows(b.input.ids.shape[0])
+            for kind in kinds(kv):
+                kind.use_rows(b.input.ids.shape[0])
         return kvs
 
     def close_group(self, group: int) -> None:
         """Give back every cache of `group`: their tensors, then their accounts."""
         for handle in [h for h, (g, _) in self.caches.items() if g == group]:
-            self.caches.pop(handle)[1].release()
+            for kind in kinds(self.caches.pop(handle)[1]):
+                kind.release()
         self.groups.pop(group).close()
 
     # ---- shared prompt segments ---------------------------------------------------------

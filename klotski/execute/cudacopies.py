@@ -10,6 +10,8 @@ at the link's own speed) in the two runs that need them to:
   each such wait costs the GPU one kernel launch (microseconds) after the data "arrives". The
   booking starts when the copy is issued: a copy that first waits on the device for compute
   (a KV store) is booked from its issue, and arrives at the later of the booking and its event.
+  A prefetch is booked a chunk at a time, as on CPU (channels.EmulatedLink: a demand load arriving
+  meanwhile is booked at the next chunk boundary).
 * The CUDA sanitizer (`TORCH_CUDA_SANITIZER=1`) records the tensors a kernel reads and writes
   through a dispatch mode of the thread it was enabled on; a copy issued by a channel's worker
   thread is invisible to it, so a copy-versus-compute race could not be found. While the
@@ -41,11 +43,16 @@ def run_here(work) -> Future:
     return done
 
 
-def hold(link, nbytes: int, start: float) -> float | None:
-    """Book `nbytes` on the emulated `link` (None: the real link, nothing held) from `start`, and
-    sleep until the booking ends; returns when it ends (perf_counter seconds)."""
+def hold(link, nbytes: int, start: float, carry=None) -> float | None:
+    """Book `nbytes` on the emulated `link` (None: the real link, nothing held) from `start`, at
+    `carry`'s priority (channels.Carry: a prefetch is booked a chunk at a time, yielding to demand
+    loads; None: a demand load), and sleep until the booking ends; returns when it ends
+    (perf_counter seconds; with `carry`, when the sleep ended)."""
     if link is None:
         return None
+    if carry is not None:
+        link.carry(nbytes, start, carry)
+        return time.perf_counter()
     done_at = link.occupy(nbytes, start)
     ahead = done_at - time.perf_counter()
     if ahead > 0:

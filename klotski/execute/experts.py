@@ -30,6 +30,7 @@ class Routed:
     sizes: list[int]       # each batch's real tokens (their rows of x, in order)
     keeps: list            # per batch, which of its B*T tokens are real (None: all of them)
     weigh_inputs: bool = False  # the weights scale each expert's input, not its output (Llama 4)
+    skipped: torch.Tensor | None = None  # [N, k] pairs adaptive gating skipped (execute/gating.py)
 
 
 def route_group(family, spec, hs: list[torch.Tensor], gate: dict, keeps: list, shared: bool = True) -> Routed:
@@ -43,7 +44,8 @@ def route_group(family, spec, hs: list[torch.Tensor], gate: dict, keeps: list, s
         x = h.reshape(-1, h.shape[-1])
         parts.append(x if keep is None else x.index_select(0, keep))
     sizes = [len(p) for p in parts]
-    x = L.rms_norm(torch.cat(parts) if len(parts) > 1 else parts[0], gate["post_norm"], spec.rms_norm_eps)
+    x = L.rms_norm(torch.cat(parts) if len(parts) > 1 else parts[0], gate["post_norm"], spec.rms_norm_eps,
+                    spec.norm_offset)
     weights, experts = family.route(x, gate, spec)
     out = None
     if shared:
@@ -61,8 +63,9 @@ def real_tokens(valid: torch.Tensor) -> torch.Tensor | None:
 
 
 def pairs_per_expert(ids: torch.Tensor, num_experts: int) -> np.ndarray:
-    """How many of the (token, slot) pairs each expert takes, counted from the ids on the host."""
-    return np.bincount(ids.numpy().ravel(), minlength=num_experts)
+    """How many of the (token, slot) pairs each expert takes, counted from the ids on the host
+    (an id past the experts is a pair adaptive gating skipped: execute/gating.py)."""
+    return np.bincount(ids.numpy().ravel(), minlength=num_experts)[:num_experts]
 
 
 @dataclass
@@ -87,7 +90,9 @@ class SortKeys:
             rank[stack_experts] = np.arange(n)
             others = rank < 0
             rank[others] = np.arange(n, num_experts)
-        return cls(n, rank, None if rank is None else upload(torch.from_numpy(rank)),
+        # on the device, ids past the experts (pairs adaptive gating skipped) keep their order after them
+        device_rank = None if rank is None else np.concatenate([rank, np.arange(num_experts, 2 * num_experts)])
+        return cls(n, rank, None if rank is None else upload(torch.from_numpy(device_rank)),
                    upload(torch.arange(n, dtype=torch.int64)), np.asarray(stack_experts, dtype=np.int64))
 
 
@@ -246,6 +251,8 @@ class LayerExperts:
         """Each batch's hidden states after the layer: its slots summed in top-k order plus the
         shared expert's output, added to the residual."""
         r = self.routed
+        if r.skipped is not None:  # a skipped pair's slot: a resident wave's rows past its last pair may write there
+            self.slots.masked_fill_(r.skipped[..., None], 0)
         out = L.combine(self.slots, hs[0].dtype, r.shared)
         parts = out.split(r.sizes) if len(hs) > 1 else (out,)
         return [residual(h, o, keep) for h, o, keep in zip(hs, parts, r.keeps)]

@@ -45,15 +45,20 @@ def _heads(slot_major: torch.Tensor) -> torch.Tensor:
 class BatchKV:
     def __init__(self, num_layers: int, batch: int, kv_heads: int, head_dim: int, capacity: int,
                  dtype: torch.dtype, *, device="cpu", on_host: bool = False,
-                 host_zeros=None, value_dim: int | None = None):
+                 host_zeros=None, value_dim: int | None = None, linear=()):
         shape = (capacity, batch, kv_heads, head_dim)
         vshape = (capacity, batch, kv_heads, value_dim or head_dim)
         # host copies live in exact page-locked blocks on CUDA (`host_zeros`: placement/pinned.py);
         # loads gather into a persistent staging ring, never a fresh copy
-        zeros = host_zeros if on_host and host_zeros else \
-            lambda shape, dtype: torch.zeros(shape, dtype=dtype, device="cpu" if on_host else device)
-        self.keys = [zeros(shape, dtype) for _ in range(num_layers)]
-        self.values = [zeros(vshape, dtype) for _ in range(num_layers)]
+        plain = lambda shape, dtype: torch.zeros(shape, dtype=dtype, device="cpu" if on_host else device)  # noqa: E731
+        zeros = host_zeros if on_host and host_zeros else plain
+        # a hybrid's linear-attention layers (`linear`) keep no keys or values: zero-width
+        # tensors there, so every row operation stays one loop over layers and moves no byte
+        empty = (capacity, batch, kv_heads, 0)
+        self.keys = [plain(empty, dtype) if j in linear else zeros(shape, dtype) for j in range(num_layers)]
+        self.values = [plain(empty, dtype) if j in linear else zeros(vshape, dtype) for j in range(num_layers)]
+        self.kv_layer = next((j for j in range(num_layers) if j not in linear), 0)  # one that holds keys
+        self.state = None  # the linear layers' recurrent state (execute/recurrent.py), made beside
         self.valid = torch.zeros(batch, capacity, dtype=torch.bool)
         self.on_host = on_host
         self.filled = 0
@@ -292,7 +297,7 @@ class BatchKV:
 
     # ---- host-tier moves (run on channels) ----------------------------------------------
     def _bytes(self, slots: int) -> int:
-        k, v = self.keys[0], self.values[0]  # [capacity, B, kv_heads, dim]: a row's slot is kv_heads x dim
+        k, v = self.keys[self.kv_layer], self.values[self.kv_layer]  # [capacity, B, kv_heads, dim]: a row's slot
         return slots * self.rows * (k.shape[2] * k.shape[3] + v.shape[2] * v.shape[3]) * k.element_size()
 
     def step_nbytes(self) -> int:

@@ -40,6 +40,7 @@ from klotski.models.grouped import runs_grouped
 from klotski.execute.channels import HostReads, SmallUploads
 from klotski.execute.contract import StepInput, StepOutput
 from klotski.execute.experts import LayerExperts, SortKeys, first_broken, real_tokens, route_group
+from klotski.execute.gating import AdaptiveGating, exact_ids
 from klotski.execute.hostcompute import HostCompute
 from klotski.execute.hostwork import HostWork
 from klotski.execute.kvcache import BatchKV
@@ -68,11 +69,23 @@ class Pipeline:
         self.whole_layer = self.schedule in ("simple", "multibatch")
         self.K = 0 if config.prefetch == "none" else spec.shape.top_k if config.hot_experts is None else config.hot_experts
         self.next_gate = hasattr(predictor, "speculate")
+        # --prefetch pregate: maps fitted on the run, their accumulators on the device, charged
+        self.pregate = getattr(predictor, "maps", None)
+        if self.pregate is not None:  # (the run was planned for the budget less these bytes)
+            self.memory.reserve(self.pregate.place(device), "the pre-gate's maps")
+        self._features: dict = {}  # MoE layer -> (pre-gate features of the layer before's input, bytes)
+        self.keeps: list = []      # this step's batches' real tokens (None: all)
+        # distinct experts a MoE layer's routing chose, and the layer-steps, in steps where every
+        # row decodes one token ("decode") and in the others ("prefill"): --order's measure
+        self.decoding = False
+        self.distinct = {"decode": [0, 0], "prefill": [0, 0]}
         self.window = DISK_WINDOW_LAYERS  # disk->host staging, layers ahead (paper §6.1's L)
         self.kv_ahead = None      # (layer, load) of batch 0's host KV, issued during the layer before
         self.at_host: list = []   # this step's batches whose attention runs beside their host KV
         self.layouts: list = []   # this step's batches' shared segments (schedule/prefix.py)
+        self.valids: list = []    # this step's batches' token validity, on the device (linear layers read it)
         self.on_layer = None     # optional callback(layer, hidden states per batch), for tests
+        self.gating: AdaptiveGating | None = None  # --adaptive-gating, once calibrated (schedule/gating.py)
         self.kv_bytes_loaded = 0  # host->device KV bytes loads moved (a shared prefix's once per layer)
         # (token, expert) picks per MoE layer and expert, as routed: the job's routing, for the replay
         moe_layers = sum(spec.shape.experts_in(j) > 0 for j in range(spec.shape.num_layers))
@@ -95,6 +108,8 @@ class Pipeline:
         self.res.make_room(act, "activations")
         self.memory.reserve(act, "activations")
         hs, ctx, keeps = [], [], []
+        # a linear layer's pads are identity steps for its state: it reads the step's validity
+        self.valids = [self.uploads(inp.valid) for inp in inputs] if spec.shape.linear_layers else []
         windows = {spec.window(j) for j in range(spec.shape.num_layers)}  # one mask per distinct window
         for kv, inp in zip(kvs, inputs):
             with self.trace.span("compute", "embed"):
@@ -113,6 +128,8 @@ class Pipeline:
             keep = real_tokens(inp.valid)
             keeps.append(None if keep is None else self.uploads(keep))
             ctx.append((self.uploads(cos), self.uploads(sin), {w: self.uploads(m) for w, m in masks.items()}, masks))
+        self.keeps = keeps
+        self.decoding = all(inp.ids.shape[1] == 1 for inp in inputs)
         broken = [torch.full((h.shape[0],), -1, device=h.device) for h in hs]
         for layer in range(self.window):  # already staged by the previous step, except on the first
             self.cache.stage(self._layer_keys(layer))
@@ -130,11 +147,15 @@ class Pipeline:
                 self.on_layer(layer, hs)
             self.cache.unstage(self._layer_keys(layer))
         assert self.kv_ahead is None, "a KV load issued ahead was never used"
+        for _, nbytes in self._features.values():  # (none: every MoE layer's gate learned from its own)
+            self.memory.free(nbytes)
+        self._features = {}
         for kv in kvs:
             kv.end_step()
         head = self.res.get(("head",))
         with self.trace.span("compute", "lm_head"):
-            out = [StepOutput(L.logits(h[:, -1], head["norm"], head["lm_head"], spec.rms_norm_eps).cpu(), b.cpu())
+            out = [StepOutput(L.logits(h[:, -1], head["norm"], head["lm_head"], spec.rms_norm_eps,
+                                          spec.norm_offset).cpu(), b.cpu())
                    for h, b in zip(hs, broken)]
         self.cache.release(("head",))
         self.memory.free(act)
@@ -142,6 +163,7 @@ class Pipeline:
 
     # ---- attention ----------------------------------------------------------------------
     def _attention(self, layer, hs, ctx, kvs):
+        pregated = self._pregate_ahead(layer, hs)
         if self.whole_layer:
             self.res.want([("gate", layer)] + self._expert_keys(layer), "weights")
             last = layer + 1 == self.spec.shape.num_layers
@@ -151,6 +173,10 @@ class Pipeline:
             ahead = [("gate", layer + 1)] if self.next_gate and layer + 1 < self.spec.shape.num_layers else []
             self.res.want([("gate", layer)] + [("expert", layer, e) for e in hot] + ahead, "weights")
         w = self.res.get(("attn", layer))
+        if self.spec.shape.is_linear(layer):
+            self._recurrent(layer, hs, w, kvs)
+            self._want_pregated(layer, pregated)
+            return
         loads, stores = {}, []
         at_host = self.at_host
         moves = [kv.on_host and not h for kv, h in zip(kvs, at_host)]  # whose KV prefix comes up
@@ -190,6 +216,56 @@ class Pipeline:
         for ticket, nbytes in stores:  # sync(store_cache_stream) before the buffers go
             self._kv_stored(ticket, nbytes)
         shared.release()
+        self.cache.release(("attn", layer))
+        self._want_pregated(layer, pregated)
+        self.res.pump()
+
+    def _want_pregated(self, layer, pregated) -> None:
+        """The next layer's hot experts by the pre-gate's picks (`pregated`, a Read or None), wanted
+        now: a layer ahead, this layer's attention already queued."""
+        if pregated is not None:
+            self.predictor.pregated(self.spec.shape.moe_index(layer + 1), [pregated.wait()])
+            self.res.want([("expert", layer + 1, e) for e in self._predict(layer + 1)], "weights")
+
+    def _pregate_ahead(self, layer, hs):
+        """--prefetch pregate: the next MoE layer's picks by its fitted map from this layer's input,
+        before this layer's attention (next-gate speculation has them only after its gate), on
+        their way to the host; the features kept until that layer's gate learns from them. None
+        where the next layer has no experts, its map is not fitted yet, or the features do not
+        fit in the device budget (the correlation table predicts then)."""
+        nxt = layer + 1
+        if self.pregate is None or nxt >= self.spec.shape.num_layers or not self.spec.shape.experts_in(nxt):
+            return None
+        m = self.spec.shape.moe_index(nxt)
+        tokens = sum(h.shape[0] * h.shape[1] if k is None else len(k) for h, k in zip(hs, self.keeps))
+        nbytes = self.pregate.feature_nbytes(tokens)
+        if not self.memory.fits(nbytes):
+            return None
+        self.memory.reserve(nbytes, f"pre-gate features of layer {layer}")
+        with self.trace.span("compute", f"pregate.{nxt}"):
+            feats = self.pregate.features(hs, self.keeps)
+            picks = self.pregate.picks(m, feats, self.spec.shape.top_k) if self.pregate.fitted(m) else None
+        self._features[m] = (feats, nbytes)
+        return None if picks is None else self.reads(picks)
+
+    def _recurrent(self, layer, hs, w, kvs) -> None:
+        """A linear-attention layer (a hybrid's Gated DeltaNet): each batch's rows from their
+        recurrent state (execute/recurrent.py), always on the device: on the host tier the
+        layer's state of the computed rows goes up before and back after (its room reserved
+        meanwhile). Host attention does not apply: there are no keys to attend beside."""
+        for k, kv in enumerate(kvs):
+            state = kv.state
+            nbytes = state.layer_nbytes() if state.on_host else 0
+            if nbytes:
+                self.res.make_room(nbytes, "recurrent state")
+                self.memory.reserve(nbytes, f"recurrent state layer {layer}")
+            with self.trace.span("compute", f"linear.{layer}.b{k}"):
+                hs[k], new = self.M.recurrent_block(hs[k], w, state.layer(layer, self.device), self.valids[k],
+                                                    self.spec)
+            state.put(layer, new)
+            del new
+            if nbytes:
+                self.memory.free(nbytes)
         self.cache.release(("attn", layer))
         self.res.pump()
 
@@ -233,7 +309,8 @@ class Pipeline:
         # only into free room, evicting nothing (this layer's experts cost more than it hides),
         # and leaving room for one expert's use (fetched, decoded, its codec's temporaries): the
         # planner's minimum holds this KV or an expert, never both, and neither can be evicted
-        if (layer < self.spec.shape.num_layers and kv.on_host and not self.at_host[0]
+        if (layer < self.spec.shape.num_layers and not self.spec.shape.is_linear(layer) and kv.on_host
+                and not self.at_host[0]
                 and self.memory.fits(kv.step_nbytes() + self.cache.largest_use)):
             self.kv_ahead = (layer, self._kv_load(kv, layer))
 
@@ -254,6 +331,8 @@ class Pipeline:
         gate = self.res.get(("gate", layer))
         with self.trace.span("compute", f"gate.{layer}"):
             routed = route_group(self.M, self.spec, hs, gate, keeps)
+            if self.gating is not None and self.spec.shape.experts_in(layer):  # a post-routing step
+                routed = self.gating.apply(routed, self.spec.shape.moe_index(layer), self.spec.shape.num_experts)
         # Every batch's expert ids start for the host at once (non-blocking; on CUDA an event
         # marks their arrival), and the next gate's picks likewise; then the resident experts'
         # wave is queued (its offsets counted on the device) before the host waits for the ids:
@@ -265,15 +344,34 @@ class Pipeline:
         if stack is not None and runs_grouped(self.device.type, self.cache.dtype):
             self._resident_wave(layer, moe, stack)
         moe.count(read.wait(), self.spec.shape.num_experts)  # the layer's one wait for routing
+        if self.gating is not None and self.spec.shape.experts_in(layer):
+            self._count_skipped(layer, moe)
         self.host_experts = self._experts_on_host(layer, moe)
+        held = self._features.pop(self.spec.shape.moe_index(layer), None) if self.spec.shape.experts_in(layer) else None
+        if held is not None:  # the pre-gate learns this gate's scores from the layer before's input
+            self.pregate.learn(self.spec.shape.moe_index(layer), held[0], routed.x, gate["router"])
+            self.memory.free(held[1])
         self.res.want([("expert", layer, e) for e in moe.chosen if e not in self.host_experts], "experts", front=True)
         self.cache.release(("gate", layer))
         if self.spec.shape.experts_in(layer):
-            self.predictor.observe(self.spec.shape.moe_index(layer), [moe.ids])
+            # what the router chose: a pair adaptive gating skipped counts as chosen
+            ids = moe.ids if self.gating is None else exact_ids(moe.ids, self.spec.shape.num_experts)
+            self.predictor.observe(self.spec.shape.moe_index(layer), [ids])
             self.routed[self.spec.shape.moe_index(layer)] += moe.counts
+            tally = self.distinct["decode" if self.decoding else "prefill"]
+            tally[0] += len(moe.chosen)
+            tally[1] += 1
         if ahead is not None:
             self.predictor.speculate(self.spec.shape.moe_index(layer + 1), [ahead.wait()])
         return moe, hot
+
+    def _count_skipped(self, layer, moe: LayerExperts) -> None:
+        """Adaptive gating's savings: the pairs it skipped, and the experts only those pairs
+        wanted that are neither on the device nor on their way (a demand load not made)."""
+        for e in self.gating.count(moe.ids, self.spec.shape.num_experts):
+            key = ("expert", layer, int(e))
+            if not self.cache.present(key):
+                self.gating.not_loaded(self.cache.moved[key])  # the bytes a load moves over the link
 
     def _keys(self, layer, stack) -> SortKeys | None:
         """The layer's sort order, resident experts first (made once per layer)."""
@@ -356,6 +454,8 @@ class Pipeline:
         # end of layer: free the rest, incl. unused prefetches
         self.cache.release_all(done + self._expert_keys(layer))
         self.res.pump()
+        if self.gating is not None and self.gating.recording and self.spec.shape.experts_in(layer):
+            self.gating.record(self.spec.shape.moe_index(layer), moe, hs)
         return moe.hidden_states(hs)
 
     def _waves(self, layer, moe: LayerExperts, ffn, experts: list[int]) -> list:
@@ -434,6 +534,14 @@ class Pipeline:
                        key=lambda e: submitted.get(("expert", layer, e), len(submitted)))
         return first + now + later
 
+    # ---- adaptive gating -------------------------------------------------------------------
+    def set_gating(self, thresholds: list[float] | None, *, record: bool = False) -> AdaptiveGating | None:
+        """--adaptive-gating (execute/gating.py): skip by these per-MoE-layer thresholds, or
+        `record` the exact routing's shares and costs (the calibration), or neither: exact
+        top-k. Returns the gating now in place (its counters)."""
+        self.gating = AdaptiveGating(None if record else thresholds) if record or thresholds is not None else None
+        return self.gating
+
     # ---- residency -----------------------------------------------------------------------
     def make_room(self, nbytes: int, what) -> None:
         """Evict transient groups until `nbytes` fit (Residency.make_room)."""
@@ -474,11 +582,11 @@ class Pipeline:
         `hooks` in place of the family's (stubs, a forced router), call `on_layer(layer, hidden
         states per batch)` after each layer and ask `predictor`; each left as it is when not
         given, and all put back on exit."""
-        saved = self.M, self.on_layer, self.predictor, self.next_gate
+        saved = self.M, self.on_layer, self.predictor, self.next_gate, self.pregate
         self.M, self.on_layer = hooks or self.M, on_layer or self.on_layer
-        if predictor is not None:
-            self.predictor, self.next_gate = predictor, hasattr(predictor, "speculate")
+        if predictor is not None:  # (a pre-gate's maps are the run's predictor's only)
+            self.predictor, self.next_gate, self.pregate = predictor, hasattr(predictor, "speculate"), None
         try:
             yield self
         finally:
-            self.M, self.on_layer, self.predictor, self.next_gate = saved
+            self.M, self.on_layer, self.predictor, self.next_gate, self.pregate = saved

@@ -4,7 +4,12 @@ with, and what goes when room runs out. The pipeline (pipeline.py) says what it 
 bubble) and lets the cache drop what it is done with; this keeps the queue of wanted
 transfers, starts them while the device has room (a run of one layer's experts in one
 submission), and evicts by Belady's rule (the group needed farthest ahead first): for bytes
-among the groups that hold them, for a pool slot (placement.pool) among the pooled experts."""
+among the groups that hold them, for a pool slot (placement.pool) among the pooled experts.
+
+Two priorities on the link (ProMoE): what is wanted on the `weights` channel is a prefetch for a
+later layer (SPECULATIVE: it yields the link to demand loads at chunk boundaries, channels.py);
+the experts routing chose and whatever `get` must start or wait for are demand loads, and a
+prefetch compute comes to wait for is promoted to one."""
 from __future__ import annotations
 
 import time
@@ -13,6 +18,8 @@ from itertools import islice
 
 from placement.tiers import OverBudget
 from planner.decode_ops import MAX_RUN  # experts one submission takes at most (the plan counts on it)
+
+SPECULATIVE = ("weights",)  # the channels whose wants are prefetches for later layers
 
 
 class Residency:
@@ -46,7 +53,7 @@ class Residency:
                 self.wants.popleft()
                 continue
             if key[0] != "expert":
-                if not self.start(key, channel):
+                if not self.start(key, channel, channel in SPECULATIVE):
                     return
                 self.wants.popleft()
                 continue
@@ -57,18 +64,18 @@ class Residency:
                     break
                 run.append(k)
                 seen.add(k)
-            started = self.cache.start_many(run, self.ch[channel])
+            started = self.cache.start_many(run, self.ch[channel], channel in SPECULATIVE)
             if not started:
                 return
             self.experts_loaded += started
             for _ in range(started):
                 self.wants.popleft()
 
-    def start(self, key, channel: str) -> bool:
+    def start(self, key, channel: str, speculative: bool = False) -> bool:
         """Start moving `key` on `channel` unless it is on its way; False if there is no room."""
         if self.cache.present(key):
             return True
-        started = self.cache.start(key, self.ch[channel])
+        started = self.cache.start(key, self.ch[channel], speculative)
         self.experts_loaded += started and key[0] == "expert"
         return started
 
@@ -81,6 +88,8 @@ class Residency:
         if not self.cache.present(key):
             self.room_for(key)
             self.start(key, "experts" if key[0] == "expert" else "weights")
+        else:
+            self.cache.promote(key)  # a prefetch compute now waits for: a demand load's priority
         fetch = self.cache.get if tensors else self.cache.land
         out = self.timed(self.cache.ready(key), lambda: fetch(key), ".".join(map(str, key)))
         if self.cache.needs_decode(key):

@@ -42,7 +42,7 @@ class SegmentKV:
 
     def nbytes(self) -> int:
         """One layer's keys and values: what a load moves."""
-        k, v = self.kv.keys[0], self.kv.values[0]
+        k, v = self.kv.keys[self.kv.kv_layer], self.kv.values[self.kv.kv_layer]
         return self.length * (k[0, 0].numel() + v[0, 0].numel()) * k.element_size()
 
     def load(self, layer: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -101,11 +101,12 @@ class Checkpoint:
     def is_gguf(self) -> bool:
         return getattr(self.store, "gguf", False)
 
-    def expert_codec(self, dtype: torch.dtype):
-        """The codec that keeps this checkpoint's experts packed (GGUF blocks, MXFP4), or None."""
+    def expert_codec(self, dtype: torch.dtype, on_cpu: bool = False):
+        """The codec that keeps this checkpoint's experts packed (GGUF blocks, MXFP4), or None;
+        `on_cpu`: for compute on a CPU (4-bit GGUF experts then held in torch's int4 form)."""
         if self.is_gguf:
             from klotski.compress.ggml import GgufCodec
-            return GgufCodec(self.store, self.spec, dtype)
+            return GgufCodec(self.store, self.spec, dtype, on_cpu=on_cpu)
         if self.spec.shape.expert_format == "mxfp4":
             from klotski.compress.mxfp4 import Mxfp4Codec
             return Mxfp4Codec(self.store, self.spec, dtype)

@@ -37,6 +37,9 @@ ALIASES = {
     "minimax-m2": "MiniMaxAI/MiniMax-M2",
     "ernie-4.5-21b-a3b": "baidu/ERNIE-4.5-21B-A3B-PT",
     "llama-4-scout": "meta-llama/Llama-4-Scout-17B-16E-Instruct",
+    "qwen3-next-80b-a3b": "Qwen/Qwen3-Next-80B-A3B-Instruct",
+    "qwen3.6-35b-a3b": "Qwen/Qwen3.6-35B-A3B",
+    "qwen3.5-397b-a17b": "Qwen/Qwen3.5-397B-A17B",
 }
 
 # The files a run reads, as huggingface_hub's patterns (fnmatch, where `*` also matches `/`):

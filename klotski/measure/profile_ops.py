@@ -14,9 +14,10 @@ TIMED_MODULES = ("klotski.models.layers", "klotski.models.defaults", "klotski.mo
                   "klotski.models.qwen3_moe", "klotski.models.qwen2_moe", "klotski.models.olmoe",
                   "klotski.models.gpt_oss", "klotski.models.deepseek_v2", "klotski.models.deepseek_v3",
                   "klotski.models.glm4_moe", "klotski.models.minimax_m2",
-                  "klotski.models.ernie4_5_moe", "klotski.models.llama4",
+                  "klotski.models.ernie4_5_moe", "klotski.models.llama4", "klotski.models.qwen3_next",
+                  "klotski.models.qwen3_5_moe", "klotski.models.gated_deltanet",
                   "klotski.models.grouped", "klotski.execute.kvcache", "klotski.execute.experts", "klotski.compress.hqq",
-                  "klotski.compress.mxfp4")
+                  "klotski.compress.mxfp4", "klotski.compress.ggml", "klotski.compress.int4", "klotski.models.int4")
 
 
 class EngineOps:
@@ -39,7 +40,10 @@ class EngineOps:
             hqq = version("hqq")
         except PackageNotFoundError:
             hqq = "none"
-        return f"klotski-engine-ops/{self.VERSION}/{h.hexdigest()[:16]}/hqq-{hqq}"
+        # whether 4-bit weights run torch's int4 kernel here (compress/int4.py) changes what the
+        # expert ops time on a CPU: a profile of one is no measure of the other
+        from klotski.compress import int4
+        return f"klotski-engine-ops/{self.VERSION}/{h.hexdigest()[:16]}/hqq-{hqq}" + ("" if int4.available() else "/no-int4")
 
     def __call__(self, shape, dtype, device) -> "LayerOps":
         return LayerOps(shape, dtype, device)
@@ -74,10 +78,49 @@ class LayerOps:
                               rope_attention_scaling=scaling, **family.options({}))
         self.M = family
         moe = shape.first_moe_layer  # a MoE layer's gate, not a dense layer's MLP
-        self.attn, self.gate_w, self.expert_w = (self._copies(k) for k in (("attn", 0), ("gate", moe),
+        # a full-attention layer's weights (a hybrid's first layers are linear attention, not timed here)
+        attn = next((j for j in range(shape.num_layers) if not shape.is_linear(j)), 0)
+        self.attn, self.gate_w, self.expert_w = (self._copies(k) for k in (("attn", attn), ("gate", moe),
                                                                            ("expert", moe, 0)))
         self._head = None
         self._packed = None
+        self._blocks = None
+        from klotski.compress.ggml import format_types
+        self.gguf = format_types(self.packed)  # GGUF experts: each matrix's block type
+        if self.gguf:
+            self._hold_gguf()
+
+    def _hold_gguf(self) -> None:
+        """GGUF experts as the codec holds them for compute: random blocks of each matrix's type
+        (its scales small and finite); on a CPU in 16 bits, the 4-bit ones as int4 codes
+        (compress/int4.py), so `expert` and `wave` time the kernel the engine runs and `dequant`
+        the per-use decode that remains (the kernel's scales and zeros, or the whole blocks)."""
+        from klotski.compress import ggml
+        from klotski.models.int4 import SCALES
+        torch, gen = self.torch, self.torch.Generator().manual_seed(0)
+        self._blocks = {}
+        for name, qtype in self.gguf.items():
+            if qtype in ggml.FLOAT_TYPES:  # read in the compute dtype: nothing to decode
+                continue
+            rows, cols = self.expert_w[0][name].shape
+            _, block, size = ggml.BY_NAME[qtype]
+            raw = torch.randint(0, 256, (rows * cols // block, size), dtype=torch.uint8, generator=gen)
+            for at, kind in ggml.scale_bytes(qtype):
+                if kind == "f16":
+                    raw[:, at:at + 2] = torch.full((len(raw), 1), 0.01, dtype=torch.float16).view(torch.uint8)
+                else:
+                    raw[:, at] = 120
+            self._blocks[name] = raw.reshape(rows, -1)
+        held = {n for n in self._blocks
+                if self.device.type == "cpu" and ggml.int4_applies(self.gguf[n], self.dtype, self.expert_w[0][n].shape[0])}
+        if held:
+            forms = {n: ggml.int4_from_blocks(self._blocks[n], self.gguf[n]) for n in held}
+            self._blocks.update({n: forms[n][1] for n in held})
+            for w in self.expert_w:  # a copy of the codes each, cycled through as the dense copies were
+                for n in held:
+                    codes, meta = forms[n]
+                    w[n], w[n + SCALES] = codes.clone(), ggml.int4_scales_zeros(meta, self.gguf[n], self.dtype)
+        self._held = held
 
     def _copies(self, key) -> list[dict]:
         first = self._weights(key)
@@ -230,6 +273,11 @@ class LayerOps:
                             for w in self._head])
 
     def dequant(self):
+        if self.gguf:  # what GgufCodec.decode does per use, for one expert
+            from klotski.compress import ggml
+            blocks = {n: t.to(self.device) for n, t in self._blocks.items()}
+            return lambda: {n: ggml.int4_scales_zeros(b, self.gguf[n], self.dtype) if n in self._held
+                            else ggml.dequantize(b, self.gguf[n], self.dtype) for n, b in blocks.items()}
         if self.packed == "mxfp4":
             from klotski.compress import mxfp4
             parts = {f"{m}_{p}": t.to(self.device) for m in mxfp4.MATRICES

@@ -185,7 +185,7 @@ def mla_block(h, w, cos, sin, mask, cache_write, spec, max_scores, attend_at, ro
     B, T, _ = h.shape
     heads, nope, rope, r = s.num_heads, s.qk_nope_head_dim, s.head_dim, s.kv_lora_rank
     x = L.rms_norm(h, w["input_norm"], eps)
-    q = F.linear(x, w["q"]) if "q" in w else \
+    q = L.linear(x, w, "q") if "q" in w else \
         F.linear(L.rms_norm(F.linear(x, w["q_a"]), w["q_a_norm"], eps), w["q_b"])
     q_pass, q_rot = torch.split(q.view(B, T, heads, nope + rope).transpose(1, 2), [nope, rope], dim=-1)
     c, k_rot = torch.split(F.linear(x, w["kv_a"]), [r, rope], dim=-1)
@@ -196,7 +196,7 @@ def mla_block(h, w, cos, sin, mask, cache_write, spec, max_scores, attend_at, ro
     keys, values = expand(latent, k_rot, w["kv_b"], spec)
     scale = softmax_scale(spec)
     out = L.in_blocks(lambda q_, k_, v_, m_: _attend(q_, k_, v_, m_, scale), query, keys, values, mask, max_scores)
-    return h + F.linear(out, w["o"])
+    return h + L.linear(out, w, "o")  # (as F.linear; or over HQQ's int4 codes on a CPU: models/int4.py)
 
 
 def expand(latent, k_rot, kv_b, spec):
@@ -248,3 +248,6 @@ bind_grouped_expert_ffn = defaults.bind_grouped_expert_ffn
 def shared_ffn(x, gate: dict, spec):
     """The shared experts (always added), or a dense layer's MLP."""
     return L.swiglu(x, gate, "dense_" if "dense_w1" in gate else "shared_")
+
+
+recurrent_block = defaults.recurrent_block  # no linear-attention layers

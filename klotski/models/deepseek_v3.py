@@ -101,3 +101,6 @@ def route(x, gate: dict, spec):
     if cfg.get("norm_topk_prob", True):
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * cfg.get("routed_scaling_factor", 1.0), experts
+
+
+recurrent_block = V2.recurrent_block  # no linear-attention layers

@@ -65,6 +65,11 @@ def shared_ffn(x, gate: dict, spec):
     return None
 
 
+def recurrent_block(h, w, state, valid, spec):
+    """No linear-attention layers: every layer attends over keys and values."""
+    raise ValueError(f"{spec.shape.model_type} has no linear-attention layers")
+
+
 def no_experts(x):
     """A dense layer's router: no token picks an expert."""
     return (torch.zeros(len(x), 0, dtype=torch.float32, device=x.device),

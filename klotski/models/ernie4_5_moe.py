@@ -19,7 +19,6 @@ The multi-token-prediction layer (`num_nextn_predict_layers`, tensors under `mtp
 read: generation does not use it."""
 from __future__ import annotations
 
-import functools
 
 import torch
 import torch.nn.functional as F
@@ -109,12 +108,7 @@ SPARSE_ATTENTION = True  # the mask alone says which keys a query sees
 
 def attention_block(h, w, cos, sin, mask, cache_write, spec, max_scores=None, attend_at=None, prefix=None):
     """layers.attention_block with ERNIE's RoPE on interleaved pairs."""
-    attend, shared = L.attend, 0
-    if prefix is not None:
-        attend = functools.partial(L.attend_shared, prefix_keys=prefix[0], prefix_values=prefix[1])
-        shared = prefix[0].shape[1]
-    if attend_at is not None:
-        attend = attend_at(attend)
+    attend, shared = L.attention_core(L.attend, prefix, attend_at)
     x = L.rms_norm(h, w["input_norm"], spec.rms_norm_eps)
     q, k, v = (t.transpose(1, 2) for t in qkv(x, w, spec))
     q, k = rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin)
@@ -144,3 +138,6 @@ def shared_ffn(x, gate: dict, spec):
     if "dense_w1" in gate:
         return L.swiglu(x, gate, "dense_")
     return L.swiglu(x, gate, "shared_") if "shared_w1" in gate else None
+
+
+recurrent_block = defaults.recurrent_block  # no linear-attention layers

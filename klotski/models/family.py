@@ -65,6 +65,13 @@ class Family(Protocol):
         """Residual attention sub-layer of one batch; `attend_at` moves its core beside a host KV cache;
         `prefix` (keys, values [kvh, P, D]) is a shared prompt prefix attended before the batch's own keys."""
 
+    def recurrent_block(self, h: torch.Tensor, w: dict, state: tuple, valid: torch.Tensor,
+                        spec) -> tuple[torch.Tensor, tuple]:
+        """Residual linear-attention sub-layer of one batch (the layers `spec.shape.is_linear` names):
+        (h + output, new state) from `state`, the layer's recurrent state of the batch's rows (its
+        tensors are the family's: gated_deltanet.py), and `valid` [B, T] (False: a pad, an identity
+        step for the state)."""
+
     def route(self, x: torch.Tensor, gate: dict, spec) -> tuple[torch.Tensor, torch.Tensor]:
         """The router over normalised tokens x [N, H]: (weights [N, k], experts [N, k])."""
 

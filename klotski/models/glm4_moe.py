@@ -171,3 +171,6 @@ def shared_ffn(x, gate: dict, spec):
     if "dense_w1" in gate:
         return L.swiglu(x, gate, "dense_")
     return L.swiglu(x, gate, "shared_") if "shared_w1" in gate else None
+
+
+recurrent_block = defaults.recurrent_block  # no linear-attention layers

@@ -194,3 +194,6 @@ def bind_grouped_expert_ffn(spec):
 
 
 shared_ffn = defaults.shared_ffn
+
+
+recurrent_block = defaults.recurrent_block  # no linear-attention layers

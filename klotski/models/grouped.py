@@ -29,6 +29,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from klotski.models import int4
+from klotski.models import layers as L
+
 _SUPPORTED: dict = {}  # (device type, dtype) -> whether torch._grouped_mm runs there
 _BATCHED: dict = {}    # (device type, dtype) -> False where the batched per-group products are switched off
 _CPU_FP32 = ("cpu", torch.float32)
@@ -133,8 +136,23 @@ def cpu_kernel(dtype: torch.dtype = torch.float32) -> str:
 
 def grouped_swiglu(x: torch.Tensor, w: dict, groups: Groups) -> torch.Tensor:
     """SwiGLU experts (layers.swiglu) over their groups of rows: w2(silu(w1 x) * w3 x)."""
+    if int4.held(w, "w1"):
+        return _int4_swiglu(x, w, groups)
     return grouped_linear(F.silu(grouped_linear(x, w["w1"], groups)) * grouped_linear(x, w["w3"], groups),
                           w["w2"], groups)
+
+
+def _int4_swiglu(x: torch.Tensor, w: dict, groups: Groups) -> torch.Tensor:
+    """grouped_swiglu over experts held as int4 codes (models/int4.py): torch's kernel takes one
+    weight a call, so one SwiGLU an expert (layers.swiglu over that expert's rows and weights)."""
+    counts = groups.host_counts()
+    parts = [L.swiglu(part, {n: t[g] for n, t in w.items()})
+             for g, part in enumerate(x[:sum(counts)].split(counts)) if len(part)]
+    if sum(counts) < len(x):
+        parts.append(x.new_zeros(len(x) - sum(counts), x.shape[-1]))
+    if not parts:
+        return x.new_empty(0, x.shape[-1])
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 # ---- many small fp32 products in one call on a CPU: MKL's sgemm_batch --------------------------

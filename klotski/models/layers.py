@@ -17,10 +17,16 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from klotski.models import int4
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+    """RMSNorm scaled by `weight`, or by `offset + weight` in fp32 (Qwen3-Next's and Qwen3.5's
+    norms scale by 1 + w, as transformers computes it)."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:
+        weight = offset + weight.float()
     if weight.dtype == torch.float32:  # weights kept in fp32 (gpt-oss): scaled in fp32, cast once
         return (weight * xf).to(x.dtype)
     return weight * xf.to(x.dtype)
@@ -76,7 +82,7 @@ def split_heads(x: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
 
 def linear(x: torch.Tensor, w: dict, name: str) -> torch.Tensor:
     """Projection `name` of the group, with its bias where the checkpoint has one."""
-    return F.linear(x, w[name], w.get(name + "_bias"))
+    return int4.linear(x, w, name, w.get(name + "_bias"))  # F.linear, or a weight held as int4 codes
 
 
 def attend(q, keys, values, mask) -> torch.Tensor:
@@ -141,7 +147,8 @@ def group_mask(group_scores: torch.Tensor, keep: int, num_experts: int) -> torch
 
 def swiglu(x: torch.Tensor, w: dict, prefix: str = "") -> torch.Tensor:
     """SwiGLU FFN over tokens x [N, H]: w2(silu(w1 x) * w3 x), weights named prefix + w1/w2/w3."""
-    return F.linear(F.silu(F.linear(x, w[prefix + "w1"])) * F.linear(x, w[prefix + "w3"]), w[prefix + "w2"])
+    up = F.silu(int4.linear(x, w, prefix + "w1")) * int4.linear(x, w, prefix + "w3")
+    return int4.linear(up, w, prefix + "w2")
 
 
 def slots(tokens: int, top_k: int, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -169,18 +176,26 @@ def attention_block(h, w: dict, cos, sin, mask, cache_write, spec, qkv, max_scor
     q in and the output back; the math is the same function). `prefix` = (keys, values)
     [kvh, P, D] of a prompt prefix every row shares, attended before the rows' own keys
     (`attend_shared`; plain attention only)."""
-    attend = attend or globals()["attend"]  # looked up per call: the profile's tests count the calls
+    # `attend` looked up per call: the profile's tests count the calls
+    attend, shared = attention_core(attend or globals()["attend"], prefix, attend_at)
+    x = rms_norm(h, w["input_norm"], spec.rms_norm_eps)
+    q, k, v = (t.transpose(1, 2) for t in qkv(x, w, spec))
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    keys, values = cache_write(k, v)
+    return h + linear(in_blocks(attend, q, keys, values, mask, max_scores, shared), w, "o")
+
+
+def attention_core(attend, prefix=None, attend_at=None):
+    """(the attention a block calls, the shared prefix's key count): `attend` over the rows' own
+    keys, or `attend_shared` where a prefix every row shares is attended first (plain attention
+    only); moved by `attend_at` beside a host KV cache."""
     shared = 0
     if prefix is not None:
         attend = functools.partial(attend_shared, prefix_keys=prefix[0], prefix_values=prefix[1])
         shared = prefix[0].shape[1]
     if attend_at is not None:
         attend = attend_at(attend)
-    x = rms_norm(h, w["input_norm"], spec.rms_norm_eps)
-    q, k, v = (t.transpose(1, 2) for t in qkv(x, w, spec))
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    keys, values = cache_write(k, v)
-    return h + linear(in_blocks(attend, q, keys, values, mask, max_scores, shared), w, "o")
+    return attend, shared
 
 
 def in_blocks(attend, q, keys, values, mask, max_scores: int | None, shared: int = 0) -> torch.Tensor:
@@ -220,5 +235,5 @@ def embed(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return F.embedding(ids, table)
 
 
-def logits(h: torch.Tensor, norm: torch.Tensor, head: torch.Tensor, eps: float) -> torch.Tensor:
-    return F.linear(rms_norm(h, norm, eps), head).float()
+def logits(h: torch.Tensor, norm: torch.Tensor, head: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+    return F.linear(rms_norm(h, norm, eps, offset), head).float()

@@ -241,3 +241,6 @@ def bind_grouped_expert_ffn(spec):
 def shared_ffn(x, gate: dict, spec):
     """The shared expert (every token, unweighted) of a MoE layer; a dense layer's MLP."""
     return L.swiglu(x, gate, "dense_" if "dense_w1" in gate else "shared_")
+
+
+recurrent_block = defaults.recurrent_block  # no linear-attention layers

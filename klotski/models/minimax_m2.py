@@ -109,3 +109,6 @@ def route(x, gate: dict, spec):
     experts = torch.topk(choice, k=spec.shape.top_k, dim=-1, sorted=False)[1]
     weights = scores.gather(1, experts)
     return weights / weights.sum(dim=-1, keepdim=True), experts
+
+
+recurrent_block = defaults.recurrent_block  # no linear-attention layers

@@ -68,3 +68,6 @@ expert_ffn = L.swiglu
 bind_expert_ffn = defaults.bind_expert_ffn
 bind_grouped_expert_ffn = defaults.bind_grouped_expert_ffn
 shared_ffn = defaults.shared_ffn
+
+
+recurrent_block = defaults.recurrent_block  # no linear-attention layers

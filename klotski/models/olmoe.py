@@ -54,3 +54,6 @@ SPARSE_ATTENTION = True  # the mask alone says which keys a query sees
 
 
 attention_block = defaults.plain_attention(qkv)
+
+
+recurrent_block = defaults.recurrent_block  # no linear-attention layers

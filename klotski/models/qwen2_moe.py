@@ -59,3 +59,6 @@ def shared_ffn(x, gate: dict, spec):
     if "dense_w1" in gate:
         return L.swiglu(x, gate, "dense_")
     return torch.sigmoid(torch.nn.functional.linear(x, gate["shared_gate"])) * L.swiglu(x, gate, "shared_")
+
+
+recurrent_block = defaults.recurrent_block  # no linear-attention layers

@@ -108,3 +108,6 @@ bind_grouped_expert_ffn = defaults.bind_grouped_expert_ffn
 def shared_ffn(x, gate: dict, spec):
     """A dense layer's MLP; nothing beside the routed experts of a MoE layer."""
     return L.swiglu(x, gate, "dense_") if "dense_w1" in gate else None
+
+
+recurrent_block = defaults.recurrent_block  # no linear-attention layers

@@ -27,6 +27,7 @@ from klotski.models import fields
 from klotski.models import deepseek_v2, deepseek_v3, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe
 from klotski.models import glm4_moe, minimax_m2
 from klotski.models import ernie4_5_moe, llama4
+from klotski.models import qwen3_5_moe, qwen3_next
 from klotski.models.family import Family
 from klotski.models.refs import TensorRef
 from klotski.util import dtypes
@@ -36,7 +37,7 @@ from planner.shapes import FAMILY_FIELDS, ModelShape, family_fields, window_appl
 DTYPES = dtypes.torch_dtypes()
 FAMILIES: dict[str, Family] = {m.MODEL_TYPE: m for m in (mixtral, qwen3_moe, qwen2_moe, olmoe, gpt_oss,
                                                            deepseek_v2, deepseek_v3, glm4_moe, minimax_m2,
-                                                           ernie4_5_moe, llama4)}
+                                                           ernie4_5_moe, llama4, qwen3_next, qwen3_5_moe)}
 assert set(FAMILIES) == set(FAMILY_FIELDS)
 
 
@@ -57,6 +58,7 @@ class ModelSpec:
     weigh_expert_inputs: bool = False  # the router weight scales an expert's input, not its output (Llama 4)
     weights_prefix: str = ""           # a vision-language checkpoint's text weights are under it (TEXT_MODELS)
     rotary_dim: int | None = None      # RoPE turns each head's first rotary_dim dims (GLM-4.5, MiniMax-M2); None: all
+    norm_offset: float = 0.0           # RMSNorms scale by norm_offset + w (Qwen3-Next, Qwen3.5: 1)
     config: dict = field(default_factory=dict, compare=False, repr=False)
     # RoPE inverse frequencies [head_dim / 2] (fp32) and the factor cos/sin are scaled by
     rope_inv_freq: torch.Tensor | None = field(default=None, compare=False, repr=False)
@@ -152,7 +154,8 @@ class ModelSpec:
         refs = self.family.group_refs(self, key)
         if self.weights_prefix:  # a vision-language checkpoint's text model
             p = self.weights_prefix
-            refs = {n: replace(r, name=p + r.name, scale=r.scale and p + r.scale) for n, r in refs.items()}
+            refs = {n: replace(r, name=text_weight(r.name, p), scale=r.scale and text_weight(r.scale, p))
+                    for n, r in refs.items()}
         return refs
 
     def local_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -182,7 +185,18 @@ class ModelSpec:
 # the text model's own model_type (its config is `text_config`) and the prefix its weights are
 # saved under (Llama4ForConditionalGeneration, as meta-llama/Llama-4-Scout-17B-16E-Instruct ships
 # and save_pretrained writes it). The vision tower's tensors are never read.
-TEXT_MODELS = {"llama4": ("llama4_text", "language_model.")}
+TEXT_MODELS = {"llama4": ("llama4_text", "language_model."),
+               # Qwen3_5MoeForConditionalGeneration: the text model inside the `model` (text_weight)
+               "qwen3_5_moe": ("qwen3_5_moe_text", "model.language_model.")}
+
+
+def text_weight(name: str, prefix: str) -> str:
+    """A text model's weight `name` in its vision-language checkpoint: under `prefix`; where the
+    prefix is inside the model's `model.` (Qwen3.5), what was under `model.` moves under it and
+    the head (`lm_head.weight`) stays where it is."""
+    if prefix.startswith("model."):
+        return prefix + name[len("model."):] if name.startswith("model.") else name
+    return prefix + name
 
 
 def text_model(cfg: dict) -> tuple[dict, str]:

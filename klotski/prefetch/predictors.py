@@ -30,16 +30,17 @@ from klotski.util.writes import describe, replace_atomically
 TABLE_VERSION = 2  # 2: a set is keyed by its expert ids (1: by its index among C(E, k)); files carry a kind
 
 
-def _top(scores: torch.Tensor, k: int) -> list[int]:
+def top_experts(scores: torch.Tensor, k: int) -> list[int]:
     # a stable sort keeps equal scores in id order: ties go to the lower id
     return torch.sort(scores, descending=True, stable=True).indices[:k].tolist()
 
 
-class _Metrics:
-    """Figure 13 of the paper: precision, hot-expert accuracy, share served by prefetched experts."""
+class PrefetchMetrics:
+    """Figure 13 of the paper: precision, hot-expert accuracy, share served by prefetched experts;
+    and recall: the share of the experts a layer-step used that were predicted."""
 
     def __init__(self, num_layers: int):
-        self.rows = [{"predicted": 0, "used": 0, "hot_hits": 0, "served": 0, "assignments": 0}
+        self.rows = [{"predicted": 0, "used": 0, "hot_hits": 0, "served": 0, "assignments": 0, "distinct": 0}
                      for _ in range(num_layers)]
         self.groups: list[dict] = []  # per finished batch group: its counts and how the predictor stood
         self._at_group_start = self._total()
@@ -59,14 +60,16 @@ class _Metrics:
         mine = per_expert[torch.tensor(predicted, dtype=torch.long)]
         row["predicted"] += len(predicted)
         row["used"] += int((mine > 0).sum())
-        row["hot_hits"] += len(set(predicted) & set(_top(per_expert, len(predicted))))
+        row["hot_hits"] += len(set(predicted) & set(top_experts(per_expert, len(predicted))))
         row["served"] += int(mine.sum())
         row["assignments"] += int(per_expert.sum())
+        row["distinct"] += int((per_expert > 0).sum())
 
     @staticmethod
     def _summary(row) -> dict:
-        p, a = row["predicted"], row["assignments"]
+        p, a, d = row["predicted"], row["assignments"], row["distinct"]
         return {"precision": round(row["used"] / p, 4) if p else None,
+                "recall": round(row["used"] / d, 4) if p and d else None,
                 "hot_accuracy": round(row["hot_hits"] / p, 4) if p else None,
                 "served_share": round(row["served"] / a, 4) if a else None}
 
@@ -79,7 +82,7 @@ class FrequencyPredictor:
     def __init__(self, num_layers: int, num_experts: int, name: str = "frequency"):
         self.name = name  # what predicts, for the report
         self.counts = torch.zeros(num_layers, num_experts, dtype=torch.long)
-        self.metrics = _Metrics(num_layers)
+        self.metrics = PrefetchMetrics(num_layers)
         self.predicted: dict[int, list[int]] = {}
         self.group_state: str | None = None  # state() when the current group began
 
@@ -90,7 +93,7 @@ class FrequencyPredictor:
 
     def predict(self, layer: int, k: int) -> list[int]:
         if layer not in self.predicted:
-            self.predicted[layer] = _top(self.counts[layer], k) if k > 0 else []
+            self.predicted[layer] = top_experts(self.counts[layer], k) if k > 0 else []
         return self.predicted[layer]
 
     def observe(self, layer: int, experts: list[torch.Tensor], **_) -> None:
@@ -265,7 +268,7 @@ class CorrelationPredictor(FrequencyPredictor):
     def predict(self, layer: int, k: int) -> list[int]:
         if layer not in self.predicted:
             scores = self.table.tendency(layer, self.table.paths(self.history, layer))
-            self.predicted[layer] = _top(scores, k) if k > 0 else []
+            self.predicted[layer] = top_experts(scores, k) if k > 0 else []
         return self.predicted[layer]
 
     def observe(self, layer: int, experts: list[torch.Tensor], **kw) -> None:
@@ -313,5 +316,5 @@ class NextGatePredictor(FrequencyPredictor):
 
     def predict(self, layer: int, k: int) -> list[int]:
         if layer in self.speculated and layer not in self.predicted:
-            self.predicted[layer] = _top(self.speculated[layer], k) if k > 0 else []
+            self.predicted[layer] = top_experts(self.speculated[layer], k) if k > 0 else []
         return super().predict(layer, k)

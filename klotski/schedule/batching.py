@@ -40,6 +40,7 @@ from klotski.schedule import sequences as S
 from klotski.execute.contract import Adopt, BatchStep, Free, Realign, Reset, Scrub, StepInput
 from klotski.schedule.sampling import next_tokens
 from klotski.schedule.prefix import cache_chain
+from klotski.schedule.routing_order import grouped_order, signatures
 from klotski.schedule.scheduler import ONLINE
 from klotski.schedule.stats import DecodeRows
 from placement.tiers import OverBudget
@@ -126,11 +127,34 @@ class Scheduler:
         self.online = 0  # online sequences this run took in (for OnlineStats)
         self._ran_online = False
         self.ran = False  # whether the last step computed anything
+        # --order routing: batch lines wait in groups of similar routing (schedule/routing_order.py)
+        self.routing = engine.config.order == "routing"
+        self.rank: dict[int, int] = {}       # id(line) -> its place in the routing order
+        self.signature: dict[int, tuple] = {}  # id(line) -> (line, its routing signature)
 
     def order(self, s: S.Sequence):
         """Batch lines wait longest `max_new_tokens` first, then longest prompt (static: longest
-        prompt first, so each batch pads little)."""
+        prompt first, so each batch pads little); under --order routing, in their routing
+        groups first (`_by_routing`)."""
+        if not self.routing:
+            return self._length(s)
+        return (self.rank.get(id(s), len(self.rank)), *self._length(s))
+
+    def _length(self, s: S.Sequence) -> tuple:
         return (-len(s.prompt_ids),) if self.static else (-s.max_new_tokens, -len(s.prompt_ids))
+
+    def _by_routing(self, lines: list) -> list:
+        """The batch lane in groups of n x bs lines of similar routing (routing_order.py); each
+        line's signature taken once, when it first waits."""
+        new = [s for s in lines if id(s) not in self.signature]
+        if new:
+            for s, sig in zip(new, signatures(new, self.spec, self.e.cache)):
+                self.signature[id(s)] = (s, sig)
+        self.signature = {id(s): self.signature[id(s)] for s in lines}  # (the admitted go)
+        sigs = torch.stack([self.signature[id(s)][1] for s in lines])
+        out = grouped_order(lines, sigs, self.e.batch_size * self.e.num_batches, self._length)
+        self.rank = {id(s): i for i, s in enumerate(out)}
+        return out
 
     def _size(self, waiting: list) -> None:
         """Rows with room for the longest request of `waiting` (what static batching gives its
@@ -203,6 +227,8 @@ class Scheduler:
         # work already here when a request arrives: rows computing or sequences waiting for them
         busy = self.live() or len(self.waiting) > 0
         arrivals = self.waiting.collect(self.order)
+        if self.routing and any(a.priority != ONLINE for a in arrivals):
+            self.waiting.reorder(self._by_routing)
         online = [s for a in arrivals if a.priority == ONLINE for s in a.seqs]
         staying = lambda seqs: [s for s in seqs if not s.leaving]  # (those leaving go at `_leave`)
         for a in arrivals:

@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 
 from klotski.errors import UserError
+from placement.split import resident_hit_rates
+from placement.tiers import DEVICE
 from klotski.schedule.prefix import report as prefix_report
 from klotski.util.writes import WriteFailed, replace_atomically
 
@@ -23,8 +25,10 @@ def build_report(engine, setup, *, ok: int, failed: int, skipped: int, wall_s: f
               "wall_s": round(wall_s, 4), "requests": {"ok": ok, "failed": failed, "skipped": skipped},
               "tokens": {"prompt": 0, "generated": 0}, "model": str(model_dir),
               "order": (f"the job file streams in windows of {config.window} lines; in each window prompts are "
-                        "sorted longest first and batched in that order (similar lengths share a batch and pad "
-                        "little); records are keyed by id and written as they finish"),
+                        + ("grouped by routing, n x bs lines whose prompts pick similar experts, longest first "
+                           "within a group" if config.order == "routing" else
+                           "sorted longest first and batched in that order (similar lengths share a batch and pad "
+                           "little)") + "; records are keyed by id and written as they finish"),
               "config": config.to_json()}
     if engine is None:
         return report
@@ -33,6 +37,10 @@ def build_report(engine, setup, *, ok: int, failed: int, skipped: int, wall_s: f
     report.update({
         "tokens_per_s": round(s.generated_tokens / gen_s, 3) if gen_s else 0.0,
         "predicted_tokens_per_s": round(plan.predicted_tokens_per_s, 3) if plan else None,
+        # the plan's own seconds for the job's first window's lengths, as planned (answers at the
+        # lengths it assumed or learned), beside the measured prefill_s and decode_s
+        "predicted_prefill_s": round(plan.job_prefill_s, 4) if plan and plan.job_prefill_s else None,
+        "predicted_decode_s": round(plan.job_decode_s, 4) if plan and plan.job_decode_s else None,
         "prefill_s": round(s.prefill_s, 4),
         "decode_s": round(s.decode_s, 4),
         "decode_steps": s.decode_steps,
@@ -43,7 +51,10 @@ def build_report(engine, setup, *, ok: int, failed: int, skipped: int, wall_s: f
                  "placement": setup.placement.summary(),
                  "buffers": plan.buffers if plan else None, "binding": plan.binding if plan else None,
                  # the precision run; under --quantize auto, every option weighed and why this one
-                 "precision": {"quantize": setup.quantize, **(plan.precision if plan and plan.precision else {})}},
+                 "precision": {"quantize": setup.quantize, **(plan.precision if plan and plan.precision else {})},
+                 # where the answer lengths the plan's time was priced at came from (assumed max_tokens,
+                 # or learned from runs: planner/answer_lengths.py)
+                 "answer_lengths": plan.answer_lengths if plan else {}},
         "memory": {"peak_device_bytes": engine.memory.peak, "budget_device_bytes": engine.memory.budget,
                    "peak_host_bytes": engine.host_memory.peak, "budget_host_bytes": engine.host_memory.budget,
                    **_allocator(engine)},
@@ -65,19 +76,54 @@ def build_report(engine, setup, *, ok: int, failed: int, skipped: int, wall_s: f
                      "order": ("waiting prompts longest max_new_tokens first; a freed row takes the next"
                                if engine.config.batching == "continuous" else
                                "longest prompts first, n batches of bs per group")},
+        # --order: how a window's lines waited, and what decode steps asked of the experts and the link
+        "line_order": order_report(engine),
         "bubble": {"seconds": round(engine.trace.bubble_s, 4), "share": round(engine.trace.bubble_share(), 4),
                    "decode_share": round(engine.trace.bubble_share(decode_only=True), 4)},
         # busy seconds and the bubble are estimated from the timed steps (one in `every` a phase)
         "timing": {"every": engine.trace.every, "steps": dict(engine.trace.steps),
                    "timed_steps": dict(engine.trace.timed_steps)},
         "prefetch": engine.predictor.report(),
+        # the emulated host->device link: demand loads' waits for it, the prefetches' chunks
+        # (execute/channels.EmulatedLink); None without --emulate-link
+        "link": engine.channels["experts"].link_report() if "experts" in engine.channels else None,
+        # the share of each MoE layer's routed picks whose expert was resident, and how the
+        # resident experts were divided among layers (--expert-split: placement/split.py)
+        "experts": resident_hits(engine, setup),
         "host_compute": engine.pipeline.host.report(),
+        # --adaptive-gating: pairs skipped, demand loads not made, and the calibration (schedule/gating.py)
+        "adaptive_gating": None if engine.pipeline.gating is None else engine.pipeline.gating.report(),
         "prefix_cache": prefix_report(engine),
         # CPU compute threads over the run: [seconds into it, threads] at each change (util/threads.py)
         "threads": None if engine.threads is None else {"history": engine.threads.history,
                                                         "fixed": bool(engine.threads.fixed)},
     })
     return report
+
+
+def order_report(engine) -> dict:
+    """The lines' order (--order) and its measures: distinct experts a MoE layer's routing chose
+    per step where every row decoded, and in the other steps (Pipeline.distinct), and host->device
+    bytes moved in decode steps per generated token."""
+    s, link = engine.stats, engine.trace.decode_bytes.get("host_to_device", 0)
+    per_step = {f"distinct_experts_per_{phase}_layer_step": round(chosen / steps, 3) if steps else None
+                for phase, (chosen, steps) in engine.pipeline.distinct.items()}
+    return {"policy": engine.config.order, **per_step,
+            "decode_link_bytes_per_token": round(link / s.generated_tokens) if s.generated_tokens else None}
+
+
+def resident_hits(engine, setup) -> dict:
+    """Per MoE layer, the share of the picks routed there that found their expert resident on the
+    device (the run's routing, Pipeline.routed), the whole run's share, and the split."""
+    shape, tiers = engine.spec.shape, setup.placement.tiers
+    layers = [j for j in range(shape.num_layers) if shape.experts_in(j)]
+    resident = [[tiers.get(("expert", j, e)) == DEVICE for e in range(shape.num_experts)] for j in layers]
+    routed = engine.pipeline.routed
+    total = routed.sum()
+    return {"split": setup.expert_split,
+            "resident_per_layer": [sum(row) for row in resident],
+            "hit_rate": round(float((routed * resident).sum() / total), 4) if total else None,
+            "hit_rate_per_layer": resident_hit_rates(routed, resident)}
 
 
 def _allocator(engine) -> dict:
@@ -138,6 +184,7 @@ def summary(report: dict, out_path: Path) -> str:
             + (f", prefill in chunks of {plan['prefill_chunk']} tokens" if plan["prefill_chunk"] else ""),
             *([f"precision {plan['precision']['chosen']}: {plan['precision']['why']}"]
               if plan.get("precision", {}).get("why") else []),
+            *answers_line(plan.get("answer_lengths")),
             f"bubble    {report['bubble']['share']:.1%} of compute time waiting on transfers",
             *([f"slots     {report['decode_slot_utilisation']:.0%} of decode rows computed served a sequence still "
                f"generating; {report['decode_occupancy']:.0%} of the group's rows did "
@@ -149,6 +196,7 @@ def summary(report: dict, out_path: Path) -> str:
               if report["decode_slot_utilisation"] is not None else []),
             *_prefetch_line(report["prefetch"]),
             *host_line(report.get("host_compute")),
+            *gating_line(report.get("adaptive_gating")),
             *_prefix_line(report.get("prefix_cache")),
             *profile_line(report.get("profile")),
             f"memory    peak device {mem['peak_device_bytes'] / 2**20:.1f} of {mem['budget_device_bytes'] / 2**20:.1f} MiB, "
@@ -178,6 +226,17 @@ def host_line(host: dict | None) -> list[str]:
             f"{e['host_s']:.2f} s; {e['mode']})"]
 
 
+def gating_line(gating: dict | None) -> list[str]:
+    """What --adaptive-gating skipped, and the agreement its calibration measured."""
+    if not gating:
+        return []
+    c = gating["calibration"] or {}
+    how = (f"thresholds from {c.get('file')}" if c.get("reused") else
+           f"calibrated on {c.get('lines')} lines: {c.get('agreement', 0):.1%} of greedy tokens equal exact top-k's")
+    return [f"gating    {gating['pairs_skipped']} of {gating['pairs']} expert pairs skipped, {gating['experts_not_loaded']} "
+            f"loads ({gating['link_bytes_not_loaded'] / 2**20:.1f} MiB) not made; {how}"]
+
+
 def _prefix_line(prefix: dict | None) -> list[str]:
     """What the shared-prefix cache saved, or why it was off."""
     if not prefix:
@@ -198,12 +257,25 @@ def profile_line(profile: dict | None) -> list[str]:
     if not profile:
         return []
     judged = profile.get("judged") or "a profile not judged when measured"
+    taught = profile.get("answer_lengths")
+    answers = [] if not taught else [
+        f"answers   this run's {taught['answers']} answers ({taught['answer_tokens']} tokens) are what the model's "
+        f"next plans take (this job: {taught['job_runs']} runs)" if taught.get("learned")
+        else f"answers   not learned from this run: {taught.get('why')}"]
     if not profile.get("corrected"):
-        return [f"profile   {judged}; not corrected by this run: {profile.get('why')}"]
+        return [f"profile   {judged}; not corrected by this run: {profile.get('why')}", *answers]
     phases = "; ".join(f"{name} predicted {p['predicted_s']:.2f} s, measured {p['measured_s']:.2f} s"
                        + (f" (not learned from: {p['not_learned']})" if p.get("not_learned") else "")
                        for name, p in profile["phases"].items() if p["measured_s"] or p["predicted_s"])
-    return [f"profile   {judged}; corrected by this run ({phases}): the next plan starts from it"]
+    return [f"profile   {judged}; corrected by this run ({phases}): the next plan starts from it", *answers]
+
+
+def answers_line(answers: dict | None) -> list[str]:
+    """Where the answer lengths the plan priced came from, and their tokens against max_tokens."""
+    if not answers:
+        return []
+    return [f"answers   planned at {answers['answer_tokens']} answer tokens ({answers['max_tokens']} at "
+            f"max_tokens): {answers['source']}"]
 
 
 def _prefetch_line(prefetch: dict) -> list[str]:

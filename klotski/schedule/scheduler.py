@@ -152,6 +152,12 @@ class Waiting:
                 self._batch = deque(sorted([*self._batch, *lines], key=order))
         return new
 
+    def reorder(self, arrange) -> None:
+        """The batch lane rearranged as `arrange(lines)` returns it (--order routing)."""
+        with self._lock:
+            if self._batch:
+                self._batch = deque(arrange(list(self._batch)))
+
     def leaving(self) -> list:
         """Take out the waiting sequences whose source left."""
         with self._lock:
