@@ -18,7 +18,8 @@ import torch
 
 from klotski import planning
 from klotski.execute.caches import CacheManager
-from klotski.execute.channels import DISK_CARRIERS, HostReads, SmallUploads, make_channels
+from klotski.execute.channels import DISK_CARRIERS, make_channels
+from klotski.execute.staging import HostReads, SmallUploads
 from klotski.io.checkpoint import Checkpoint
 from klotski.schedule.engine import Engine
 from klotski.execute.hostcompute import HostCompute
@@ -215,7 +216,7 @@ def build_engine(config, ckpt: Checkpoint, setup: RunSetup, *, predictor=None) -
 def reserve_staging_rings(host_memory: Memory, channels: dict, setup: RunSetup, step_rings=()) -> None:
     """The page-locked rings host data crosses a CUDA link through, charged now: the step's
     small uploads and routing reads (`step_rings`, held for the run), and the channels' own
-    (channels.StagedCopies), made on first use and given back when the channels close: one per
+    (staging.StagedCopies), made on first use and given back when the channels close: one per
     channel carrying disk-tier groups up (as the planner charged them), the activations
     channel's where host compute may run (its results go up through it), and the kv_load
     channel's where the KV cache is on the host (strided slots are gathered into it)."""

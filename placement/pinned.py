@@ -6,7 +6,7 @@ budget counted. Here each group (or KV tensor) gets one block of its own size, a
 mapping (whole pages of its own, so no page is registered twice, and the tensor's storage
 starts where the locked range does), page-locked with `cudaHostRegister`; the host budget is
 charged exactly what the block takes (`charge`: its bytes rounded up to whole pages). A
-channel's staging ring (execute/channels.StagedCopies) is such a block too (`buffer`).
+channel's staging ring (execute/staging.StagedCopies) is such a block too (`buffer`).
 Blocks are unregistered by `close`, after every copy that reads them has finished.
 
 With `pinned=False` the blocks are plain memory of the same layout (what the CPU tests

@@ -197,7 +197,7 @@ def make_plan(cost, shape, budgets, pred, bs, n, layout, ios, binding, schedule,
     launches = cost.launches(batch_layers=n, expert_calls=per_layer["expected_distinct_experts"], layers=1,
                              steps=1 / L)
     per_layer["launches"] = {"decode": launches, "ms": launches * cost.profile.launch_s * 1e3}
-    # the host's waits for the routing ids (execute/channels.HostReads) per MoE layer, and for the
+    # the host's waits for the routing ids (execute/staging.HostReads) per MoE layer, and for the
     # next gate's picks with next-gate prediction: the only host syncs a decode layer step makes
     # (tests/test_expert_waves.py counts them)
     per_layer["host_syncs"] = {"decode": (1 + next_gate) if E else 0}

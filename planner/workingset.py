@@ -191,7 +191,7 @@ def newcomer_chunks(shape, itemsize: int, bs: int, n: int, chunk: int, context: 
 def staging_bytes(cost) -> int:
     """Host buffers of the disk window: the layer being computed and DISK_WINDOW_LAYERS ahead
     (each layer is staged before the current one is let go); on a CUDA device also the
-    page-locked rings the disk reads cross the link through (execute/channels.StagedCopies)."""
+    page-locked rings the disk reads cross the link through (execute/staging.StagedCopies)."""
     rings = STAGED_RINGS * STAGED_RING_BYTES if cost.profile.device == "cuda" else 0
     return (DISK_WINDOW_LAYERS + 1) * cost.layer_bytes() + rings
 

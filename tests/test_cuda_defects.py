@@ -23,7 +23,7 @@ def host_placement(checkpoints):
 def test_padded_prefill_index_goes_up_through_the_pinned_upload(checkpoints, monkeypatch):
     """The real-token index of a padded prefill is built on the host and sent by the
     pipeline's upload (the pinned ring, non-blocking), not copied pageable and blocking."""
-    from klotski.execute.channels import SmallUploads
+    from klotski.execute.staging import SmallUploads
     made, uploaded = [], []
     real_tokens, upload = P.real_tokens, SmallUploads.__call__
 

@@ -145,7 +145,7 @@ def test_a_decode_layer_step_issues_no_host_sync_but_the_routing_reads(tmp_path)
     from klotski.config import RunConfig
     from klotski.io.checkpoint import Checkpoint
     from klotski.io.requests import Request
-    from klotski.execute.channels import HostReads
+    from klotski.execute.staging import HostReads
     from klotski.execute.experts import LayerExperts
     from placement.placement import Placement
 
@@ -271,7 +271,7 @@ def _fake_events():
 def test_small_uploads_reuse_ring_bytes_only_once_the_device_has_read_them():
     """The pinned ring of a step's small uploads (CUDA-only in use; its bookkeeping checked here
     with a plain buffer, a meta device and events that say when they are waited for)."""
-    from klotski.execute.channels import SmallUploads
+    from klotski.execute.staging import SmallUploads
 
     Event = _fake_events()
 
@@ -295,7 +295,7 @@ def test_a_ring_never_hands_out_bytes_a_newer_copy_still_reads():
     """After a wrap the ring's oldest pending copy can be a straggler at its end while a newer one
     holds its start: bytes are handed out only once every copy in them is done (found by reading:
     the ring waited for the oldest copy only, and gave out bytes a copy was still reading)."""
-    from klotski.execute.channels import PinnedRing
+    from klotski.execute.staging import PinnedRing
 
     Event = _fake_events()
     ring = PinnedRing(1024, buffer=torch.zeros(1024, dtype=torch.uint8), event=Event)
@@ -318,7 +318,7 @@ def test_pageable_sources_cross_the_link_through_a_reused_pinned_ring():
     ring piece by piece (StagedCopies; CUDA-only in use, its bookkeeping checked here with a plain
     buffer and events that say when they are waited for): bytes land whole, and a piece reuses
     ring bytes only once the copy out of them has completed."""
-    from klotski.execute.channels import StagedCopies
+    from klotski.execute.staging import StagedCopies
 
     Event = _fake_events()
 
@@ -337,7 +337,8 @@ def test_the_host_is_charged_the_staging_rings_the_engine_reserves():
     rings (none on a CPU, where no ring is made), and as many as the engine reserves."""
     import dataclasses
 
-    from klotski.execute.channels import DISK_CARRIERS, StagedCopies
+    from klotski.execute.channels import DISK_CARRIERS
+    from klotski.execute.staging import StagedCopies
     from planner.costmodel import CostModel
     from planner.profile import load_profile
     from planner.workingset import staging_bytes
@@ -387,7 +388,8 @@ def test_the_steps_own_rings_are_charged_and_never_grow():
     import types
 
     from klotski.assemble import reserve_staging_rings
-    from klotski.execute.channels import HostReads, SmallUploads, make_channels
+    from klotski.execute.channels import make_channels
+    from klotski.execute.staging import HostReads, SmallUploads
     from klotski.execute.trace import Trace
     from placement.tiers import Memory
     from planner.costmodel import CostModel

@@ -25,7 +25,7 @@ from klotski.io.requests import Request
 from klotski.execute import kvcache
 from klotski.schedule import batching
 from klotski.execute.caches import CacheManager, KVSpace
-from klotski.execute.channels import StagedCopies
+from klotski.execute.staging import StagedCopies
 from klotski.execute.kvcache import BatchKV
 from placement.placement import Placement
 from test_batching import PROMPTS as BATCHING_PROMPTS

@@ -11,7 +11,7 @@ from klotski.config import RunConfig
 from klotski.io.checkpoint import Checkpoint
 from klotski.io.requests import Request
 from klotski.execute import kvcache, segments
-from klotski.execute.channels import StagedCopies
+from klotski.execute.staging import StagedCopies
 from klotski.execute.kvcache import BatchKV
 from klotski.schedule import prefix as X
 from placement.placement import Placement

@@ -17,7 +17,7 @@ for this step) ahead of the batch's attention, and `store(layer, buf)` (on `kv_s
 only this step's new slots go back) after it. `stored[layer]` is the last store's ticket,
 which the next load of that layer waits for. A load's host->device copies read page-locked
 memory only, contiguous: the host cache's own slots when they are one block, else the
-staging ring of the channel the load runs on (kv_load's `channels.StagedCopies`: the run's,
+staging ring of the channel the load runs on (kv_load's `staging.StagedCopies`: the run's,
 charged to its host account) that they are gathered into, chunk by chunk.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from contextlib import nullcontext
 
 import torch
 
-from klotski.execute.channels import StagedCopies
+from klotski.execute.staging import StagedCopies
 
 REALIGN_BLOCK_BYTES = 16 << 20  # the most a realign's scratch block takes (at least one slot)
 

@@ -37,7 +37,7 @@ import torch
 
 from klotski.models import layers as L
 from klotski.models.grouped import runs_grouped
-from klotski.execute.channels import HostReads, SmallUploads
+from klotski.execute.staging import HostReads, SmallUploads
 from klotski.execute.contract import StepInput, StepOutput
 from klotski.execute.experts import LayerExperts, SortKeys, first_broken, real_tokens, route_group
 from klotski.execute.gating import AdaptiveGating, exact_ids

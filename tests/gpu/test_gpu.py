@@ -194,7 +194,7 @@ def test_host_tier_is_page_locked_and_charged_what_it_takes(model):
     engine, seqs, errors = open_engine(cfg, requests(PROMPTS, 4), placement=placement_of(model, "host"))
     groups = list(engine.cache.host.values())
     assert groups and all(t.is_pinned() for g in groups for t in g.values())
-    # and the kv_load channel's staging ring, the KV cache being on the host (channels.StagedCopies)
+    # and the kv_load channel's staging ring, the KV cache being on the host (staging.StagedCopies)
     ring = pinned.charge(engine.channels["kv_load"].staged.nbytes)
     assert engine.host_memory.used == sum(pinned.charge(pinned.group_nbytes(g.values())) for g in groups) + ring
     list(engine.run(seqs))

@@ -22,7 +22,7 @@ def model(tmp_path_factory):
 def test_padded_prefill_index_upload_does_not_synchronise(model, monkeypatch):
     """The real-token index of a padded prefill goes up pinned (the ring) and non-blocking:
     under `set_sync_debug_mode("error")` a blocking pageable copy would raise."""
-    from klotski.execute.channels import SmallUploads
+    from klotski.execute.staging import SmallUploads
     upload, seen = SmallUploads.__call__, []
 
     def strict(self, t):

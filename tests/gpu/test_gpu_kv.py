@@ -20,7 +20,7 @@ from klotski.config import RunConfig
 from klotski.io.checkpoint import Checkpoint
 from klotski.io.requests import Request
 from klotski.execute import kvcache
-from klotski.execute.channels import StagedCopies
+from klotski.execute.staging import StagedCopies
 from klotski.execute.kvcache import BatchKV
 from placement.placement import Placement
 
