@@ -87,6 +87,10 @@ class LayerOps:
         self._blocks = None
         from klotski.compress.ggml import format_types
         self.gguf = format_types(self.packed)  # GGUF experts: each matrix's block type
+        if not set(self.gguf) <= set(self.expert_w[0]):
+            # a family whose experts GGUF lays out otherwise (gpt-oss: gate and up joined after
+            # decoding) is timed on its dense experts: the per-use decode is not priced for it
+            self.gguf = {}
         if self.gguf:
             self._hold_gguf()
 

@@ -130,4 +130,5 @@ def _planned(ckpt, config) -> list:
     ctx = ckpt.spec.max_position_embeddings
     new = min(config.max_new_tokens, ctx // 2)
     prompt = max(1, min(PLAN_PROMPT_TOKENS, ctx - new - 1))
-    return [SimpleNamespace(prompt_ids=[0] * prompt, max_new_tokens=new)] * config.window
+    return [SimpleNamespace(prompt_ids=[0] * prompt, max_new_tokens=new, temperature=config.temperature,
+                            top_p=config.top_p, stop=(), sample=0)] * config.window
