@@ -35,6 +35,7 @@ from klotski import planning
 from klotski.planning import learn_from_run, replayed_plan, routing_in_slot_order
 from klotski.schedule import sequences as S
 from klotski.schedule.report import build_report, replayed, save_report, summary
+from klotski.util.signals import signals_held
 from klotski.schedule.windows import Background, LineCount, drain, job_windows, read_ahead
 from klotski.util.writes import WriteFailed, replace_atomically, writing
 
@@ -244,7 +245,8 @@ class Job:
             return 0  # its line's other samples are still running: the line is written whole or not at all
         record, err = done
         if err is not None:
-            self.failed += self.emit(error_record(err, fmt=c.output_format), err, err.row)
+            with signals_held():
+                self.failed += self.emit(error_record(err, fmt=c.output_format), err, err.row)
             return 1
         for s in S.gather(seq):  # the answers the plan priced
             at = self.planned.get((s.request.line, s.sample))
@@ -256,7 +258,8 @@ class Job:
             self.prompt_lens.append(len(s.prompt_ids) - s.shared)  # what it prefilled itself
             self.longest = max(self.longest, len(s.prompt_ids))
             self.gen_lens.append(len(s.out))
-        self.ok += self.emit(record, row=seq.request.row)
+        with signals_held():  # a Ctrl-C or SIGTERM lands after the record is written and counted
+            self.ok += self.emit(record, row=seq.request.row)
         return 1
 
     def emit(self, record, error=None, row=None) -> bool:
