@@ -25,6 +25,7 @@ from klotski.io.requests import Request
 from klotski.execute import kvcache
 from klotski.schedule import batching
 from klotski.execute.caches import CacheManager, KVSpace
+from klotski.execute.channels import Ticket
 from klotski.execute.staging import StagedCopies
 from klotski.execute.kvcache import BatchKV
 from placement.placement import Placement
@@ -142,13 +143,11 @@ def test_a_load_waits_for_the_last_store_of_its_layer_before_the_host_gathers(mo
     kv = _filled_cache(2)
     order = []
 
-    class Ticket:
-        class future:
-            @staticmethod
-            def result():
-                order.append("store landed")
-        event = None
-    kv.stored[0] = Ticket()
+    class Store:  # a store's future whose landing is recorded
+        @staticmethod
+        def result():
+            order.append("store landed")
+    kv.stored[0] = Ticket(Store())
     gather = StagedCopies.gather
     monkeypatch.setattr(StagedCopies, "gather", lambda *a, **kw: (order.append("gather"), gather(*a, **kw)))
     kv.begin_step(torch.ones(2, 1, dtype=torch.bool))

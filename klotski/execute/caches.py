@@ -75,7 +75,11 @@ class KVSpace:
         if blocks:  # one locked block per layer's keys and one per its values, each charged what it takes
             nbytes = self.shape.attention_layers * sum(map(pinned.charge, BatchKV.tensor_nbytes(
                 *dims[1:], self.dtype, value_dim)))
-        nbytes += state_nbytes(self.shape, rows, self.dtype)
+            # and one per linear layer's conv state and one per its matrix
+            nbytes += len(self.shape.linear_layers) * sum(map(pinned.charge, RecurrentState.tensor_nbytes(
+                rows, *state_dims(self.shape), self.dtype)))
+        else:
+            nbytes += state_nbytes(self.shape, rows, self.dtype)
         if not self.on_host:
             self.make_room(nbytes + keep_free, "KV cache")
         self.account.reserve(nbytes, "KV cache")
@@ -84,7 +88,8 @@ class KVSpace:
                      linear=self.shape.linear_layers)
         if self.shape.linear_layers:
             kv.state = RecurrentState(self.shape.linear_layers, rows, *state_dims(self.shape), self.dtype,
-                                      device=self.device, on_host=self.on_host)
+                                      device=self.device, on_host=self.on_host,
+                                      host_zeros=blocks.zeros if blocks else None)
         if self.on_host and self.staging is not None:
             kv.staging = self.staging
         if chains is not None:
@@ -110,7 +115,8 @@ class KVSpace:
         if blocks:
             # its own last stores have landed (its loads finished before the compute those
             # stores wait for): no device-wide synchronize
-            kv.settle()
+            for kind in kinds(kv):
+                kind.settle()
             blocks.close()
         self.account.free(nbytes)
 
@@ -120,7 +126,8 @@ class KVSpace:
             self.drain()
         for nbytes, blocks, kv in self.held.values():
             if blocks:
-                kv.settle()
+                for kind in kinds(kv):
+                    kind.settle()
                 blocks.close()
             self.account.free(nbytes)
         self.held.clear()
@@ -240,7 +247,8 @@ class CacheManager:
         """The rows of a prefilled cache become shared segments (row r: its newest
         `lengths[r]` slots), one handle each; the cache's group goes with the last of them."""
         group, kv = self.caches[cache]
-        kv.settle()  # its stores have landed: loads read it from now on with no wait
+        for kind in kinds(kv):  # its stores have landed: loads read it from now on with no wait
+            kind.settle()
         owner = SegmentGroup(lambda: self.close_group(group), len(lengths))
         handles = []
         for row, length in enumerate(lengths):

@@ -97,6 +97,13 @@ class Ticket:
         calling stream wait on the copy (its memory stays the copy stream's until it is done)."""
         self.future.result()
 
+    def landed(self) -> None:
+        """Block the host until the transfer has finished (its own event: no device-wide
+        synchronize), before the host reads or rewrites the memory it writes."""
+        self.future.result()
+        if self.event is not None:
+            self.event.synchronize()
+
 
 def device_tensors(value):
     """The CUDA tensors in a transfer's result (a tensor, or dicts/tuples/lists of them)."""

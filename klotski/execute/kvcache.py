@@ -160,9 +160,7 @@ class BatchKV:
         """Block until the last store of `layer` has landed: its own event, not the device."""
         ticket = self.stored.get(layer)
         if ticket is not None:
-            ticket.future.result()
-            if ticket.event is not None:
-                ticket.event.synchronize()
+            ticket.landed()
 
     def row_lengths(self) -> list[int]:
         """Per row, how many of the newest slots its tokens reach back (a row's tokens are

@@ -250,24 +250,47 @@ class Pipeline:
 
     def _recurrent(self, layer, hs, w, kvs) -> None:
         """A linear-attention layer (a hybrid's Gated DeltaNet): each batch's rows from their
-        recurrent state (execute/recurrent.py), always on the device: on the host tier the
-        layer's state of the computed rows goes up before and back after (its room reserved
-        meanwhile). Host attention does not apply: there are no keys to attend beside."""
+        recurrent state (execute/recurrent.py), computed on the device. On the host tier the
+        layer's state of the computed rows goes up on kv_load (the next batch's behind this
+        one's compute) and back on kv_store after it, its room held until the store lands, as
+        attention's keys and values move. Host attention does not apply: no keys to attend beside."""
+        loads, stores = {}, []
+        if kvs and kvs[0].state.on_host:
+            loads[0] = self._state_load(kvs[0].state, layer, 0)
         for k, kv in enumerate(kvs):
+            if k + 1 < len(kvs) and kvs[k + 1].state.on_host:
+                while len(stores) > KV_BUFFERS - 2:  # at most KV_BUFFERS batches' states on the device
+                    self._kv_stored(*stores.pop(0))
+                loads[k + 1] = self._state_load(kvs[k + 1].state, layer, k + 1)
             state = kv.state
-            nbytes = state.layer_nbytes() if state.on_host else 0
-            if nbytes:
-                self.res.make_room(nbytes, "recurrent state")
-                self.memory.reserve(nbytes, f"recurrent state layer {layer}")
+            rows = self.res.wait(loads[k][0], f"state.{layer}.{k}") if state.on_host else state.layer(layer)
             with self.trace.span("compute", f"linear.{layer}.b{k}"):
-                hs[k], new = self.M.recurrent_block(hs[k], w, state.layer(layer, self.device), self.valids[k],
-                                                    self.spec)
-            state.put(layer, new)
+                hs[k], new = self.M.recurrent_block(hs[k], w, rows, self.valids[k], self.spec)
+            del rows
+            if state.on_host:
+                state.stored[layer] = self.ch["kv_store"].submit(
+                    lambda state=state, new=new: state.store(layer, new), name=f"state.{layer}.{k}",
+                    nbytes=loads[k][1], link="device_to_host", after_compute=True, reads=new)
+                stores.append((state.stored[layer], loads[k][1]))
+            else:
+                state.put(layer, new)
             del new
-            if nbytes:
-                self.memory.free(nbytes)
+        for ticket, nbytes in stores:
+            self._kv_stored(ticket, nbytes)
         self.cache.release(("attn", layer))
         self.res.pump()
+
+    def _state_load(self, state, layer: int, k: int):
+        """A host-tier recurrent state's rows of `layer` on their way up (after that layer's last
+        store home): (ticket, bytes held on the device until the store back lands)."""
+        nbytes = state.layer_nbytes()
+        self.res.make_room(nbytes, "recurrent state")
+        self.memory.reserve(nbytes, f"recurrent state layer {layer}")
+        previous = [state.stored[layer]] if layer in state.stored else []
+        ticket = self.ch["kv_load"].submit(lambda: state.load(layer, self.device), name=f"state.{layer}.{k}",
+                                           nbytes=nbytes, after=previous)
+        self.kv_bytes_loaded += nbytes
+        return ticket, nbytes
 
     def _shared_prefix(self, layer: int, kvs) -> "SharedLayer":
         """Keys/values of `layer` of every shared segment the batches attending on the device

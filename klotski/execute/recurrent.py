@@ -16,9 +16,11 @@ Row operations, as continuous batching and shared prefixes need them:
 Pads are identity steps in the math (models/gated_deltanet.py), so a row's state is its own
 tokens' whatever the padding beside it.
 
-On the host tier the state lives in host memory and a linear layer's rows go up before its
-compute and back after it (`layer`/`put`, on the scheduling thread: not yet overlapped on the
-kv_load/kv_store channels as attention's keys and values are).
+On the host tier the state lives in host memory (page-locked blocks on CUDA: `host_zeros`) and a
+linear layer's rows go up before its compute and back after it on the kv_load and kv_store
+channels, as attention's keys and values do (`load`/`store`, the pipeline submits them);
+`stored[layer]` is the last store's ticket, which the next load of that layer follows and every
+row operation waits for (`settle`).
 """
 from __future__ import annotations
 
@@ -29,19 +31,28 @@ class RecurrentState:
     """Rows' recurrent states of the linear-attention `layers` (a dict per layer: conv, matrix)."""
 
     def __init__(self, layers, batch: int, conv: tuple[int, int], matrix: tuple[int, int, int], dtype: torch.dtype,
-                 *, device="cpu", on_host: bool = False):
-        where = "cpu" if on_host else device
+                 *, device="cpu", on_host: bool = False, host_zeros=None):
+        def plain(shape, dt):
+            return torch.zeros(shape, dtype=dt, device="cpu" if on_host else device)
+        zeros = host_zeros if on_host and host_zeros else plain
         self.on_host, self.dtype = on_host, dtype
-        self.conv = {j: torch.zeros((batch, *conv), dtype=dtype, device=where) for j in layers}
-        self.matrix = {j: torch.zeros((batch, *matrix), dtype=torch.float32, device=where) for j in layers}
+        self.conv = {j: zeros((batch, *conv), dtype) for j in layers}
+        self.matrix = {j: zeros((batch, *matrix), torch.float32) for j in layers}
         self.rows = batch
         self.filled = self.capacity = 0  # no slots: a state is the same size whatever it has read
+        self.stored: dict = {}  # layer -> the ticket of its last store home (host tier)
 
     @staticmethod
     def nbytes_for(layers: int, batch: int, conv: tuple[int, int], matrix: tuple[int, int, int],
                    dtype: torch.dtype) -> int:
         """Every layer's state of `batch` rows (known before allocating): a constant per row."""
-        return layers * batch * (conv[0] * conv[1] * dtype.itemsize + matrix[0] * matrix[1] * matrix[2] * 4)
+        return layers * sum(RecurrentState.tensor_nbytes(batch, conv, matrix, dtype))
+
+    @staticmethod
+    def tensor_nbytes(batch: int, conv: tuple[int, int], matrix: tuple[int, int, int],
+                      dtype: torch.dtype) -> tuple[int, int]:
+        """Bytes of one layer's conv tensor and of its matrix tensor."""
+        return batch * conv[0] * conv[1] * dtype.itemsize, batch * matrix[0] * matrix[1] * matrix[2] * 4
 
     @property
     def batch(self) -> int:
@@ -55,15 +66,34 @@ class RecurrentState:
         return self.rows * (conv[0].numel() * conv.element_size() + matrix[0].numel() * 4)
 
     # ---- a step -------------------------------------------------------------------------
-    def layer(self, layer: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The computed rows' (conv, matrix) of `layer` on `device` (copies from the host tier)."""
-        conv, matrix = self.conv[layer][:self.rows], self.matrix[layer][:self.rows]
-        return conv.to(device), matrix.to(device)
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The computed rows' (conv, matrix) of `layer`, where they live (the device tier)."""
+        return self.conv[layer][:self.rows], self.matrix[layer][:self.rows]
 
     def put(self, layer: int, state: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """The computed rows' new state of `layer`, written home."""
+        """The computed rows' new state of `layer`, written in place (the device tier)."""
         self.conv[layer][:self.rows].copy_(state[0])
         self.matrix[layer][:self.rows].copy_(state[1])
+
+    def load(self, layer: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The host tier's rows of `layer` on `device` (run on the kv_load channel, after the
+        layer's last store): contiguous page-locked rows, so on CUDA the copies are
+        asynchronous on the channel's stream; a CPU "device" reads the rows where they are."""
+        conv, matrix = self.layer(layer)
+        if torch.device(device).type == "cpu":
+            return conv, matrix
+        up = []
+        for src in (conv, matrix):
+            dst = torch.empty(src.shape, dtype=src.dtype, device=device)
+            dst.copy_(src, non_blocking=True)
+            up.append(dst)
+        return up[0], up[1]
+
+    def store(self, layer: int, state: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """The new state of `layer` home from the device (run on the kv_store channel, after
+        the compute that made it)."""
+        self.conv[layer][:self.rows].copy_(state[0], non_blocking=True)
+        self.matrix[layer][:self.rows].copy_(state[1], non_blocking=True)
 
     # ---- row operations (caches.CacheKind) ----------------------------------------------
     def row_lengths(self) -> list[int]:
@@ -75,11 +105,14 @@ class RecurrentState:
     def adopt(self, row: int, src: "RecurrentState", src_row: int, length: int) -> None:
         """Row `row` takes `src`'s row `src_row` state (whatever `length` of its slots the
         attention kind moves: the state stands for them all)."""
+        self.settle()
+        src.settle()
         for mine, theirs in ((self.conv, src.conv), (self.matrix, src.matrix)):
             for j in mine:
                 mine[j][row] = theirs[j][src_row]
 
     def scrub(self, row: int) -> None:
+        self.settle()
         for t in (*self.conv.values(), *self.matrix.values()):
             t[row] = 0
 
@@ -87,6 +120,8 @@ class RecurrentState:
         """Nothing moves: a state has no slots."""
 
     def reset(self, rows: int) -> None:
+        self.settle()
+        self.stored = {}
         for t in (*self.conv.values(), *self.matrix.values()):
             t.zero_()
         self.use_rows(rows)
@@ -100,7 +135,9 @@ class RecurrentState:
                 self.adopt(row, last.kv.state, last.row, last.length)
 
     def settle(self) -> None:
-        """Nothing in flight: the state is read and written on the scheduling thread."""
+        """Block until every store home has landed (before the host reads or rewrites a row)."""
+        for ticket in self.stored.values():
+            ticket.landed()
 
     def release(self) -> None:
         self.conv, self.matrix = {}, {}

@@ -218,3 +218,29 @@ def test_sanitizer_finds_no_race(models, refs, quarter, v2_lora):
     assert out.returncode == 0, log[-3000:]
     assert "CSAN" not in log and "data race" not in log.lower(), log[-3000:]
     assert "TOKENS [True, True, True]" in log, log[-3000:]
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    from klotski.builtin.families import build_family
+    path = build_family(tmp_path_factory.mktemp("hybrid") / "qwen3_next", "qwen3_next")
+    return path, reference_tokens(path)
+
+
+@pytest.mark.parametrize("kv", ["device", "host"])
+def test_hybrid_recurrent_state_moves_page_locked_on_the_kv_channels(hybrid, kv):
+    """Qwen3-Next (Gated DeltaNet layers beside attention): tokens equal transformers' with the
+    KV and recurrent state on either tier, experts on the host; on the host tier every
+    host->device copy reads page-locked memory (the state goes up on kv_load and home on
+    kv_store, never a pageable copy inside a layer)."""
+    from contextlib import nullcontext
+    from torch.profiler import ProfilerActivity, profile
+    path, ref = hybrid
+    placement = by_kind(path, kv=kv, expert="host")
+    watch = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) if CUDA else nullcontext()
+    with watch as prof:
+        ours, _ = engine_tokens(path, placement=placement, device=DEVICE, batch_size=2, num_batches=2)
+    assert ours == ref
+    if CUDA:
+        memcpy = sorted({e.name for e in prof.events() if "Memcpy" in e.name})
+        assert not [n for n in memcpy if "HtoD" in n and "Pageable" in n], memcpy
