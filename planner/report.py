@@ -166,10 +166,14 @@ def make_plan(cost, shape, budgets, pred, bs, n, layout, ios, binding, schedule,
     if layout.kv["host"]:
         by_tier["host"] += kv_staging_bytes(cost)
     summary = {}
+    # a hybrid's linear layers keep a recurrent state where attention layers keep keys and values
+    hybrid = bool(shape.linear_layers)
+    attn_label = "attention and linear layers" if hybrid else "attention layers"
+    cache_label = "cache layers (KV or recurrent state)" if hybrid else "KV layers"
     for t in TIERS:
         groups = []
-        for label, counts in (("attention layers", layout.attn), ("gates", layout.gate),
-                              ("experts", layout.experts), ("KV layers", layout.kv)):
+        for label, counts in ((attn_label, layout.attn), ("gates", layout.gate),
+                              ("experts", layout.experts), (cache_label, layout.kv)):
             if counts.get(t):
                 groups.append(f"{counts[t]} {label}")
         groups += [g for g, where in (("embed", layout.embed), ("lm_head", layout.head)) if where == t]
