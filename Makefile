@@ -31,7 +31,7 @@ demo: venv
 
 # two workers (pytest-xdist), CI's two cores; a file stays on one worker (its fixtures are built once)
 test: venv
-	$(BIN)/python -m pytest tests -n 2 --dist loadfile
+	$(BIN)/python -m pytest tests -n 2 --dist loadfile --durations=15
 
 clean:
 	rm -rf $(VENV) out .pytest_cache
