@@ -153,21 +153,25 @@ def test_a_decode_layer_step_issues_no_host_sync_but_the_routing_reads(tmp_path)
     from planner.profile import load_profile
     from planner.shapes import as_shape
 
-    model = build_model(tmp_path / "m", experts=16, top_k=4, layers=3)
-    spec = Checkpoint.open(str(model)).spec
-    keys = spec.group_keys()
+    from klotski.builtin.families import build_family
+
+    mixtral = build_model(tmp_path / "m", experts=16, top_k=4, layers=3)
+    hybrid = build_family(tmp_path / "h", "qwen3_next")  # Gated DeltaNet layers, their state on the host tier
     device_side = ("/execute/pipeline.py", "/execute/residency.py", "/execute/experts.py", "/execute/kvcache.py",
-                   "/execute/channels.py", "/placement/cache.py", "/klotski/models/")
+                   "/execute/recurrent.py", "/execute/channels.py", "/placement/cache.py", "/klotski/models/")
     names = ["cpu", "item", "tolist", "numpy", "pin_memory", "__bool__", "__int__", "__float__", "__index__"]
-    for kind, budget, prefetch in (("device", None, "correlation"), ("host", 2 << 20, "correlation"),
-                                   ("device", None, "next-gate")):
+    for model, kind, budget, prefetch, kv in (
+            (mixtral, "device", None, "correlation", "device"), (mixtral, "host", 2 << 20, "correlation", "device"),
+            (mixtral, "device", None, "next-gate", "device"), (hybrid, "device", None, "correlation", "host")):
+        spec = Checkpoint.open(str(model)).spec
+        keys = spec.group_keys()
         cfg = RunConfig(model=str(model), progress=False, dtype="float32", batch_size=4, num_batches=2,
                         device_memory=budget, prefetch=prefetch)
         plan = make_plan(as_shape(spec), load_profile("rtx3090-pcie4"), device_memory=1 << 30, host_memory=1 << 32,
                          prompt_len=8, gen_len=4, config=cfg)
         reqs = [Request(id=f"r{i}", line=i + 1, prompt=f"item {i} of the list", messages=None, max_new_tokens=4)
                 for i in range(8)]
-        engine, seqs, _ = open_engine(cfg, reqs, placement=Placement.by_kind(keys, expert=kind))
+        engine, seqs, _ = open_engine(cfg, reqs, placement=Placement.by_kind(keys, expert=kind, kv=kv))
         seen, on, layer_now, log = collections.Counter(), [False], [0], []
         original = {n: getattr(torch.Tensor, n) for n in names}
 
