@@ -63,6 +63,9 @@ class RunConfig:
     # longest first within ("routing": schedule/routing_order.py)
     order: str = "length"
     prefetch: str = "correlation"
+    # with --prefetch pregate: also run next-gate speculation beside it and score both on the same
+    # layer-steps (the report's prefetch.alongside); off, the pre-gate's tokens/s is its own
+    prefetch_compare: bool = False
     hot_experts: int | None = None    # K; None = the model's top-k
     attention: str = "full"           # or "sink:S,window:W" (StreamingLLM-style KV sparsity)
     quantize: str = "none"            # none | hqq4 | auto (the planner weighs precision: planner/precision.py)
@@ -73,8 +76,9 @@ class RunConfig:
     emulate_link_gbps: float | None = None
     # a speculative prefetch yields the host->device link to a demand load at its next chunk
     # boundary, a chunk being this many ms of the link (execute/channels.py); 0: whole transfers,
-    # first come first served (the ablation)
-    transfer_chunk_ms: float = 0.25
+    # first come first served (the ablation); None: DEFAULT_CHUNK_MS on an emulated link, whole
+    # transfers on CUDA (its chunked copies are not yet measured on a GPU)
+    transfer_chunk_ms: float | None = None
     # the device's resident experts divided among layers: "dp" by the transfers each layer's would
     # save a step (a dynamic program over the learned routing: placement/split.py), "even" (the ablation)
     expert_split: str = "dp"
@@ -88,6 +92,10 @@ class RunConfig:
     # into host compute.
     host_attention: str = "off"
     host_experts: str = "off"
+    # a CPU run's GGUF experts decoded once into the compute dtype and kept in host RAM (charged to
+    # the host budget) where that is faster and fits: auto (klotski/planning.decoded_copies) or off
+    # (blocks decoded per use, or the int4 kernel); setup_run resolves auto to on or off
+    decoded_copies: str = "auto"
     direct_io: bool = True
     threads: int | None = None        # CPU compute threads; None = the cores free now, looked at again as it runs
     prefix_cache: bool = True         # a prompt prefix a window's lines share is prefilled once (schedule/prefix.py)
@@ -117,6 +125,9 @@ class RunConfig:
             raise ConfigError(f"--order {self.order!r}: choose one of {', '.join(ORDERS)}")
         if self.prefetch not in PREFETCH:
             raise ConfigError(f"--prefetch {self.prefetch!r}: choose one of {', '.join(PREFETCH)}")
+        if self.prefetch_compare and self.prefetch != "pregate":
+            raise ConfigError("--prefetch-compare scores next-gate speculation beside the pre-gate: "
+                              "add --prefetch pregate, or drop --prefetch-compare")
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
         if self.max_new_tokens < 1:
@@ -138,6 +149,8 @@ class RunConfig:
             if getattr(self, name) not in HOST_COMPUTE:
                 raise ConfigError(f"--{name.replace('_', '-')} {getattr(self, name)!r}: choose one of "
                                   f"{', '.join(HOST_COMPUTE)}")
+        if self.decoded_copies not in ("auto", "on", "off"):
+            raise ConfigError(f"--decoded-copies {self.decoded_copies!r}: choose auto or off")
         if self.quantize not in ("none", "hqq4", "auto"):
             raise ConfigError(f"--quantize {self.quantize!r}: choose none, hqq4 or auto")
         if self.quality_max_gap is not None and not self.quality_max_gap >= 0:
@@ -146,7 +159,7 @@ class RunConfig:
             raise ConfigError("--min-agreement must be a share in [0, 1] (e.g. 0.95)")
         if self.emulate_link_gbps is not None and self.emulate_link_gbps <= 0:
             raise ConfigError("--emulate-link must be a positive bandwidth in GB/s")
-        if not self.transfer_chunk_ms >= 0:
+        if self.transfer_chunk_ms is not None and not self.transfer_chunk_ms >= 0:
             raise ConfigError("--transfer-chunk-ms must be 0 (whole transfers) or more (e.g. 0.25)")
         if self.expert_split not in EXPERT_SPLITS:
             raise ConfigError(f"--expert-split {self.expert_split!r}: choose one of {', '.join(EXPERT_SPLITS)}")

@@ -74,7 +74,10 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                         "n x bs whose prompts pick similar experts at the first MoE layer; same tokens)")
     p.add_argument("--prefetch", default="correlation", choices=PREFETCH,
                    help="how hot experts are predicted (default: correlation); pregate: a map from a "
-                        "layer's input to the next layer's router fitted on the run, next-gate scored beside it")
+                        "layer's input to the next layer's router fitted on the run")
+    p.add_argument("--prefetch-compare", action="store_true",
+                   help="with --prefetch pregate: also run next-gate speculation beside it and report the "
+                        "precision and recall of both on the same layer-steps (costs the speculation's time)")
     p.add_argument("--attention", default="full", metavar="full|sink:S,window:W",
                    help="full (exact, default) or StreamingLLM-style: keep each sequence's first S and "
                         "last W tokens of the KV cache")
@@ -90,8 +93,8 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="throttle host->device transfers to GBPS GB/s to mimic a PCIe card on a CPU run")
     p.add_argument("--transfer-chunk-ms", type=float, default=RunConfig.transfer_chunk_ms, metavar="MS",
                    help="a speculative prefetch on the link yields to a demand load at its next chunk boundary, "
-                        "a chunk being MS ms of the link (default: %(default)s; 0: whole transfers, first come "
-                        "first served)")
+                        "a chunk being MS ms of the link (default: 0.25 on an emulated link, whole transfers on "
+                        "CUDA until measured there; 0: whole transfers, first come first served)")
     p.add_argument("--expert-split", default=RunConfig.expert_split, choices=EXPERT_SPLITS,
                    help="how the device's resident experts are divided among layers: dp (default: by each "
                         "layer's hits in the learned routing, a dynamic program) or even")
@@ -106,6 +109,9 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-experts", default="off", choices=HOST_COMPUTE,
                    help="compute a cold expert that lives on the host there (tokens down, outputs up) instead "
                         "of moving it: auto = where the cost model says it finishes sooner")
+    p.add_argument("--decoded-copies", default=RunConfig.decoded_copies, choices=("auto", "off"),
+                   help="on a CPU, keep GGUF experts decoded once in the compute dtype in host RAM (charged to "
+                        "--host-memory) where that is faster and fits (auto, the default), or off: decoded per use")
     p.add_argument("--no-direct-io", action="store_true", help="read weights through the page cache")
     p.add_argument("--threads", type=int, metavar="N",
                    help="CPU compute threads (default: the cores no other process is using, looked at again "
@@ -351,7 +357,8 @@ def config_from_args(a: argparse.Namespace) -> RunConfig:
         seed=a.seed, batch_size=a.batch_size, num_batches=a.num_batches, prefill_chunk=a.prefill_chunk,
         device_memory=a.device_memory,
         host_memory=a.host_memory, offload_dir=a.offload_dir, device=a.device, dtype=a.dtype,
-        schedule=a.schedule, batching=a.batching, order=a.order, prefetch=a.prefetch, attention=a.attention, quantize=a.quantize, quantize_optimize=a.quantize_optimize,
+        schedule=a.schedule, batching=a.batching, order=a.order, prefetch=a.prefetch,
+        prefetch_compare=getattr(a, "prefetch_compare", False), attention=a.attention, quantize=a.quantize, quantize_optimize=a.quantize_optimize,
         quality_max_gap=a.quality_max_gap, quality_min_agreement=a.quality_min_agreement,
         emulate_link_gbps=a.emulate_link_gbps,
         transfer_chunk_ms=getattr(a, "transfer_chunk_ms", RunConfig.transfer_chunk_ms),
@@ -359,6 +366,7 @@ def config_from_args(a: argparse.Namespace) -> RunConfig:
         adaptive_gating=getattr(a, "adaptive_gating", None),
         host_attention=getattr(a, "host_attention", RunConfig.host_attention),
         host_experts=getattr(a, "host_experts", RunConfig.host_experts),
+        decoded_copies=getattr(a, "decoded_copies", RunConfig.decoded_copies),
         direct_io=not a.no_direct_io, threads=getattr(a, "threads", None), prefix_cache=not getattr(a, "no_prefix_cache", False), resume=not a.no_resume, include_token_ids=a.include_token_ids,
         output_format=a.output_format,
         report=a.report, trace=a.trace, time_every=getattr(a, "time_every", RunConfig.time_every),

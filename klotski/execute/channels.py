@@ -307,7 +307,9 @@ class Channel:
                     finally:
                         self._carry = None
                 event.record(self.stream)
-                if not carry.speculative:
+                if not carry.speculative and link == HOST_TO_DEVICE and computed is None:
+                    # a demand copy up the link a prefetch must not delay; not a copy down, nor
+                    # one waiting for compute (a prefetch waiting for those would wait for compute)
                     self.gate.issued(event)
             cudacopies.hold(self.links.get(link), nbytes, start, carry)  # --emulate-link: arrival at its rate
             return result
@@ -374,14 +376,20 @@ class Channel:
 CUDA_LINK_BYTES_PER_S = 25e9
 
 
+DEFAULT_CHUNK_MS = 0.25  # --transfer-chunk-ms unset, on an emulated link
+
+
 def make_channels(device: torch.device, trace, link_gbps: float | None,
-                  chunk_ms: float = 0.0) -> dict[str, Channel]:
+                  chunk_ms: float | None = 0.0) -> dict[str, Channel]:
     """The run's channels. `chunk_ms`: a speculative transfer yields the host->device link to
-    demand loads every this many ms of the link (EmulatedLink, LinkGate); 0: whole transfers."""
+    demand loads every this many ms of the link (EmulatedLink, LinkGate); 0: whole transfers;
+    None: DEFAULT_CHUNK_MS on an emulated link, whole transfers on CUDA (LinkGate's chunked
+    copies have not yet run on a GPU: opt in with a value)."""
     # one link each way, shared by every channel like PCIe; a prefetch yields only the link up
-    up, down = (EmulatedLink(link_gbps, chunk_ms), EmulatedLink(link_gbps)) if link_gbps else (None, None)
+    emulated_ms = DEFAULT_CHUNK_MS if chunk_ms is None else chunk_ms
+    up, down = (EmulatedLink(link_gbps, emulated_ms), EmulatedLink(link_gbps)) if link_gbps else (None, None)
     cuda = torch.device(device).type == "cuda"
-    gate = LinkGate(chunk_bytes(up.bytes_per_s if up else CUDA_LINK_BYTES_PER_S, chunk_ms) if cuda else 0)
+    gate = LinkGate(chunk_bytes(up.bytes_per_s if up else CUDA_LINK_BYTES_PER_S, chunk_ms or 0) if cuda else 0)
     # host compute's results come up on their own channel: behind the KV loads they would
     # wait for transfers they do not depend on
     names = ("weights", "experts", "kv_load", "kv_store", "activations", "disk")

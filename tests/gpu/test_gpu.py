@@ -49,6 +49,13 @@ def test_every_placement_and_schedule_is_bit_identical_to_resident(model, reside
     assert_same(run(model, kind, schedule=schedule), resident[schedule], f"{schedule} on {kind}")
 
 
+@pytest.mark.parametrize("kind", ["host", "mixed"])
+def test_chunked_prefetches_are_bit_identical(model, resident, kind):
+    """--transfer-chunk-ms (off by default on CUDA): prefetches cut into chunks that yield the
+    link to demand copies (execute/channels.LinkGate) change no bit."""
+    assert_same(run(model, kind, transfer_chunk_ms=0.05), resident["klotski"], f"chunked prefetches on {kind}")
+
+
 @pytest.mark.parametrize("schedule", ["klotski", "multibatch"])
 def test_sparse_attention_on_host_kv_is_bit_identical(model, schedule):
     knobs = dict(schedule=schedule, attention="sink:2,window:6")
