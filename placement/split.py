@@ -11,8 +11,8 @@ tokens uses nearly every expert, whatever its share: then every layer's curve is
 and the division stays near even. `divide_slots` gives each layer its count so that the expected hits,
 summed over layers, are the largest any division of the same total reaches (a dynamic program
 over layers and slots); ties go to the most even division, so uniform routing keeps the even
-split. Only the device's share moves: the same number of experts stay resident, so the same
-bytes.
+split. Only device and host slots trade between layers (each layer's disk count stays as
+planned): the same number of experts stay resident, so the same bytes.
 """
 from __future__ import annotations
 
@@ -77,28 +77,23 @@ def expected_hits(curves, counts) -> float:
 def divide_experts(placement: Placement, picks, layers, tokens: int = 1, top_k: int = 1) -> Placement:
     """`placement` with its resident experts divided among `layers` (the MoE layers, in the order
     of `picks`' rows) by divide_slots over their hit curves at `tokens` tokens a step: layer l
-    keeps its counts[l] most picked experts on the device; the experts left go to the host in
-    order of their use_chance (the most used of all layers first), as many as `placement` had
-    there, the rest to disk. Each tier holds as many experts as before, so as many bytes (a layer's
-    experts are alike)."""
+    keeps its counts[l] most picked experts on the device, its least picked as many on disk as
+    `placement` had there (the disk reads each layer waits for stay as planned), the rest on the
+    host. Only device and host slots trade between layers: each tier holds as many experts as
+    before, so as many bytes (a layer's experts are alike)."""
     picks = np.asarray(picks, dtype=np.float64)
     experts = {layer: sorted(k[2] for k in placement.tiers if k[0] == "expert" and k[1] == layer) for layer in layers}
-    counted = {t: sum(1 for k, v in placement.tiers.items() if k[0] == "expert" and k[1] in experts and v == t)
-               for t in (DEVICE, HOST, DISK)}
+    on_disk = {layer: sum(1 for e in experts[layer] if placement.tiers["expert", layer, e] == DISK) for layer in layers}
+    on_device = sum(1 for layer in layers for e in experts[layer] if placement.tiers["expert", layer, e] == DEVICE)
     rows = [picks[i][experts[layer]] for i, layer in enumerate(layers)]
-    counts = divide_slots(hit_curves(rows, tokens, top_k), counted[DEVICE])
-    tiers, rest = dict(placement.tiers), []
+    curves = [c[:len(c) - on_disk[layer]] for c, layer in zip(hit_curves(rows, tokens, top_k), layers)]
+    counts = divide_slots(curves, on_device)
+    tiers = dict(placement.tiers)
     for row, layer, k in zip(rows, layers, counts):
-        share = use_chance(row, tokens, top_k)
         order = np.argsort(-use_chance(row), kind="stable")  # by picks: ties of a full chance kept apart
+        host_end = len(order) - on_disk[layer]
         for rank, i in enumerate(order):
-            key = ("expert", layer, experts[layer][i])
-            if rank < k:
-                tiers[key] = DEVICE
-            else:
-                rest.append((-share[i], layer, experts[layer][i]))
-    for rank, (_, layer, e) in enumerate(sorted(rest)):
-        tiers["expert", layer, e] = HOST if rank < counted[HOST] else DISK
+            tiers["expert", layer, experts[layer][i]] = DEVICE if rank < k else HOST if rank < host_end else DISK
     return Placement(tiers, placement.kv)
 
 
