@@ -87,14 +87,14 @@ def _rows(experts: int, top_k: int) -> int:
 
 
 def _source_key(device: str) -> str:
-    from klotski.execute import channels, experts, hostwork, pipeline, residency
+    from klotski.execute import channels, experts, hostwork, pipeline, residency, staging
     from klotski.measure import overhead
     from klotski.schedule import batching
     from placement import cache, pool
     from planner.profile import machine_fingerprint
     h = hashlib.sha256(json.dumps(machine_fingerprint(device), sort_keys=True).encode())
     # what the pipeline's ops and transfers run through: a change to any of them measures again
-    for module in (pipeline, experts, hostwork, batching, channels, residency, cache, pool, overhead):
+    for module in (pipeline, experts, hostwork, batching, channels, staging, residency, cache, pool, overhead):
         h.update(inspect.getsource(module).encode())
     return h.hexdigest()[:16]
 
