@@ -309,3 +309,11 @@ def test_a_module_missing_a_hook_or_getting_one_wrong_is_caught():
     for name, value in wrong.items():
         (breach,) = protocol_breaches(types.SimpleNamespace(**{**hooks, name: value}))
         assert breach.startswith(name)
+
+
+def test_qwen3_5_router_renormalises_whatever_the_config_says(family_models, tmp_path):
+    """transformers' Qwen3.5-MoE router always renormalises its top-k: a config with
+    norm_topk_prob false still does (Qwen3-Next's honours the field)."""
+    path = _copy_with_config(family_models["qwen3_5_moe_text"], tmp_path / "q35", norm_topk_prob=False)
+    ours, _ = engine_tokens(path, prompts=PROMPTS[:2], max_new_tokens=6)
+    assert ours == reference_tokens(path, prompts=PROMPTS[:2], max_new_tokens=6)

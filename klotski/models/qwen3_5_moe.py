@@ -26,7 +26,14 @@ SHARED_PREFIX = qwen3_next.SHARED_PREFIX
 SPARSE_ATTENTION = qwen3_next.SPARSE_ATTENTION
 check_quantization = defaults.check_quantization
 check_config = qwen3_next.check_config
-options = qwen3_next.options
+
+
+def options(cfg: dict) -> dict:
+    """Qwen3-Next's, but the router always renormalises its top-k (transformers' Qwen3_5Moe
+    router does, whatever `norm_topk_prob` says)."""
+    return {**qwen3_next.options(cfg), "norm_topk_prob": True}
+
+
 group_refs = defaults.group_refs
 expert_refs = defaults.expert_refs
 expert_names = qwen3_next.expert_names
