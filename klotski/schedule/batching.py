@@ -148,7 +148,7 @@ class Scheduler:
         line's signature taken once, when it first waits."""
         new = [s for s in lines if id(s) not in self.signature]
         if new:
-            for s, sig in zip(new, signatures(new, self.spec, self.e.cache)):
+            for s, sig in zip(new, signatures(new, self.spec, self.e.cache, self.e.memory)):
                 self.signature[id(s)] = (s, sig)
         self.signature = {id(s): self.signature[id(s)] for s in lines}  # (the admitted go)
         sigs = torch.stack([self.signature[id(s)][1] for s in lines])

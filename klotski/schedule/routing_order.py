@@ -24,22 +24,49 @@ import torch
 from klotski.models import layers as L
 
 
-def signatures(seqs: list, spec, cache) -> torch.Tensor:
-    """[N, E]: for each line, the share of its prompt tokens' picks at the first MoE layer that
-    each expert takes, the router over the tokens' embeddings (read where the table lives)."""
+SIGNED_TOKENS = 512  # a line's first prompt tokens its signature reads
+SLICE_TOKENS = 4096  # tokens' embeddings gathered on the device at once (their bytes reserved)
+
+
+def signatures(seqs: list, spec, cache, memory=None) -> torch.Tensor:
+    """[N, E]: for each line, the share of its first SIGNED_TOKENS prompt tokens' picks at the
+    first MoE layer that each expert takes, the router over the tokens' embeddings (read where
+    the table lives; on the device a slice at a time within `memory`, the device's account)."""
     layer = spec.shape.first_moe_layer
     gate = {n: cache.store.read_ref(r).float() for n, r in cache.refs_for(("gate", layer)).items()
             if n == "post_norm" or n.startswith("router")}
-    sizes = [len(s.prompt_ids) for s in seqs]
-    rows, index = cache.embedding_rows(torch.tensor([t for s in seqs for t in s.prompt_ids], dtype=torch.long))
-    x = rows.index_select(0, index.to(rows.device)).float().cpu()
+    prompts = [s.prompt_ids[:SIGNED_TOKENS] for s in seqs]
+    x = embedded(cache, torch.tensor([t for p in prompts for t in p], dtype=torch.long), memory)
     x = L.rms_norm(x, gate["post_norm"], spec.rms_norm_eps, spec.norm_offset)
     _, experts = spec.family.route(x, gate, spec)
     E = spec.shape.num_experts
     out = torch.zeros(len(seqs), E)
-    line = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(sizes))
+    line = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor([len(p) for p in prompts]))
     out.index_put_((line[:, None].expand_as(experts), experts), torch.ones(experts.shape), accumulate=True)
     return out / out.sum(1, keepdim=True).clamp(min=1)
+
+
+def embedded(cache, ids: torch.Tensor, memory=None) -> torch.Tensor:
+    """The embeddings of `ids` on the host in fp32. A table on the device is gathered
+    SLICE_TOKENS at a time into room reserved in `memory`; where there is none, each distinct
+    row comes down through a view (no device allocation)."""
+    rows, index = cache.embedding_rows(ids)
+    if rows.device.type == "cpu":
+        return rows.index_select(0, index).float()
+    parts = []
+    for a in range(0, len(index), SLICE_TOKENS):
+        part = index[a:a + SLICE_TOKENS]
+        nbytes = len(part) * (rows.shape[1] * rows.element_size() + 8)  # the rows and their index
+        if memory is not None and memory.fits(nbytes):
+            memory.reserve(nbytes, "routing signatures")
+            try:
+                parts.append(rows.index_select(0, part.to(rows.device)).cpu())
+            finally:
+                memory.free(nbytes)
+        else:
+            distinct, where = torch.unique(part, return_inverse=True)
+            parts.append(torch.stack([rows[t].cpu() for t in distinct.tolist()])[where])
+    return torch.cat(parts).float()
 
 
 def grouped_order(lines: list, sigs: torch.Tensor, size: int, key) -> list:
