@@ -20,7 +20,8 @@ from klotski.assemble import open_engine, reserve_staging_rings
 from klotski.builtin import tiny
 from klotski.config import RunConfig
 from klotski.execute import kvcache
-from klotski.execute.channels import KV_STAGING_BYTES, make_channels
+from klotski.execute.channels import make_channels
+from planner.workingset import KV_STAGING_BYTES
 from klotski.execute.staging import StagedCopies
 from klotski.execute.caches import CacheManager
 from klotski.execute.trace import Trace

@@ -4,10 +4,9 @@ device's timeline, and the expert phase's launches stay flat in the number of ba
 import pytest
 import torch
 
-from conftest import PROMPTS, engine_tokens, reference_tokens
+from conftest import engine_tokens, reference_tokens
 from klotski.assemble import open_engine
 from klotski.measure.op_count import build_model, layer_ops
-from klotski.execute import pipeline as P
 from placement.placement import Placement
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
