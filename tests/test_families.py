@@ -317,3 +317,23 @@ def test_qwen3_5_router_renormalises_whatever_the_config_says(family_models, tmp
     path = _copy_with_config(family_models["qwen3_5_moe_text"], tmp_path / "q35", norm_topk_prob=False)
     ours, _ = engine_tokens(path, prompts=PROMPTS[:2], max_new_tokens=6)
     assert ours == reference_tokens(path, prompts=PROMPTS[:2], max_new_tokens=6)
+
+
+def test_a_hybrid_serves_through_the_openai_client(family_models, tmp_path):
+    """`klotski serve` over Qwen3-Next (recurrent state beside KV): two prompts, two samples each
+    at temperature 0, with logprobs, through the official client: every answer is transformers'
+    greedy one (the samples share their prompt's state)."""
+    from transformers import AutoTokenizer
+    from test_serve import KEY, Server
+    path = family_models["qwen3_next"]
+    server = Server(path, tmp_path / "data", "--api-key", KEY, "--dtype", "float32")
+    try:
+        got = server.client().completions.create(model=str(path), prompt=PROMPTS[:2], max_tokens=6, n=2,
+                                                 temperature=0, logprobs=1)
+    finally:
+        assert server.stop() in (0, 143), server.log.read_text()
+    tok = AutoTokenizer.from_pretrained(path)
+    want = [tok.decode(ids) for ids in reference_tokens(path, prompts=PROMPTS[:2], max_new_tokens=6)]
+    assert [c.index for c in got.choices] == [0, 1, 2, 3]
+    assert [c.text for c in got.choices] == [want[0], want[0], want[1], want[1]]
+    assert all(len(c.logprobs.tokens) == len(c.logprobs.token_logprobs) > 0 for c in got.choices)
