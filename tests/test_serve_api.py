@@ -111,6 +111,11 @@ def test_the_key_comes_from_the_environment_or_a_file(api, tmp_path, model, caps
     err = capsys.readouterr().err
     assert f"cannot listen on 127.0.0.1:{api.port}" in err and len(err.strip().splitlines()) == 1
     assert time.time() - t < 5
+    # a run's calibration, not a server's: refused in one line
+    assert cli.main(["serve", "--model", model, "--port", str(_free_port()), "--data-dir", str(tmp_path / "d3"),
+                     "--adaptive-gating"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("klotski: error: --adaptive-gating") and "klotski generate" in err and "\n" not in err
 
 
 def test_openai_shapes_clients_send_and_expect(api):

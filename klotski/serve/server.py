@@ -52,6 +52,11 @@ def serve(config, options: ServeOptions) -> int:
     except ImportError as e:
         raise UserError(f"klotski serve needs FastAPI, uvicorn, python-multipart and openai ({e.name} is missing): "
                         "pip install 'klotski[serve]'") from None
+    if config.adaptive_gating is not None:
+        # it calibrates on a run's first group: on a server that would probe live requests and
+        # recalibrate with every batch
+        raise UserError("--adaptive-gating calibrates on a job's first group; klotski serve does not take it: "
+                        "run the job with klotski generate --adaptive-gating")
     o = options
     listener = _listen(o.host, o.port)
     store = engine = None
