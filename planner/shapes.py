@@ -278,17 +278,21 @@ def layer_types(cfg: dict) -> list[str]:
     return ["linear_attention" if (j + 1) % interval else "full_attention" for j in range(cfg["num_hidden_layers"])]
 
 
+# a hybrid's linear-attention sizes as transformers' config classes default them, by config field
+LINEAR_DEFAULTS = {"linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+                   "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4}
+
+
 def linear_fields(cfg: dict) -> dict:
     """A hybrid's linear-attention layers and their state's sizes (transformers' defaults where
     a field is absent); empty for every other family."""
     if cfg.get("model_type") not in HYBRIDS:
         return {}
+    get = {name: cfg.get(name, default) for name, default in LINEAR_DEFAULTS.items()}
     return {"linear_layers": tuple(j for j, t in enumerate(layer_types(cfg)) if t == "linear_attention"),
-            "linear_key_heads": cfg.get("linear_num_key_heads", 16),
-            "linear_value_heads": cfg.get("linear_num_value_heads", 32),
-            "linear_key_dim": cfg.get("linear_key_head_dim", 128),
-            "linear_value_dim": cfg.get("linear_value_head_dim", 128),
-            "linear_conv_kernel": cfg.get("linear_conv_kernel_dim", 4)}
+            "linear_key_heads": get["linear_num_key_heads"], "linear_value_heads": get["linear_num_value_heads"],
+            "linear_key_dim": get["linear_key_head_dim"], "linear_value_dim": get["linear_value_head_dim"],
+            "linear_conv_kernel": get["linear_conv_kernel_dim"]}
 
 
 def mla_fields(cfg: dict) -> dict:

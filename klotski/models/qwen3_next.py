@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from klotski.models import defaults, fields, gated_deltanet, glm4_moe, qwen2_moe, qwen3_moe
 from klotski.models import layers as L
 from klotski.models.gated_deltanet import sizes
+from planner.shapes import LINEAR_DEFAULTS
 
 MODEL_TYPE = "qwen3_next"
 QUANTIZATION: tuple[str, ...] = ()  # unquantized weights only
@@ -60,11 +61,10 @@ def check_config(cfg: dict) -> None:
                               f"{' / '.join(LAYER_TYPES)}")
     if types is None:
         fields.integer(cfg, "full_attention_interval", default=4)
-    for name, default in (("linear_num_key_heads", 16), ("linear_num_value_heads", 32), ("linear_key_head_dim", 128),
-                          ("linear_value_head_dim", 128), ("linear_conv_kernel_dim", 4)):
+    for name, default in LINEAR_DEFAULTS.items():
         fields.integer(cfg, name, default=default)
-    fields.divisible("linear_num_value_heads", cfg.get("linear_num_value_heads", 32),
-                     "linear_num_key_heads", cfg.get("linear_num_key_heads", 16))
+    fields.divisible("linear_num_value_heads", cfg.get("linear_num_value_heads", LINEAR_DEFAULTS["linear_num_value_heads"]),
+                     "linear_num_key_heads", cfg.get("linear_num_key_heads", LINEAR_DEFAULTS["linear_num_key_heads"]))
     glm4_moe.checked_rotary(glm4_moe.rotary_factor(cfg, 0.25), glm4_moe.head_dim(cfg))
 
 
