@@ -52,6 +52,7 @@ def main() -> int:
     sys.path.insert(0, str(ROOT))
     from klotski.builtin import tiny
     work = Path(a.work or tempfile.mkdtemp(prefix="klotski-h64-"))
+    work.mkdir(parents=True, exist_ok=True)
     model = work / "model"
     if not (model / "config.json").exists():
         tiny.build_checkpoint(model, "small", routing="skewed", dtype="float32", num_hidden_layers=8)
@@ -73,7 +74,7 @@ def main() -> int:
                               common + ["--expert-split", split, "--transfer-chunk-ms", chunk])
             out = work / f"{rep}-{split}-{chunk}.out.jsonl"
             tokens[name, rep] = [json.loads(l).get("token_ids") for l in out.read_text().splitlines()]
-            report["load_before"] = load
+            report["load_before"], report["load_after"] = load, os.getloadavg()[0]
             runs[name].append(report)
             link, experts = report["link"], report["experts"]
             print(f"{name:24s} rep {rep}: {report['tokens_per_s']:7.2f} tok/s  hit {experts['hit_rate']}  "
@@ -99,7 +100,11 @@ def main() -> int:
             "prefetch_yields": med([r["link"]["prefetch_yields"] for r in reports]),
             "bubble_decode_share": med([r["bubble"]["decode_share"] for r in reports]),
             "bubble_s": med([r["bubble"]["seconds"] for r in reports]),
+            "tokens_per_s_runs": [r["tokens_per_s"] for r in reports],
+            "demand_wait_s_runs": [r["link"]["demand_wait_s"] for r in reports],
+            "bubble_decode_share_runs": [r["bubble"]["decode_share"] for r in reports],
             "load_before": [r["load_before"] for r in reports],
+            "load_after": [r["load_after"] for r in reports],
             "placement": r0["plan"]["placement"],
         }
     result = {"budget": a.budget, "link_gbps": a.link, "extra": a.extra, "prompts": a.prompts, "new_tokens": a.new, "reps": a.reps,

@@ -38,6 +38,10 @@ QUESTIONS = [
     "How do airplanes fly?", "What causes rain?", "Suggest a name for a coffee shop.",
     "What is the boiling point of water?", "Translate 'good morning' into Spanish.",
     "What does a computer's CPU do?", "List three fruits that are red.",
+    "Why do leaves change color in autumn?", "What is the largest planet in our solar system?",
+    "Give me a simple recipe for pancakes.", "What is gravity?", "Write one sentence about the moon.",
+    "How many days are in a leap year?", "What is the difference between a virus and a bacterium?",
+    "Name three musical instruments.",
 ]
 MODELS = {  # name -> (--model or None: the small Mixtral-shaped preset, job, budget, link GB/s, new tokens)
     "distinct": ("smollm2-moe-distinct", "chat", "900MiB", "4", 32),
@@ -74,6 +78,7 @@ def measure(name: str, a, work: Path) -> dict:
             else write_jobs(ROOT / "jobs" / "wikitext.jsonl", a.prompts, work / f"{name}.jsonl"))
     common = ["--model", model, "--emulate-link", link, "--device-memory", budget, "--host-memory", "8GiB",
               "--max-new-tokens", str(new), "--dtype", "float32", "--include-token-ids"]
+    common += [x for x in a.extra.split(",") if x]
     gated_args = common + ["--adaptive-gating", str(a.agreement)]
     cal = generate(jobs, work / f"{name}-gated.json", gated_args)  # calibrates, saves the thresholds
     calibration = cal["adaptive_gating"]["calibration"]
@@ -85,7 +90,7 @@ def measure(name: str, a, work: Path) -> dict:
         for kind, args in (("exact", common), ("gated", gated_args)):
             load = os.getloadavg()[0]
             report = generate(jobs, work / f"{name}-{kind}.json", args)
-            report["load_before"] = load
+            report["load_before"], report["load_after"] = load, os.getloadavg()[0]
             runs[kind].append(report)
             toks = tokens_of(work / f"{name}-{kind}.out.jsonl")
             if kind == "exact":
@@ -106,16 +111,45 @@ def measure(name: str, a, work: Path) -> dict:
                       "experts_loaded": med([r["io"]["experts_loaded"] for r in reports]),
                       "bubble_decode_share": med([r["bubble"]["decode_share"] for r in reports]),
                       "load_before": [round(r["load_before"], 2) for r in reports]}
+    for kind, reports in runs.items():
+        rows[kind]["load_after"] = [round(r["load_after"], 2) for r in reports]
+        rows[kind]["tokens_per_s_runs"] = [r["tokens_per_s"] for r in reports]
     g = runs["gated"][0]["adaptive_gating"]
     rows["gated"].update({"pairs_skipped_share": g["skipped_share"], "experts_not_loaded": g["experts_not_loaded"],
                           "link_bytes_not_loaded": g["link_bytes_not_loaded"]})
-    return {"model": model, "budget": budget, "link_gbps": link, "prompts": a.prompts, "new_tokens": new,
+    thresholds = json.loads((work / f"{name}-gated.out.jsonl.gating.json").read_text())["thresholds"]
+    forced = teacher_forced(model, jobs, thresholds, exact_tokens, new) if a.teacher_forced else None
+    return {"model": model, "budget": budget, "extra": a.extra, "teacher_forced_agreement_gated_vs_exact": forced, "link_gbps": link, "prompts": a.prompts, "new_tokens": new,
             "reps": a.reps, "agreement_bound": a.agreement, "calibration": calibration,
             "job_agreement_gated_vs_exact": round(agreement(exact_tokens, gated_tokens), 4),
             "tokens_per_s_ratio": round(rows["gated"]["tokens_per_s"] / rows["exact"]["tokens_per_s"], 3),
             "link_bytes_ratio": round(rows["gated"]["host_to_device_bytes"] / rows["exact"]["host_to_device_bytes"], 3)
             if rows["exact"]["host_to_device_bytes"] else None,
             "rows": rows}
+
+
+def teacher_forced(model: str, jobs: Path, thresholds: list, exact: dict, new: int) -> float:
+    """Teacher-forced next-token agreement: each line's exact-top-k tokens forced through the
+    gated model (every expert resident: tokens do not depend on where experts live), the share
+    of positions whose greedy pick (the argmax, read as the top log-probability) is the exact
+    run's token there. Free-running agreement loses a line's rest after one flip; this does not."""
+    from klotski.assemble import open_engine
+    from klotski.config import RunConfig
+    from klotski.io.jobs import read_jobs
+    cfg = RunConfig(model=model, dtype="float32", max_new_tokens=new, device_memory=8 << 30, progress=False)
+    requests, bad = read_jobs(jobs)
+    assert not bad, bad
+    engine, seqs, errors = open_engine(cfg, requests)
+    assert not errors, errors
+    engine.pipeline.set_gating(thresholds)
+    seqs = [s for s in seqs if exact.get(s.request.id)]
+    for s in seqs:
+        s.forced, s.max_new_tokens, s.top_logprobs = list(exact[s.request.id]), len(exact[s.request.id]), 1
+    for _ in engine.run(seqs):
+        pass
+    engine.close()
+    same = sum(lp[2][0][0] == t for s in seqs for lp, t in zip(s.logprobs, exact[s.request.id]))
+    return round(same / sum(len(exact[s.request.id]) for s in seqs), 4)
 
 
 def variant(a) -> dict:
@@ -170,8 +204,10 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--agreement", type=float, default=0.95)
     ap.add_argument("--variant", action="store_true")
+    ap.add_argument("--teacher-forced", action="store_true", help="also the gated model's teacher-forced agreement")
     ap.add_argument("--variant-tokens", type=int, default=32)
     ap.add_argument("--work", default=None)
+    ap.add_argument("--extra", default="", help="more generate flags, comma-separated (e.g. --batch-size=4)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "adaptive-gating.json"))
     a = ap.parse_args()
     sys.path.insert(0, str(ROOT))
@@ -182,6 +218,7 @@ def main() -> int:
         result["variant"] = variant(a)
     else:
         work = Path(a.work or tempfile.mkdtemp(prefix="klotski-h64a-"))
+        work.mkdir(parents=True, exist_ok=True)
         for name in a.models.split(","):
             result[name] = measure(name, a, work)
             print(json.dumps({k: v for k, v in result[name].items() if k != "calibration"}, indent=1), flush=True)

@@ -75,22 +75,31 @@ def token_ids(report_path: Path) -> dict:
 
 
 def run_rows(name, configs, jobs, common, work, reps, summarise):
-    rows, same = {}, True
-    for cname, extra in configs.items():
-        reports, ids = [], []
-        for rep in range(reps):
+    """Each configuration `reps` times, the configurations in turn within each round (so a pair's
+    runs meet the same load); a row: medians, the first run's counts."""
+    runs = {cname: [] for cname in configs}
+    ids = {cname: [] for cname in configs}
+    for rep in range(reps):
+        for cname, extra in configs.items():
             load = os.getloadavg()[0]
             path = work / f"{name}-{cname}-{rep}.json".replace(" ", "_")
             report = generate(jobs, path, common + extra)
-            report["load_before"] = load
-            reports.append(report)
-            ids.append(token_ids(path))
+            report["load_before"], report["load_after"] = load, os.getloadavg()[0]
+            runs[cname].append(report)
+            ids[cname].append(token_ids(path))
             print(f"{name} {cname} rep {rep}: {report['tokens_per_s']} tok/s (load {load:.1f}) "
                   f"{json.dumps(summarise(report))}", flush=True)
+    rows = {}
+    for cname, reports in runs.items():
         rows[cname] = {"tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in reports), 3),
                        "decode_s": round(statistics.median(r["decode_s"] for r in reports), 3),
-                       "load_before": [round(r["load_before"], 1) for r in reports], **summarise(reports[0])}
-        rows[cname]["_ids"] = ids[0]
+                       "tokens_per_s_runs": [r["tokens_per_s"] for r in reports],
+                       "load_before": [round(r["load_before"], 1) for r in reports],
+                       "load_after": [round(r["load_after"], 1) for r in reports], **summarise(reports[0])}
+        key = "distinct_experts_per_decode_layer_step"
+        if key in rows[cname]:
+            rows[cname][key + "_runs"] = [summarise(r)[key] for r in reports]
+        rows[cname]["_ids"] = ids[cname][0]
     first = next(iter(rows.values()))["_ids"]
     same = all(r.pop("_ids") == first for r in list(rows.values()))
     return {"rows": rows, "same_tokens": same, "command_common": common}
@@ -122,6 +131,10 @@ def main() -> int:
     ap.add_argument("--models", default="small,trained", help="the pregate part's models")
     ap.add_argument("--small-budget", default="97MB")
     ap.add_argument("--trained-budget", default="900MiB")
+    ap.add_argument("--order-model", default=None, help="the order part's model (default: --trained)")
+    ap.add_argument("--order-budget", default=None, help="its device budget (default: --trained-budget)")
+    ap.add_argument("--compared", action="store_true",
+                    help="the pregate part: also a --prefetch pregate --prefetch-compare row (next-gate scored beside)")
     ap.add_argument("--link", default="1")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--per-topic", type=int, default=4)
@@ -135,12 +148,15 @@ def main() -> int:
     sys.path.insert(0, str(ROOT))
     from klotski.builtin import tiny
     work = Path(a.work or tempfile.mkdtemp(prefix="klotski-h64c-"))
+    work.mkdir(parents=True, exist_ok=True)
     result = {"machine_load_at_start": os.getloadavg(), "args": vars(a)}
-    # bs and n fixed: a run's profile learning (planning.learn_from_run) must not change the next
+    # bs and n fixed: a run's profile learning (learning.learn_from_run) must not change the next
     # run's plan, so every row runs the same batches
     base = ["--emulate-link", a.link, "--host-memory", "8GiB", "--max-new-tokens", str(a.new), "--dtype", "float32",
             "--include-token-ids", "--batch-size", str(a.bs), "--num-batches", str(a.n)]
     predictors = {"next-gate": ["--prefetch", "next-gate"], "pregate": ["--prefetch", "pregate"]}
+    if a.compared:
+        predictors["pregate, next-gate scored beside"] = ["--prefetch", "pregate", "--prefetch-compare"]
     if a.part in ("pregate", "both"):
         small = work / "small"
         if not (small / "config.json").exists():
@@ -157,9 +173,9 @@ def main() -> int:
     if a.part in ("order", "both"):
         jobs = topic_job(work / "topics.jsonl", a.per_topic)
         orders = {"length (default)": ["--order", "length"], "routing": ["--order", "routing"]}
-        result["order_trained"] = run_rows("order", orders, jobs,
-                                           ["--model", a.trained, "--device-memory", a.trained_budget] + base,
-                                           work, a.reps, order_summary)
+        model, budget = a.order_model or a.trained, a.order_budget or a.trained_budget
+        result["order_trained" if model == a.trained else f"order_{model}"] = run_rows(
+            "order", orders, jobs, ["--model", model, "--device-memory", budget] + base, work, a.reps, order_summary)
     result["machine_load_at_end"] = os.getloadavg()
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=1) + "\n")

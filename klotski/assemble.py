@@ -32,6 +32,7 @@ from placement.cache import WeightCache
 from placement.pinned import PinnedBlocks
 from placement.placement import Placement
 from placement.tiers import DISK, HOST, Budgets, Memory, detect_budgets
+from planner.units import format_size_flag
 from planner.workingset import decode_workspace, planned_activations
 
 
@@ -65,6 +66,10 @@ class RunSetup:
     # how the resident experts were divided among layers: "dp" (by the learned routing's hits,
     # placement/split.py), "even" (the plan's round-robin) or "given" (the caller's placement)
     expert_split: str = "even"
+    # a CPU run's GGUF experts kept decoded (planning.decoded_copies): mode, bytes charged to the
+    # host budget, groups, why; `kept`: those groups
+    decoded_copies: dict = dataclasses.field(default_factory=dict)
+    kept: frozenset = frozenset()
 
     def for_later_prompts(self) -> RunSetup:
         """Planned from the first prompts (a window, a shard, a batch): a longer prompt later is
@@ -112,6 +117,11 @@ def setup_run(config, ckpt: Checkpoint, seqs, *, placement: Placement | None = N
     if config.prefetch == "pregate":
         from klotski.prefetch.pregate import maps_nbytes
         planned = Budgets(budgets.device - maps_nbytes(ckpt.spec.shape), budgets.host)
+    # GGUF experts kept decoded on a CPU where faster and it fits: the plan gets that much less host room
+    copies = planning.decoded_copies(config, ckpt, dtype, device, budgets, seqs)
+    if copies["mode"] == "on":
+        planned = Budgets(planned.device, planned.host - copies["bytes"])
+    config = config.replace(decoded_copies=copies["mode"])
     simple = config.schedule == "simple"
     bs, n, chunk, plan = config.batch_size or 8, 1 if simple else (config.num_batches or 1), config.prefill_chunk, None
     given = placement is not None  # by the caller (the Python API, tests, benchmarks): not the planner's
@@ -120,7 +130,17 @@ def setup_run(config, ckpt: Checkpoint, seqs, *, placement: Placement | None = N
     # are those (engine_placement) and it prices the routing the table saw
     ranking, popularity = planning.learned_plan_routing(ckpt) if not given else (None, None)
     if config.batch_size is None or (config.num_batches is None and not simple) or placement is None:
-        plan = planning.plan_job(config, ckpt, dtype, device, planned, seqs, pipeline_cost, popularity)
+        try:
+            plan = planning.plan_job(config, ckpt, dtype, device, planned, seqs, pipeline_cost, popularity)
+        except planning.BudgetRefused:
+            if copies["mode"] != "on":
+                raise
+            copies = {"mode": "off", "bytes": 0, "say": True,
+                      "why": f"the experts stay in their blocks: a kept copy ({format_size_flag(copies['bytes'])}) "
+                             "leaves the plan no host room (--host-memory raises it)"}
+            planned = Budgets(planned.device, budgets.host)
+            config = config.replace(decoded_copies="off")
+            plan = planning.plan_job(config, ckpt, dtype, device, planned, seqs, pipeline_cost, popularity)
         bs = config.batch_size or plan.batch_size
         n = 1 if simple else (config.num_batches or plan.num_batches)
         chunk = plan.prefill_chunk if plan.prefill_chunk < plan.longest_prompt else None
@@ -140,6 +160,9 @@ def setup_run(config, ckpt: Checkpoint, seqs, *, placement: Placement | None = N
     if config.quantize == "hqq4":  # a copy that cannot fit is refused now, not halfway through writing it
         from klotski.compress.quantized import check_room
         check_room(ckpt, dtype, config.offload_dir, optimize=config.quantize_optimize)
+    copies, kept = _kept_copies(copies, ckpt, dtype, placement, budgets, given)
+    if copies["mode"] == "on" or copies.get("say"):  # said once: what is kept, or why not for want of room
+        planning.announce(copies["why"])
     modes = planning.host_modes(config, device, plan)
     cost = planning.run_cost_model(config, ckpt, dtype, device, pipeline_cost) if "auto" in modes else None
     longest = max((len(s.prompt_ids) for s in seqs), default=1)
@@ -152,7 +175,32 @@ def setup_run(config, ckpt: Checkpoint, seqs, *, placement: Placement | None = N
                                   host_attention=modes[0] == "on")
     return RunSetup(bs, n, chunk, placement, budgets, device, dtype, plan, cost, modes, config.quantize,
                     expert_slots=slots, activation_reserve=reserve, expert_ranking=ranking,
-                    planned_routing=popularity, expert_split=split)
+                    planned_routing=popularity, expert_split=split, decoded_copies=copies, kept=kept)
+
+
+def _kept_copies(copies: dict, ckpt, dtype, placement: Placement, budgets: Budgets, given: bool):
+    """(the decision as run, the groups kept decoded): the GGUF experts the placement keeps on the
+    device (others move in their blocks), their decoded bytes; a caller's placement is held to the
+    host budget here (a plan was made with that room taken already)."""
+    if copies["mode"] != "on":
+        return copies, frozenset()
+    from klotski.util.dtypes import name_of
+    codec = ckpt.expert_codec(dtype, on_cpu=True)
+    kept = frozenset(k for k, t in placement.tiers.items() if k[0] == "expert" and t == "device"
+                     and codec.packed_nbytes(k) != codec.decoded_nbytes(k))
+    if not kept:
+        return {"mode": "off", "bytes": 0, "why": "the placement keeps no packed expert on the device"}, kept
+    nbytes = sum(codec.decoded_nbytes(k) for k in kept)
+    host = sum(ckpt.group_nbytes(k, dtype)[0] for k, t in placement.tiers.items() if t == HOST)
+    if given and host + nbytes > budgets.host:
+        return {"mode": "off", "bytes": 0, "say": True, "why": f"the experts stay in their blocks: a kept copy "
+                f"({format_size_flag(nbytes)}) does not fit the host budget beside the placement's host groups "
+                "(--host-memory raises it)"}, frozenset()
+    types = "+".join(sorted({q for k in kept for _, q in codec.block_types(k)})) if hasattr(codec, "block_types") \
+        else "MXFP4"
+    why = (f"host weights: kept {name_of(dtype)} copy of {len(kept)} experts, {format_size_flag(nbytes)} "
+           f"({types} blocks decoded once, not per use)")
+    return {**copies, "bytes": nbytes, "groups": len(kept), "why": why}, kept
 
 
 def make_predictor(config, ckpt: Checkpoint):
@@ -164,7 +212,7 @@ def make_predictor(config, ckpt: Checkpoint):
         return NextGatePredictor(spec.shape.num_layers, spec.shape.num_experts)
     if how == "pregate":
         from klotski.prefetch.pregate import pregate_predictor
-        return pregate_predictor(ckpt)
+        return pregate_predictor(ckpt, compare=config.prefetch_compare)
     return FrequencyPredictor(spec.shape.num_layers, spec.shape.num_experts, name="none")  # K = 0: nothing is predicted
 
 
@@ -194,7 +242,7 @@ def build_engine(config, ckpt: Checkpoint, setup: RunSetup, *, predictor=None) -
     cache = WeightCache(ckpt.store, setup.placement, ckpt.spec.group_refs, dtype, memory,
                         to_device=lambda t: t.to(device),
                         host_blocks=PinnedBlocks(pinned=True) if device.type == "cuda" else None,
-                        disk_channel=channels["disk"], codec=codec, host_memory=host_memory)
+                        disk_channel=channels["disk"], codec=codec, host_memory=host_memory, kept=setup.kept)
     _check_sizes(cache, ckpt, dtype, config)
     # slots for the transferred experts, made once and held: copies land in them, waves read them
     cache.open_pool(setup.expert_slots, event=torch.cuda.Event if device.type == "cuda" else None,

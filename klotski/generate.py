@@ -32,7 +32,8 @@ from klotski.io.output import OutputWriter, read_output
 from klotski.io.parquet_output import ParquetOutput, is_parquet
 from klotski.io.records import error_record
 from klotski import planning
-from klotski.planning import learn_from_run, replayed_plan, routing_in_slot_order
+from klotski.learning import Answers, learn_from_run
+from klotski.planning import replayed_plan, routing_in_slot_order
 from klotski.schedule import sequences as S
 from klotski.schedule.report import build_report, replayed, save_report, summary
 from klotski.util.signals import signals_held
@@ -78,9 +79,9 @@ class Job:
         self.ok = self.failed = self.skipped = 0
         self.prompt_lens, self.gen_lens = array("I"), array("I")  # of the answers this run generated, for the replay
         self.longest = 1  # the longest prompt, shared prefixes included
-        # the answers, for the lengths the model's next plans take (planning.Answers): the planned
+        # the answers, for the lengths the model's next plans take (learning.Answers): the planned
         # window's sequences by (line, sample), each one's answer length; every answer and its cap
-        self.planned, self.answers = {}, planning.Answers(None, [], array("I"), array("I"))
+        self.planned, self.answers = {}, Answers(None, [], array("I"), array("I"))
 
     def run(self) -> int:
         self.ckpt = self.open_checkpoint()  # a bad model fails here
@@ -136,7 +137,7 @@ class Job:
         self.setup = setup_run(self.config, self.ckpt, first).for_later_prompts() if first else None
         if first:  # the sequences the plan priced, as planning.plan_job keyed them
             self.planned = {(s.request.line, s.sample): i for i, s in enumerate(first)}
-            self.answers = planning.Answers(planning.answer_key(first), [None] * len(first), array("I"), array("I"))
+            self.answers = Answers(planning.answer_key(first), [None] * len(first), array("I"), array("I"))
 
     def open_output(self) -> None:
         """The output's writer and, for a JSON-lines job and output, the progress sidecar."""
@@ -198,10 +199,12 @@ class Job:
 
     def calibrate_gating(self) -> None:
         """--adaptive-gating: the thresholds an earlier run of this output saved, else calibrated on
-        the first group (klotski/schedule/gating.py) before any line is generated."""
+        the first group, at least CALIBRATION_LINES lines of the first window (a group of a few
+        lines has too few tokens to tell agreements apart), before any line is generated
+        (klotski/schedule/gating.py)."""
         from klotski.schedule import gating
         first = self.ahead[-1].seqs if self.ahead and self.ahead[-1].seqs else []
-        group = self.setup.batch_size * self.setup.num_batches
+        group = max(self.setup.batch_size * self.setup.num_batches, gating.CALIBRATION_LINES)
         gating.prepare(self.engine, first[:group], self.config.adaptive_gating, self.out_path, self.ckpt.key)
 
     def make_engine(self):
@@ -286,7 +289,7 @@ class Job:
         return report
 
     def learn(self) -> dict:
-        """This run as evidence for the machine's profile (planning.learn_from_run): the report's
+        """This run as evidence for the machine's profile (learning.learn_from_run): the report's
         `profile` section. A figure, never the run's failure: a profile that cannot be read or
         written again only means the next plan starts from the measurement."""
         from klotski.util.threads import cores, machine_busy

@@ -58,13 +58,16 @@ def compute_device(name: str) -> str:
 
 
 def measure_here(shape, *, device: str = "auto", link_gbps: float | None = None, refresh: bool = False,
-                 pipeline_cost=None, reuse: bool = False):
+                 pipeline_cost=None, reuse: bool = False, threads: int | None = None):
     """This machine's profile for `shape` on `device` (auto: the GPU where there is one), timed
-    with the engine's own ops and cached in the user cache unless `refresh`."""
+    with the engine's own ops and cached in the user cache unless `refresh`; on a CPU at `threads`
+    torch threads where the run fixes them (--threads: the profile's key says its threads)."""
     from klotski.util import cachedir
-    from klotski.util.threads import machine_busy
+    from klotski.util.threads import held_threads, machine_busy
     from klotski.util.writes import writing
-    with writing(cachedir.profiles(), "the disk-speed probe of the hardware profile"):
+    cpu = compute_device(device) == "cpu"
+    with held_threads(threads if cpu else None), \
+            writing(cachedir.profiles(), "the disk-speed probe of the hardware profile"):
         profile = measure(shape, ops=EngineOps(), device=compute_device(device), link_gbps=link_gbps,
                           refresh=refresh, cache_dir=cachedir.profiles(), announce=_say,
                           busy=None if reuse else machine_busy)
@@ -84,12 +87,13 @@ announce = _say  # a line on stderr, as the profile's own
 
 
 def profile_for(hardware: str, shape, *, device: str = "auto", link_gbps: float | None = None, pipeline_cost=None,
-                reuse: bool = False):
+                reuse: bool = False, threads: int | None = None):
     """`auto` measures this machine on `device` (cached; `reuse`: a profile measured while the
     machine was busy serves too); otherwise a built-in profile name or a JSON path (which says
     its own device)."""
     if hardware == "auto":
-        return measure_here(shape, device=device, link_gbps=link_gbps, pipeline_cost=pipeline_cost, reuse=reuse)
+        return measure_here(shape, device=device, link_gbps=link_gbps, pipeline_cost=pipeline_cost, reuse=reuse,
+                            threads=threads)
     if hardware not in builtin_profiles() and not Path(hardware).exists():
         from klotski.errors import ConfigError
         raise ConfigError(f"--hardware {hardware!r}: not 'auto', a built-in profile "
@@ -138,7 +142,17 @@ def plan_from_flags(model: str, hardware: str, config, *, device_memory, host_me
         else:  # a GGUF file: planned with its groups' bytes as stored, as `generate` plans it
             from klotski.util.dtypes import torch_dtypes
             dtype = ckpt.spec.dtype if config.dtype == "auto" else torch_dtypes()[config.dtype]
-            shape = _compute_shape(ckpt, dtype)
+            if hardware == "auto":  # kept decoded on a CPU as `generate` would (no job: rows at --batch-size)
+                import torch
+                from placement.tiers import detect_budgets
+                device = torch.device(compute_device(config.device))
+                budgets = detect_budgets(device.type, device_memory, host_memory)
+                copies = decoded_copies(config, ckpt, dtype, device, budgets, range(1 << 20))
+                config = dataclasses.replace(config, decoded_copies=copies["mode"])
+                if copies["bytes"]:
+                    host_memory = budgets.host - copies["bytes"]
+                    _say(copies["why"])
+            shape = compute_shape(ckpt, dtype, _kept(config))
             sizes_of = lambda cfg: ckpt.group_bytes(dtype, spec_for(cfg))  # noqa: E731
         profile = profile_for(hardware, shape, device=config.device, link_gbps=config.emulate_link_gbps,
                               pipeline_cost=pipeline_cost)
@@ -225,7 +239,8 @@ def precision_options(shape, ckpt=None, dtype=None) -> list[Precision]:
         types = expert_types(ckpt.store)
         return [dataclasses.replace(options[0], name=f"GGUF {'+'.join(types) or 'as stored'}",
                                     quality=types[0] if len(types) == 1 else "")]
-    return options[:1] if shape.expert_format == "mxfp4" else options
+    own = ckpt.spec.shape.expert_format if ckpt is not None else shape.expert_format  # (a kept copy's shape names none)
+    return options[:1] if own == "mxfp4" else options
 
 
 def weigh_plans(shape, profile, config, options, *, sizes_of=None, **plan_kw) -> Plan:
@@ -368,6 +383,7 @@ def replayed_plan(config, ckpt, setup, prompt_lens, gen_lens, pipeline_cost=None
     if plan is None or not gen_lens:
         return None
     fixed = dataclasses.replace(config, batch_size=setup.batch_size, num_batches=setup.num_batches,
+                                decoded_copies="on" if kept_in(setup) else "off",
                                 prefill_chunk=plan.prefill_chunk,
                                 quantize=plan.precision.get("quantize", config.quantize))
     # (reuse: a replay is a report's figure; it never measures again mid-run, which on `klotski
@@ -388,10 +404,10 @@ def _plan_lengths(config, ckpt, dtype, device, budgets, prompt_lens, gen_lens, g
     the budgets can work (and the minimum a refusal names) depends on memory alone."""
     lengths = prompt_lens or [1]
     if memory_only:
-        shape = _compute_shape(ckpt, dtype)
+        shape = compute_shape(ckpt, dtype, _kept(config))
         profile = _memory_only(device.type)
     elif profile is not None:  # the caller's (a run's lessons weighed: learn_from_run)
-        shape = _compute_shape(ckpt, dtype)
+        shape = compute_shape(ckpt, dtype, _kept(config))
     else:
         shape, profile, _ = _measured(config, ckpt, dtype, device, pipeline_cost, reuse)
     kw = dict(device_memory=budgets.device, host_memory=budgets.host, prompt_len=-(-sum(lengths) // len(lengths)),
@@ -420,22 +436,76 @@ def run_cost_model(config, ckpt, dtype, device, pipeline_cost=None) -> CostModel
 def _measured(config, ckpt, dtype, device, pipeline_cost, reuse: bool = False):
     """(shape, this machine's profile for it, quantization) of a run: planned in the compute
     dtype, as that is what sits on the device and crosses the links."""
-    shape = _compute_shape(ckpt, dtype)
+    shape = compute_shape(ckpt, dtype, _kept(config))
     profile = profile_for("auto", shape, device=device.type, link_gbps=config.emulate_link_gbps,
-                          pipeline_cost=pipeline_cost, reuse=reuse)
+                          pipeline_cost=pipeline_cost, reuse=reuse, threads=config.threads)
     return shape, profile, spec_for(config)
 
 
-def _compute_shape(ckpt, dtype):
+def compute_shape(ckpt, dtype, kept: bool = False):
     """The planner's shape of `ckpt` computed in `dtype`; a GGUF model's experts named by their
-    block types (the profile times them in their stored form: compress/ggml.format_name)."""
+    block types (the profile times them in their stored form: compress/ggml.format_name), or,
+    `kept` decoded once (`decoded_copies`), none: they compute as a 16-bit model's do."""
     from klotski.util.dtypes import name_of
     shape = dataclasses.replace(as_shape(ckpt.spec), dtype=name_of(dtype))
+    if kept:  # decoded once: no packed form to time or price (MXFP4's, GGUF's blocks)
+        return dataclasses.replace(shape, expert_format="")
     if getattr(ckpt, "is_gguf", False):
         from klotski.compress.ggml import format_name
         key = next(k for k in ckpt.spec.group_keys() if k[0] == "expert")
         shape = dataclasses.replace(shape, expert_format=format_name(ckpt.expert_codec(dtype).block_types(key)))
     return shape
+
+
+# decode rows an expert call gets at and above which a kept 16-bit copy multiplies faster than
+# torch's int4 kernel over Q4_0 codes on a CPU (docs/benchmarks.md, issue 60: even at 8 rows,
+# the copy ahead from there); Q4_K's kernel rebuilds its scales per use and is behind at every
+# row count measured; the other block types have no kernel here at all
+KEPT_BEATS_INT4_ROWS = 8
+
+
+def decoded_copies(config, ckpt, dtype, device, budgets, seqs) -> dict:
+    """Whether a CPU run keeps its GGUF (or MXFP4) experts decoded in the compute dtype, once, in host RAM
+    (a placement choice: WeightCache's `kept`), rather than in their blocks decoded per use or
+    multiplied by the int4 kernel. `mode` on or off, `bytes` the decoded copies' (charged to
+    the host budget: the plan is made with that much less host room), `why` in words."""
+    from klotski.util.dtypes import name_of
+    off = lambda why: {"mode": "off", "bytes": 0, "why": why}  # noqa: E731
+    if config.decoded_copies == "off":
+        return off("--decoded-copies off")
+    if device.type != "cpu" or not (getattr(ckpt, "is_gguf", False) or ckpt.spec.shape.expert_format == "mxfp4"):
+        return off("no GGUF or MXFP4 experts computed on a CPU")
+    codec = ckpt.expert_codec(dtype, on_cpu=True)
+    keys = [k for k in ckpt.spec.group_keys() if k[0] == "expert"]
+    sizes = [codec.packed_nbytes(k) for k in keys], [codec.decoded_nbytes(k) for k in keys]
+    need = sum(d for p, d in zip(*sizes) if p != d)
+    if not need:  # read in the compute dtype already (stacked, they measured no faster: docs/benchmarks.md)
+        return off("the experts are stored as floats: nothing to decode")
+    shape = ckpt.spec.shape
+    tokens = min(len(seqs), config.batch_size * (config.num_batches or 1)) if config.batch_size else len(seqs)
+    rows = max(1, tokens) * shape.top_k / shape.num_experts
+    types = {q for k in keys[:1] for _, q in codec.block_types(k)} if hasattr(codec, "block_types") else {"MXFP4"}
+    if all(codec.int4_held(k) for k in keys) and types <= {"Q4_0"} and rows < KEPT_BEATS_INT4_ROWS:
+        return off(f"the int4 kernel is the faster at {rows:.1f} decode rows an expert call "
+                   f"(a kept copy from {KEPT_BEATS_INT4_ROWS})")
+    if need > budgets.host:
+        return {**off(f"the experts stay in their blocks: a kept {name_of(dtype)} copy ({format_size_flag(need)}) "
+                      f"does not fit the host budget ({format_size_flag(budgets.host)}; --host-memory raises it)"),
+                "say": True}
+    return {"mode": "on", "bytes": need,
+            "why": f"host weights: kept {name_of(dtype)} copy of the experts, {format_size_flag(need)} "
+                   f"({'+'.join(sorted(types))} blocks decoded once, not per use)"}
+
+
+def _kept(config) -> bool:
+    """The run keeps its GGUF experts decoded (`decoded_copies` resolved it so in setup_run)."""
+    return config.decoded_copies == "on"
+
+
+def kept_in(setup) -> bool:
+    """A run set up (assemble.RunSetup, or a caller's stand-in without the field) keeps its GGUF
+    experts decoded."""
+    return (getattr(setup, "decoded_copies", None) or {}).get("mode") == "on"
 
 
 def host_modes(config, device, plan) -> tuple[str, str]:
@@ -509,7 +579,8 @@ def _held(config, ckpt, dtype, placement: Placement, *, bs, n, chunk, longest_pr
           host_attention=False) -> _Held:
     """What a placement holds on the device, in the exact bytes of the run's groups."""
     quant = spec_for(config)
-    cost = _cost(_memory_only("cpu"), _compute_shape(ckpt, dtype), config, ckpt.group_bytes(dtype, quant))
+    cost = _cost(_memory_only("cpu"), compute_shape(ckpt, dtype, _kept(config)), config,
+                 ckpt.group_bytes(dtype, quant))
     experts = [k for k, t in placement.tiers.items() if k[0] == "expert" and t != "device"]
     # a slot holds an expert decoded; a packed one also its packed row, and the pool a decode
     # workspace: sized by the largest (the engine's pool takes one of them)
@@ -574,57 +645,3 @@ def routing_in_slot_order(routed, spec, ranking: dict | None) -> list[float] | N
     for layer, order in (ranking or {}).items():
         counts[spec.shape.moe_index(layer)] = routed[spec.shape.moe_index(layer)][order]
     return marginals_from_counts(counts, spec.shape.top_k)
-
-
-# ---- runs correct the profile (planner/calibrate.py) ------------------------------------------
-def learn_from_run(config, ckpt, setup, prompt_lens, gen_lens, measured: dict, *, busy: bool,
-                   pipeline_cost=None, popularity=None, skip: dict | None = None, segments=(), longest=None,
-                   answers: Answers | None = None) -> dict:
-    """The run as evidence for this machine's cached profile (planner/calibrate.py: `correct`):
-    its prefill and decode seconds (`measured`) against the plan replayed over the run's own
-    lengths, routing and shared segments; and its `answers`' lengths for the model's next plans
-    (planner/answer_lengths.py). Nothing is learned from a `busy` run. Returns the report's
-    `profile` section: how the profile was judged, and what this run did to it."""
-    from planner import calibrate
-    shape = _compute_shape(ckpt, setup.dtype)
-    profile = profile_for("auto", shape, device=setup.device.type, link_gbps=config.emulate_link_gbps,
-                          pipeline_cost=pipeline_cost, reuse=True)
-    if busy:
-        return {**calibrate.section(profile), "corrected": False,
-                "why": "the machine was busy during the run: a busy run corrects nothing",
-                **({"answer_lengths": {"learned": False, "why": "a busy run teaches nothing"}} if answers else {})}
-    taught = {"answer_lengths": learn_answer_lengths(ckpt, answers)} if answers else {}
-    if setup.plan is None or not gen_lens:
-        return {**calibrate.section(profile), "corrected": False, "why": "the run had no plan to compare with",
-                **taught}
-
-    def replay(prof) -> dict | None:
-        try:
-            p = replayed_plan(config, ckpt, setup, prompt_lens, gen_lens, pipeline_cost, popularity, profile=prof,
-                              segments=segments, longest=longest)
-        except (UserError, ValueError):  # the plan's budgets refused for these lengths: nothing to compare
-            return None
-        return {"prefill": p.job_prefill_s or 0.0, "decode": p.job_decode_s or 0.0}
-    return {**calibrate.correct(profile, replay, measured, skip), **taught}
-
-
-@dataclasses.dataclass
-class Answers:
-    """A run's answers, for the lengths the next plans take: the planned window's key
-    (`answer_key`) and each planned sequence's answer length in the planned order (None where it
-    gave none); every answer's length and its max_tokens."""
-    key: str | None
-    planned: list
-    lengths: list
-    caps: list
-
-
-def learn_answer_lengths(ckpt, answers: Answers) -> dict:
-    """Add a quiet run's answers to what `ckpt`'s next plans take; the report's words of it."""
-    if not answers.lengths:
-        return {"learned": False, "why": "the run generated no answers"}
-    try:
-        return {"learned": True, **answer_lengths.record(answer_lengths_path(ckpt), answers.key, answers.planned,
-                                                         list(answers.lengths), list(answers.caps), warn=_say)}
-    except OSError as e:
-        return {"learned": False, "why": f"{answer_lengths_path(ckpt)}: could not be written ({e.strerror or e})"}

@@ -31,11 +31,16 @@ DISK_TO_HOST = "disk_to_host"
 
 class WeightCache:
     def __init__(self, store, placement, refs_for, dtype, memory: Memory, *, to_device, host_blocks=None,
-                 disk_channel=None, codec=None, host_memory: Memory | None = None):
+                 disk_channel=None, codec=None, host_memory: Memory | None = None, kept=frozenset()):
         self.store, self.placement, self.refs_for, self.dtype = store, placement, refs_for, dtype
         self.memory, self.disk_channel, self.codec = memory, disk_channel, codec
         self.host_memory = host_memory or Memory(float("inf"))
         self.to_device = to_device
+        # device-placed packed groups decoded once and kept so (a placement choice the plan made:
+        # klotski/planning.decoded_copies): the decoded copy is charged to the host account, the
+        # packed bytes stay charged on the device as planned, and the group computes as a plain one
+        self.kept = frozenset(k for k in kept if placement.tiers.get(k) == DEVICE and codec is not None
+                              and codec.covers(k))
         # a codec of a packed checkpoint (MXFP4) knows its decoded size; HQQ's refs are the original
         decoded = getattr(codec, "decoded_nbytes", None)
         self.full = {k: decoded(k) if decoded and self.coded(k) else self._nbytes(k) for k in placement.tiers}
@@ -66,7 +71,7 @@ class WeightCache:
         # tensors are views of its row. Filled once, never re-stacked.
         self.stacks: dict[int, ExpertStack] = {}
         for key, tier in placement.tiers.items():
-            if tier == DEVICE and key[0] == "expert" and not self.coded(key):
+            if tier == DEVICE and key[0] == "expert" and not self.packed_here(key):
                 self.stacks.setdefault(key[1], ExpertStack()).experts.append(key[2])
         for stack in self.stacks.values():
             stack.experts.sort()
@@ -75,7 +80,9 @@ class WeightCache:
         for key, tier in placement.tiers.items():
             if tier == DEVICE:  # quantized groups stay packed, as the planner sized them
                 memory.reserve(self.moved[key], f"resident {key}")
-                tensors = self._read(key)
+                if key in self.kept and self.moved[key] != full[key]:  # (stored floats: the same tensors)
+                    self.host_memory.reserve(full[key], f"kept decoded copy of {key}")
+                tensors = codec.kept_copy(key) if key in self.kept else self._read(key)
                 stack = self.stacks.get(key[1]) if key[0] == "expert" else None
                 if stack is not None and key[2] in stack.row:
                     self.resident[key] = stack.put(key[2], tensors, device)
@@ -108,8 +115,12 @@ class WeightCache:
                    for r in self.refs_for(key).values())
 
     def coded(self, key) -> bool:
-        """Whether `key` is kept packed (HQQ, MXFP4, GGUF blocks) and decoded per use."""
+        """Whether `key` is stored packed (HQQ, MXFP4, GGUF blocks): its sizes are the packed form's."""
         return self.codec is not None and self.codec.covers(key)
+
+    def packed_here(self, key) -> bool:
+        """Whether `key` is held packed and decoded per use (a kept decoded copy is not)."""
+        return self.coded(key) and key not in self.kept
 
     def _read(self, key) -> dict:
         """Host tensors of `key` as stored: packed parts when quantized."""
@@ -322,7 +333,7 @@ class WeightCache:
         self.held.discard(key)
 
     def needs_decode(self, key) -> bool:
-        return self.coded(key) and (key in self.loaded or key in self.resident) and key not in self.decoded
+        return self.packed_here(key) and (key in self.loaded or key in self.resident) and key not in self.decoded
 
     def decode_nbytes(self, key) -> int:
         """Device bytes `decode` will reserve: the decoded copy of a resident group (a transient
@@ -341,7 +352,7 @@ class WeightCache:
         are gathered where it lives: `embedding_rows`)."""
         moved = max((size + self.workspace.get(key, 0) for key, size in self.sizes.items()
                      if key not in self.resident and not self.pooled(key) and key != ("embed",)), default=0)
-        return max(moved, max((self.decode_nbytes(key) for key in self.resident if self.coded(key)), default=0))
+        return max(moved, max((self.decode_nbytes(key) for key in self.resident if self.packed_here(key)), default=0))
 
     def decode(self, key) -> dict:
         """Dequantize `key` on the device for this use, its codec's temporaries reserved meanwhile.

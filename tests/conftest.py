@@ -39,7 +39,7 @@ def isolated_cache(tmp_path_factory):
     """Correlation tables, profiles and built-in models go to a fresh cache, not the user's."""
     mp = pytest.MonkeyPatch()
     mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
-    # runs do not correct the session's profiles (planning.learn_from_run): a test's plan must not
+    # runs do not correct the session's profiles (learning.learn_from_run): a test's plan must not
     # depend on which tests ran before it; tests/test_profile_learning.py calls it directly
     mp.setattr("klotski.generate.learn_from_run", lambda *a, **kw: None)
     yield

@@ -79,14 +79,16 @@ def test_calibrated_thresholds_are_saved_and_a_resumed_run_takes_them(checkpoint
     jobs.write_text("".join(json.dumps({"id": f"p{i}", "prompt": p}) + "\n" for i, p in enumerate(PROMPTS)))
     out, report = tmp_path / "out.jsonl", tmp_path / "report.json"
     args = ["generate", str(jobs), "--model", str(checkpoints["gqa"]), "-o", str(out), "--max-new-tokens", "4",
-            "--dtype", "float32", "--no-progress", "--adaptive-gating", "0.5", "--report", str(report)]
+            "--dtype", "float32", "--no-progress", "--adaptive-gating", "0.5", "--report", str(report),
+            "--batch-size", "1", "--num-batches", "1"]
     assert cli.main(args) == 0
     saved = tmp_path / "out.jsonl.gating.json"
     first = json.loads(saved.read_text())
     gating = json.loads(report.read_text())["adaptive_gating"]
     assert gating["calibration"]["reused"] is False and gating["calibration"]["agreement"] >= 0.5
+    assert gating["calibration"]["lines"] == len(PROMPTS)  # not the first group's one line: too few tokens
     layers = json.loads((checkpoints["gqa"] / "config.json").read_text())["num_hidden_layers"]
-    assert len(first["thresholds"]) == layers and len(first["probes"]) == gating_calibration.SEARCH_STEPS
+    assert len(first["thresholds"]) == layers and 1 <= len(first["probes"]) <= gating_calibration.MAX_PROBES
     assert json.loads(report.read_text())["config"]["adaptive_gating"] == 0.5
     records = out.read_text()
     out.write_text(records.splitlines(keepends=True)[0])  # as if the run had stopped after one line
@@ -103,3 +105,20 @@ def test_a_bad_value_is_one_line(checkpoints, tmp_path, capsys):
                      "-o", str(tmp_path / "o.jsonl")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--adaptive-gating" in err[0] and "[0, 1]" in err[0]
+
+
+def test_the_search_goes_down_to_the_small_share_that_passes_and_refines_it():
+    """Free-running agreement falls steeply with the share q of routings skipped, so at a bound
+    like 0.95 only a small q passes: the search must go down to it (five halvings from 1/2
+    stopped at 1/32) and refine it to its resolution within its probes."""
+    calls = []
+
+    def passes(q):
+        calls.append(q)
+        return q <= 0.004
+
+    best = gating_calibration.search(passes, smallest=1e-4)
+    assert len(calls) <= gating_calibration.MAX_PROBES
+    assert 0.004 / gating_calibration.RESOLUTION < best <= 0.004
+    assert gating_calibration.search(lambda q: False, smallest=1e-3) == 0.0  # none passes: skip nothing
+    assert gating_calibration.search(lambda q: True, smallest=1e-3) == 0.5

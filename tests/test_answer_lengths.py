@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from klotski import planning
+from klotski.learning import learn_from_run
 from klotski.cli import main as cli
 from planner import answer_lengths, calibrate
 from planner.profile import Profile
@@ -34,7 +35,7 @@ def learning(checkpoints, tmp_path, monkeypatch):
     busy as the test says."""
     path = tmp_path / "lengths.json"
     monkeypatch.setattr(planning, "answer_lengths_path", lambda ckpt: path)
-    monkeypatch.setattr("klotski.generate.learn_from_run", planning.learn_from_run)
+    monkeypatch.setattr("klotski.generate.learn_from_run", learn_from_run)
     monkeypatch.setattr(calibrate, "correct", lambda profile, *a, **kw: {**calibrate.section(profile),
                                                                          "corrected": False, "why": "not here"})
     machine = {"busy": None}

@@ -7,15 +7,30 @@ from conftest import engine_tokens, reference_tokens, token_routed_model
 from klotski.prefetch.correlate import warmup_prompts
 
 
-def test_pregate_gives_transformers_tokens_and_scores_both_predictors(checkpoints):
+def test_pregate_gives_transformers_tokens_and_scores_both_predictors_only_when_asked(checkpoints):
     ours, engine = engine_tokens(checkpoints["gqa"], batch_size=2, num_batches=3, prefetch="pregate")
     assert ours == reference_tokens(checkpoints["gqa"])
     report = engine.predictor.report()
     assert report["pregated_share"] > 0  # the maps were fitted during the run and predicted
+    # not asked to compare: no next gate fetched ahead nor computed, nothing scored beside
+    assert not engine.pipeline.next_gate and "alongside" not in report
+    assert engine.memory.peak <= engine.memory.budget  # the maps and features were charged and fit
+    ours, engine = engine_tokens(checkpoints["gqa"], batch_size=2, num_batches=3, prefetch="pregate",
+                                 prefetch_compare=True)
+    assert ours == reference_tokens(checkpoints["gqa"])
+    report = engine.predictor.report()
+    assert engine.pipeline.next_gate
     for name in ("pre-gate", "next-gate"):  # scored on the same layer-steps
         scored = report["alongside"][name]
         assert 0 < scored["precision"] <= 1 and 0 < scored["recall"] <= 1, name
-    assert engine.memory.peak <= engine.memory.budget  # the maps and features were charged and fit
+    assert engine.memory.peak <= engine.memory.budget
+
+
+def test_prefetch_compare_without_pregate_is_one_line():
+    import pytest
+    from klotski.config import ConfigError, RunConfig
+    with pytest.raises(ConfigError, match="--prefetch pregate"):
+        RunConfig(prefetch="next-gate", prefetch_compare=True)
 
 
 

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from klotski import planning
+from klotski import learning, planning
 from klotski.cli import main as cli
 from klotski.config import RunConfig
 from planner import calibrate
@@ -59,12 +59,12 @@ def machine(tmp_path, monkeypatch):
         return SimpleNamespace(job_prefill_s=times["prefill"], job_decode_s=times["decode"])
     monkeypatch.setattr(planning, "profile_for", profile_for)
     monkeypatch.setattr(planning, "replayed_plan", replayed_plan)
-    monkeypatch.setattr(planning, "_compute_shape", lambda ckpt, dtype: SHAPE)
+    monkeypatch.setattr(planning, "compute_shape", lambda ckpt, dtype, kept=False: SHAPE)
     measured = phases(CostModel(prof, SHAPE), **TRUTH)
     setup = SimpleNamespace(plan=object(), dtype=torch.float32, device=torch.device("cpu"))
 
     def run(busy=False, skip=None):
-        return planning.learn_from_run(RunConfig(), None, setup, [64] * 8, [16] * 8, measured, busy=busy, skip=skip)
+        return learning.learn_from_run(RunConfig(), None, setup, [64] * 8, [16] * 8, measured, busy=busy, skip=skip)
     return SimpleNamespace(path=path, run=run, measured=measured, load=profile_for)
 
 

@@ -3,6 +3,7 @@ profile measured on a busy machine not kept as the machine's speed."""
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import torch
 
@@ -84,3 +85,20 @@ def test_a_profile_measured_while_busy_is_not_cached(tmp_path):
         os.utime(stale, (stale.stat().st_mtime - REMEASURE_AFTER_S - 1,) * 2)
     measure(shape, ops=EngineOps(), cache_dir=tmp_path, busy=lambda: None, **grid)
     assert len(list(tmp_path.glob("*.json"))) == 1
+
+
+def test_a_run_that_fixes_its_threads_is_profiled_at_them(monkeypatch):
+    """`--threads N`: the profile is timed (and keyed, by its machine fingerprint) at N threads,
+    and torch's count is given back afterwards (planning.measure_here)."""
+    from klotski import planning
+    seen = []
+
+    def fake_measure(shape, **kw):
+        seen.append(torch.get_num_threads())
+        return SimpleNamespace(overhead_s={})
+    monkeypatch.setattr(planning, "measure", fake_measure)
+    before = torch.get_num_threads()
+    want = 1 if before != 1 else 2
+    planning.measure_here(object(), device="cpu", threads=want)
+    planning.measure_here(object(), device="cpu")
+    assert seen == [want, before] and torch.get_num_threads() == before

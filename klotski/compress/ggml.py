@@ -264,6 +264,21 @@ class GgufCodec:
         rows = self.store.entries[ref.name].span(ref.index, ref.rows)[2][-2]
         return int4_applies(qtype, self.dtype, rows)
 
+    def int4_held(self, key) -> bool:
+        """Whether every quantized matrix of `key` is read into the int4 form (the kernel's path)."""
+        return all(self.held_as_int4(ref, q) for _, ref, q in self._parts(key) if q not in FLOAT_TYPES)
+
+    def kept_copy(self, key) -> dict:
+        """`key` decoded once into the compute dtype, to be kept for the run (a decoded copy as a
+        placement choice: WeightCache's `kept`): the blocks decoded as `decode` does per use,
+        never the int4 form, so the weights are the per-use path's, bit for bit."""
+        out = {}
+        for name, ref, qtype in self._parts(key):
+            raw = self.store.read(ref.name, ref.index, ref.rows) if qtype in FLOAT_TYPES else \
+                self.store.read_raw(ref.name, ref.index, ref.rows)
+            out[name] = raw.to(self.dtype) if qtype in FLOAT_TYPES else dequantize(raw, qtype, self.dtype)
+        return self.join(out) if self.join else out
+
     def read(self, key) -> dict:
         out = {}
         for name, ref, qtype in self._parts(key):

@@ -144,6 +144,13 @@ class Mxfp4Codec:
             out[name] = t if name in PACKED_PARTS else t.to(self.dtype)
         return out
 
+    def int4_held(self, key) -> bool:
+        return False  # no CPU kernel multiplies MXFP4 blocks here
+
+    def kept_copy(self, key) -> dict:
+        """`key` decoded once, to be kept for the run (WeightCache's `kept`)."""
+        return self.decode(self.read(key))
+
     def decode(self, parts: dict) -> dict:
         out = {n: t for n, t in parts.items() if n not in PACKED_PARTS}
         for m in MATRICES:

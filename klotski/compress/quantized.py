@@ -64,6 +64,18 @@ class QuantCodec:
                     parts[f"{name}.{int4.HQQ_CODES}"] = codes
         return parts
 
+    def int4_held(self, key) -> bool:
+        """Whether every quantized weight of `key` is read into the int4 form (the kernel's path)."""
+        if not self.int4:
+            return False
+        from klotski.compress import int4
+        return all(int4.hqq_applies(h, self.dtype) for h in self._headers.get(label(key), ()))
+
+    def kept_copy(self, key) -> dict:
+        """`key` dequantized once, to be kept for the run (WeightCache's `kept`): as the per-use
+        decode of its stored parts computes it, never the int4 form."""
+        return quant.dequantize_group(quant.load_quantized(self.directory, label(key)), self.dtype)
+
     def decode(self, parts: dict) -> dict:
         from klotski.compress import int4
         held = [k[:-len(int4.HQQ_CODES) - 1] for k in parts if k.endswith("." + int4.HQQ_CODES)]

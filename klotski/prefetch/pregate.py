@@ -15,9 +15,11 @@ no next gate on the device.
 
 `PregatePredictor` is the correlation predictor with the map in front: where a pair is fitted
 its picks predict the layer, elsewhere (layer 0, the first tokens, a pair not fitted yet, a
-step whose features did not fit the budget) the correlation table does. Next-gate speculation
-runs beside it and is scored on the same layer-steps (`alongside` in the report), so one run
-gives both precisions. Predictions only move bytes: outputs are exact whatever they say.
+step whose features did not fit the budget) the correlation table does. Asked to compare
+(`--prefetch-compare`: `ComparedPregatePredictor`), next-gate speculation runs beside it and is
+scored on the same layer-steps (`alongside` in the report), so one run gives both precisions;
+not asked, no next gate is fetched ahead nor computed, so the run's time is the pre-gate's own.
+Predictions only move bytes: outputs are exact whatever they say.
 
 The runtime never names a family: the one weight read is the gate group's `router` (every
 family's router matrix, ModelSpec's shared name), and only its linear scores are fitted.
@@ -111,31 +113,23 @@ class PregateMaps:
 
 
 class PregatePredictor(CorrelationPredictor):
-    """The fitted pre-gate's picks where its pair is fitted, the correlation table's elsewhere;
-    next-gate speculation scored beside it on the layer-steps where both predicted."""
+    """The fitted pre-gate's picks where its pair is fitted, the correlation table's elsewhere."""
 
     def __init__(self, table: SavedTable, maps: PregateMaps, save_to=None):
         super().__init__(table, save_to)
         self.maps = maps
         self.name = f"{maps.describe()}; else the {table.describe()}"
         self.ahead: dict[int, torch.Tensor] = {}       # MoE layer -> the pre-gate's picks per expert
-        self.speculated: dict[int, torch.Tensor] = {}  # MoE layer -> next-gate's picks per expert
         self.k = 0
-        self.alongside = {"pre-gate": PrefetchMetrics(table.num_layers), "next-gate": PrefetchMetrics(table.num_layers)}
         self.by_pregate = self.predictions = 0
 
     def begin_step(self) -> None:
         super().begin_step()
-        self.ahead, self.speculated = {}, {}
+        self.ahead = {}
 
     def pregated(self, layer: int, experts: list[torch.Tensor]) -> None:
         """The pre-gate's picks for MoE layer `layer` (computed by the pipeline a layer ahead)."""
         self.ahead[layer] = torch.bincount(torch.cat([e.flatten() for e in experts]), minlength=self.counts.shape[1])
-
-    def speculate(self, layer: int, experts: list[torch.Tensor]) -> None:
-        """Next-gate speculation's picks for `layer`: scored beside the pre-gate, never used."""
-        self.speculated[layer] = torch.bincount(torch.cat([e.flatten() for e in experts]),
-                                                minlength=self.counts.shape[1])
 
     def predict(self, layer: int, k: int) -> list[int]:
         self.k = k
@@ -146,6 +140,34 @@ class PregatePredictor(CorrelationPredictor):
                 self.predicted[layer] = top_experts(self.ahead[layer], k) if k > 0 else []
         return super().predict(layer, k)
 
+    def state(self) -> str:
+        fitted = sum(self.maps.fitted(m) for m in range(self.maps.moe_layers))
+        return f"pre-gate with {fitted} of {self.maps.moe_layers} layers fitted; {super().state()}"
+
+    def report(self) -> dict:
+        return {**super().report(), "pregated_share": round(self.by_pregate / self.predictions, 4)
+                if self.predictions else None}
+
+
+class ComparedPregatePredictor(PregatePredictor):
+    """The pre-gate, with next-gate speculation run beside it (the pipeline fetches the next gate
+    ahead and computes its picks because this predictor has `speculate`) and both scored on the
+    layer-steps where both predicted; next-gate's picks are never used."""
+
+    def __init__(self, table: SavedTable, maps: PregateMaps, save_to=None):
+        super().__init__(table, maps, save_to)
+        self.speculated: dict[int, torch.Tensor] = {}  # MoE layer -> next-gate's picks per expert
+        self.alongside = {"pre-gate": PrefetchMetrics(table.num_layers), "next-gate": PrefetchMetrics(table.num_layers)}
+
+    def begin_step(self) -> None:
+        super().begin_step()
+        self.speculated = {}
+
+    def speculate(self, layer: int, experts: list[torch.Tensor]) -> None:
+        """Next-gate speculation's picks for `layer`: scored beside the pre-gate, never used."""
+        self.speculated[layer] = torch.bincount(torch.cat([e.flatten() for e in experts]),
+                                                minlength=self.counts.shape[1])
+
     def observe(self, layer: int, experts: list[torch.Tensor], **kw) -> None:
         if self.k and layer in self.ahead and layer in self.speculated:
             per_expert = torch.bincount(torch.cat([e.flatten() for e in experts]), minlength=self.counts.shape[1])
@@ -153,21 +175,17 @@ class PregatePredictor(CorrelationPredictor):
             self.alongside["next-gate"].score(layer, top_experts(self.speculated[layer], self.k), per_expert)
         super().observe(layer, experts, **kw)
 
-    def state(self) -> str:
-        fitted = sum(self.maps.fitted(m) for m in range(self.maps.moe_layers))
-        return f"pre-gate with {fitted} of {self.maps.moe_layers} layers fitted; {super().state()}"
-
     def report(self) -> dict:
         both = {name: {k: v for k, v in m.report().items() if k != "per_group"} for name, m in self.alongside.items()}
-        return {**super().report(), "pregated_share": round(self.by_pregate / self.predictions, 4)
-                if self.predictions else None, "alongside": both}
+        return {**super().report(), "alongside": both}
 
 
-def pregate_predictor(ckpt) -> PregatePredictor:
+def pregate_predictor(ckpt, compare: bool = False) -> PregatePredictor:
     """The pre-gate over the checkpoint's correlation table (loaded, learned and saved as
-    `--prefetch correlation` does), its maps made on the device by the pipeline."""
+    `--prefetch correlation` does), its maps made on the device by the pipeline; with `compare`,
+    next-gate speculation scored beside it."""
     from klotski.prefetch.correlate import learning_predictor
     base, shape = learning_predictor(ckpt), ckpt.spec.shape
     moe_layers = sum(shape.experts_in(j) > 0 for j in range(shape.num_layers))
     maps = PregateMaps(shape.hidden_size, shape.num_experts, moe_layers, ckpt.spec.rms_norm_eps)
-    return PregatePredictor(base.table, maps, base.save_to)
+    return (ComparedPregatePredictor if compare else PregatePredictor)(base.table, maps, base.save_to)

@@ -12,14 +12,19 @@ that cost to (1 - α)², so a layer whose experts differ more, relative to the r
 skips less; the layer's threshold on α is 1 - sqrt(T / S_j).
 
 T is then searched: the recorded tokens' predicted costs (1 - α)² · S_j pooled over layers, T
-their q-quantile (so about a share q of the calibration group's routings would skip), q searched
-over [0, 1] in SEARCH_STEPS probes (halved from 1/2 until one passes, then bisected between the
-last pass and the last failure); each probe decodes the group again with those thresholds and
-compares its greedy tokens, position by position, with the exact run's. The largest q whose
-agreement is at least A wins (none: nothing is skipped). The group decodes at most
-CALIBRATION_TOKENS new tokens a line, greedy and unconstrained whatever its line asks, so the
-calibration costs 1 + SEARCH_STEPS short decodes of one group; its outputs are not written (the
-run then generates every line, the first group's included, with the thresholds).
+their q-quantile (so about a share q of the calibration group's routings would skip). Each probe
+decodes the group again with one q's thresholds and compares its greedy tokens, position by
+position, with the exact run's. Free-running agreement falls steeply and not monotonically with
+q (one flipped token changes the rest of its line), and at a bound like 0.95 the q that passes
+is small (a few percent of the routings, or less), so q is searched on a log scale (`search`):
+divided by STEP_DOWN from 1/2 until a probe passes (at most down to about one skipped routing,
+where the run is exact top-k), then bisected geometrically between that pass and the failure
+above it until they are within RESOLUTION of each other or MAX_PROBES probes are spent. The q
+taken is the largest that passed (none: nothing is skipped). The group (at least
+CALIBRATION_LINES lines of the first window: generate.py) decodes at most CALIBRATION_TOKENS new
+tokens a line, greedy and unconstrained whatever its line asks, so the calibration costs
+1 + at most MAX_PROBES short decodes of one group; its outputs are not written (the run then
+generates every line, the first group's included, with the thresholds).
 """
 from __future__ import annotations
 
@@ -34,9 +39,12 @@ from klotski.schedule.stats import Stats
 from klotski.util.writes import replace_atomically, writing
 
 CALIBRATION_TOKENS = 32  # new tokens a calibration line decodes
+CALIBRATION_LINES = 16   # lines calibrated on at least (of the first window), where the first group is fewer
 SKIP_NONE = 2.0          # a threshold no top-1 share reaches (a share is at most 1)
-SEARCH_STEPS = 5         # probes of the search over q
-VERSION = 1
+MAX_PROBES = 8           # probes of the search over q, at most
+STEP_DOWN = 4            # q divided by this until a probe passes
+RESOLUTION = 1.3         # the search stops once the passing and failing q are within this factor
+VERSION = 2  # 2: the log-scale search (thresholds calibrated by version 1's search are not reused)
 
 
 def thresholds_file(out_path: Path) -> Path:
@@ -85,25 +93,24 @@ def calibrate(engine, seqs: list, agreement: float) -> dict:
             if layers else np.zeros(1)
         shape = engine.spec.shape
         moe_layers = sum(shape.experts_in(j) > 0 for j in range(shape.num_layers))
-        chosen = {"q": 0.0, "thresholds": [SKIP_NONE] * moe_layers, "agreement": 1.0, "seconds": exact_s,
-                  "skipped_share": 0.0}
-        lo, hi, probes = 0.0, 1.0, []
-        for _ in range(SEARCH_STEPS):
-            # halved until a probe passes (a sensitive model passes only small shares), then bisected
-            q = (lo + hi) / 2 if lo > 0 or not probes else hi / 2
+        exact_choice = {"q": 0.0, "thresholds": [SKIP_NONE] * moe_layers, "agreement": 1.0, "seconds": exact_s,
+                        "skipped_share": 0.0}
+        tried = {}
+
+        def probe(q: float) -> bool:
             bound = float(np.quantile(pool, q))
             thresholds = [_threshold(fits.get(j, 0.0), bound) for j in range(moe_layers)]
-            probe = pipeline.set_gating(thresholds)
+            gating = pipeline.set_gating(thresholds)
             out, seconds = _decode(engine, lines)
             agree = agreement_of(exact, out)
-            skipped = probe.report()["skipped_share"]
-            probes.append({"q": q, "agreement": round(agree, 4), "skipped_share": skipped, "seconds": round(seconds, 4)})
-            if agree >= agreement:
-                lo = q
-                chosen = {"q": q, "thresholds": thresholds, "agreement": agree, "seconds": seconds,
-                          "skipped_share": skipped}
-            else:
-                hi = q
+            tried[q] = {"q": q, "thresholds": thresholds, "agreement": agree, "seconds": seconds,
+                        "skipped_share": gating.report()["skipped_share"]}
+            return agree >= agreement
+
+        best = search(probe, smallest=1.0 / max(pool.size, 1))
+        chosen = tried[best] if best else exact_choice
+        probes = [{"q": t["q"], "agreement": round(t["agreement"], 4), "skipped_share": t["skipped_share"],
+                   "seconds": round(t["seconds"], 4)} for t in tried.values()]
     finally:
         pipeline.set_gating(None)
     tokens = sum(len(o) for o in exact)
@@ -114,6 +121,30 @@ def calibrate(engine, seqs: list, agreement: float) -> dict:
             "exact_tokens_per_s": round(tokens / exact_s, 3) if exact_s else None,
             "gated_tokens_per_s": round(tokens / chosen["seconds"], 3) if chosen["seconds"] else None,
             "probes": probes}
+
+
+def search(passes, smallest: float) -> float:
+    """The largest q that `passes(q)`, searched on a log scale: q from
+    1/2 divided by STEP_DOWN until a pass (not below `smallest`, about one routing skipped), then
+    bisected geometrically with the failure above it until within RESOLUTION; at most MAX_PROBES
+    calls. 0.0 when none passed."""
+    results = {}
+    q = 0.5
+    while len(results) < MAX_PROBES:
+        results[q] = passes(q)
+        if results[q] or q / STEP_DOWN < smallest:
+            break
+        q /= STEP_DOWN
+    while len(results) < MAX_PROBES:
+        lo = max((x for x, ok in results.items() if ok), default=None)
+        hi = min((x for x, ok in results.items() if not ok and (lo is None or x > lo)), default=None)
+        if lo is None or hi is None or hi / lo <= RESOLUTION:
+            break
+        q = float(np.sqrt(lo * hi))
+        results[q] = passes(q)
+    # (every failure lies above every pass: the descent stops at its first pass, and bisection
+    # probes only between the largest pass and the smallest failure)
+    return max((x for x, ok in results.items() if ok), default=0.0)
 
 
 def agreement_of(exact: list[list[int]], other: list[list[int]]) -> float:

@@ -52,6 +52,8 @@ def build_report(engine, setup, *, ok: int, failed: int, skipped: int, wall_s: f
                  "buffers": plan.buffers if plan else None, "binding": plan.binding if plan else None,
                  # the precision run; under --quantize auto, every option weighed and why this one
                  "precision": {"quantize": setup.quantize, **(plan.precision if plan and plan.precision else {})},
+                 # GGUF experts kept decoded in host RAM on a CPU, or why not (planning.decoded_copies)
+                 "decoded_copies": {k: v for k, v in setup.decoded_copies.items() if k != "say"},
                  # where the answer lengths the plan's time was priced at came from (assumed max_tokens,
                  # or learned from runs: planner/answer_lengths.py)
                  "answer_lengths": plan.answer_lengths if plan else {}},
@@ -253,7 +255,7 @@ def _prefix_line(prefix: dict | None) -> list[str]:
 
 def profile_line(profile: dict | None) -> list[str]:
     """How the machine's profile was judged when measured, and what this run taught it
-    (planning.learn_from_run): each phase predicted beside measured."""
+    (learning.learn_from_run): each phase predicted beside measured."""
     if not profile:
         return []
     judged = profile.get("judged") or "a profile not judged when measured"

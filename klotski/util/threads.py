@@ -107,3 +107,23 @@ class ThreadGovernor:
         if want != self.torch.get_num_threads():
             self.torch.set_num_threads(want)
             self.history.append((round(self.clock() - self.start, 1), want))
+
+
+class held_threads:
+    """torch's CPU thread count at `n` for a `with` block (None: as it is), then back: what a
+    profile is measured at when a run fixes its threads (planning.measure_here)."""
+
+    def __init__(self, n: int | None):
+        self.n = n
+
+    def __enter__(self):
+        import torch
+        self.before = torch.get_num_threads()
+        if self.n:
+            torch.set_num_threads(self.n)
+        return self
+
+    def __exit__(self, *exc):
+        import torch
+        torch.set_num_threads(self.before)
+
