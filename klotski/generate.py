@@ -205,7 +205,19 @@ class Job:
         from klotski.schedule import gating
         first = self.ahead[-1].seqs if self.ahead and self.ahead[-1].seqs else []
         group = max(self.setup.batch_size * self.setup.num_batches, gating.CALIBRATION_LINES)
-        gating.prepare(self.engine, first[:group], self.config.adaptive_gating, self.out_path, self.ckpt.key)
+        gating.prepare(self.engine, first[:group], self.config.adaptive_gating, self.out_path, self.gating_key(),
+                       reuse=self.config.resume)
+
+    def gating_key(self) -> str:
+        """What saved thresholds must have been calibrated for to be reused: the model, the compute
+        dtype, the quantization and the job (its file's size and head, as the progress sidecar
+        checks it; a dataset by name)."""
+        try:
+            job = progress.job_identity(self.jobs)
+            job = f"{job['size']}:{job['head']}"
+        except OSError:
+            job = str(self.jobs)
+        return f"{self.ckpt.key}:{self.setup.dtype}:{self.config.quantize}:{job}"
 
     def make_engine(self):
         """The engine the windows run on (`klotski serve` hands in its one long-lived engine)."""

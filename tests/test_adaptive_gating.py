@@ -96,6 +96,14 @@ def test_calibrated_thresholds_are_saved_and_a_resumed_run_takes_them(checkpoint
     gating = json.loads(report.read_text())["adaptive_gating"]
     assert gating["calibration"]["reused"] is True and json.loads(saved.read_text()) == first
     assert sorted(out.read_text().splitlines()) == sorted(records.splitlines())  # answers as the first run did
+    # thresholds are for this job, dtype and output: another job file, bf16, or --no-resume calibrate again
+    other = tmp_path / "other.jsonl"
+    other.write_text(jobs.read_text().replace("p0", "q0"))
+    for changed in ([str(other) if a == str(jobs) else a for a in args], [*args, "--dtype", "bfloat16"],
+                    [*args, "--no-resume"]):
+        out.write_text("")  # every line to run again, the thresholds file kept beside
+        assert cli.main(changed) == 0
+        assert json.loads(report.read_text())["adaptive_gating"]["calibration"]["reused"] is False, changed
 
 
 def test_a_bad_value_is_one_line(checkpoints, tmp_path, capsys):

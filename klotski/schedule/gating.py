@@ -52,11 +52,12 @@ def thresholds_file(out_path: Path) -> Path:
     return out_path.with_name(out_path.name + ".gating.json")
 
 
-def prepare(engine, seqs: list, agreement: float, out_path: Path, model_key: str) -> dict:
-    """Set `engine`'s thresholds: those saved beside `out_path` for this model and agreement, else
+def prepare(engine, seqs: list, agreement: float, out_path: Path, model_key: str, reuse: bool = True) -> dict:
+    """Set `engine`'s thresholds: those saved beside `out_path` for this `model_key` (the model and
+    what the run computes it for) and agreement, where `reuse` (a run that resumes), else
     calibrated on `seqs` (the first group) and saved (atomically). Returns the calibration."""
     path = thresholds_file(out_path)
-    saved = load(path, model_key, agreement)
+    saved = load(path, model_key, agreement) if reuse else None
     reused = saved is not None
     if not reused:
         saved = {"version": VERSION, "model": model_key, "agreement_bound": agreement,
@@ -84,6 +85,12 @@ def calibrate(engine, seqs: list, agreement: float) -> dict:
     """Thresholds per MoE layer meeting `agreement` on `seqs` (the module's docstring says how)."""
     lines = [s for s in seqs if s.forced is None and s.sample == 0]
     pipeline = engine.pipeline
+    shape = engine.spec.shape
+    moe_layers = sum(shape.experts_in(j) > 0 for j in range(shape.num_layers))
+    if not lines:  # nothing to measure agreement on: nothing is skipped
+        return {"thresholds": [SKIP_NONE] * moe_layers, "sensitivity": [0.0] * moe_layers, "lines": 0, "tokens": 0,
+                "q": 0.0, "agreement": 1.0, "skipped_share": 0.0, "exact_tokens_per_s": None,
+                "gated_tokens_per_s": None, "probes": []}
     recorder = pipeline.set_gating(None, record=True)
     try:
         exact, exact_s = _decode(engine, lines)
@@ -91,15 +98,14 @@ def calibrate(engine, seqs: list, agreement: float) -> dict:
         fits = {j: _sensitivity(recorder.shares[j], recorder.costs[j]) for j in layers}
         pool = np.concatenate([np.square(1 - np.concatenate(recorder.shares[j])) * fits[j] for j in layers]) \
             if layers else np.zeros(1)
-        shape = engine.spec.shape
-        moe_layers = sum(shape.experts_in(j) > 0 for j in range(shape.num_layers))
         exact_choice = {"q": 0.0, "thresholds": [SKIP_NONE] * moe_layers, "agreement": 1.0, "seconds": exact_s,
                         "skipped_share": 0.0}
         tried = {}
 
         def probe(q: float) -> bool:
             bound = float(np.quantile(pool, q))
-            thresholds = [_threshold(fits.get(j, 0.0), bound) for j in range(moe_layers)]
+            # a layer the group recorded nothing for skips nothing (no sensitivity measured)
+            thresholds = [_threshold(fits[j], bound) if j in fits else SKIP_NONE for j in range(moe_layers)]
             gating = pipeline.set_gating(thresholds)
             out, seconds = _decode(engine, lines)
             agree = agreement_of(exact, out)
