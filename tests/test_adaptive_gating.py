@@ -130,3 +130,23 @@ def test_the_search_goes_down_to_the_small_share_that_passes_and_refines_it():
     assert 0.004 / gating_calibration.RESOLUTION < best <= 0.004
     assert gating_calibration.search(lambda q: False, smallest=1e-3) == 0.0  # none passes: skip nothing
     assert gating_calibration.search(lambda q: True, smallest=1e-3) == 0.5
+
+
+def test_the_calibration_leaves_the_runs_counts_and_predictor_as_they_were(checkpoints):
+    """The calibration decodes the first group again and again: the run's routing counts (the
+    report's experts, the next plans' popularity) and its predictor's table learn none of it; a
+    group with no lines skips nothing."""
+    cfg = RunConfig(model=str(checkpoints["gqa"]), progress=False, dtype="float32", max_new_tokens=NEW)
+    engine, seqs, _ = open_engine(cfg, requests(PROMPTS, NEW))
+    try:
+        pipeline = engine.pipeline
+        routed, predictor = pipeline.routed.copy(), pipeline.predictor
+        table = predictor.counts.clone()
+        done = gating_calibration.calibrate(engine, seqs, 0.5)
+        assert done["tokens"] > 0 and len(done["probes"]) >= 1
+        assert (pipeline.routed == routed).all() and pipeline.predictor is predictor
+        assert torch.equal(predictor.counts, table)
+        none = gating_calibration.calibrate(engine, [], 0.5)
+        assert set(none["thresholds"]) == {SKIP_NONE} and none["probes"] == []
+    finally:
+        engine.close()

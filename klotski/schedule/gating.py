@@ -28,6 +28,7 @@ generates every line, the first group's included, with the thresholds).
 """
 from __future__ import annotations
 
+import copy
 import json
 import time
 from pathlib import Path
@@ -92,33 +93,38 @@ def calibrate(engine, seqs: list, agreement: float) -> dict:
                 "q": 0.0, "agreement": 1.0, "skipped_share": 0.0, "exact_tokens_per_s": None,
                 "gated_tokens_per_s": None, "probes": []}
     recorder = pipeline.set_gating(None, record=True)
-    try:
-        exact, exact_s = _decode(engine, lines)
-        layers = sorted(recorder.shares)
-        fits = {j: _sensitivity(recorder.shares[j], recorder.costs[j]) for j in layers}
-        pool = np.concatenate([np.square(1 - np.concatenate(recorder.shares[j])) * fits[j] for j in layers]) \
-            if layers else np.zeros(1)
-        exact_choice = {"q": 0.0, "thresholds": [SKIP_NONE] * moe_layers, "agreement": 1.0, "seconds": exact_s,
-                        "skipped_share": 0.0}
-        tried = {}
+    # the run's routing counts and predictor learn from its own lines only: the calibration's
+    # decodes (the first group again and again) ask a throwaway copy and are counted apart
+    routed, distinct = pipeline.routed.copy(), copy.deepcopy(pipeline.distinct)
+    with pipeline.instrumented(predictor=copy.deepcopy(pipeline.predictor)):
+        try:
+            exact, exact_s = _decode(engine, lines)
+            layers = sorted(recorder.shares)
+            fits = {j: _sensitivity(recorder.shares[j], recorder.costs[j]) for j in layers}
+            pool = np.concatenate([np.square(1 - np.concatenate(recorder.shares[j])) * fits[j] for j in layers]) \
+                if layers else np.zeros(1)
+            exact_choice = {"q": 0.0, "thresholds": [SKIP_NONE] * moe_layers, "agreement": 1.0, "seconds": exact_s,
+                            "skipped_share": 0.0}
+            tried = {}
 
-        def probe(q: float) -> bool:
-            bound = float(np.quantile(pool, q))
-            # a layer the group recorded nothing for skips nothing (no sensitivity measured)
-            thresholds = [_threshold(fits[j], bound) if j in fits else SKIP_NONE for j in range(moe_layers)]
-            gating = pipeline.set_gating(thresholds)
-            out, seconds = _decode(engine, lines)
-            agree = agreement_of(exact, out)
-            tried[q] = {"q": q, "thresholds": thresholds, "agreement": agree, "seconds": seconds,
-                        "skipped_share": gating.report()["skipped_share"]}
-            return agree >= agreement
+            def probe(q: float) -> bool:
+                bound = float(np.quantile(pool, q))
+                # a layer the group recorded nothing for skips nothing (no sensitivity measured)
+                thresholds = [_threshold(fits[j], bound) if j in fits else SKIP_NONE for j in range(moe_layers)]
+                gating = pipeline.set_gating(thresholds)
+                out, seconds = _decode(engine, lines)
+                agree = agreement_of(exact, out)
+                tried[q] = {"q": q, "thresholds": thresholds, "agreement": agree, "seconds": seconds,
+                            "skipped_share": gating.report()["skipped_share"]}
+                return agree >= agreement
 
-        best = search(probe, smallest=1.0 / max(pool.size, 1))
-        chosen = tried[best] if best else exact_choice
-        probes = [{"q": t["q"], "agreement": round(t["agreement"], 4), "skipped_share": t["skipped_share"],
-                   "seconds": round(t["seconds"], 4)} for t in tried.values()]
-    finally:
-        pipeline.set_gating(None)
+            best = search(probe, smallest=1.0 / max(pool.size, 1))
+            chosen = tried[best] if best else exact_choice
+            probes = [{"q": t["q"], "agreement": round(t["agreement"], 4), "skipped_share": t["skipped_share"],
+                       "seconds": round(t["seconds"], 4)} for t in tried.values()]
+        finally:
+            pipeline.set_gating(None)
+    pipeline.routed, pipeline.distinct = routed, distinct
     tokens = sum(len(o) for o in exact)
     engine.stats = Stats()  # the run's figures are its own lines', not the calibration's
     return {"thresholds": chosen["thresholds"], "sensitivity": [round(fits.get(j, 0.0), 6) for j in range(moe_layers)],
