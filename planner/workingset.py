@@ -80,12 +80,11 @@ def activation_bytes(shape, itemsize: int, step: Step, host_attention: bool = Fa
 
     Alive for the whole step: the hidden states of every batch (residual, MoE input and
     output, their sum), each batch's attention mask and rotary tables. On top, the largest
-    of the phases: one batch's attention (normed input, q/k/v, keys/values gathered or
+    of three phases: one batch's attention (normed input, q/k/v, keys/values gathered or
     expanded for grouped queries, scores in fp32 in chunks, context, output), the routing
     and one expert call over all tokens (gathered inputs, outputs, FFN intermediates in
     chunks; the top-k slots of weighted outputs in fp32; a shared expert's output and its
-    intermediates over the largest batch), the fp32 logits of every sequence, and a hybrid's
-    linear-attention layer over one batch (`linear_layer_bytes`). With
+    intermediates over the largest batch), and the fp32 logits of every sequence. With
     `host_attention` the keys, values and scores live on the host: the device holds only
     the projections of one batch. `shape`: a ModelShape or what as_shape takes (the engine's
     ModelSpec), here and in the functions below that price steps with this one."""
@@ -116,32 +115,7 @@ def activation_bytes(shape, itemsize: int, step: Step, host_attention: bool = Fa
     if shared:
         moe += t.tokens * s.hidden_size * itemsize + 3 * largest * shared * itemsize
     head = t.sequences * (s.vocab_size * 4 + s.hidden_size * itemsize)
-    linear = max((linear_layer_bytes(s, itemsize, b, new) for b, new, _ in t.batches()), default=0)
-    return base + max(attention, moe, head, linear)
-
-
-DELTA_RULE_CHUNK = 64  # tokens a chunk of the chunked delta rule covers (models/gated_deltanet.CHUNK)
-
-
-def linear_layer_bytes(shape, itemsize: int, batch: int, queries: int) -> int:
-    """One batch's Gated DeltaNet layer (0 without linear layers): the normed input, the
-    projections and the conv's window (cat, moved, output), the delta rule's fp32 per-token
-    tensors (q, k and their scaled copies, v and its scaled, folded and output forms) and its
-    chunk matrices (decay, lower, fold, inner), and the layer's state twice (the old beside the new)."""
-    s = shape
-    if not s.linear_layers:
-        return 0
-    Hv, Dk, Dv, C = s.linear_value_heads, s.linear_key_dim, s.linear_value_dim, s.linear_conv_dim
-    window = max(s.linear_conv_kernel - 1, 0)
-    tokens = batch * queries
-    projections = tokens * (s.hidden_size + C + Hv * Dv + 2 * Hv) * itemsize + 3 * batch * C * (window + queries) * itemsize
-    if queries == 1:  # the recurrent rule: no chunks
-        rule = tokens * Hv * (6 * Dk + 5 * Dv) * 4
-    else:
-        padded = batch * -(-queries // DELTA_RULE_CHUNK) * DELTA_RULE_CHUNK
-        rule = padded * Hv * (6 * Dk + 5 * Dv + 4 * DELTA_RULE_CHUNK) * 4
-    state = 2 * batch * (C * window * itemsize + Hv * Dk * Dv * 4)
-    return projections + rule + state
+    return base + max(attention, moe, head)
 
 
 def widest_chunk(shape, itemsize: int, limit: int, decode_rows: int, bs: int, context: int,

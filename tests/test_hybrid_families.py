@@ -98,27 +98,3 @@ def test_the_planner_counts_the_state_as_a_constant_per_sequence():
     assert shape.kv_bytes_per_token() == 12 * 2 * 2 * 256 * 2
     conv = (2 * 16 * 128 + 32 * 128) * 3 * 2
     assert shape.recurrent_bytes_per_sequence() == 36 * (conv + 32 * 128 * 128 * 4)
-
-
-@pytest.mark.parametrize("T", [1, 70])
-def test_the_planned_activation_bound_holds_a_linear_layer(T):
-    """The bytes a Gated DeltaNet layer allocates over one batch (live at once, at their peak)
-    stay within what the plan reserves for it (planner.workingset.linear_layer_bytes): decode
-    (the recurrent rule) and a prefill of two chunks, the old state beside the new."""
-    from test_mxfp4_defect import LiveBytes
-    from klotski.models import qwen3_next
-    from planner.workingset import linear_layer_bytes
-    B, H, Hk, Hv, Dk, Dv, K = 3, 64, 2, 4, 16, 16, 4
-    C = 2 * Hk * Dk + Hv * Dv
-    shape = types.SimpleNamespace(linear_layers=(0,), hidden_size=H, linear_key_heads=Hk, linear_value_heads=Hv,
-                                  linear_key_dim=Dk, linear_value_dim=Dv, linear_conv_dim=C, linear_conv_kernel=K)
-    spec = types.SimpleNamespace(shape=shape, rms_norm_eps=1e-6, norm_offset=0.0)
-    w = {"input_norm": torch.ones(H), "qkvz": torch.randn(2 * Hk * Dk + 2 * Hv * Dv, H) / 8,
-         "ba": torch.randn(2 * Hv, H) / 8, "conv": torch.randn(C, 1, K), "dt_bias": torch.zeros(Hv),
-         "A_log": torch.zeros(Hv), "norm_gate": torch.ones(Dv), "out": torch.randn(H, Hv * Dv) / 8}
-    h, valid = torch.randn(B, T, H), torch.ones(B, T, dtype=torch.bool)
-    state = (torch.randn(B, C, K - 1), torch.randn(B, Hv, Dk, Dv))
-    with LiveBytes() as live:
-        out = qwen3_next.recurrent_block(h, w, state, valid, spec)
-    assert out[0].shape == h.shape
-    assert 0 < live.peak <= linear_layer_bytes(shape, 4, B, T), (live.peak, linear_layer_bytes(shape, 4, B, T))
