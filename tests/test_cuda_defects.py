@@ -161,7 +161,7 @@ def test_closing_host_kv_caches_waits_for_loads_still_reading_them():
     host = types.SimpleNamespace(free=lambda n: None)
     space = KVSpace(None, torch.float32, torch.device("cpu"), on_host=True, account=host, make_room=None,
                     drain=channel.drain)
-    space.held = {1: (64, Blocks(), types.SimpleNamespace(settle=lambda: None))}
+    space.held = {1: (64, Blocks(), types.SimpleNamespace(settle=lambda: None, state=None))}
     threading.Thread(target=lambda: (time.sleep(0.2), release.set())).start()
     space.close()
     assert order == ["load done", "blocks closed"]
