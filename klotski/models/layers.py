@@ -93,13 +93,33 @@ def attend(q, keys, values, mask) -> torch.Tensor:
     # Grouped-query attention: each kv head serves `rep` query heads. Their queries go
     # side by side against the one kv head, rather than the KV copied rep-fold: at decode
     # the copy would be the whole cost, a cliff past the last-level cache (docs/benchmarks.md).
-    scores = torch.matmul(q.reshape(B, kv_heads, rep * T, D), keys.transpose(2, 3)).view(B, heads, T, -1) * D ** -0.5
+    scores = grouped_scores(q.reshape(B, kv_heads, rep * T, D), keys).reshape(B, heads, T, -1)
     # A finite minimum rather than -inf: rows that are all padding stay finite, so no NaN
     # reaches a cache slot that real tokens later attend past.
     scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     out = torch.matmul(probs.view(B, kv_heads, rep * T, -1), values).view(B, heads, T, -1)
     return out.transpose(1, 2).reshape(B, T, -1)
+
+
+# Queries a kv head serves at most, for the keys-first product below (past it, a prefill's
+# queries-first product is the faster: docs/benchmarks.md).
+KEYS_FIRST_ROWS = 32
+
+
+def grouped_scores(grouped_q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Scaled scores [B, kvh, R, S] of queries grouped per kv head [B, kvh, R, D] against keys
+    [B, kvh, S, D]. On a CPU in 16 bits with few queries (decode), as keys times queries and
+    transposed back: the cache's slot-major views (each key's D values contiguous, rows of a
+    batch interleaved) go to the BLAS as they are that way, where q·kᵀ over them fell back to
+    a loop over elements several times slower. Same products, bit for bit here
+    (tests/test_attention_layout.py)."""
+    B, kv_heads, R, D = grouped_q.shape
+    if keys.device.type != "cpu" or keys.dtype == torch.float32 or R > KEYS_FIRST_ROWS:
+        return torch.matmul(grouped_q, keys.transpose(2, 3)) * D ** -0.5
+    flat_q = grouped_q.reshape(B * kv_heads, R, D).transpose(1, 2).contiguous()
+    scores_t = torch.matmul(keys.flatten(0, 1), flat_q) * D ** -0.5
+    return scores_t.transpose(1, 2).reshape(B, kv_heads, R, -1)
 
 
 def attend_shared(q, keys, values, mask, prefix_keys, prefix_values) -> torch.Tensor:
@@ -118,7 +138,7 @@ def attend_shared(q, keys, values, mask, prefix_keys, prefix_values) -> torch.Te
     if mask.shape[-1] > keys.shape[2]:
         shared = shared.masked_fill(~mask[..., :P], torch.finfo(shared.dtype).min)
         mask = mask[..., P:]
-    own = torch.matmul(grouped, keys.transpose(2, 3)).view(B, heads, T, -1) * D ** -0.5
+    own = grouped_scores(grouped, keys).reshape(B, heads, T, -1)
     own = own.masked_fill(~mask, torch.finfo(own.dtype).min)
     probs = torch.softmax(torch.cat([shared, own], dim=-1), dim=-1, dtype=torch.float32).to(q.dtype)
     probs = probs.view(B, kv_heads, rep * T, -1)
