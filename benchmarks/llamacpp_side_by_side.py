@@ -136,9 +136,13 @@ def convert(tree: Path, bin_dir: Path) -> dict[str, Path]:
 # --------------------------------------------------------------------------- bench
 
 @contextmanager
-def bench_lock():
-    """The shared benchmark lock (flock(2), as flock(1) takes it), held for one timed run."""
-    with open(LOCK, "a") as f:
+def bench_lock(path: str | None = LOCK):
+    """The shared benchmark lock (flock(2), as flock(1) takes it), held for one timed run
+    (None: no lock)."""
+    if path is None:
+        yield
+        return
+    with open(path, "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
