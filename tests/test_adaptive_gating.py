@@ -11,7 +11,7 @@ from conftest import PROMPTS, engine_tokens, reference_tokens, requests
 from klotski.assemble import open_engine
 from klotski.cli import main as cli
 from klotski.config import RunConfig
-from klotski.execute.gating import SKIP_NONE
+from klotski.execute.contract import SKIP_NONE
 from klotski.schedule import gating as gating_calibration
 
 NEW = 6

@@ -13,6 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
+# Adaptive gating's per-layer skip threshold that skips nothing (a top-1 share is at most 1):
+# the scheduler's calibration writes it, the executor's gate reads it.
+SKIP_NONE = 2.0
+
 
 @dataclass
 class StepInput:

@@ -23,8 +23,6 @@ import dataclasses
 import numpy as np
 import torch
 
-SKIP_NONE = 2.0  # a threshold no share reaches (a share is at most 1)
-
 
 class AdaptiveGating:
     """Per-MoE-layer thresholds applied to a layer's routing, and what they saved."""

@@ -35,13 +35,13 @@ from pathlib import Path
 
 import numpy as np
 
+from klotski.execute.contract import SKIP_NONE
 from klotski.schedule import sequences as S
 from klotski.schedule.stats import Stats
 from klotski.util.writes import replace_atomically, writing
 
 CALIBRATION_TOKENS = 32  # new tokens a calibration line decodes
 CALIBRATION_LINES = 16   # lines calibrated on at least (of the first window), where the first group is fewer
-SKIP_NONE = 2.0          # a threshold no top-1 share reaches (a share is at most 1)
 MAX_PROBES = 8           # probes of the search over q, at most
 STEP_DOWN = 4            # q divided by this until a probe passes
 RESOLUTION = 1.3         # the search stops once the passing and failing q are within this factor
