@@ -117,16 +117,16 @@ def attend_with_sinks(q, keys, values, mask, sinks):
     """Attention whose softmax also sees one learned logit per head (the sink), dropped after:
     eager attention of transformers' GptOssAttention, step for step."""
     B, heads, T, D = q.shape
-    rep = heads // keys.shape[1]
-    if rep > 1:
-        keys = keys[:, :, None].expand(-1, -1, rep, -1, -1).reshape(B, heads, -1, D)
-        values = values[:, :, None].expand(-1, -1, rep, -1, -1).reshape(B, heads, -1, D)
-    scores = torch.matmul(q, keys.transpose(2, 3)) * D ** -0.5
+    kv_heads = keys.shape[1]
+    rep = heads // kv_heads
+    # a kv head's queries side by side against it (as layers.attend), not the KV copied rep-fold
+    scores = L.grouped_scores(q.reshape(B, kv_heads, rep * T, D), keys).reshape(B, heads, T, -1)
     scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     logits = torch.cat([scores, sinks.reshape(1, -1, 1, 1).expand(B, -1, T, -1).to(scores.dtype)], dim=-1)
     logits = logits - logits.max(dim=-1, keepdim=True).values
     probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(values.dtype)
-    return torch.matmul(probs, values).transpose(1, 2).reshape(B, T, heads * D)
+    out = torch.matmul(probs.reshape(B, kv_heads, rep * T, -1), values).view(B, heads, T, D)
+    return out.transpose(1, 2).reshape(B, T, heads * D)
 
 
 HOST_ATTENTION = True  # attention_block takes `attend_at` (attention beside a host KV cache)
