@@ -112,8 +112,8 @@ def grouped_scores(grouped_q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     [B, kvh, S, D]. On a CPU in 16 bits with few queries (decode), as keys times queries and
     transposed back: the cache's slot-major views (each key's D values contiguous, rows of a
     batch interleaved) go to the BLAS as they are that way, where q·kᵀ over them fell back to
-    a loop over elements several times slower. Same products, bit for bit here
-    (tests/test_attention_layout.py)."""
+    a loop over elements several times slower. The same products (bit for bit on the machine
+    measured, docs/benchmarks.md; tests/test_attention_layout.py holds them to an fp64 reference)."""
     B, kv_heads, R, D = grouped_q.shape
     if keys.device.type != "cpu" or keys.dtype == torch.float32 or R > KEYS_FIRST_ROWS:
         return torch.matmul(grouped_q, keys.transpose(2, 3)) * D ** -0.5
