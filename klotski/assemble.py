@@ -21,6 +21,7 @@ from klotski.execute.caches import CacheManager
 from klotski.execute.channels import DISK_CARRIERS, make_channels
 from klotski.execute.staging import HostReads, SmallUploads
 from klotski.io.checkpoint import Checkpoint
+from klotski.models.grouped import stack_form
 from klotski.schedule.engine import Engine
 from klotski.execute.hostcompute import HostCompute
 from klotski.execute.pipeline import Pipeline
@@ -242,7 +243,9 @@ def build_engine(config, ckpt: Checkpoint, setup: RunSetup, *, predictor=None) -
     cache = WeightCache(ckpt.store, setup.placement, ckpt.spec.group_refs, dtype, memory,
                         to_device=lambda t: t.to(device),
                         host_blocks=PinnedBlocks(pinned=True) if device.type == "cuda" else None,
-                        disk_channel=channels["disk"], codec=codec, host_memory=host_memory, kept=setup.kept)
+                        disk_channel=channels["disk"], codec=codec, host_memory=host_memory, kept=setup.kept,
+                        stack_form=None if config.reordered_experts == "off" else
+                        stack_form(ckpt.spec.family.bind_grouped_expert_ffn(ckpt.spec), device.type, dtype))
     _check_sizes(cache, ckpt, dtype, config)
     # slots for the transferred experts, made once and held: copies land in them, waves read them
     cache.open_pool(setup.expert_slots, event=torch.cuda.Event if device.type == "cuda" else None,

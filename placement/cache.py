@@ -31,7 +31,8 @@ DISK_TO_HOST = "disk_to_host"
 
 class WeightCache:
     def __init__(self, store, placement, refs_for, dtype, memory: Memory, *, to_device, host_blocks=None,
-                 disk_channel=None, codec=None, host_memory: Memory | None = None, kept=frozenset()):
+                 disk_channel=None, codec=None, host_memory: Memory | None = None, kept=frozenset(),
+                 stack_form=None):
         self.store, self.placement, self.refs_for, self.dtype = store, placement, refs_for, dtype
         self.memory, self.disk_channel, self.codec = memory, disk_channel, codec
         self.host_memory = host_memory or Memory(float("inf"))
@@ -68,7 +69,8 @@ class WeightCache:
         self.held: set = set()     # groups being computed with: never evicted
         # a layer's resident experts (16-bit or fp32: packed ones decode per use) live stacked,
         # one tensor per weight name, so one grouped call computes them all; each expert's
-        # tensors are views of its row. Filled once, never re-stacked.
+        # tensors are views of its row. Filled once, never re-stacked. `stack_form`: on a CPU,
+        # the form the family's grouped FFN reads reordered rows in (the same bytes; models/prepacked.py)
         self.stacks: dict[int, ExpertStack] = {}
         for key, tier in placement.tiers.items():
             if tier == DEVICE and key[0] == "expert" and not self.packed_here(key):
@@ -85,7 +87,7 @@ class WeightCache:
                 tensors = codec.kept_copy(key) if key in self.kept else self._read(key)
                 stack = self.stacks.get(key[1]) if key[0] == "expert" else None
                 if stack is not None and key[2] in stack.row:
-                    self.resident[key] = stack.put(key[2], tensors, device)
+                    self.resident[key] = stack.put(key[2], tensors, device, stack_form)
                 else:
                     self.resident[key] = {n: to_device(t) for n, t in tensors.items()}
             elif tier == HOST:
@@ -493,8 +495,23 @@ class ExpertStack:
     row: dict = field(default_factory=dict)
     tensors: dict = field(default_factory=dict)
 
-    def put(self, expert: int, tensors: dict, device) -> dict:
-        """Copy one expert's host tensors into its row (the stack made on the first); its views."""
+    # how the rows are held where not stacked tensors: a form (klotski/models/prepacked.py) whose
+    # `pack_expert` makes an expert's row, `tensors[name]` being then a list with a row per expert
+    form: object = None
+
+    def put(self, expert: int, tensors: dict, device, form=None) -> dict:
+        """Copy one expert's host tensors into its row (the stack made on the first); its views.
+        `form`: the rows are held in that form where it `packs` the first expert's tensors on a
+        CPU (a form made from a host tensor is the CPU's own)."""
+        if not self.tensors and form is not None and device.type == "cpu" and form.packs(tensors):
+            self.form = form
+        if self.form is not None:
+            row = self.form.pack_expert(tensors)
+            if not self.tensors:
+                self.tensors = {n: [None] * len(self.experts) for n in row}
+            for n, t in row.items():
+                self.tensors[n][self.row[expert]] = t
+            return row
         if not self.tensors:
             self.tensors = {n: torch.empty((len(self.experts), *t.shape), dtype=t.dtype, device=device)
                             for n, t in tensors.items()}

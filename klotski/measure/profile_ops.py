@@ -17,7 +17,8 @@ TIMED_MODULES = ("klotski.models.layers", "klotski.models.defaults", "klotski.mo
                   "klotski.models.ernie4_5_moe", "klotski.models.llama4", "klotski.models.qwen3_next",
                   "klotski.models.qwen3_5_moe", "klotski.models.gated_deltanet",
                   "klotski.models.grouped", "klotski.execute.kvcache", "klotski.execute.experts", "klotski.compress.hqq",
-                  "klotski.compress.mxfp4", "klotski.compress.ggml", "klotski.compress.int4", "klotski.models.int4")
+                  "klotski.compress.mxfp4", "klotski.compress.ggml", "klotski.compress.int4", "klotski.models.int4",
+                  "klotski.models.prepacked")
 
 
 class EngineOps:
@@ -216,11 +217,12 @@ class LayerOps:
         gathering its rows and writing its weighted outputs as the engine's does."""
         import numpy as np
 
-        from klotski.models.grouped import Groups, wave_runner
+        from klotski.models.grouped import Groups, stack_form, wave_runner
         torch, experts = self.torch, self.expert_w
         ffn = self.M.bind_grouped_expert_ffn(self.spec)
-        stacks = [{n: torch.stack([experts[(c * groups + g) % len(experts)][n] for g in range(groups)])
-                   for n in experts[0]} for c in range(self._count(groups * _nbytes(experts[0])))]
+        held = _held_form(stack_form(ffn, self.device.type, self.dtype), experts)
+        stacks = [_stacked([held[(c * groups + g) % len(held)] for g in range(groups)])
+                  for c in range(self._count(groups * _nbytes(experts[0])))]
         rows = [pairs // groups + (g < pairs % groups) for g in range(groups)] if spread else \
             [pairs] + [0] * (groups - 1)
         ends = torch.tensor(rows, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(self.device)
@@ -243,7 +245,7 @@ class LayerOps:
         grouped kernel runs, a product each in its fallback). Counted on the profile's device
         and dtype, once."""
         from klotski.models import layers as L
-        from klotski.models.grouped import Groups
+        from klotski.models.grouped import Groups, stack_form
         from klotski.measure.opcounter import OpCounter
         s, torch = self.spec, self.torch
 
@@ -260,7 +262,7 @@ class LayerOps:
             # one expert's weights as each group's, stacked as the cache stacks them: views of
             # one copy could fail a grouped kernel the stacks run, and a failure marks the
             # kernel unsupported for the engine that runs next (models/grouped.py)
-            ws = {n: torch.stack([t] * groups) for n, t in w.items()}
+            ws = _stacked(_held_form(stack_form(ffn, self.device.type, self.dtype), [w]) * groups)
             rows = [len(x) // groups] * groups
             ends = torch.tensor(rows, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(self.device)
             return count(lambda: ffn(x, ws, Groups(rows, ends)))
@@ -297,3 +299,17 @@ class LayerOps:
 
 def _nbytes(tensors: dict) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _held_form(form, experts: list[dict]) -> list[dict]:
+    """Experts as a CPU's resident stack holds them: in `form` (models/prepacked.py) where it
+    takes them, else as they are."""
+    return [form.pack_expert(w) for w in experts] if form is not None and form.packs(experts[0]) else experts
+
+
+def _stacked(experts: list[dict]) -> dict:
+    """Experts stacked as placement.cache.ExpertStack holds them: a tensor per weight name, or a
+    list of rows where they are held in a form of one matrix an expert (not stackable)."""
+    import torch
+    return {n: torch.stack([w[n] for w in experts]) if experts[0][n].layout == torch.strided
+            else [w[n] for w in experts] for n in experts[0]}

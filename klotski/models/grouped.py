@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from klotski.models import int4
+from klotski.models import int4, prepacked
 from klotski.models import layers as L
 
 _SUPPORTED: dict = {}  # (device type, dtype) -> whether torch._grouped_mm runs there
@@ -106,13 +106,7 @@ def _grouped(x, w_kn, groups: Groups, per_group) -> torch.Tensor:
             raise  # the device's trouble, not the kernel's: never a reason to leave it
         except (RuntimeError, NotImplementedError, TypeError):
             _SUPPORTED[key] = False
-    counts = groups.host_counts()
-    parts = [per_group(part, g) for g, part in enumerate(x[:sum(counts)].split(counts)) if len(part)]
-    if sum(counts) < len(x):  # rows in no group: as the kernel leaves them (undefined), zeros here
-        parts.append(x.new_zeros(len(x) - sum(counts), w_kn.shape[-1]))
-    if not parts:
-        return x.new_empty(0, w_kn.shape[-1])
-    return torch.cat(parts) if len(parts) > 1 else parts[0]
+    return each_group(x, groups.host_counts(), w_kn.shape[-1], per_group)
 
 
 def force_fallback(device_type: str, dtype: torch.dtype, fallback: bool = True) -> None:
@@ -136,22 +130,35 @@ def cpu_kernel(dtype: torch.dtype = torch.float32) -> str:
 
 def grouped_swiglu(x: torch.Tensor, w: dict, groups: Groups) -> torch.Tensor:
     """SwiGLU experts (layers.swiglu) over their groups of rows: w2(silu(w1 x) * w3 x)."""
-    if int4.held(w, "w1"):
-        return _int4_swiglu(x, w, groups)
+    if prepacked.held(w):  # reordered once for oneDNN (a CPU's bf16 resident experts): a call pair an expert
+        return each_group(x, groups.host_counts(), x.shape[-1],
+                          lambda part, g: prepacked.swiglu(part, w["w13"][g], w["w2"][g]))
+    if int4.held(w, "w1"):  # torch's int4 kernel takes one weight a call: one SwiGLU an expert
+        return each_group(x, groups.host_counts(), x.shape[-1],
+                          lambda part, g: L.swiglu(part, {n: t[g] for n, t in w.items()}))
     return grouped_linear(F.silu(grouped_linear(x, w["w1"], groups)) * grouped_linear(x, w["w3"], groups),
                           w["w2"], groups)
 
 
-def _int4_swiglu(x: torch.Tensor, w: dict, groups: Groups) -> torch.Tensor:
-    """grouped_swiglu over experts held as int4 codes (models/int4.py): torch's kernel takes one
-    weight a call, so one SwiGLU an expert (layers.swiglu over that expert's rows and weights)."""
-    counts = groups.host_counts()
-    parts = [L.swiglu(part, {n: t[g] for n, t in w.items()})
-             for g, part in enumerate(x[:sum(counts)].split(counts)) if len(part)]
-    if sum(counts) < len(x):
-        parts.append(x.new_zeros(len(x) - sum(counts), x.shape[-1]))
+def stack_form(ffn, device_type: str, dtype: torch.dtype):
+    """The form a layer's resident experts are held in for `ffn` (placement.cache.ExpertStack):
+    SwiGLU experts in bf16 on a CPU reordered for oneDNN (models/prepacked.py) where this torch
+    has it; None: stacked tensors."""
+    if ffn is grouped_swiglu and device_type == "cpu" and dtype == torch.bfloat16 and prepacked.available():
+        return prepacked
+    return None
+
+
+def each_group(x: torch.Tensor, counts: list[int], width: int, per_group) -> torch.Tensor:
+    """`per_group(rows, g)` over each non-empty group's rows of x (counts[g] of them), outputs
+    `width` wide in row order; rows in no group (past the counts' total) come out as zeros (the
+    grouped kernel leaves them undefined: the caller overwrites them)."""
+    total = sum(counts)
+    parts = [per_group(part, g) for g, part in enumerate(x[:total].split(counts)) if len(part)]
+    if total < len(x):
+        parts.append(x.new_zeros(len(x) - total, width))
     if not parts:
-        return x.new_empty(0, x.shape[-1])
+        return x.new_empty(0, width)
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 

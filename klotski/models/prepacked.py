@@ -1,0 +1,86 @@
+"""SwiGLU experts whose 16-bit weights oneDNN reordered once, for a CPU's expert products (issue 60).
+
+A bf16 product over a plain [N, K] weight on a CPU lets oneDNN reorder the weight into its
+blocked layout on every call; a decode step reads each resident expert once, so that reorder
+was most of the expert phase (docs/benchmarks.md). Reordered once, at load
+(`torch.ops.mkldnn._reorder_linear_weight`), the same product (`_linear_pointwise`) reads the
+weight as it lies, bit for bit `F.linear`'s output at every row count (checked once on this
+machine, `available`). w1 and w3 are reordered as one [2I, K] matrix, so an expert takes two
+products, not three (each output column's sum is the same computation either way).
+
+A layer's resident experts in this form are a stack of plain dicts of lists (`pack_expert`
+makes one expert's row; placement.cache.ExpertStack keeps them): `w["w13"][g]` and `w["w2"][g]`
+are expert g's reordered matrices (opaque oneDNN tensors: nothing else reads them). The bytes
+are the 16-bit matrices' own: oneDNN's blocks pad N and K to its block sizes, which divide
+every checkpoint's sizes in use (multiples of 64); `pack_expert` refuses others, and they keep
+the plain stack.
+"""
+from __future__ import annotations
+
+import functools
+import sys
+
+import torch
+import torch.nn.functional as F
+
+ROWS_HINT = 8  # rows a call is expected to take (a decode step's few tokens an expert): the layout chosen for them
+MULTIPLE = 64  # sizes whose blocks need no padding
+
+
+@functools.cache
+def available() -> bool:
+    """Whether this torch reorders bf16 weights for oneDNN and its product over them is bit for
+    bit F.linear's here (checked once; if not, the experts stay in plain stacks, said once)."""
+    why = None
+    try:
+        if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+            why = "oneDNN has no bf16 on this CPU"
+        elif not _agrees():
+            why = "its product differs from F.linear's"
+    except (AttributeError, RuntimeError, NotImplementedError) as e:
+        why = f"torch {torch.__version__} lacks it ({str(e).splitlines()[0][:120]})"
+    if why:
+        print(f"klotski: bf16 experts on the CPU stay in plain stacks (no reordered weights): {why}", file=sys.stderr)
+    return why is None
+
+
+def _agrees() -> bool:
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(2 * MULTIPLE, 3 * MULTIPLE, generator=gen).bfloat16()
+    packed = reorder(w)
+    return all(torch.equal(product(x, packed), F.linear(x, w))
+               for x in (torch.randn(rows, w.shape[1], generator=gen).bfloat16() for rows in (1, 5, ROWS_HINT, 33)))
+
+
+def reorder(w: torch.Tensor) -> torch.Tensor:
+    """A [N, K] bf16 weight in oneDNN's layout (an opaque tensor: only `product` reads it)."""
+    return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), ROWS_HINT)
+
+
+def product(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, w) for x [rows, K] over w reordered (`reorder`)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [None], "")
+
+
+def packs(tensors: dict) -> bool:
+    """Whether an expert's SwiGLU weights (w1, w3 [I, H], w2 [H, I]) take this form: bf16, and
+    sizes its blocks hold without padding."""
+    return (set(tensors) == {"w1", "w2", "w3"} and all(t.dtype == torch.bfloat16 and t.dim() == 2
+                                                       for t in tensors.values())
+            and all(d % MULTIPLE == 0 for t in tensors.values() for d in t.shape))
+
+
+def pack_expert(tensors: dict) -> dict:
+    """One expert's {w1, w3, w2} -> {"w13": w1 and w3 as one matrix, "w2"}, reordered."""
+    return {"w13": reorder(torch.cat([tensors["w1"], tensors["w3"]])), "w2": reorder(tensors["w2"])}
+
+
+def held(w: dict) -> bool:
+    """Whether a stack `w` holds its experts reordered (`pack_expert`'s rows)."""
+    return "w13" in w and isinstance(w["w13"], list)
+
+
+def swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """w2(silu(w1 x) * w3 x) over one expert's rows x, its matrices reordered (`pack_expert`)."""
+    gate, up = product(x, w13).chunk(2, dim=-1)
+    return product(F.silu(gate) * up, w2)
