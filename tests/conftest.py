@@ -198,3 +198,18 @@ def difference(x, y, batch) -> str:
     rows = sorted({tuple(i[:-1]) for i in where})
     return (f"batch {batch} of shape {tuple(x.shape)}: {len(where)} of {x.numel()} values differ, max |diff| "
             f"{diff.max().item():.3g}, in {len(rows)} (row, token) places, the first {rows[:8]}")
+
+
+def experts_on_host(model):
+    """Every expert on the host tier: a prediction moves them (where every expert is resident,
+    nothing is predicted)."""
+    from placement.placement import Placement
+    return Placement.by_kind(group_keys(model), expert="host")
+
+
+def group_keys(model):
+    from klotski.io.checkpoint import Checkpoint
+    ckpt = Checkpoint.open(str(model))
+    keys = ckpt.spec.group_keys()
+    ckpt.close()
+    return keys

@@ -5,15 +5,19 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import engine_tokens, reference_tokens
+from conftest import engine_tokens, experts_on_host, group_keys, reference_tokens
 from klotski.prefetch.cooccurrence import CooccurrenceTable
 from klotski.prefetch.correlate import new_table, table_path, warmup_prompts
 from klotski.prefetch.predictors import TABLE_VERSION, CorrelationPredictor, CorrelationTable
+from placement.placement import Placement
+
+
 
 
 @pytest.mark.parametrize("prefetch", ["correlation", "next-gate", "none"])
 def test_every_predictor_gives_identical_tokens(checkpoints, prefetch):
-    ours, engine = engine_tokens(checkpoints["gqa"], batch_size=2, num_batches=3, prefetch=prefetch)
+    ours, engine = engine_tokens(checkpoints["gqa"], experts_on_host(checkpoints["gqa"]), batch_size=2,
+                                 num_batches=3, prefetch=prefetch)
     assert ours == reference_tokens(checkpoints["gqa"])
     report = engine.predictor.report()
     if prefetch == "none":
@@ -21,6 +25,14 @@ def test_every_predictor_gives_identical_tokens(checkpoints, prefetch):
     else:
         assert 0 < report["precision"] <= 1 and 0 <= report["served_share"] <= 1
         assert len(report["per_layer"]) == engine.spec.shape.num_layers
+
+
+def test_nothing_is_predicted_where_every_expert_is_resident(checkpoints):
+    ours, engine = engine_tokens(checkpoints["gqa"], Placement.by_kind(group_keys(checkpoints["gqa"])), batch_size=2,
+                                 num_batches=3, prefetch="correlation")
+    assert ours == reference_tokens(checkpoints["gqa"])
+    report = engine.predictor.report()
+    assert report["precision"] is None and report["served_share"] is not None
 
 
 def test_table_counts_paths_and_predicts_the_followers():
@@ -62,8 +74,8 @@ def test_correlation_prediction_beats_chance_on_skewed_routing(tmp_path):
     small group (2 x 2 sequences) does not: a wrong table would fall to chance (K/E = 0.25)."""
     from klotski.builtin.tiny import build_checkpoint
     model = build_checkpoint(tmp_path / "skewed", "tiny", routing="skewed")
-    _, engine = engine_tokens(model, prompts=warmup_prompts(8, 24), batch_size=2, num_batches=2,
-                              prefetch="correlation")
+    _, engine = engine_tokens(model, experts_on_host(model), prompts=warmup_prompts(8, 24), batch_size=2,
+                              num_batches=2, prefetch="correlation")
     report = engine.predictor.report()
     assert report["precision"] >= 0.75      # measured 0.84-0.93
     assert report["hot_accuracy"] >= 0.5    # measured 0.65
@@ -72,7 +84,8 @@ def test_correlation_prediction_beats_chance_on_skewed_routing(tmp_path):
 def test_report_scores_each_group_with_the_state_it_started_in(checkpoints):
     """The first group of a cold run is scored as cold; every later group, and the first
     group of the next run, as learned from the tokens seen before it began."""
-    run = lambda: engine_tokens(checkpoints["gqa"], prefetch="correlation", batch_size=2, num_batches=1)[1]
+    run = lambda: engine_tokens(checkpoints["gqa"], experts_on_host(checkpoints["gqa"]), prefetch="correlation",
+                                batch_size=2, num_batches=1)[1]
     table_path(run().ckpt).unlink()
     groups = run().predictor.report()["per_group"]
     assert len(groups) == 3  # 6 prompts, 2 per group
@@ -208,8 +221,8 @@ def test_a_fine_grained_model_runs_the_cooccurrence_table_and_stays_exact(tmp_pa
     model = build_checkpoint(tmp_path / "fine", "tiny", routing="skewed", num_local_experts=128,
                              num_experts_per_tok=8, intermediate_size=16, num_hidden_layers=2)
     prompts = warmup_prompts(4, 12)
-    run = lambda prefetch: engine_tokens(model, prompts=prompts, max_new_tokens=4, batch_size=2, num_batches=1,
-                                         prefetch=prefetch)
+    run = lambda prefetch: engine_tokens(model, experts_on_host(model), prompts=prompts, max_new_tokens=4,
+                                         batch_size=2, num_batches=1, prefetch=prefetch)
     plain, _ = run("none")
     ours, engine = run("correlation")
     assert ours == plain

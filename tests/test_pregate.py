@@ -3,19 +3,21 @@ Exact tokens against transformers, and on a model whose next-layer routing is a 
 function of the layer's input, the fitted map's picks against the router's own (transformers)."""
 import torch
 
-from conftest import engine_tokens, reference_tokens, token_routed_model
+from conftest import engine_tokens, experts_on_host, reference_tokens, token_routed_model
 from klotski.prefetch.correlate import warmup_prompts
 
 
 def test_pregate_gives_transformers_tokens_and_scores_both_predictors_only_when_asked(checkpoints):
-    ours, engine = engine_tokens(checkpoints["gqa"], batch_size=2, num_batches=3, prefetch="pregate")
+    # the experts on the host: predictions move them (where every expert is resident, nothing is predicted)
+    host = experts_on_host(checkpoints["gqa"])
+    ours, engine = engine_tokens(checkpoints["gqa"], host, batch_size=2, num_batches=3, prefetch="pregate")
     assert ours == reference_tokens(checkpoints["gqa"])
     report = engine.predictor.report()
     assert report["pregated_share"] > 0  # the maps were fitted during the run and predicted
     # not asked to compare: no next gate fetched ahead nor computed, nothing scored beside
     assert not engine.pipeline.next_gate and "alongside" not in report
     assert engine.memory.peak <= engine.memory.budget  # the maps and features were charged and fit
-    ours, engine = engine_tokens(checkpoints["gqa"], batch_size=2, num_batches=3, prefetch="pregate",
+    ours, engine = engine_tokens(checkpoints["gqa"], host, batch_size=2, num_batches=3, prefetch="pregate",
                                  prefetch_compare=True)
     assert ours == reference_tokens(checkpoints["gqa"])
     report = engine.predictor.report()

@@ -46,6 +46,7 @@ from klotski.execute.hostwork import HostWork
 from klotski.execute.kvcache import BatchKV
 from klotski.execute.residency import Residency
 from klotski.execute.segments import SharedLayer, joined
+from placement.tiers import DEVICE
 from planner.workingset import ATTENTION_SCORE_CHUNK, DISK_WINDOW_LAYERS, KV_BUFFERS, Step, activation_bytes
 
 
@@ -67,7 +68,10 @@ class Pipeline:
         self.host_work = HostWork(self.host, channels, trace, self.res.wait)
         self.schedule = config.schedule
         self.whole_layer = self.schedule in ("simple", "multibatch")
-        self.K = 0 if config.prefetch == "none" else spec.shape.top_k if config.hot_experts is None else config.hot_experts
+        # hot experts predicted a layer: none where every expert is resident (nothing to move)
+        off_device = any(k[0] == "expert" and t != DEVICE for k, t in cache.placement.tiers.items())
+        self.K = 0 if config.prefetch == "none" or not off_device else \
+            spec.shape.top_k if config.hot_experts is None else config.hot_experts
         self.next_gate = hasattr(predictor, "speculate")
         # --prefetch pregate: maps fitted on the run, their accumulators on the device, charged
         self.pregate = getattr(predictor, "maps", None)
@@ -585,7 +589,7 @@ class Pipeline:
     def _predict(self, layer: int) -> list[int]:
         """Hot experts of a layer. Predictors count MoE layers only: a dense layer
         (DeepSeek's first layers, Qwen's `mlp_only_layers`) has no experts and no routing to learn from."""
-        if not self.spec.shape.experts_in(layer):
+        if not self.spec.shape.experts_in(layer) or not self.K:
             return []
         return self.predictor.predict(self.spec.shape.moe_index(layer), self.K)
 

@@ -57,13 +57,15 @@ class PrefetchMetrics:
 
     def score(self, layer: int, predicted: list[int], per_expert: torch.Tensor) -> None:
         row = self.rows[layer]
+        row["assignments"] += int(per_expert.sum())
+        row["distinct"] += int((per_expert > 0).sum())
+        if not predicted:  # (nothing predicted: nothing to score)
+            return
         mine = per_expert[torch.tensor(predicted, dtype=torch.long)]
         row["predicted"] += len(predicted)
         row["used"] += int((mine > 0).sum())
         row["hot_hits"] += len(set(predicted) & set(top_experts(per_expert, len(predicted))))
         row["served"] += int(mine.sum())
-        row["assignments"] += int(per_expert.sum())
-        row["distinct"] += int((per_expert > 0).sum())
 
     @staticmethod
     def _summary(row) -> dict:
