@@ -12,6 +12,7 @@ over. Nothing else constructs a cache, a pipeline or an engine.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,7 @@ from klotski.execute.caches import CacheManager
 from klotski.execute.channels import DISK_CARRIERS, make_channels
 from klotski.execute.staging import HostReads, SmallUploads
 from klotski.io.checkpoint import Checkpoint
+from klotski.models import prepacked
 from klotski.models.grouped import stack_form
 from klotski.schedule.engine import Engine
 from klotski.execute.hostcompute import HostCompute
@@ -244,8 +246,7 @@ def build_engine(config, ckpt: Checkpoint, setup: RunSetup, *, predictor=None) -
                         to_device=lambda t: t.to(device),
                         host_blocks=PinnedBlocks(pinned=True) if device.type == "cuda" else None,
                         disk_channel=channels["disk"], codec=codec, host_memory=host_memory, kept=setup.kept,
-                        stack_form=None if config.reordered_experts == "off" else
-                        stack_form(ckpt.spec.family.bind_grouped_expert_ffn(ckpt.spec), device.type, dtype))
+                        **reordering(config, ckpt.spec, device, dtype))
     _check_sizes(cache, ckpt, dtype, config)
     # slots for the transferred experts, made once and held: copies land in them, waves read them
     cache.open_pool(setup.expert_slots, event=torch.cuda.Event if device.type == "cuda" else None,
@@ -262,6 +263,17 @@ def build_engine(config, ckpt: Checkpoint, setup: RunSetup, *, predictor=None) -
     return Engine(config, ckpt, setup, pipeline=pipeline, caches=caches, cache=cache, predictor=predictor,
                   channels=channels, memory=memory, host_memory=host_memory, trace=trace, device=device, dtype=dtype,
                   threads=threads)
+
+
+def reordering(config, spec, device, dtype) -> dict:
+    """WeightCache's forms for a CPU run in bf16 (models/prepacked.py): the resident experts'
+    stack form where the family's grouped FFN reads one, and its projections reordered; none
+    with --reordered-weights off, elsewhere, or where this torch lacks it."""
+    if config.reordered_weights == "off" or device.type != "cpu" or dtype != torch.bfloat16 \
+            or not prepacked.available():
+        return {}
+    return {"stack_form": stack_form(spec.family.bind_grouped_expert_ffn(spec), device.type, dtype),
+            "linear_form": functools.partial(prepacked.reorder_linear, spec.family.LINEAR_WEIGHTS)}
 
 
 def reserve_staging_rings(host_memory: Memory, channels: dict, setup: RunSetup, step_rings=()) -> None:

@@ -96,10 +96,10 @@ class RunConfig:
     # the host budget) where that is faster and fits: auto (klotski/planning.decoded_copies) or off
     # (blocks decoded per use, or the int4 kernel); setup_run resolves auto to on or off
     decoded_copies: str = "auto"
-    # a CPU's bf16 resident SwiGLU experts reordered once into oneDNN's layout (the same bytes, bit
-    # for bit the same products: klotski/models/prepacked.py) where this torch has it (auto), or
-    # stacked as read (off)
-    reordered_experts: str = "auto"
+    # a CPU's bf16 resident SwiGLU experts and projections (Family.LINEAR_WEIGHTS) reordered once
+    # into oneDNN's layout (the same bytes, bit for bit the same products: klotski/models/prepacked.py)
+    # where this torch has it (auto), or held as read (off)
+    reordered_weights: str = "auto"
     direct_io: bool = True
     threads: int | None = None        # CPU compute threads; None = the cores free now, looked at again as it runs
     prefix_cache: bool = True         # a prompt prefix a window's lines share is prefilled once (schedule/prefix.py)
@@ -155,8 +155,8 @@ class RunConfig:
                                   f"{', '.join(HOST_COMPUTE)}")
         if self.decoded_copies not in ("auto", "on", "off"):
             raise ConfigError(f"--decoded-copies {self.decoded_copies!r}: choose auto or off")
-        if self.reordered_experts not in ("auto", "off"):
-            raise ConfigError(f"--reordered-experts {self.reordered_experts!r}: choose auto or off")
+        if self.reordered_weights not in ("auto", "off"):
+            raise ConfigError(f"--reordered-weights {self.reordered_weights!r}: choose auto or off")
         if self.quantize not in ("none", "hqq4", "auto"):
             raise ConfigError(f"--quantize {self.quantize!r}: choose none, hqq4 or auto")
         if self.quality_max_gap is not None and not self.quality_max_gap >= 0:

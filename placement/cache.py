@@ -32,7 +32,7 @@ DISK_TO_HOST = "disk_to_host"
 class WeightCache:
     def __init__(self, store, placement, refs_for, dtype, memory: Memory, *, to_device, host_blocks=None,
                  disk_channel=None, codec=None, host_memory: Memory | None = None, kept=frozenset(),
-                 stack_form=None):
+                 stack_form=None, linear_form=None):
         self.store, self.placement, self.refs_for, self.dtype = store, placement, refs_for, dtype
         self.memory, self.disk_channel, self.codec = memory, disk_channel, codec
         self.host_memory = host_memory or Memory(float("inf"))
@@ -70,7 +70,8 @@ class WeightCache:
         # a layer's resident experts (16-bit or fp32: packed ones decode per use) live stacked,
         # one tensor per weight name, so one grouped call computes them all; each expert's
         # tensors are views of its row. Filled once, never re-stacked. `stack_form`: on a CPU,
-        # the form the family's grouped FFN reads reordered rows in (the same bytes; models/prepacked.py)
+        # the form the family's grouped FFN reads reordered rows in (the same bytes; models/prepacked.py);
+        # `linear_form(kind, tensors)`: another resident group's tensors as they are held there
         self.stacks: dict[int, ExpertStack] = {}
         for key, tier in placement.tiers.items():
             if tier == DEVICE and key[0] == "expert" and not self.packed_here(key):
@@ -90,6 +91,8 @@ class WeightCache:
                     self.resident[key] = stack.put(key[2], tensors, device, stack_form)
                 else:
                     self.resident[key] = {n: to_device(t) for n, t in tensors.items()}
+                    if linear_form is not None:
+                        self.resident[key] = linear_form(key[0], self.resident[key])
             elif tier == HOST:
                 tensors = self._read(key)
                 layout = FlatLayout.of(tensors) if self.coded(key) and key[0] == "expert" else None

@@ -238,6 +238,9 @@ def _of_type(value, kind) -> bool:
     if typing.get_origin(kind) is tuple:  # tuple[str, ...]
         item = typing.get_args(kind)[0]
         return isinstance(value, tuple) and all(isinstance(v, item) for v in value)
+    if typing.get_origin(kind) is dict:  # dict[str, tuple[str, ...]]
+        keys, values = typing.get_args(kind)
+        return isinstance(value, dict) and all(_of_type(k, keys) and _of_type(v, values) for k, v in value.items())
     return isinstance(value, kind)
 
 
@@ -280,7 +283,8 @@ def protocol_breaches(module) -> list[str]:
 def test_the_protocol_states_every_hook_and_each_says_what_it_is_for():
     from klotski.models.family import Family
     constants, functions = _protocol()
-    assert set(constants) == {"MODEL_TYPE", "QUANTIZATION", "HOST_ATTENTION", "SHARED_PREFIX", "SPARSE_ATTENTION"}
+    assert set(constants) == {"MODEL_TYPE", "QUANTIZATION", "HOST_ATTENTION", "SHARED_PREFIX", "SPARSE_ATTENTION",
+                              "LINEAR_WEIGHTS"}
     assert {"check_config", "group_refs", "attention_block", "route", "bind_expert_ffn"} <= set(functions)
     assert all(vars(Family)[n].__doc__ for n in functions)
 

@@ -73,9 +73,10 @@ def test_only_bf16_cpu_swiglu_stacks_of_whole_blocks_take_the_form():
     assert G.stack_form(G.grouped_mm, "cpu", torch.bfloat16) is None
 
 
-def test_a_run_with_reordered_stacks_makes_the_tokens_of_one_without(tmp_path):
-    """bf16 on a CPU, every expert resident and kept decoded from Q8_0 blocks: the stacks are
-    reordered (auto) or as read (off); greedy tokens equal, and the engine's bytes the same."""
+def test_a_run_with_reordered_weights_makes_the_tokens_of_one_without(tmp_path):
+    """bf16 on a CPU, every group resident, the experts kept decoded from Q8_0 blocks: the
+    stacks and projections are reordered (auto) or as read (off); greedy tokens equal, and the
+    engine's bytes the same."""
     pytest.importorskip("gguf")
     import gguf_models as gm
     from conftest import PROMPTS, requests
@@ -91,13 +92,18 @@ def test_a_run_with_reordered_stacks_makes_the_tokens_of_one_without(tmp_path):
     runs = {}
     for mode in ("auto", "off"):
         cfg = RunConfig(model=str(path), progress=False, dtype="bfloat16", batch_size=3, num_batches=1,
-                        reordered_experts=mode)
+                        reordered_weights=mode)
         engine, seqs, errors = open_engine(cfg, requests(PROMPTS, 8), placement=Placement.by_kind(keys))
         assert not errors
         forms = {stack.form for stack in engine.cache.stacks.values()}
+        layouts = {n: t.layout for key, w in engine.cache.resident.items() if key[0] in ("attn", "head")
+                   for n, t in w.items() if t.dim() == 2}
         done = {s.request.id: s.out for s in engine.run(seqs)}
-        runs[mode] = ([done[f"r{i}"] for i in range(len(PROMPTS))], forms, engine.host_memory.peak, engine.memory.peak)
+        runs[mode] = ([done[f"r{i}"] for i in range(len(PROMPTS))], forms, layouts, engine.host_memory.peak,
+                      engine.memory.peak)
         engine.close()
     assert runs["auto"][1] == {prepacked} and runs["off"][1] == {None}
+    reordered = {n for n, layout in runs["auto"][2].items() if layout != torch.strided}
+    assert reordered == {"q", "k", "v", "o", "lm_head"} and set(runs["off"][2].values()) == {torch.strided}
     assert runs["auto"][0] == runs["off"][0]
-    assert runs["auto"][2:] == runs["off"][2:]
+    assert runs["auto"][3:] == runs["off"][3:]

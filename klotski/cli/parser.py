@@ -112,9 +112,10 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decoded-copies", default=RunConfig.decoded_copies, choices=("auto", "off"),
                    help="on a CPU, keep GGUF experts decoded once in the compute dtype in host RAM (charged to "
                         "--host-memory) where that is faster and fits (auto, the default), or off: decoded per use")
-    p.add_argument("--reordered-experts", default=RunConfig.reordered_experts, choices=("auto", "off"),
-                   help="on a CPU in bf16, hold the resident SwiGLU experts reordered once for oneDNN's products "
-                        "(auto, the default: the same bytes and outputs, fewer passes over them), or off: as read")
+    p.add_argument("--reordered-weights", default=RunConfig.reordered_weights, choices=("auto", "off"),
+                   help="on a CPU in bf16, hold the resident SwiGLU experts and projections reordered once for "
+                        "oneDNN's products (auto, the default: the same bytes and outputs, fewer passes over them), "
+                        "or off: as read")
     p.add_argument("--no-direct-io", action="store_true", help="read weights through the page cache")
     p.add_argument("--threads", type=int, metavar="N",
                    help="CPU compute threads (default: the cores no other process is using, looked at again "
@@ -370,7 +371,7 @@ def config_from_args(a: argparse.Namespace) -> RunConfig:
         host_attention=getattr(a, "host_attention", RunConfig.host_attention),
         host_experts=getattr(a, "host_experts", RunConfig.host_experts),
         decoded_copies=getattr(a, "decoded_copies", RunConfig.decoded_copies),
-        reordered_experts=getattr(a, "reordered_experts", RunConfig.reordered_experts),
+        reordered_weights=getattr(a, "reordered_weights", RunConfig.reordered_weights),
         direct_io=not a.no_direct_io, threads=getattr(a, "threads", None), prefix_cache=not getattr(a, "no_prefix_cache", False), resume=not a.no_resume, include_token_ids=a.include_token_ids,
         output_format=a.output_format,
         report=a.report, trace=a.trace, time_every=getattr(a, "time_every", RunConfig.time_every),

@@ -68,7 +68,8 @@ class Pipeline:
         self.host_work = HostWork(self.host, channels, trace, self.res.wait)
         self.schedule = config.schedule
         self.whole_layer = self.schedule in ("simple", "multibatch")
-        # hot experts predicted a layer: none where every expert is resident (nothing to move)
+        # hot experts predicted a layer: none where every expert is resident (nothing to move); the
+        # routing is still learnt (the saved table places a later run's experts: prefetch/correlate.py)
         off_device = any(k[0] == "expert" and t != DEVICE for k, t in cache.placement.tiers.items())
         self.K = 0 if config.prefetch == "none" or not off_device else \
             spec.shape.top_k if config.hot_experts is None else config.hot_experts
@@ -433,7 +434,7 @@ class Pipeline:
         """Next-gate prediction: layer+1's router on the hidden states entering this MoE, only if
         that gate has already arrived (a prediction must never stall compute); its picks on their
         way to the host (a Read), or None."""
-        if not self.next_gate:
+        if not self.next_gate or not self.K:
             return None
         key = ("gate", layer)
         if layer >= self.spec.shape.num_layers or not self.spec.shape.experts_in(layer) or not self.cache.ready(key):

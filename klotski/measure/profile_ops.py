@@ -128,8 +128,14 @@ class LayerOps:
         self._held = held
 
     def _copies(self, key) -> list[dict]:
+        """Copies of the group `key`, its projections held as a CPU run in bf16 holds them
+        (reordered for oneDNN: models/prepacked.py, assemble.reordering)."""
+        from klotski.models import prepacked
         first = self._weights(key)
-        return [first] + [self._weights(key) for _ in range(self._count(_nbytes(first)) - 1)]
+        copies = [first] + [self._weights(key) for _ in range(self._count(_nbytes(first)) - 1)]
+        if self.device.type == "cpu" and self.dtype == self.torch.bfloat16 and prepacked.available():
+            copies = [prepacked.reorder_linear(self.M.LINEAR_WEIGHTS, key[0], w) for w in copies]
+        return copies
 
     def _count(self, nbytes: int) -> int:
         """How many copies of `nbytes` of data one op cycles through to read it cold."""

@@ -161,6 +161,7 @@ def rotate(q, k, cos, sin, spec):
 # Its attention core stays beside the latent cache: keys and values are expanded from the
 # latent by a projection, and the latent cache is small to move anyway.
 HOST_ATTENTION = False
+LINEAR_WEIGHTS = defaults.LINEAR_WEIGHTS  # the head only
 
 
 # Not shared: MLA expands every head's keys and values from the cached latent per batch;

@@ -23,6 +23,7 @@ from klotski.models import layers as L
 MODEL_TYPE = "deepseek_v3"
 QUANTIZATION = ("fp8",)  # FP8 blocks as shipped (check_quantization); unquantized otherwise
 HOST_ATTENTION = V2.HOST_ATTENTION
+LINEAR_WEIGHTS = V2.LINEAR_WEIGHTS
 options = V2.options
 expert_names = V2.expert_names
 expert_refs = V2.expert_refs

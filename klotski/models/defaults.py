@@ -8,6 +8,11 @@ import torch
 from klotski.models import layers as L
 from klotski.models.refs import TensorRef
 
+# LINEAR_WEIGHTS (family.py) of a family whose attention is plain_attention over layers.linear
+# projections, and of every other (its head only)
+LINEAR_WEIGHTS = {"head": ("lm_head",)}
+PLAIN_ATTENTION_LINEAR_WEIGHTS = {"attn": ("q", "k", "v", "o"), **LINEAR_WEIGHTS}
+
 
 def check_quantization(quant: dict) -> None:
     """Nothing beyond the quant_method (QUANTIZATION): no format of the family's own to check."""

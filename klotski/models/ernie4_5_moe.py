@@ -100,6 +100,7 @@ def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 HOST_ATTENTION = True  # attention_block takes `attend_at` (attention beside a host KV cache)
+LINEAR_WEIGHTS = defaults.LINEAR_WEIGHTS  # the head only
 
 
 SHARED_PREFIX = True  # plain softmax attention: a shared prefix's keys are read once for every row

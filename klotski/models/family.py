@@ -25,6 +25,10 @@ class Family(Protocol):
     """Whether attention_block's core can run beside a host KV cache, handed it through `attend_at`."""
     SHARED_PREFIX: bool
     """Whether attention_block takes `prefix`: the keys/values of a prompt prefix every row shares."""
+    LINEAR_WEIGHTS: dict[str, tuple[str, ...]]
+    """Per group kind, the group-local weights read only as projections (layers.linear,
+    layers.logits): on a CPU in bf16 the resident ones may be held reordered for oneDNN
+    (models/prepacked.py), a form nothing else can read."""
     SPARSE_ATTENTION: bool
     """Whether attention_block stays exact when `--attention sink:S,window:W` drops keys from its mask
     (not where it reads positions from the mask: Llama 4)."""

@@ -138,6 +138,7 @@ def qkv(x, w: dict, spec):
 
 
 HOST_ATTENTION = True  # attention_block takes `attend_at` (attention beside a host KV cache)
+LINEAR_WEIGHTS = defaults.PLAIN_ATTENTION_LINEAR_WEIGHTS  # q, k, v, o through layers.linear
 
 
 SHARED_PREFIX = True  # plain softmax attention: a shared prefix's keys are read once for every row

@@ -130,6 +130,7 @@ def attend_with_sinks(q, keys, values, mask, sinks):
 
 
 HOST_ATTENTION = True  # attention_block takes `attend_at` (attention beside a host KV cache)
+LINEAR_WEIGHTS = defaults.LINEAR_WEIGHTS  # the head only
 
 
 # Not shared: the sinks and the sliding-window layers (a window may cut into the prefix, and

@@ -11,7 +11,8 @@ HQQ codes; this module only multiplies, so the families' math reads one dict eit
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from klotski.models import prepacked
 
 SCALES = ".int4_scales_zeros"
 
@@ -35,7 +36,7 @@ def product(x: torch.Tensor, codes: torch.Tensor, scales_zeros: torch.Tensor) ->
 def linear(x: torch.Tensor, w: dict, name: str, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, w[name], bias), whichever form w[name] is held in."""
     scales_zeros = w.get(name + SCALES)
-    if scales_zeros is None:
-        return F.linear(x, w[name], bias)
+    if scales_zeros is None:  # plain, or reordered for oneDNN (models/prepacked.py)
+        return prepacked.linear(x, w[name], bias)
     y = product(x, w[name], scales_zeros)
     return y if bias is None else y + bias

@@ -17,7 +17,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from klotski.models import int4
+from klotski.models import int4, prepacked
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
@@ -256,4 +256,4 @@ def embed(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
 
 
 def logits(h: torch.Tensor, norm: torch.Tensor, head: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
-    return F.linear(rms_norm(h, norm, eps, offset), head).float()
+    return prepacked.linear(rms_norm(h, norm, eps, offset), head).float()

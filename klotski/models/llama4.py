@@ -174,6 +174,7 @@ def attend(q, keys, values, mask, *, chunk: int | None = None, tuning: tuple[flo
 
 
 HOST_ATTENTION = True  # attention_block takes `attend_at` (attention beside a host KV cache)
+LINEAR_WEIGHTS = defaults.LINEAR_WEIGHTS  # the head only
 
 
 SHARED_PREFIX = True  # softmax attention over cached keys; the prefix's positions count from 0

@@ -1,4 +1,5 @@
-"""SwiGLU experts whose 16-bit weights oneDNN reordered once, for a CPU's expert products (issue 60).
+"""bf16 weights oneDNN reordered once, for a CPU's products (issue 60): resident SwiGLU experts
+and the projections a family reads only through layers.linear (Family.LINEAR_WEIGHTS).
 
 A bf16 product over a plain [N, K] weight on a CPU lets oneDNN reorder the weight into its
 blocked layout on every call; a decode step reads each resident expert once, so that reorder
@@ -8,12 +9,13 @@ weight as it lies, bit for bit `F.linear`'s output at every row count (checked o
 machine, `available`). w1 and w3 are reordered as one [2I, K] matrix, so an expert takes two
 products, not three (each output column's sum is the same computation either way).
 
-A layer's resident experts in this form are a stack of plain dicts of lists (`pack_expert`
-makes one expert's row; placement.cache.ExpertStack keeps them): `w["w13"][g]` and `w["w2"][g]`
-are expert g's reordered matrices (opaque oneDNN tensors: nothing else reads them). The bytes
-are the 16-bit matrices' own: oneDNN's blocks pad N and K to its block sizes, which divide
-every checkpoint's sizes in use (multiples of 64); `pack_expert` refuses others, and they keep
-the plain stack.
+A resident group's projections are replaced by their reordered form (`reorder_linear`), read
+by `linear` (layers.linear and layers.logits call it). A layer's resident experts in this form
+are a stack of lists (`pack_expert` makes one expert's row; placement.cache.ExpertStack keeps
+them): `w["w13"][g]` and `w["w2"][g]` are expert g's reordered matrices (opaque oneDNN
+tensors: nothing else reads them). The bytes are the 16-bit matrices' own: oneDNN's blocks
+pad N and K to its block sizes, which divide sizes that are multiples of 64; other sizes stay
+plain (`packs`, `reorder_linear`).
 """
 from __future__ import annotations
 
@@ -57,17 +59,34 @@ def reorder(w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), ROWS_HINT)
 
 
-def product(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """F.linear(x, w) for x [rows, K] over w reordered (`reorder`)."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [None], "")
+def product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, w, bias) for x [..., K] over w reordered (`reorder`)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [None], "")
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias), whether `weight` is plain or reordered (`reorder_linear`)."""
+    if weight.layout == torch.strided:
+        return F.linear(x, weight, bias)
+    return product(x, weight, bias)
+
+
+def reorder_linear(names: dict, kind: str, tensors: dict) -> dict:
+    """A resident group's tensors with the projections its family reads only through `linear`
+    (`names[kind]`: Family.LINEAR_WEIGHTS) reordered where they take the form (bf16 [N, K],
+    whole blocks); the rest as they are."""
+    return {n: reorder(t) if n in names.get(kind, ()) and _takes(t) else t for n, t in tensors.items()}
+
+
+def _takes(t: torch.Tensor) -> bool:
+    return t.dtype == torch.bfloat16 and t.dim() == 2 and t.layout == torch.strided \
+        and all(d % MULTIPLE == 0 for d in t.shape)
 
 
 def packs(tensors: dict) -> bool:
     """Whether an expert's SwiGLU weights (w1, w3 [I, H], w2 [H, I]) take this form: bf16, and
     sizes its blocks hold without padding."""
-    return (set(tensors) == {"w1", "w2", "w3"} and all(t.dtype == torch.bfloat16 and t.dim() == 2
-                                                       for t in tensors.values())
-            and all(d % MULTIPLE == 0 for t in tensors.values() for d in t.shape))
+    return set(tensors) == {"w1", "w2", "w3"} and all(_takes(t) for t in tensors.values())
 
 
 def pack_expert(tensors: dict) -> dict:

@@ -22,6 +22,7 @@ from klotski.models.gated_deltanet import sizes
 MODEL_TYPE = "qwen3_5_moe_text"
 QUANTIZATION: tuple[str, ...] = ()  # unquantized weights only
 HOST_ATTENTION = qwen3_next.HOST_ATTENTION
+LINEAR_WEIGHTS = qwen3_next.LINEAR_WEIGHTS
 SHARED_PREFIX = qwen3_next.SHARED_PREFIX
 SPARSE_ATTENTION = qwen3_next.SPARSE_ATTENTION
 check_quantization = defaults.check_quantization

@@ -35,6 +35,7 @@ expert_names = qwen3_moe.expert_names
 shared_ffn = qwen2_moe.shared_ffn  # the shared expert times sigmoid(shared_expert_gate x); a dense MLP
 
 HOST_ATTENTION = True  # the full-attention layers' core runs beside a host KV cache (DeltaNet layers: on the device)
+LINEAR_WEIGHTS = defaults.LINEAR_WEIGHTS  # the head only
 SHARED_PREFIX = True  # full attention reads a shared prefix's keys; DeltaNet starts from its state (the cache's)
 # sink/window sparsity thins full attention's keys, but the DeltaNet layers' state holds every token:
 # neither the sparse model nor the full one; refused
