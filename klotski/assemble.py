@@ -189,11 +189,11 @@ def _kept_copies(copies: dict, ckpt, dtype, placement: Placement, budgets: Budge
         return copies, frozenset()
     from klotski.util.dtypes import name_of
     codec = ckpt.expert_codec(dtype, on_cpu=True)
-    kept = frozenset(k for k, t in placement.tiers.items() if k[0] == "expert" and t == "device"
-                     and codec.packed_nbytes(k) != codec.decoded_nbytes(k))
+    kept = frozenset(k for k, t in placement.tiers.items() if k[0] == "expert" and t == "device")
     if not kept:
         return {"mode": "off", "bytes": 0, "why": "the placement keeps no packed expert on the device"}, kept
-    nbytes = sum(codec.decoded_nbytes(k) for k in kept)
+    # (floats of the compute dtype's width are converted in place of their blocks: no byte added)
+    nbytes = sum(codec.decoded_nbytes(k) for k in kept if codec.packed_nbytes(k) != codec.decoded_nbytes(k))
     host = sum(ckpt.group_nbytes(k, dtype)[0] for k, t in placement.tiers.items() if t == HOST)
     if given and host + nbytes > budgets.host:
         return {"mode": "off", "bytes": 0, "say": True, "why": f"the experts stay in their blocks: a kept copy "
@@ -202,7 +202,8 @@ def _kept_copies(copies: dict, ckpt, dtype, placement: Placement, budgets: Budge
     types = "+".join(sorted({q for k in kept for _, q in codec.block_types(k)})) if hasattr(codec, "block_types") \
         else "MXFP4"
     why = (f"host weights: kept {name_of(dtype)} copy of {len(kept)} experts, {format_size_flag(nbytes)} "
-           f"({types} blocks decoded once, not per use)")
+           f"({types} blocks decoded once, not per use)" if nbytes else
+           f"host weights: {len(kept)} experts' {types} floats read once into {name_of(dtype)} and stacked")
     return {**copies, "bytes": nbytes, "groups": len(kept), "why": why}, kept
 
 

@@ -479,8 +479,9 @@ def decoded_copies(config, ckpt, dtype, device, budgets, seqs) -> dict:
     keys = [k for k in ckpt.spec.group_keys() if k[0] == "expert"]
     sizes = [codec.packed_nbytes(k) for k in keys], [codec.decoded_nbytes(k) for k in keys]
     need = sum(d for p, d in zip(*sizes) if p != d)
-    if not need:  # read in the compute dtype already (stacked, they measured no faster: docs/benchmarks.md)
-        return off("the experts are stored as floats: nothing to decode")
+    if not need:  # floats of the compute dtype's width: read into it once and stacked, no byte added
+        return {"mode": "on", "bytes": 0, "why": "the experts are stored as floats: read once into the compute "
+                                                 "dtype and stacked"}
     shape = ckpt.spec.shape
     tokens = min(len(seqs), config.batch_size * (config.num_batches or 1)) if config.batch_size else len(seqs)
     rows = max(1, tokens) * shape.top_k / shape.num_experts

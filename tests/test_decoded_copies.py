@@ -101,10 +101,22 @@ def test_the_choice_per_form_and_batch(tmp_path):
 
 
 
-def test_float_experts_are_left_as_read(tmp_path):
+def test_float_experts_are_read_once_and_stacked_without_a_byte_added(tmp_path, capsys):
+    """Experts stored as floats of the compute dtype's width (F32 here, fp32 run) are converted
+    once in place of their blocks and stacked (no per-use conversion): nothing charged to the
+    host, the tokens of the per-use path."""
     path = gm.write(tmp_path / "f.gguf", "F32", SHAPE)
-    _, engine = run(path)
-    assert not engine.cache.kept and engine.setup.decoded_copies["mode"] == "off"
+    per_use, blocks = run(path, decoded_copies="off")
+    assert not blocks.cache.kept
+    tokens, engine = run(path)
+    experts = {k for k in engine.cache.placement.tiers if k[0] == "expert"}
+    assert engine.cache.kept == experts and engine.setup.decoded_copies == {**engine.setup.decoded_copies,
+                                                                           "mode": "on", "bytes": 0}
+    assert not any(engine.cache.needs_decode(k) for k in experts) and set(engine.cache.stacks) == {0}
+    assert engine.host_memory.peak == blocks.host_memory.peak  # no byte added
+    assert tokens == per_use
+    assert "floats read once into float32 and stacked" in capsys.readouterr().err
+
 
 def test_a_plan_refused_for_the_copy_is_made_again_without_it(q8, monkeypatch, capsys):
     """The plan is made with the copy's bytes taken from the host budget; where that is refused,

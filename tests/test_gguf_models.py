@@ -97,6 +97,22 @@ def test_experts_stay_packed_and_sized_as_stored(files):
     assert {n: t.dtype for n, t in parts.items()} == {f"{w}.Q4_K": torch.uint8 for w in ("w1", "w3", "w2")}
 
 
+def test_opening_a_file_parses_its_metadata_once(files):
+    """Klotski reads a GGUF file's metadata once per open (the reader parses the whole vocabulary:
+    seconds on a real file), and again once the file changes."""
+    path = files("qwen3-Q8_0", "Q8_0", gm.QWEN3)
+    kg.parsed.cache_clear()
+    Checkpoint.open(str(path)).close()
+    assert kg.parsed.cache_info().misses == 1
+    Checkpoint.open(str(path)).close()
+    assert kg.parsed.cache_info().misses == 1
+    stat = path.stat()
+    import os
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
+    Checkpoint.open(str(path)).close()
+    assert kg.parsed.cache_info().misses == 2
+
+
 def test_q4k_moves_under_a_third_of_bf16(files, tmp_path):
     """Bytes over the link per decode step, experts on the host: Q4_K blocks against the same
     weights as a bf16 safetensors checkpoint (the run report's io bytes)."""
