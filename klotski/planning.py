@@ -458,10 +458,11 @@ def compute_shape(ckpt, dtype, kept: bool = False):
 
 
 # decode rows an expert call gets at and above which a kept 16-bit copy multiplies faster than
-# torch's int4 kernel over Q4_0 codes on a CPU (docs/benchmarks.md, issue 60: even at 8 rows,
-# the copy ahead from there); Q4_K's kernel rebuilds its scales per use and is behind at every
-# row count measured; the other block types have no kernel here at all
-KEPT_BEATS_INT4_ROWS = 8
+# torch's int4 kernel over Q4_0 codes on a CPU (docs/benchmarks.md, issue 60: the copy reordered
+# for oneDNN, models/prepacked.py, 0.85x the kernel's speed at 4 rows, 1.26x at 5); Q4_K's kernel
+# rebuilds its scales per use and is behind at every row count measured; the other block types
+# have no kernel here at all
+KEPT_BEATS_INT4_ROWS = 5
 
 
 def decoded_copies(config, ckpt, dtype, device, budgets, seqs) -> dict:
