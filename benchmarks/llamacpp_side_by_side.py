@@ -12,6 +12,7 @@ Tooling only, never a dependency of the product. Stages, each cached so a rerun 
            medians of prefill, decode and end-to-end tokens/s and their ratios.
 
     python benchmarks/llamacpp_side_by_side.py [--stages build,convert,bench] [--threads 1] [--repeats 3]
+        [--formats F16,Q8_0,Q4_0] [--klotski-args "--reordered-weights off"] [--engines klotski]
 
 Each timed run takes the shared benchmark lock (/tmp/klotski-bench.lock) for itself alone.
 Prefill and decode tok/s are each engine's own: llama-batched-bench's S_PP and S_TG (its prompt
@@ -194,12 +195,14 @@ def write_jobs(path: Path, seed: int = 0) -> Path:
     return path
 
 
-def klotski_run(jobs: Path, model: Path, threads: int, work: Path, tag: str, dtype: str | None) -> dict:
-    """One `klotski generate` run on the GGUF file, every sequence in one batch of NPL."""
+def klotski_run(jobs: Path, model: Path, threads: int, work: Path, tag: str, dtype: str | None,
+                extra: tuple = ()) -> dict:
+    """One `klotski generate` run on the GGUF file, every sequence in one batch of NPL (`extra`:
+    more of its flags, e.g. an A/B of one of them)."""
     report, out = work / f"{tag}.report.json", work / f"{tag}.out.jsonl"
     cmd = [sys.executable, "-m", "klotski.cli", "generate", str(jobs), "-o", str(out), "--no-resume", "--no-progress",
            "--report", str(report), "--model", str(model), "--device", "cpu", "--threads", str(threads),
-           "--batch-size", str(NPL), "--no-prefix-cache"] + (["--dtype", dtype] if dtype else [])
+           "--batch-size", str(NPL), "--no-prefix-cache"] + (["--dtype", dtype] if dtype else []) + list(extra)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     proc, meta = timed(cmd, env)
     rep = json.loads(report.read_text()) if report.exists() else {}
@@ -241,7 +244,7 @@ def table(results: dict) -> str:
 
 
 def bench(bin_dir: Path, files: dict[str, Path], threads: int, repeats: int, formats: list[str],
-          dtype_f16: str, save) -> dict:
+          dtype_f16: str, save, extra: tuple = (), engines_run: set = frozenset({"llama.cpp", "klotski"})) -> dict:
     """Every format's runs, repeat by repeat (the engines alternating which goes first);
     `save(results)` after each run, so a run stopped midway keeps what it measured."""
     work = CACHE / "runs"
@@ -255,9 +258,9 @@ def bench(bin_dir: Path, files: dict[str, Path], threads: int, repeats: int, for
             res = results[fmt]
             engines = [("llama.cpp", lambda: llama_run(bin_dir, files[fmt], threads)),
                        ("klotski", lambda: klotski_run(jobs, files[fmt], threads, work, f"{fmt}-{r}",
-                                                      dtype_f16 if fmt == "F16" else None))]
+                                                      dtype_f16 if fmt == "F16" else None, extra))]
             for engine, run in (engines if r % 2 == 0 else engines[::-1]):  # alternate who goes first
-                if engine in res["errors"]:
+                if engine in res["errors"] or engine not in engines_run:
                     continue
                 try:
                     res[engine].append(run())
@@ -289,6 +292,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--dtype-f16", default="bfloat16", help="klotski's compute dtype on the F16 file")
+    ap.add_argument("--klotski-args", default="", help="more `klotski generate` flags, one string "
+                    "(e.g. \"--reordered-weights off\")")
+    ap.add_argument("--engines", default="llama.cpp,klotski", help="which engines run (an A/B of klotski flags: klotski)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "llamacpp-side-by-side.json"))
     args = ap.parse_args()
     stages = set(args.stages.split(","))
@@ -307,14 +313,16 @@ def main() -> None:
     formats = args.formats.split(",")
     head = {"klotski": tree_state(), "machine": os.uname().machine, "cpus": os.cpu_count(),
             "llama_cpp": {"package": f"llama-cpp-python {package_version(tree)}", "version": version(bin_dir)},
-            "threads": args.threads, "repeats": args.repeats, "npl": NPL, "npp": NPP, "ntg": NTG}
+            "threads": args.threads, "repeats": args.repeats, "npl": NPL, "npp": NPP, "ntg": NTG,
+            "klotski_args": args.klotski_args}
 
     def save(results: dict) -> None:
         summary = {**head, "medians": {fmt: {e: medians(res[e]) for e in ("llama.cpp", "klotski") if res[e]}
                                        for fmt, res in results.items()}, "results": results}
         Path(args.out).write_text(json.dumps(summary, indent=2) + "\n")
 
-    results = bench(bin_dir, files, args.threads, args.repeats, formats, args.dtype_f16, save)
+    results = bench(bin_dir, files, args.threads, args.repeats, formats, args.dtype_f16, save,
+                    tuple(args.klotski_args.split()), set(args.engines.split(",")))
     print(table(results))
     print(f"\nllama.cpp: {head['llama_cpp']}; threads {args.threads}; medians of {args.repeats}; "
           f"raw runs in {args.out}")
