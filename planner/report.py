@@ -202,9 +202,11 @@ def make_plan(cost, shape, budgets, pred, bs, n, layout, ios, binding, schedule,
                              steps=1 / L)
     per_layer["launches"] = {"decode": launches, "ms": launches * cost.profile.launch_s * 1e3}
     # the host's waits for the routing ids (execute/staging.HostReads) per MoE layer, and for the
-    # next gate's picks with next-gate prediction: the only host syncs a decode layer step makes
+    # next gate's picks with next-gate prediction where an expert is off the device (with every
+    # expert resident nothing is predicted): the only host syncs a decode layer step makes
     # (tests/test_expert_waves.py counts them)
-    per_layer["host_syncs"] = {"decode": (1 + next_gate) if E else 0}
+    speculates = next_gate and any(layout.experts.get(t) for t in TIERS if t != "device")
+    per_layer["host_syncs"] = {"decode": (1 + speculates) if E else 0}
     # every kernel a decode layer issues (the pipeline's launches and the model math's ops,
     # None where the profile counted no math) and every transfer it submits to a channel:
     # the terms are planner/decode_ops.py's (tests/test_plan_ops.py counts both in a real run)

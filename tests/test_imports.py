@@ -44,6 +44,11 @@ THIRD_PARTY_PRIVATE = {
     # 4-bit weights multiplied as codes on a CPU) have no public names (torch 2.13)
     "torch.ops.aten._weight_int4pack_mm_for_cpu",
     "torch.ops.aten._convert_weight_to_int4pack_for_cpu",
+    # oneDNN's weight reordered once and its product over it, and whether it has bf16 here (issue
+    # 60: models/prepacked.py), have no public names (torch 2.13)
+    "torch.ops.mkldnn._reorder_linear_weight",
+    "torch.ops.mkldnn._linear_pointwise",
+    "torch.ops.mkldnn._is_mkldnn_bf16_supported",
 }
 
 

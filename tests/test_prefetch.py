@@ -73,6 +73,26 @@ def test_table_is_learned_from_the_job_and_saved_for_the_next_run(checkpoints):
     assert not list(path.parent.glob(".*.tmp"))  # saved atomically, nothing half-written left
 
 
+@pytest.mark.parametrize("lesson_steps", [2, 64])
+def test_routing_learnt_in_bulk_counts_what_learning_step_by_step_counts(checkpoints, monkeypatch, lesson_steps):
+    """Every expert resident: nothing predicts, so the pipeline holds the steps' routing and the
+    table learns it in passes (every `lesson_steps` steps and at each group's end); the table saved
+    is the one a run that predicts (experts on the host) learns step by step, count for count."""
+    from klotski.execute import pipeline
+    monkeypatch.setattr(pipeline, "LESSON_STEPS", lesson_steps)
+    model = checkpoints["gqa"]
+    saved = []
+    for placement in (experts_on_host(model), Placement.by_kind(group_keys(model))):
+        run = lambda: engine_tokens(model, placement, batch_size=2, num_batches=3, prefetch="correlation")[1]
+        table_path(run().ckpt).unlink()
+        engine = run()
+        saved.append(json.loads(table_path(engine.ckpt).read_text()))
+    assert engine.pipeline.K == 0 and not engine.pipeline.lessons
+    step_by_step, in_bulk = saved
+    assert sum(in_bulk["first_layer"]) > 0 and in_bulk["first_layer"] == step_by_step["first_layer"]
+    assert in_bulk["layers"] == step_by_step["layers"]
+
+
 def test_correlation_prediction_beats_chance_on_skewed_routing(tmp_path):
     """Uniform routing uses every expert, so any guess looks precise; skewed routing with a
     small group (2 x 2 sequences) does not: a wrong table would fall to chance (K/E = 0.25)."""

@@ -49,6 +49,9 @@ from klotski.execute.segments import SharedLayer, joined
 from placement.tiers import DEVICE
 from planner.workingset import ATTENTION_SCORE_CHUNK, DISK_WINDOW_LAYERS, KV_BUFFERS, Step, activation_bytes
 
+# steps whose routing a pipeline that predicts nothing holds before its predictor learns it (`learn`)
+LESSON_STEPS = 64
+
 
 class Pipeline:
     def __init__(self, spec, cache, channels, config, trace, predictor, memory, device, host: HostCompute | None = None,
@@ -69,7 +72,8 @@ class Pipeline:
         self.schedule = config.schedule
         self.whole_layer = self.schedule in ("simple", "multibatch")
         # hot experts predicted a layer: none where every expert is resident (nothing to move); the
-        # routing is still learnt (the saved table places a later run's experts: prefetch/correlate.py)
+        # routing is still learnt (the saved table places a later run's experts: prefetch/correlate.py),
+        # then in bulk: a step's routing ids are held (`lessons`) until `learn`
         off_device = any(k[0] == "expert" and t != DEVICE for k, t in cache.placement.tiers.items())
         self.K = 0 if config.prefetch == "none" or not off_device else \
             spec.shape.top_k if config.hot_experts is None else config.hot_experts
@@ -95,6 +99,8 @@ class Pipeline:
         # (token, expert) picks per MoE layer and expert, as routed: the job's routing, for the replay
         moe_layers = sum(spec.shape.experts_in(j) > 0 for j in range(spec.shape.num_layers))
         self.routed = np.zeros((moe_layers, spec.shape.num_experts), dtype=np.int64)
+        self.lessons: list[dict] = []   # per step held back: MoE layer -> its routing ids (K == 0)
+        self._step_lessons: dict = {}   # this step's, held back once the step is whole
 
     # ---- one step -----------------------------------------------------------------------
     @torch.inference_mode()
@@ -164,7 +170,25 @@ class Pipeline:
                    for h, b in zip(hs, broken)]
         self.cache.release(("head",))
         self.memory.free(act)
+        if self._step_lessons:
+            self.lessons.append(self._step_lessons)
+            self._step_lessons = {}
+            if len(self.lessons) >= LESSON_STEPS:
+                self.learn()
         return out
+
+    def learn(self) -> None:
+        """The predictor learns the routing of the steps held back (`lessons`: every expert
+        resident, so nothing predicted meanwhile) in one pass: each MoE layer's ids of those steps
+        side by side as the rows of one step (its tables pair a token's layers row by row, and
+        every step routes its tokens through every MoE layer). What it counts is what learning
+        step by step counts; its report's distinct experts a layer-step are counted per pass."""
+        if not self.lessons:
+            return
+        steps, self.lessons = self.lessons, []
+        self.predictor.begin_step()
+        for layer in sorted(steps[0]):
+            self.predictor.observe(layer, [torch.cat([step[layer] for step in steps])])
 
     # ---- attention ----------------------------------------------------------------------
     def _attention(self, layer, hs, ctx, kvs):
@@ -384,7 +408,10 @@ class Pipeline:
         if self.spec.shape.experts_in(layer):
             # what the router chose: a pair adaptive gating skipped counts as chosen
             ids = moe.ids if self.gating is None else exact_ids(moe.ids, self.spec.shape.num_experts)
-            self.predictor.observe(self.spec.shape.moe_index(layer), [ids])
+            if self.K:
+                self.predictor.observe(self.spec.shape.moe_index(layer), [ids])
+            else:  # nothing predicts: learnt later, with other steps' (`learn`)
+                self._step_lessons[self.spec.shape.moe_index(layer)] = ids
             self.routed[self.spec.shape.moe_index(layer)] += moe.counts
             tally = self.distinct["decode" if self.decoding else "prefill"]
             tally[0] += len(moe.chosen)

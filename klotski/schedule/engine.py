@@ -130,6 +130,7 @@ class Engine:
 
     def end_group(self) -> None:
         self._in_group = 0
+        self.pipeline.learn()  # what the steps held back taught, before the group is scored and saved
         self.predictor.end_group()
         self.predictor.persist()  # what this group taught the predictor survives a crash
 
