@@ -73,10 +73,12 @@ def test_only_bf16_cpu_swiglu_stacks_of_whole_blocks_take_the_form():
     assert G.stack_form(G.grouped_mm, "cpu", torch.bfloat16) is None
 
 
-def test_a_run_with_reordered_weights_makes_the_tokens_of_one_without(tmp_path):
-    """bf16 on a CPU, every group resident, the experts kept decoded from Q8_0 blocks: the
-    stacks and projections are reordered (auto) or as read (off); greedy tokens equal, and the
-    engine's bytes the same."""
+@pytest.mark.parametrize("moved", [False, True])
+def test_a_run_with_reordered_weights_makes_the_tokens_of_one_without(tmp_path, moved):
+    """bf16 on a CPU, the experts kept decoded from Q8_0 blocks: the stacks and projections are
+    reordered (auto) or as read (off); greedy tokens equal, and the engine's bytes the same. With
+    `moved`, every other expert lives on the host and moves in per use (plain, beside the
+    resident ones' reordered stack)."""
     pytest.importorskip("gguf")
     import gguf_models as gm
     from conftest import PROMPTS, requests
@@ -93,12 +95,17 @@ def test_a_run_with_reordered_weights_makes_the_tokens_of_one_without(tmp_path):
     for mode in ("auto", "off"):
         cfg = RunConfig(model=str(path), progress=False, dtype="bfloat16", batch_size=3, num_batches=1,
                         reordered_weights=mode)
-        engine, seqs, errors = open_engine(cfg, requests(PROMPTS, 8), placement=Placement.by_kind(keys))
+        placement = Placement.by_kind(keys)
+        if moved:
+            placement = Placement({k: "host" if k[0] == "expert" and k[2] % 2 else t for k, t in placement.tiers.items()},
+                                  placement.kv)
+        engine, seqs, errors = open_engine(cfg, requests(PROMPTS, 8), placement=placement)
         assert not errors
         forms = {stack.form for stack in engine.cache.stacks.values()}
         layouts = {n: t.layout for key, w in engine.cache.resident.items() if key[0] in ("attn", "head")
                    for n, t in w.items() if t.dim() == 2}
         done = {s.request.id: s.out for s in engine.run(seqs)}
+        assert engine.pipeline.experts_loaded > 0 if moved else engine.pipeline.experts_loaded == 0
         runs[mode] = ([done[f"r{i}"] for i in range(len(PROMPTS))], forms, layouts, engine.host_memory.peak,
                       engine.memory.peak)
         engine.close()
