@@ -32,7 +32,7 @@ MULTIPLE = 64  # sizes whose blocks need no padding
 @functools.cache
 def available() -> bool:
     """Whether this torch reorders bf16 weights for oneDNN and its product over them is bit for
-    bit F.linear's here (checked once; if not, the experts stay in plain stacks, said once)."""
+    bit F.linear's here (checked once; if not, the weights are held as read, said once)."""
     why = None
     try:
         if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
@@ -42,7 +42,7 @@ def available() -> bool:
     except (AttributeError, RuntimeError, NotImplementedError) as e:
         why = f"torch {torch.__version__} lacks it ({str(e).splitlines()[0][:120]})"
     if why:
-        print(f"klotski: bf16 experts on the CPU stay in plain stacks (no reordered weights): {why}", file=sys.stderr)
+        print(f"klotski: bf16 weights on the CPU are held as read (not reordered for oneDNN): {why}", file=sys.stderr)
     return why is None
 
 
