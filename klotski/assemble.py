@@ -270,8 +270,7 @@ def reordering(config, spec, device, dtype) -> dict:
     """WeightCache's forms for a CPU run in bf16 (models/prepacked.py): the resident experts'
     stack form where the family's grouped FFN reads one, and its projections reordered; none
     with --reordered-weights off, elsewhere, or where this torch lacks it."""
-    if config.reordered_weights == "off" or device.type != "cpu" or dtype != torch.bfloat16 \
-            or not prepacked.available():
+    if config.reordered_weights == "off" or not prepacked.applies(device.type, dtype):
         return {}
     return {"stack_form": stack_form(spec.family.bind_grouped_expert_ffn(spec), device.type, dtype),
             "linear_form": functools.partial(prepacked.reorder_linear, spec.family.LINEAR_WEIGHTS)}

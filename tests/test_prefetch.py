@@ -73,13 +73,16 @@ def test_table_is_learned_from_the_job_and_saved_for_the_next_run(checkpoints):
     assert not list(path.parent.glob(".*.tmp"))  # saved atomically, nothing half-written left
 
 
-@pytest.mark.parametrize("lesson_steps", [2, 64])
-def test_routing_learnt_in_bulk_counts_what_learning_step_by_step_counts(checkpoints, monkeypatch, lesson_steps):
+@pytest.mark.parametrize("lesson_steps,lesson_ids", [(2, 1 << 20), (64, 1 << 20), (64, 1)])
+def test_routing_learnt_in_bulk_counts_what_learning_step_by_step_counts(checkpoints, monkeypatch, lesson_steps,
+                                                                         lesson_ids):
     """Every expert resident: nothing predicts, so the pipeline holds the steps' routing and the
-    table learns it in passes (every `lesson_steps` steps and at each group's end); the table saved
-    is the one a run that predicts (experts on the host) learns step by step, count for count."""
+    table learns it in passes (every `lesson_steps` steps, once `lesson_ids` ids are held, and at
+    each group's end); the table saved is the one a run that predicts (experts on the host) learns
+    step by step, count for count."""
     from klotski.execute import pipeline
     monkeypatch.setattr(pipeline, "LESSON_STEPS", lesson_steps)
+    monkeypatch.setattr(pipeline, "LESSON_IDS", lesson_ids)
     model = checkpoints["gqa"]
     saved = []
     for placement in (experts_on_host(model), Placement.by_kind(group_keys(model))):

@@ -49,8 +49,10 @@ from klotski.execute.segments import SharedLayer, joined
 from placement.tiers import DEVICE
 from planner.workingset import ATTENTION_SCORE_CHUNK, DISK_WINDOW_LAYERS, KV_BUFFERS, Step, activation_bytes
 
-# steps whose routing a pipeline that predicts nothing holds before its predictor learns it (`learn`)
+# steps whose routing a pipeline that predicts nothing holds before its predictor learns it
+# (`learn`), and the most routing ids it holds (8 MiB of int64: prefill steps' many tokens learn sooner)
 LESSON_STEPS = 64
+LESSON_IDS = 1 << 20
 
 
 class Pipeline:
@@ -101,6 +103,7 @@ class Pipeline:
         self.routed = np.zeros((moe_layers, spec.shape.num_experts), dtype=np.int64)
         self.lessons: list[dict] = []   # per step held back: MoE layer -> its routing ids (K == 0)
         self._step_lessons: dict = {}   # this step's, held back once the step is whole
+        self._lesson_ids = 0            # routing ids held in `lessons`
 
     # ---- one step -----------------------------------------------------------------------
     @torch.inference_mode()
@@ -172,8 +175,9 @@ class Pipeline:
         self.memory.free(act)
         if self._step_lessons:
             self.lessons.append(self._step_lessons)
+            self._lesson_ids += sum(ids.numel() for ids in self._step_lessons.values())
             self._step_lessons = {}
-            if len(self.lessons) >= LESSON_STEPS:
+            if len(self.lessons) >= LESSON_STEPS or self._lesson_ids >= LESSON_IDS:
                 self.learn()
         return out
 
@@ -185,7 +189,7 @@ class Pipeline:
         step by step counts; its report's distinct experts a layer-step are counted per pass."""
         if not self.lessons:
             return
-        steps, self.lessons = self.lessons, []
+        steps, self.lessons, self._lesson_ids = self.lessons, [], 0
         self.predictor.begin_step()
         for layer in sorted(steps[0]):
             self.predictor.observe(layer, [torch.cat([step[layer] for step in steps])])

@@ -133,7 +133,7 @@ class LayerOps:
         from klotski.models import prepacked
         first = self._weights(key)
         copies = [first] + [self._weights(key) for _ in range(self._count(_nbytes(first)) - 1)]
-        if self.device.type == "cpu" and self.dtype == self.torch.bfloat16 and prepacked.available():
+        if prepacked.applies(self.device.type, self.dtype):
             copies = [prepacked.reorder_linear(self.M.LINEAR_WEIGHTS, key[0], w) for w in copies]
         return copies
 

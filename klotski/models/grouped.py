@@ -144,7 +144,7 @@ def stack_form(ffn, device_type: str, dtype: torch.dtype):
     """The form a layer's resident experts are held in for `ffn` (placement.cache.ExpertStack):
     SwiGLU experts in bf16 on a CPU reordered for oneDNN (models/prepacked.py) where this torch
     has it; None: stacked tensors."""
-    if ffn is grouped_swiglu and device_type == "cpu" and dtype == torch.bfloat16 and prepacked.available():
+    if ffn is grouped_swiglu and prepacked.applies(device_type, dtype):
         return prepacked
     return None
 

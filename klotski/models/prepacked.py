@@ -46,6 +46,12 @@ def available() -> bool:
     return why is None
 
 
+def applies(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether a run on `device_type` in `dtype` holds its weights in this form: bf16 on a CPU,
+    where this torch has it."""
+    return device_type == "cpu" and dtype == torch.bfloat16 and available()
+
+
 def _agrees() -> bool:
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(2 * MULTIPLE, 3 * MULTIPLE, generator=gen).bfloat16()
